@@ -1,0 +1,19 @@
+"""jax-sparse-attn: DeepSeek-style top-k sparse attention with attention sinks as JAX primitives.
+
+``gathered_attn(q, g, sink)`` attends over pre-gathered slots; ``gathered_attn_idx(q, kv, idx, sink)``
+gathers the slots from a shared KV cache by index. Both run the project's NKI kernel on AWS
+Trainium and a bf16-exact pure-jnp reference everywhere else.
+"""
+
+from .api import gathered_attn, gathered_attn_idx
+from .primitives import gathered_attn_idx_p, gathered_attn_p
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "gathered_attn",
+    "gathered_attn_idx",
+    "gathered_attn_p",
+    "gathered_attn_idx_p",
+    "__version__",
+]

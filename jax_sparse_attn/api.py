@@ -1,0 +1,197 @@
+"""Public entry points: argument checking at trace time, normalisation, and the primitive bind."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import primitives
+from .constants import MAX_ROWS
+
+ArrayLike = jax.typing.ArrayLike
+Scale = Union[float, ArrayLike, None]
+
+
+def _shape(x) -> tuple:
+    return tuple(np.shape(x))
+
+
+def _dtype(x):
+    return jax.dtypes.result_type(x) if not hasattr(x, "dtype") else np.dtype(x.dtype)
+
+
+def _check_rank(name: str, x, rank: int, layout: str) -> None:
+    if np.ndim(x) != rank:
+        raise ValueError(f"{name} must have rank {rank} ({layout}); got shape {_shape(x)}")
+
+
+def _check_float(name: str, x) -> None:
+    if not jnp.issubdtype(_dtype(x), jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype (bf16, f16 or f32); got {_dtype(x)}")
+
+
+def _check_implementation(implementation: Optional[str]) -> None:
+    if implementation is None or implementation == "reference":
+        return
+    if implementation not in primitives.IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of None, 'reference', 'nki', 'nki_emulated'; "
+            f"got {implementation!r}"
+        )
+    from . import neuron
+
+    neuron.check_implementation_available(implementation)
+
+
+def _sink_bias_scale(q_shape, k: int, sink, bias, scale):
+    """Checks the optional operands and returns them in the primitive's normalised form."""
+    T, H, D = q_shape
+    if sink is None:
+        sink = jnp.full((H,), -jnp.inf, jnp.float32)
+    else:
+        _check_float("sink", sink)
+        if _shape(sink) != (H,):
+            raise ValueError(f"sink must have shape [H] = ({H},) to match q {q_shape}; got {_shape(sink)}")
+        sink = jnp.asarray(sink, jnp.float32)
+    if bias is None:
+        bias = jnp.zeros((T, k), jnp.float32)
+    else:
+        _check_float("bias", bias)
+        if _shape(bias) != (T, k):
+            raise ValueError(f"bias must have shape [T, K] = ({T}, {k}); got {_shape(bias)}")
+        bias = jnp.asarray(bias, jnp.float32)
+    if scale is None:
+        scale = D**-0.5
+    if _shape(scale) != ():
+        raise ValueError(f"scale must be a scalar; got shape {_shape(scale)}")
+    if not isinstance(scale, (int, float)):
+        _check_float("scale", scale)
+    scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (T,))
+    return sink, bias, scale
+
+
+def _check_q(q):
+    _check_rank("q", q, 3, "[T, H, D]")
+    _check_float("q", q)
+    if _shape(q)[2] == 0:
+        raise ValueError(f"q has head dim D = 0 (shape {_shape(q)}); D must be at least 1")
+
+
+def gathered_attn(
+    q: ArrayLike,
+    g: ArrayLike,
+    sink: Optional[ArrayLike] = None,
+    *,
+    bias: Optional[ArrayLike] = None,
+    scale: Scale = None,
+    implementation: Optional[str] = None,
+) -> jax.Array:
+    """Sparse attention over pre-gathered slots, with an optional per-head attention sink.
+
+    For every token ``t`` and head ``h``::
+
+        s[j] = (q[t, h] . g[t, j]) * scale + bias[t, j]
+        out[t, h] = sum_j softmax(s, sink[h])[j] * g[t, j]
+
+    where the sink joins only the softmax denominator. Each slot row serves as key and value
+    (MQA / absorbed MLA). The arithmetic follows the bf16 contract: bf16 operands, fp32
+    accumulation, fp32 softmax, bf16 probabilities in the value product.
+
+    Args:
+      q: ``[T, H, D]`` queries, bf16 (f16 and f32 accepted).
+      g: ``[T, K, D]`` gathered key/value rows, float; computed in ``q``'s dtype.
+      sink: ``[H]`` per-head sink logits (cast to f32), or ``None``. ``-inf`` = no sink;
+        ``+inf`` makes that head's output 0.
+      bias: ``[T, K]`` additive logit bias (cast to f32), or ``None``. A ``-inf`` entry marks the
+        slot empty.
+      scale: softmax scale, a python float or f32 scalar; default ``D ** -0.5``.
+      implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
+        ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
+
+    Returns:
+      ``[T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+    """
+    _check_implementation(implementation)
+    _check_q(q)
+    _check_rank("g", g, 3, "[T, K, D]")
+    _check_float("g", g)
+    T, H, D = _shape(q)
+    if _shape(g)[0] != T or _shape(g)[2] != D:
+        raise ValueError(
+            f"g must have shape [T, K, D] = ({T}, K, {D}) to match q {_shape(q)}; got {_shape(g)}"
+        )
+    q = jnp.asarray(q)
+    g = jnp.asarray(g, q.dtype)
+    sink, bias, scale = _sink_bias_scale(_shape(q), _shape(g)[1], sink, bias, scale)
+    return primitives.gathered_attn_p.bind(q, g, sink, bias, scale, implementation=implementation)
+
+
+def _normalise_idx(idx, rows: int):
+    """Any integer dtype -> int32 with every empty slot (``idx < 0`` or ``>= R``) set to -1.
+
+    Validity is decided in a dtype wide enough to hold both the index and ``R``, so an int64 or
+    uint32 index beyond int32 is empty rather than wrapped into range.
+    """
+    idx = jnp.asarray(idx)
+    if idx.dtype.itemsize < 4:
+        idx = idx.astype(jnp.int32)
+    valid = (idx >= 0) & (idx < rows) if jnp.issubdtype(idx.dtype, jnp.signedinteger) else idx < rows
+    return jnp.where(valid, idx.astype(jnp.int32), jnp.int32(-1))
+
+
+def gathered_attn_idx(
+    q: ArrayLike,
+    kv: ArrayLike,
+    idx: ArrayLike,
+    sink: Optional[ArrayLike] = None,
+    *,
+    bias: Optional[ArrayLike] = None,
+    scale: Scale = None,
+    implementation: Optional[str] = None,
+) -> jax.Array:
+    """DeepSeek-style top-k sparse attention that gathers rows of a shared KV cache by index.
+
+    Equivalent to ``gathered_attn(q, kv[idx], sink, ...)`` without materialising ``kv[idx]``,
+    except that an index outside ``[0, R)`` marks its slot empty instead of wrapping or clipping.
+    Duplicated indices count twice.
+
+    Args:
+      q: ``[T, H, D]`` queries, bf16 (f16 and f32 accepted).
+      kv: ``[R, D]`` cache; each row is key and value (one KV head); computed in ``q``'s dtype.
+      idx: ``[T, K]`` any integer dtype: the cache row of each slot. ``idx < 0`` or ``idx >= R``
+        is an empty slot.
+      sink: ``[H]`` per-head sink logits (cast to f32), or ``None``. ``-inf`` = no sink;
+        ``+inf`` makes that head's output 0.
+      bias: ``[T, K]`` additive logit bias (cast to f32), or ``None``; ``-inf`` = empty slot.
+      scale: softmax scale, a python float or f32 scalar; default ``D ** -0.5``.
+      implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
+        ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
+
+    Returns:
+      ``[T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+    """
+    _check_implementation(implementation)
+    _check_q(q)
+    _check_rank("kv", kv, 2, "[R, D]")
+    _check_float("kv", kv)
+    _check_rank("idx", idx, 2, "[T, K]")
+    if not jnp.issubdtype(_dtype(idx), jnp.integer):
+        raise TypeError(f"idx must have an integer dtype; got {_dtype(idx)}")
+    T, H, D = _shape(q)
+    R = _shape(kv)[0]
+    if _shape(kv)[1] != D:
+        raise ValueError(f"kv must have shape [R, D] = (R, {D}) to match q {_shape(q)}; got {_shape(kv)}")
+    if _shape(idx)[0] != T:
+        raise ValueError(f"idx must have shape [T, K] = ({T}, K) to match q {_shape(q)}; got {_shape(idx)}")
+    if R > MAX_ROWS:
+        raise ValueError(f"kv has {R} rows; at most {MAX_ROWS} can be indexed with int32")
+    q = jnp.asarray(q)
+    kv = jnp.asarray(kv, q.dtype)
+    idx = _normalise_idx(idx, R)
+    sink, bias, scale = _sink_bias_scale(_shape(q), _shape(idx)[1], sink, bias, scale)
+    return primitives.gathered_attn_idx_p.bind(
+        q, kv, idx, sink, bias, scale, implementation=implementation
+    )
