@@ -60,6 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import isa, language
+from ._blas import single_threaded_blas
 from ._core import SHARED_HBM, SBUF_BYTES_PER_PARTITION, Context, Tensor
 from .errors import (
     NkiCapacityError,
@@ -200,7 +201,7 @@ def simulate(kernel: Callable, *, target: str = "trn1") -> Callable:
 
         call_args = [wrap(a, f"argument {i}") for i, a in enumerate(args)]
         call_kwargs = {k: wrap(v, k) for k, v in kwargs.items()}
-        with ctx:
+        with ctx, single_threaded_blas():
             result = bound(*call_args, **call_kwargs)
             ctx.check_capacity()
             out = _to_numpy(result)
