@@ -89,10 +89,9 @@ def _slots(indexed, src, idx, bias, live):
     valid = (bias != -jnp.inf) & live[:, None]
     if not indexed:
         return src.astype(jnp.float32), valid, None
-    rows_count = src.shape[0]
-    valid = valid & (idx >= 0) & (idx < rows_count)
+    valid = valid & (idx >= 0) & (idx < src.shape[0])
     rows = jnp.where(valid, idx, 0)
-    return src.astype(jnp.float32)[rows], valid, rows
+    return src[rows].astype(jnp.float32), valid, rows
 
 
 def _tangent_chunk(indexed, active, primal, tangent, live):
@@ -106,8 +105,8 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
     src_name = "kv" if indexed else "g"
     dx = None
     if src_name in active:
-        dsrc = tangent[src_name].astype(jnp.float32)
-        dx = dsrc[rows] if indexed else dsrc
+        dsrc = tangent[src_name]
+        dx = (dsrc[rows] if indexed else dsrc).astype(jnp.float32)
     ds = jnp.zeros_like(z)
     if "q" in active:
         ds = ds + jnp.einsum("thd,tkd->thk", tangent["q"].astype(jnp.float32), x)
@@ -162,20 +161,21 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live):
 # --- chunking over tokens -----------------------------------------------------------------------
 
 
-def _chunk_size(q, src, indexed, num_slots):
+def _chunk_size(q, num_slots):
     T, H, D = q.shape
-    # f32 slot rows and their cotangent, four [H, K] f32 maps, four [H, D] f32 rows per token.
+    # f32 slot rows and their tangent/cotangent, four [H, K] f32 maps, four [H, D] f32 rows.
     per_token = 2 * num_slots * D * 4 + 4 * H * num_slots * 4 + 4 * H * D * 4
     return int(max(1, min(T, reference.CHUNK_BYTES // max(per_token, 1))))
 
 
-def _over_token_chunks(step, token_arrays: dict, chunk: int, carry):
+def _over_token_chunks(step, token_arrays, chunk: int, carry):
     """Runs ``step(carry, chunk_arrays, live) -> (carry, outputs)`` over chunks of tokens.
 
-    The token axis is padded to a multiple of ``chunk``; padding tokens have ``live`` False, so they
-    contribute nothing, and their outputs are cut off again.
+    ``token_arrays`` is a pytree of arrays with a leading token axis. The token axis is padded to
+    a multiple of ``chunk``; padding tokens have ``live`` False, so they contribute nothing, and
+    their outputs are cut off again.
     """
-    T = next(iter(token_arrays.values())).shape[0]
+    T = jax.tree_util.tree_leaves(token_arrays)[0].shape[0]
     if chunk >= T:
         return step(carry, token_arrays, jnp.ones((T,), bool))
     n = -(-T // chunk)
@@ -185,77 +185,69 @@ def _over_token_chunks(step, token_arrays: dict, chunk: int, carry):
         a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
         return a.reshape((n, chunk) + a.shape[1:])
 
-    live = split(jnp.ones((T,), bool))
-    xs = ({k: split(v) for k, v in token_arrays.items()}, live)
+    xs = (jax.tree_util.tree_map(split, token_arrays), split(jnp.ones((T,), bool)))
     carry, outs = jax.lax.scan(lambda c, a: step(c, *a), carry, xs)
     outs = jax.tree_util.tree_map(lambda a: a.reshape((n * chunk,) + a.shape[2:])[:T], outs)
     return carry, outs
 
 
-_TOKEN_OPERANDS = ("q", "g", "idx", "bias", "scale")
+def _by_role(named: dict):
+    """Splits operands into those with a token axis (chunked) and those shared by all tokens."""
+    token = {n: v for n, v in named.items() if sharding.LAYOUTS[n].startswith("t")}
+    shared = {n: v for n, v in named.items() if n not in token}
+    return token, shared
+
+
+def _is_empty(primal) -> bool:
+    T, H, _ = primal["q"].shape
+    K = primal["bias"].shape[1]
+    return T == 0 or H == 0 or K == 0 or ("kv" in primal and primal["kv"].shape[0] == 0)
 
 
 def _tangent(indexed, active, *operands):
-    """Lowering of the tangent primitive: operands = primal operands, then active tangents."""
+    """Output tangent (q's dtype). Operands: the primal operands, then the active tangents."""
     names = primitives.OPERANDS[indexed]
     primal = dict(zip(names, operands[: len(names)]))
     tangent = dict(zip(active, operands[len(names):]))
     q = primal["q"]
-    T, H, D = q.shape
-    K = primal["bias"].shape[1]
-    if T == 0 or H == 0 or K == 0 or (indexed and primal["kv"].shape[0] == 0):
+    if _is_empty(primal):
         return (jnp.zeros(q.shape, q.dtype),)
-    token = {n: primal[n] for n in _TOKEN_OPERANDS if n in primal}
-    token.update({"d" + n: tangent[n] for n in ("q", "g", "bias", "scale") if n in tangent})
-    shared_primal = {n: primal[n] for n in ("kv", "sink") if n in primal}
-    shared_tangent = {n: tangent[n] for n in ("kv", "sink") if n in tangent}
+    primal_token, primal_shared = _by_role(primal)
+    tangent_token, tangent_shared = _by_role(tangent)
 
-    def step(carry, chunk_arrays, live):
-        p = {n: v for n, v in chunk_arrays.items() if not n.startswith("d")}
-        t = {n[1:]: v for n, v in chunk_arrays.items() if n.startswith("d")}
-        p.update(shared_primal)
-        t.update(shared_tangent)
-        return carry, _tangent_chunk(indexed, active, p, t, live)
+    def step(carry, chunk, live):
+        p, t = chunk
+        do = _tangent_chunk(indexed, active, {**p, **primal_shared}, {**t, **tangent_shared}, live)
+        return carry, do
 
-    chunk = _chunk_size(q, primal.get("kv"), indexed, K)
-    _, do = _over_token_chunks(step, token, chunk, ())
+    size = _chunk_size(q, primal["bias"].shape[1])
+    _, do = _over_token_chunks(step, (primal_token, tangent_token), size, ())
     return (do.astype(q.dtype),)
 
 
 def _cotangent(indexed, wanted, *operands):
-    """Lowering of the cotangent primitive: operands = primal operands, then the output cotangent."""
+    """Cotangents of the ``wanted`` operands, all f32. Operands: the primal operands, then the
+    output cotangent. The sink's is per token ``[T, H]``; the cache's is summed into ``[R, D]``."""
     names = primitives.OPERANDS[indexed]
     primal = dict(zip(names, operands[: len(names)]))
     ct = operands[len(names)]
-    q = primal["q"]
-    T, H, D = q.shape
-    K = primal["bias"].shape[1]
-    src_dtype = primal["kv" if indexed else "g"].dtype
-    dtypes = {"q": q.dtype, "g": src_dtype, "kv": src_dtype}
-    if T == 0 or H == 0 or K == 0 or (indexed and primal["kv"].shape[0] == 0):
-        shapes = {"q": q.shape, "g": (T, K, D), "kv": primal.get("kv", q).shape,
-                  "sink": (T, H), "bias": (T, K), "scale": (T,)}
-        return tuple(jnp.zeros(shapes[n], dtypes.get(n, jnp.float32)) for n in wanted)
-    token = {n: primal[n] for n in _TOKEN_OPERANDS if n in primal}
-    token["ct"] = ct
-    shared = {n: primal[n] for n in ("kv", "sink") if n in primal}
+    if _is_empty(primal):
+        return tuple(jnp.zeros(_cotangent_shape(indexed, n, operands)[0]) for n in wanted)
+    primal_token, primal_shared = _by_role(primal)
 
-    def step(dkv, chunk_arrays, live):
-        p = {n: v for n, v in chunk_arrays.items() if n != "ct"}
-        p.update(shared)
-        out = _cotangent_chunk(indexed, wanted, p, chunk_arrays["ct"], live)
+    def step(dkv, chunk, live):
+        p, ct_chunk = chunk
+        out = _cotangent_chunk(indexed, wanted, {**p, **primal_shared}, ct_chunk, live)
         if "kv" in wanted:
             rows, dx = out.pop("kv")
             dkv = dkv.at[rows].add(dx, mode="drop")
         return dkv, out
 
-    dkv0 = jnp.zeros(primal["kv"].shape, jnp.float32) if "kv" in wanted else ()
-    chunk = _chunk_size(q, primal.get("kv"), indexed, K)
-    dkv, per_token = _over_token_chunks(step, token, chunk, dkv0)
-    results = dict(per_token)
-    if "kv" in wanted:
-        results["kv"] = dkv
-    return tuple(results[n].astype(dtypes.get(n, jnp.float32)) for n in wanted)
+    dkv = jnp.zeros(primal["kv"].shape, jnp.float32) if "kv" in wanted else ()
+    size = _chunk_size(primal["q"], primal["bias"].shape[1])
+    dkv, results = _over_token_chunks(step, (primal_token, ct), size, dkv)
+    results = dict(results, kv=dkv)
+    return tuple(results[n] for n in wanted)
 
 
 # --- the tangent and cotangent primitives -------------------------------------------------------
@@ -278,15 +270,12 @@ def _tangent_abstract_eval(*avals, active):
     return sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"])
 
 
-def _cotangent_shape(indexed, name, avals):
-    primal = dict(zip(primitives.OPERANDS[indexed], avals))
-    q = primal["q"]
-    T, H, D = q.shape
-    K = primal["bias"].shape[1]
-    shapes = {"q": (T, H, D), "g": (T, K, D), "kv": getattr(primal.get("kv"), "shape", None),
-              "sink": (T, H), "bias": (T, K), "scale": (T,)}
-    dtype = q.dtype if name in ("q", "g", "kv") else jnp.float32
-    return shapes[name], dtype
+def _cotangent_shape(indexed, name, operands):
+    """Shape and dtype of the cotangent of operand ``name`` (operands or their avals)."""
+    primal = dict(zip(primitives.OPERANDS[indexed], operands))
+    if name == "sink":
+        return primal["q"].shape[:2], jnp.float32  # per token: [T, H]
+    return primal[name].shape, primal[name].dtype
 
 
 def _cotangent_abstract_eval(indexed):
@@ -316,7 +305,9 @@ def _cotangent_lowering(indexed):
         layouts = [sharding.LAYOUTS[n] for n in names]
         fn = functools.partial(_cotangent, indexed, wanted)
         results = [COTANGENT_LAYOUTS[n] for n in wanted]
-        return list(sharding.shard_local(fn, layouts, results)(*operands))
+        # Partial sums over devices are added in f32; the cast to the operand's dtype comes last.
+        cts = sharding.shard_local(fn, layouts, results)(*operands)
+        return [ct.astype(_cotangent_shape(indexed, n, operands)[1]) for n, ct in zip(wanted, cts)]
 
     return rule
 
@@ -356,7 +347,7 @@ def _map_over_batch(prim, args, dims, params):
     return (out, [0] * len(out)) if prim.multiple_results else (out, 0)
 
 
-def _batcher(prim, indexed, names_of, result_layouts_of, always_fold_cache):
+def _batcher(prim, indexed, names_of, always_fold_cache):
     def rule(args, dims, **params):
         names = names_of(params)
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
@@ -396,12 +387,11 @@ for _indexed in (False, True):
     batching.primitive_batchers[tangent_p[_indexed]] = _batcher(
         tangent_p[_indexed], _indexed,
         lambda params, _n=_names: _n + params["active"],
-        None, lambda params: False,
+        lambda params: False,
     )
     batching.primitive_batchers[cotangent_p[_indexed]] = _batcher(
         cotangent_p[_indexed], _indexed,
         lambda params, _n=_names: _n + ("out",),
-        None,
         # Per-example cache gradients need one cache per batch element.
         lambda params: "kv" in params["wanted"],
     )

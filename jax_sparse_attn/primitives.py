@@ -72,6 +72,14 @@ gathered_attn_idx_p.def_impl(functools.partial(xla.apply_primitive, gathered_att
 # --- default lowering (every platform) ----------------------------------------------------------
 
 
+def run_shard_local(path_fn: Callable, indexed: bool, *args):
+    """Calls a path on the primitive's operands, on each device's block of tokens and heads under
+    a multi-device jit (see sharding.py). Every lowering rule of the primitives goes through it."""
+    layouts = [sharding.LAYOUTS[n] for n in OPERANDS[indexed]]
+    run = sharding.shard_local(lambda *a: (path_fn(*a),), layouts, [sharding.LAYOUTS["out"]])
+    return run(*args)[0]
+
+
 def _default_rule(indexed: bool):
     def rule(*args, implementation):
         name = "reference" if implementation is None else implementation
@@ -80,11 +88,7 @@ def _default_rule(indexed: bool):
                 f"implementation={implementation!r} cannot run on this platform; the Neuron "
                 "kernel needs a Trainium device (use 'nki_emulated' to run it on the host)."
             )
-        # Shard-local under multi-device jit: see sharding.py.
-        path_fn = path(name, indexed)
-        layouts = [sharding.LAYOUTS[n] for n in OPERANDS[indexed]]
-        run = sharding.shard_local(lambda *a: (path_fn(*a),), layouts, [sharding.LAYOUTS["out"]])
-        return run(*args)[0]
+        return run_shard_local(path(name, indexed), indexed, *args)
 
     return rule
 

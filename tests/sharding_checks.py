@@ -1,0 +1,155 @@
+"""Runs the multi-device checks of test_sharding.py; meant to run in its own process.
+
+``python tests/sharding_checks.py`` with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+prints one JSON record per check: the collectives found in the compiled program and how the
+values compare with the same function run on one device.
+"""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_sparse_attn as jsa
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+T, H, D, R, K, B = 16, 8, 32, 40, 12, 8
+
+# Which operand is split in each layout (None: replicated). Operands: q, src, idx, sink, bias.
+LAYOUTS = {
+    "tokens": {"q": P("x"), "src_idx": P(), "src_gathered": P("x"), "idx": P("x"),
+               "sink": P(), "bias": P("x")},
+    "heads": {"q": P(None, "x"), "src_idx": P(), "src_gathered": P(), "idx": P(),
+              "sink": P("x"), "bias": P()},
+}
+# Gradients that need no communication at all in each layout (the others are sums over devices).
+LOCAL_GRADS = {"tokens": ("q", "bias"), "heads": ("q", "sink")}
+ARG_NAMES = ("q", "src", "sink", "bias")
+
+
+def make_inputs(form, dtype):
+    rng = np.random.default_rng(0)
+    inputs = {
+        "q": rng.standard_normal((T, H, D)),
+        "src": rng.standard_normal((R, D) if form == "idx" else (T, K, D)),
+        "idx": rng.integers(-3, R + 3, (T, K)).astype(np.int32),
+        "sink": rng.standard_normal(H).astype(np.float32),
+        "bias": rng.standard_normal((T, K)).astype(np.float32),
+    }
+    inputs["sink"][0] = np.inf
+    inputs["bias"][2, :] = -np.inf  # a token with no valid slot
+    inputs["q"] = inputs["q"].astype(dtype)
+    inputs["src"] = inputs["src"].astype(dtype)
+    return inputs
+
+
+def attention(form, implementation):
+    def f(q, src, idx, sink, bias):
+        if form == "idx":
+            return jsa.gathered_attn_idx(q, src, idx, sink, bias=bias, implementation=implementation)
+        return jsa.gathered_attn(q, src, sink, bias=bias, implementation=implementation)
+
+    return f
+
+
+def collectives(jitted, *args):
+    text = jitted.lower(*args).compile().as_text()
+    return sorted(c for c in COLLECTIVES if c in text)
+
+
+def compare(got, want):
+    got, want = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    exact = all(bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(got, want))
+    diff = max(
+        float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
+        for a, b in zip(got, want)
+    )
+    finite = all(bool(np.all(np.isfinite(np.asarray(a, np.float64)))) for a in got)
+    return {"exact": exact, "max_abs_diff": diff, "finite": finite}
+
+
+def place(inputs, mesh, form, layout):
+    specs = LAYOUTS[layout]
+    out = {}
+    for name, value in inputs.items():
+        key = f"src_{form}" if name == "src" else name
+        out[name] = jax.device_put(value, NamedSharding(mesh, specs[key]))
+    return out
+
+
+def one_device(inputs):
+    device = jax.devices()[0]
+    return {k: jax.device_put(v, device) for k, v in inputs.items()}
+
+
+def check(records, name, fn, inputs, mesh, form, layout, single_device_fn=None):
+    jitted = jax.jit(fn)
+    want = jax.jit(single_device_fn or fn)(*one_device(inputs).values())
+    sharded = place(inputs, mesh, form, layout)
+    record = {"check": name, "collectives": collectives(jitted, *sharded.values())}
+    record.update(compare(jitted(*sharded.values()), want))
+    records.append(record)
+
+
+def grad_of(form, implementation, wrt):
+    f = attention(form, implementation)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((T, H, D)), jnp.float32)
+    argnums = tuple(ARG_NAMES.index(n) for n in wrt)
+
+    def loss(q, src, sink, bias, idx):
+        return jnp.sum(f(q, src, idx, sink, bias).astype(jnp.float32) * w)
+
+    grad = jax.grad(loss, argnums=argnums)
+    return lambda q, src, idx, sink, bias: grad(q, src, sink, bias, idx)
+
+
+def run(implementations):
+    records = []
+    for axis_type in ("Auto", "Explicit"):
+        mesh = jax.make_mesh((8,), ("x",), axis_types=(getattr(AxisType, axis_type),))
+        for form in ("idx", "gathered"):
+            for layout in LAYOUTS:
+                tag = f"{axis_type}/{form}/{layout}"
+                for implementation in implementations:
+                    inputs = make_inputs(form, jnp.bfloat16)
+                    check(records, f"forward/{implementation}/{tag}",
+                          attention(form, implementation), inputs, mesh, form, layout)
+                inputs = make_inputs(form, np.float32)
+                check(records, f"grad_local/{tag}",
+                      grad_of(form, None, LOCAL_GRADS[layout]), inputs, mesh, form, layout)
+                check(records, f"grad_all/{tag}",
+                      grad_of(form, None, ARG_NAMES), inputs, mesh, form, layout)
+        # vmap over a sharded batch axis folds into a sharded token axis.
+        inputs = make_inputs("idx", jnp.bfloat16)
+        batched = {k: np.stack([v] * B) if k in ("q", "idx") else v for k, v in inputs.items()}
+        fn = jax.vmap(attention("idx", None), in_axes=(0, None, 0, None, None))
+        jitted = jax.jit(fn)
+        want = jitted(*one_device(batched).values())
+        specs = {"q": P("x"), "src": P(), "idx": P("x"), "sink": P(), "bias": P()}
+        sharded = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in batched.items()}
+        record = {"check": f"vmap/{axis_type}", "collectives": collectives(jitted, *sharded.values())}
+        record.update(compare(jitted(*sharded.values()), want))
+        records.append(record)
+    # A user's own shard_map around the op (automatic mesh axes): every implementation is local.
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    inputs = make_inputs("idx", jnp.bfloat16)
+    for implementation in implementations:
+        fn = jax.shard_map(
+            attention("idx", implementation), mesh=mesh,
+            in_specs=(P("x"), P(), P("x"), P(), P("x")), out_specs=P("x"),
+        )
+        check(records, f"shard_map/{implementation}", fn, inputs, mesh, "idx", "tokens",
+              single_device_fn=attention("idx", implementation))
+    return records
+
+
+if __name__ == "__main__":
+    if jax.device_count() != 8:
+        sys.exit(f"needs 8 devices; XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
+    implementations = [None if name == "None" else name for name in sys.argv[1:]] or [None]
+    for record in run(implementations):
+        print(json.dumps(record))

@@ -1,0 +1,88 @@
+"""Multi-device sharding on 8 host CPU devices: no collectives, and the single-device values.
+
+The checks run in a subprocess (``sharding_checks.py``) started with
+``--xla_force_host_platform_device_count=8``, so that this test session keeps its one device.
+Layouts: tokens split (q, idx, bias, and g for the gathered form; kv and sink replicated) and heads
+split (q and sink). Both kinds of mesh axes are covered: Auto (custom_partitioning) and Explicit
+(shard_map, the default of ``jax.make_mesh`` from JAX 0.9).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sharding_checks as checks
+
+HERE = Path(__file__).resolve().parent
+IMPLEMENTATIONS = [None]
+AXIS_TYPES = ("Auto", "Explicit")
+FORMS = ("idx", "gathered")
+
+
+@pytest.fixture(scope="module")
+def records():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "sharding_checks.py"), *map(str, IMPLEMENTATIONS)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["check"]: r for r in found}
+
+
+def _cases(prefix, with_implementation=False):
+    return [
+        f"{prefix}/{impl}/{a}/{f}/{lay}" if with_implementation else f"{prefix}/{a}/{f}/{lay}"
+        for impl in (IMPLEMENTATIONS if with_implementation else [None])
+        for a in AXIS_TYPES
+        for f in FORMS
+        for lay in checks.LAYOUTS
+    ]
+
+
+@pytest.mark.parametrize("name", _cases("forward", with_implementation=True))
+def test_forward_is_collective_free_and_exact(records, name):
+    r = records[name]
+    assert r["collectives"] == [], r
+    assert r["exact"], r
+
+
+@pytest.mark.parametrize("name", _cases("grad_local"))
+def test_local_gradients_need_no_communication(records, name):
+    # q's gradient in both layouts, plus bias (tokens) or sink (heads): all stay on their device.
+    r = records[name]
+    assert r["collectives"] == [], r
+    assert r["finite"] and r["max_abs_diff"] < 1e-5, r
+
+
+@pytest.mark.parametrize("name", _cases("grad_all"))
+def test_all_gradients_only_sum_partials(records, name):
+    # Gradients of replicated operands (kv, sink over tokens; kv, bias over heads) are sums over
+    # devices: one all-reduce each, and never a gather of activations.
+    r = records[name]
+    assert r["collectives"] == ["all-reduce"], r
+    assert r["finite"] and r["max_abs_diff"] < 1e-5, r
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_vmap_over_a_sharded_batch_stays_local(records, axis_type):
+    r = records[f"vmap/{axis_type}"]
+    assert r["collectives"] == [], r
+    assert r["exact"], r
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_inside_a_user_shard_map(records, implementation):
+    r = records[f"shard_map/{implementation}"]
+    assert r["collectives"] == [], r
+    assert r["exact"], r
