@@ -207,6 +207,21 @@ def test_kernel_zeroes_an_empty_row_when_a_finite_sink_overflows(runner):
     assert np.abs(out[0]).max() > 0
 
 
+@pytest.mark.parametrize("H, D, Kp", [(128, 640, 2048), (1, 128, 128), (16, 1024, 256)])
+def test_sbuf_estimate_bounds_the_emulated_peak(H, D, Kp):
+    """The packing refuses shapes by ``kernels.sbuf_bytes_per_partition``: it must not be below
+    what the kernel really keeps live (as the emulator counts it), nor far above."""
+    from jax_sparse_attn.nki_emulator import simulate
+
+    rng = np.random.default_rng(8)
+    ops, _ = kernel_inputs(rng, 2, H, D, Kp, 300)
+    run = simulate(kernels.gathered_attn_idx_kernel)
+    run(ops["q2"], ops["kv"], ops["idx"], ops["bias"], ops["sink"])
+    peak = run.last_stats["sbuf_peak_bytes_per_partition"]
+    estimate = kernels.sbuf_bytes_per_partition(H, D, Kp)
+    assert peak <= estimate <= 1.05 * peak
+
+
 def test_emulator_rejects_an_out_of_range_index():
     """The indirect gather reads only rows inside kv: the packing must never send an invalid index."""
     from jax_sparse_attn.nki_emulator.errors import NkiEmulatorError

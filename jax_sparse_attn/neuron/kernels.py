@@ -77,12 +77,12 @@ def sbuf_bytes_per_partition(heads: int, dim: int, slots: int) -> int:
     q_transposed = d_tiles * aligned_heads(heads) * 2
     slot_rows = k_tiles * dim * 2 + k_tiles * 4  # bf16 rows + their int32 index column
     slot_columns = d_tiles * slots * 2
-    bias_row = (BIAS_PREFIX_COLS + slots) * 4
+    bias_rows = 2 * (BIAS_PREFIX_COLS + slots) * 4  # the loaded row and its broadcast to H heads
     scores_and_probs = slots * 4 + slots * 4 + slots * 2 + k_tiles * heads * 2
     per_head_columns = 7 * 4  # sink, max, -max, slot sum, sink term, den, 1/den
     out_row = dim * 2
     return (
-        q_transposed + slot_rows + slot_columns + bias_row + scores_and_probs + per_head_columns
+        q_transposed + slot_rows + slot_columns + bias_rows + scores_and_probs + per_head_columns
         + out_row
     )
 
