@@ -53,7 +53,8 @@ def _check_common(packed, layout, q, sink, bias, scale, valid):
     """q groups, sink groups and the bias tensor, element by element."""
     T, H, D = q.shape
     K = bias.shape[1]
-    G, Hg, Dp, Kp = layout.head_groups, layout.heads_per_group, layout.dim_padded, layout.slots_padded
+    G, Hg = layout.head_groups, layout.heads_per_group
+    Dp, Kp = layout.dim_padded, layout.slots_padded
     q_groups = np.asarray(packed.q_groups)
     assert q_groups.shape == (G, T * Hg, Dp) and q_groups.dtype == BF16
     sink_groups = np.asarray(packed.sink_groups)

@@ -223,7 +223,7 @@ def test_sbuf_estimate_bounds_the_emulated_peak(H, D, Kp):
 
 
 def test_emulator_rejects_an_out_of_range_index():
-    """The indirect gather reads only rows inside kv: the packing must never send an invalid index."""
+    """The indirect gather reads only rows inside kv: the packing must never send a bad index."""
     from jax_sparse_attn.nki_emulator.errors import NkiEmulatorError
 
     rng = np.random.default_rng(7)
@@ -261,13 +261,15 @@ def idx_model(q, kv, idx, sink, bias, scale):
     valid = (idx >= 0) & (idx < R) & (bias != -np.inf)
     x = kv[np.where(valid, idx, 0)]
     T = q.shape[0]
-    return contract_model(q, x, valid, sink, np.where(valid, bias, 0), np.full(T, scale, np.float32))
+    scales = np.full(T, scale, np.float32)
+    return contract_model(q, x, valid, sink, np.where(valid, bias, 0), scales)
 
 
 def gathered_model(q, g, sink, bias, scale):
     valid = bias != -np.inf
     T = q.shape[0]
-    return contract_model(q, g, valid, sink, np.where(valid, bias, 0), np.full(T, scale, np.float32))
+    scales = np.full(T, scale, np.float32)
+    return contract_model(q, g, valid, sink, np.where(valid, bias, 0), scales)
 
 
 def as_bf16(x):
@@ -296,7 +298,10 @@ def test_emulated_path_jit_idx(T, H, D, K, R):
 
 @pytest.mark.parametrize(
     "T, H, D, K",
-    [pytest.param(3, 200, 64, 1, id="H200-D64-K1"), pytest.param(2, 64, 576, 100, id="H64-D576-K100")],
+    [
+        pytest.param(3, 200, 64, 1, id="H200-D64-K1"),
+        pytest.param(2, 64, 576, 100, id="H64-D576-K100"),
+    ],
 )
 def test_emulated_path_jit_gathered(T, H, D, K):
     rng = np.random.default_rng(20 + H)

@@ -145,7 +145,9 @@ def _attend_one_token(q2, slot_rows, idx, bias, sink_col, out, t, heads, dim, sl
     q_first = t * heads
 
     # 1. q rows of the token, transposed: contraction dim d on the partitions.
-    q_t = nl.ndarray((KERNEL_TILE, d_tiles, aligned_heads(heads)), dtype=nl.bfloat16, buffer=nl.sbuf)
+    q_t = nl.ndarray(
+        (KERNEL_TILE, d_tiles, aligned_heads(heads)), dtype=nl.bfloat16, buffer=nl.sbuf
+    )
     for dc in nl.static_range(d_tiles):
         nisa.dma_transpose(
             dst=q_t[:, dc, 0:heads],

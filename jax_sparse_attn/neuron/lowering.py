@@ -82,7 +82,9 @@ def _jitted_kernel(indexed: bool):
     from . import kernels
 
     if kernels.nki is None:
-        raise RuntimeError(f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}")
+        raise RuntimeError(
+            f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}"
+        )
     return kernels.nki.jit(_raw_kernel(indexed))
 
 
@@ -106,16 +108,13 @@ def nki_gathered_attn_idx(q, kv, idx, sink, bias, scale):
 
 
 def _run_emulated_on_host(indexed: bool, *arrays):
-    """Host side of the callback: numpy in, ``[G, T*Hg, Dp]`` bf16 numpy out."""
+    """Host side of the callback: the kernel operands in the kernel's order, q and sink stacked
+    per head group (numpy); returns ``[G, T*Hg, Dp]`` bf16."""
     from ..nki_emulator import simulate
 
     kernel = simulate(_raw_kernel(indexed))
-    if indexed:
-        q_groups, slot_rows, idx, bias, sink_groups = arrays
-        outs = [kernel(q_groups[g], slot_rows, idx, bias, sink_groups[g]) for g in range(len(q_groups))]
-    else:
-        q_groups, slot_rows, bias, sink_groups = arrays
-        outs = [kernel(q_groups[g], slot_rows, bias, sink_groups[g]) for g in range(len(q_groups))]
+    q_groups, shared, sink_groups = arrays[0], arrays[1:-1], arrays[-1]
+    outs = [kernel(q_groups[g], *shared, sink_groups[g]) for g in range(len(q_groups))]
     return np.stack([np.asarray(o) for o in outs]).astype(jnp.bfloat16)
 
 
@@ -141,7 +140,7 @@ def emulated_gathered_attn(q, g, sink, bias, scale):
 
 
 def emulated_gathered_attn_idx(q, kv, idx, sink, bias, scale):
-    """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``: the Neuron path on the host."""
+    """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``: Neuron path on the host."""
     return _run_packed(_call_emulated_kernels, q, kv, sink, bias, scale, idx=idx)
 
 

@@ -117,7 +117,9 @@ def _pad_axis(x, axis: int, size: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def pack_for_kernel(q, slot_rows, sink, bias, scale, idx=None) -> tuple[PackedOperands, KernelLayout]:
+def pack_for_kernel(
+    q, slot_rows, sink, bias, scale, idx=None
+) -> tuple[PackedOperands, KernelLayout]:
     """Packs normalised primitive operands for the NKI kernels.
 
     Args:
@@ -129,7 +131,8 @@ def pack_for_kernel(q, slot_rows, sink, bias, scale, idx=None) -> tuple[PackedOp
     T, H, D = q.shape
     K = bias.shape[1]
     layout = kernel_layout(T, H, D, K)
-    G, Hg, Dp, Kp = layout.head_groups, layout.heads_per_group, layout.dim_padded, layout.slots_padded
+    G, Hg = layout.head_groups, layout.heads_per_group
+    Dp, Kp = layout.dim_padded, layout.slots_padded
 
     valid = bias != -jnp.inf
     if idx is not None:
