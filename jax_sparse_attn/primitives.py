@@ -32,7 +32,8 @@ gathered_attn_idx_p = Primitive("gathered_attn_idx")
 
 IMPLEMENTATIONS = ("reference", "nki", "nki_emulated")
 
-# Operand names of each primitive, by ``indexed`` (False: gathered_attn_p, True: gathered_attn_idx_p).
+# Operand names of each primitive, by ``indexed``: False for gathered_attn_p, True for
+# gathered_attn_idx_p.
 OPERANDS = {
     False: ("q", "g", "sink", "bias", "scale"),
     True: ("q", "kv", "idx", "sink", "bias", "scale"),

@@ -14,20 +14,23 @@ sum is completed with one ``psum``, the only collective, and only in the backwar
 
 :func:`shard_local` wraps the function that a primitive lowers to, in one of two ways:
 
-- **Explicit mesh axes** (``jax.make_mesh``'s default from JAX 0.9, or ``axis_types=Explicit``):
+- **Explicit mesh axes** (``jax.make_mesh``'s default in JAX 0.10; ``axis_types=Explicit``):
   shardings are part of the types, so the split is known while lowering; the function runs under
   ``jax.shard_map`` on each device's block. Python host callbacks work there too, so the
   ``"nki_emulated"`` host path also runs shard-locally.
-- **Automatic mesh axes** (the default of JAX 0.7/0.8): the shardings are chosen later by the
-  partitioner, so the function is wrapped in ``jax.experimental.custom_partitioning`` with a
-  Shardy sharding rule (``"t h d, r d, t k, h, t k, t -> t h d"`` for ``gathered_attn_idx``) and a
-  partition callback that lowers it on the per-device shapes.
+- **Automatic mesh axes** (``jax.make_mesh``'s default in JAX 0.7; ``axis_types=Auto``): the
+  shardings are chosen later by the partitioner, so the function is wrapped in
+  ``jax.experimental.custom_partitioning`` with a Shardy sharding rule
+  (``"t h d, r d, t k, h, t k, t -> t h d"`` for ``gathered_attn_idx``) and a partition callback
+  that lowers it on the per-device shapes.
 
-Limitation of the automatic case: JAX cannot run a Python host callback inside a
-``custom_partitioning`` body (the callback is registered with a temporary module and lost, and the
-program crashes; see jax-ml/jax#23620), so a function that contains one (the ``"nki_emulated"``
-host path) is lowered without the wrapper: its callback then runs once on gathered inputs
-(correct, not local). Explicit axes or ``jax.shard_map`` keep it local.
+Host callbacks in the automatic case: JAX cannot run a Python callback inside a
+``custom_partitioning`` body (the callback is registered with a temporary module and lost, and
+the program crashes; see jax-ml/jax#23620), and left to the partitioner the callback would run on
+device 0 alone, on gathered operands (XLA was seen to deadlock around it). So a function that
+contains one (the ``"nki_emulated"`` host path) runs under ``jax.shard_map`` on every device, split
+over tokens across the whole mesh (heads if the tokens do not divide): no communication for
+token-split operands; heads-split ones are resharded. Explicit axes keep every layout local.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 # The factors that may be sharded: tokens and heads. Everything else is replicated.
@@ -187,6 +190,11 @@ def _explicit_axis_names(aval) -> set:
     return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
 
 
+def _in_manual_region(aval) -> bool:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return mesh is not None and any(t == AxisType.Manual for t in mesh.axis_types)
+
+
 def _has_explicit_axes(aval) -> bool:
     return bool(_explicit_axis_names(aval))
 
@@ -195,7 +203,8 @@ def _explicit_factor_axes(q_aval) -> dict:
     """``t``/``h`` mesh axes of q that are Explicit (empty when the mesh has none)."""
     explicit = _explicit_axis_names(q_aval)
     mesh = q_aval.sharding.mesh
-    return _q_factor_axes(q_aval.sharding.spec, q_aval.shape, dict(mesh.shape), explicit.__contains__)
+    spec, shape = q_aval.sharding.spec, q_aval.shape
+    return _q_factor_axes(spec, shape, dict(mesh.shape), explicit.__contains__)
 
 
 def _replicated(x):
@@ -205,30 +214,49 @@ def _replicated(x):
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
-def _run_under_shard_map(fn, operands, operand_layouts, result_layouts, factor_axes):
-    """Explicit axes: reshard each operand to its layout (a local slice at most) and shard_map."""
-    mesh = jax.typeof(operands[0]).sharding.mesh
+def _run_under_shard_map(fn, operands, operand_layouts, result_layouts, factor_axes, mesh,
+                         axis_names):
+    """Runs ``fn`` per device under ``jax.shard_map`` with ``t``/``h`` split as ``factor_axes``.
+
+    With explicit axes each operand is first resharded to its layout (a local slice at most, for
+    a replicated operand); with automatic axes the partitioner does that itself.
+    """
     in_specs = tuple(_spec(lay, factor_axes) for lay in operand_layouts)
     out_specs = tuple(_spec(lay, factor_axes) for lay in result_layouts)
+    explicit = _explicit_axis_names(jax.typeof(operands[0]))
     resharded = []
     for x, spec in zip(operands, in_specs):
         current = tuple(jax.typeof(x).sharding.spec) + (None,) * (x.ndim - len(spec))
         target = tuple(spec) + (None,) * (x.ndim - len(spec))
-        if current != target:
+        if explicit and current != target:
             x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
         resharded.append(x)
     local = _with_psums(fn, _reduced_axes(result_layouts, factor_axes))
-    axis_names = {a for axes in factor_axes.values() for a in axes}
 
     def body(*ops):
-        outs = local(*ops)
-        return outs if isinstance(outs, (tuple, list)) else (outs,)
+        return tuple(local(*ops))
 
     outs = jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axis_names,
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axis_names),
         check_vma=False,
     )(*resharded)
     return tuple(outs)
+
+
+def _callback_factor_axes(q_aval, mesh) -> dict:
+    """Automatic axes, host-callback body: tokens over the whole mesh, else heads, else neither.
+
+    The partitioner's own choice is unknown while lowering, so this picks the token split, the
+    common layout (no communication when the operands are split that way already).
+    """
+    devices = math.prod(mesh.shape.values())
+    everything = tuple(mesh.axis_names)
+    T, H, _ = q_aval.shape
+    if T % devices == 0:
+        return {"t": everything, "h": ()}
+    if H % devices == 0:
+        return {"t": (), "h": everything}
+    return {"t": (), "h": ()}
 
 
 class _Partitioner:
@@ -278,12 +306,14 @@ class _Partitioner:
         if "need_replication_factors" not in _DEF_PARTITION_KWARGS:
             return rule, {}  # JAX 0.7: every factor is a pass-through factor.
         # Shardy numbers factors in order of first appearance and wants special ones in that order.
-        factors = dict.fromkeys(f for lay in self.operand_layouts + self.result_layouts for f in lay.split())
+        layouts = self.operand_layouts + self.result_layouts
+        factors = dict.fromkeys(f for lay in layouts for f in lay.split())
         replicated = tuple(f for f in factors if f not in SHARDABLE_FACTORS)
         return rule, ({"need_replication_factors": replicated} if replicated else {})
 
-    def wrap(self) -> Callable:
-        partitioned = custom_partitioning(self.fn)
+    def wrap(self, traced: Callable) -> Callable:
+        """custom_partitioning of ``traced`` (``fn`` already traced on the global shapes)."""
+        partitioned = custom_partitioning(traced)
         rule, kinds = self.sharding_rule()
         partitioned.def_partition(
             partition=self.partition,
@@ -313,17 +343,46 @@ def shard_local(
     """
 
     def wrapped(*operands):
+        if _in_manual_region(jax.typeof(operands[0])):
+            return tuple(fn(*operands))  # inside a shard_map: the operands already are blocks
         if _has_explicit_axes(jax.typeof(operands[0])):
             explicit_axes = _explicit_factor_axes(jax.typeof(operands[0]))
             if any(explicit_axes.values()):
+                mesh = jax.typeof(operands[0]).sharding.mesh
+                used = [a for axes in explicit_axes.values() for a in axes]
                 return _run_under_shard_map(
-                    fn, operands, operand_layouts, result_layouts, explicit_axes
+                    fn, operands, operand_layouts, result_layouts, explicit_axes, mesh, used
                 )
             # q is not split over an explicit axis: the op runs whole (replicated) on each device.
             operands = [_replicated(x) for x in operands]
+        # Trace fn once here; the partition callback traces it again on the per-device shapes.
         avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands]
-        if _has_host_callback(jax.make_jaxpr(fn)(*avals).jaxpr):
-            return tuple(fn(*operands))
-        return tuple(_Partitioner(fn, operand_layouts, result_layouts).wrap()(*operands))
+        closed = jax.make_jaxpr(fn)(*avals)
+        if _has_host_callback(closed.jaxpr):
+            mesh = getattr(jax.typeof(operands[0]).sharding, "mesh", None)
+            if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+                return tuple(jaxpr_as_fun(closed)(*operands))
+            # Left to the partitioner, the callback would run on device 0 alone, on gathered
+            # operands (and XLA can deadlock around it); run it on every device instead.
+            axes = _callback_factor_axes(jax.typeof(operands[0]), mesh)
+            return _run_under_shard_map(
+                fn, operands, operand_layouts, result_layouts, axes, mesh, mesh.axis_names
+            )
+        # custom_partitioning refuses a body that captures array constants: they travel as extra
+        # (flattened, replicated) operands after the real ones.
+        count = len(operands)
+        shapes = [np.shape(c) for c in closed.consts]
+        flat_consts = [jax.numpy.ravel(jax.numpy.asarray(c)) for c in closed.consts]
+
+        def traced(*args):
+            consts = [c.reshape(shape) for c, shape in zip(args[count:], shapes)]
+            return tuple(jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, consts))(*args[:count]))
+
+        partitioner = _Partitioner(
+            lambda *args: fn(*args[:count]),
+            list(operand_layouts) + [f"c{i}" for i in range(len(flat_consts))],
+            result_layouts,
+        )
+        return tuple(partitioner.wrap(traced)(*operands, *flat_consts))
 
     return wrapped

@@ -50,7 +50,9 @@ def make_inputs(form, dtype):
 def attention(form, implementation):
     def f(q, src, idx, sink, bias):
         if form == "idx":
-            return jsa.gathered_attn_idx(q, src, idx, sink, bias=bias, implementation=implementation)
+            return jsa.gathered_attn_idx(
+                q, src, idx, sink, bias=bias, implementation=implementation
+            )
         return jsa.gathered_attn(q, src, sink, bias=bias, implementation=implementation)
 
     return f
@@ -92,7 +94,12 @@ def check(records, name, fn, inputs, mesh, form, layout, single_device_fn=None):
     sharded = place(inputs, mesh, form, layout)
     record = {"check": name, "collectives": collectives(jitted, *sharded.values())}
     record.update(compare(jitted(*sharded.values()), want))
+    _emit(records, record)
+
+
+def _emit(records, record):
     records.append(record)
+    print(json.dumps(record), flush=True)  # as it goes: a crash still leaves what ran before
 
 
 def grad_of(form, implementation, wrt):
@@ -121,6 +128,11 @@ def run(implementations):
                 inputs = make_inputs(form, np.float32)
                 check(records, f"grad_local/{tag}",
                       grad_of(form, None, LOCAL_GRADS[layout]), inputs, mesh, form, layout)
+                if "nki_emulated" in implementations and (form, layout) == ("idx", "tokens"):
+                    # The forward pass of the gradient runs the emulated kernel.
+                    check(records, f"grad_local_emulated/{tag}",
+                          grad_of(form, "nki_emulated", LOCAL_GRADS[layout]),
+                          inputs, mesh, form, layout)
                 check(records, f"grad_all/{tag}",
                       grad_of(form, None, ARG_NAMES), inputs, mesh, form, layout)
         # vmap over a sharded batch axis folds into a sharded token axis.
@@ -131,9 +143,10 @@ def run(implementations):
         want = jitted(*one_device(batched).values())
         specs = {"q": P("x"), "src": P(), "idx": P("x"), "sink": P(), "bias": P()}
         sharded = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in batched.items()}
-        record = {"check": f"vmap/{axis_type}", "collectives": collectives(jitted, *sharded.values())}
+        found = collectives(jitted, *sharded.values())
+        record = {"check": f"vmap/{axis_type}", "collectives": found}
         record.update(compare(jitted(*sharded.values()), want))
-        records.append(record)
+        _emit(records, record)
     # A user's own shard_map around the op (automatic mesh axes): every implementation is local.
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     inputs = make_inputs("idx", jnp.bfloat16)
@@ -151,5 +164,4 @@ if __name__ == "__main__":
     if jax.device_count() != 8:
         sys.exit(f"needs 8 devices; XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
     implementations = [None if name == "None" else name for name in sys.argv[1:]] or [None]
-    for record in run(implementations):
-        print(json.dumps(record))
+    run(implementations)

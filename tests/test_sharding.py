@@ -4,7 +4,7 @@ The checks run in a subprocess (``sharding_checks.py``) started with
 ``--xla_force_host_platform_device_count=8``, so that this test session keeps its one device.
 Layouts: tokens split (q, idx, bias, and g for the gathered form; kv and sink replicated) and heads
 split (q and sink). Both kinds of mesh axes are covered: Auto (custom_partitioning) and Explicit
-(shard_map, the default of ``jax.make_mesh`` from JAX 0.9).
+(shard_map; the default of ``jax.make_mesh`` in JAX 0.10).
 """
 
 import json
@@ -18,7 +18,7 @@ import pytest
 import sharding_checks as checks
 
 HERE = Path(__file__).resolve().parent
-IMPLEMENTATIONS = [None]
+IMPLEMENTATIONS = [None, "nki_emulated"]
 AXIS_TYPES = ("Auto", "Explicit")
 FORMS = ("idx", "gathered")
 
@@ -53,14 +53,27 @@ def _cases(prefix, with_implementation=False):
 @pytest.mark.parametrize("name", _cases("forward", with_implementation=True))
 def test_forward_is_collective_free_and_exact(records, name):
     r = records[name]
-    assert r["collectives"] == [], r
     assert r["exact"], r
+    if name.startswith("forward/nki_emulated/Auto/") and name.endswith("/heads"):
+        # A Python host callback cannot run inside a custom_partitioning body (JAX limitation),
+        # so with automatic axes the emulated path is split over tokens whatever the operands'
+        # layout: heads-split operands are resharded. Explicit axes keep every layout local.
+        assert "all-reduce" not in r["collectives"], r
+        return
+    assert r["collectives"] == [], r
 
 
 @pytest.mark.parametrize("name", _cases("grad_local"))
 def test_local_gradients_need_no_communication(records, name):
     # q's gradient in both layouts, plus bias (tokens) or sink (heads): all stay on their device.
     r = records[name]
+    assert r["collectives"] == [], r
+    assert r["finite"] and r["max_abs_diff"] < 1e-5, r
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_gradient_of_the_emulated_kernel_is_local(records, axis_type):
+    r = records[f"grad_local_emulated/{axis_type}/idx/tokens"]
     assert r["collectives"] == [], r
     assert r["finite"] and r["max_abs_diff"] < 1e-5, r
 

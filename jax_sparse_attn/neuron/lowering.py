@@ -152,8 +152,11 @@ def _neuron_rule(indexed: bool):
 
     def rule(*args, implementation):
         if implementation is None or implementation == "nki":
-            return kernel_path(*args)
-        return primitives.path(implementation, indexed)(*args)
+            path_fn = kernel_path
+        else:
+            path_fn = primitives.path(implementation, indexed)
+        # Each device runs the kernel on its own tokens/heads: no gathers around the custom call.
+        return primitives.run_shard_local(path_fn, indexed, *args)
 
     return rule
 
