@@ -74,13 +74,15 @@ def compare(got, want):
     return {"exact": exact, "max_abs_diff": diff, "finite": finite}
 
 
-def place(inputs, mesh, form, layout):
+def specs_of(form, layout):
+    """PartitionSpec of each input (q, src, idx, sink, bias) for a layout of LAYOUTS."""
     specs = LAYOUTS[layout]
-    out = {}
-    for name, value in inputs.items():
-        key = f"src_{form}" if name == "src" else name
-        out[name] = jax.device_put(value, NamedSharding(mesh, specs[key]))
-    return out
+    return {name: specs[f"src_{form}" if name == "src" else name]
+            for name in ("q", "src", "idx", "sink", "bias")}
+
+
+def place(inputs, mesh, specs):
+    return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in inputs.items()}
 
 
 def one_device(inputs):
@@ -88,10 +90,10 @@ def one_device(inputs):
     return {k: jax.device_put(v, device) for k, v in inputs.items()}
 
 
-def check(records, name, fn, inputs, mesh, form, layout, single_device_fn=None):
+def check(records, name, fn, inputs, mesh, specs, single_device_fn=None):
     jitted = jax.jit(fn)
     want = jax.jit(single_device_fn or fn)(*one_device(inputs).values())
-    sharded = place(inputs, mesh, form, layout)
+    sharded = place(inputs, mesh, specs)
     record = {"check": name, "collectives": collectives(jitted, *sharded.values())}
     record.update(compare(jitted(*sharded.values()), want))
     _emit(records, record)
@@ -124,29 +126,33 @@ def run(implementations):
                 for implementation in implementations:
                     inputs = make_inputs(form, jnp.bfloat16)
                     check(records, f"forward/{implementation}/{tag}",
-                          attention(form, implementation), inputs, mesh, form, layout)
+                          attention(form, implementation), inputs, mesh, specs_of(form, layout))
                 inputs = make_inputs(form, np.float32)
+                specs = specs_of(form, layout)
                 check(records, f"grad_local/{tag}",
-                      grad_of(form, None, LOCAL_GRADS[layout]), inputs, mesh, form, layout)
+                      grad_of(form, None, LOCAL_GRADS[layout]), inputs, mesh, specs)
                 if "nki_emulated" in implementations and (form, layout) == ("idx", "tokens"):
                     # The forward pass of the gradient runs the emulated kernel.
                     check(records, f"grad_local_emulated/{tag}",
                           grad_of(form, "nki_emulated", LOCAL_GRADS[layout]),
-                          inputs, mesh, form, layout)
+                          inputs, mesh, specs)
                 check(records, f"grad_all/{tag}",
-                      grad_of(form, None, ARG_NAMES), inputs, mesh, form, layout)
+                      grad_of(form, None, ARG_NAMES), inputs, mesh, specs)
         # vmap over a sharded batch axis folds into a sharded token axis.
         inputs = make_inputs("idx", jnp.bfloat16)
         batched = {k: np.stack([v] * B) if k in ("q", "idx") else v for k, v in inputs.items()}
         fn = jax.vmap(attention("idx", None), in_axes=(0, None, 0, None, None))
-        jitted = jax.jit(fn)
-        want = jitted(*one_device(batched).values())
         specs = {"q": P("x"), "src": P(), "idx": P("x"), "sink": P(), "bias": P()}
-        sharded = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in batched.items()}
-        found = collectives(jitted, *sharded.values())
-        record = {"check": f"vmap/{axis_type}", "collectives": found}
-        record.update(compare(jitted(*sharded.values()), want))
-        _emit(records, record)
+        check(records, f"vmap/{axis_type}", fn, batched, mesh, specs)
+    # A 2-D mesh: tokens over "x" and heads over "y" at once.
+    for axis_type in ("Auto", "Explicit"):
+        types = (getattr(AxisType, axis_type),) * 2
+        mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=types)
+        specs = {"q": P("x", "y"), "src": P(), "idx": P("x"), "sink": P("y"), "bias": P("x")}
+        check(records, f"mesh2d_forward/{axis_type}", attention("idx", None),
+              make_inputs("idx", jnp.bfloat16), mesh, specs)
+        check(records, f"mesh2d_grad_all/{axis_type}", grad_of("idx", None, ARG_NAMES),
+              make_inputs("idx", np.float32), mesh, specs)
     # A user's own shard_map around the op (automatic mesh axes): every implementation is local.
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     inputs = make_inputs("idx", jnp.bfloat16)
@@ -155,8 +161,8 @@ def run(implementations):
             attention("idx", implementation), mesh=mesh,
             in_specs=(P("x"), P(), P("x"), P(), P("x")), out_specs=P("x"),
         )
-        check(records, f"shard_map/{implementation}", fn, inputs, mesh, "idx", "tokens",
-              single_device_fn=attention("idx", implementation))
+        check(records, f"shard_map/{implementation}", fn, inputs, mesh,
+              specs_of("idx", "tokens"), single_device_fn=attention("idx", implementation))
     return records
 
 

@@ -113,6 +113,9 @@ def _run_emulated_on_host(indexed: bool, *arrays):
     from ..nki_emulator import simulate
 
     kernel = simulate(_raw_kernel(indexed))
+    # The callback may receive jax.Arrays: slicing one would dispatch a computation to a device
+    # that is busy waiting for this very callback (a deadlock once every device runs one).
+    arrays = [np.asarray(a) for a in arrays]
     q_groups, shared, sink_groups = arrays[0], arrays[1:-1], arrays[-1]
     outs = [kernel(q_groups[g], *shared, sink_groups[g]) for g in range(len(q_groups))]
     return np.stack([np.asarray(o) for o in outs]).astype(jnp.bfloat16)
