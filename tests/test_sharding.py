@@ -92,6 +92,16 @@ def test_all_gradients_only_sum_partials(records, name):
 
 
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_token_chunked_reference_stays_local(records, axis_type):
+    # A loop over token blocks (long sequences) is what the partitioner cannot split by itself:
+    # without the op's own partitioning this gathers the tokens.
+    for name in (f"chunked_forward/{axis_type}", f"chunked_grad_local/{axis_type}"):
+        r = records[name]
+        assert r["collectives"] == [], r
+        assert r["finite"] and r["max_abs_diff"] < 1e-5, r
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_two_dimensional_mesh_tokens_and_heads(records, axis_type):
     forward = records[f"mesh2d_forward/{axis_type}"]
     assert forward["collectives"] == [] and forward["exact"], forward
