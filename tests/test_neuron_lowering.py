@@ -1,0 +1,116 @@
+"""How the Neuron path plugs into JAX on a machine without Neuron: a clean import, a clear error
+for implementation="nki", the lazy "neuron" rule registration, and the emulated path's host
+callback."""
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sparse_attn as jsa
+from jax_sparse_attn import primitives
+from jax_sparse_attn.neuron import lowering
+
+
+def test_import_never_warns_or_imports_the_neuron_sdk():
+    code = (
+        "import sys, jax_sparse_attn\n"
+        "assert 'nki' not in sys.modules, 'the Neuron SDK was imported eagerly'\n"
+        "assert 'jax_sparse_attn.nki_emulator' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_nki_without_the_sdk_is_a_clear_error_at_trace_time(indexed):
+    q = jnp.ones((2, 4, 64), jnp.bfloat16)
+    kv = jnp.ones((8, 64), jnp.bfloat16)
+    idx = jnp.zeros((2, 3), jnp.int32)
+
+    def f(q, kv, idx):
+        if indexed:
+            return jsa.gathered_attn_idx(q, kv, idx, implementation="nki")
+        return jsa.gathered_attn(q, kv[idx], implementation="nki")
+
+    with pytest.raises(RuntimeError, match=r"Neuron pip repository.*nki_emulated"):
+        jax.eval_shape(f, q, kv, idx)
+
+
+def test_nki_emulated_is_a_registered_path():
+    assert primitives.path("nki_emulated", False) is lowering.emulated_gathered_attn
+    assert primitives.path("nki_emulated", True) is lowering.emulated_gathered_attn_idx
+
+
+def test_emulated_path_runs_through_a_host_callback():
+    q = jnp.ones((2, 4, 64), jnp.bfloat16)
+    kv = jnp.ones((8, 64), jnp.bfloat16)
+    idx = jnp.zeros((2, 3), jnp.int32)
+    f = jax.jit(lambda q, kv, idx: jsa.gathered_attn_idx(q, kv, idx, implementation="nki_emulated"))
+    jaxpr = str(jax.make_jaxpr(f)(q, kv, idx))
+    assert "gathered_attn_idx" in jaxpr  # the primitive stays visible
+    hlo = f.lower(q, kv, idx).as_text()
+    assert "callback" in hlo.lower()
+    reference = jax.jit(lambda q, kv, idx: jsa.gathered_attn_idx(q, kv, idx))
+    assert "callback" not in reference.lower(q, kv, idx).as_text().lower()
+
+
+def test_neuron_rules_wait_for_jax_to_know_the_platform(monkeypatch):
+    """Registration is attempted from JAX's plugin callbacks; for an unknown platform JAX raises
+    NotImplementedError, which must be swallowed (and retried at the next plugin)."""
+    calls = []
+
+    def register_lowering(prim, rule, platform=None):
+        calls.append((prim, platform))
+        if not known:
+            raise NotImplementedError(f"Registering a lowering for an unknown platform {platform}")
+
+    monkeypatch.setattr(lowering.mlir, "register_lowering", register_lowering)
+    monkeypatch.setattr(lowering, "_neuron_lowerings_registered", False)
+
+    known = False
+    assert lowering.register_neuron_lowerings(c_api=object()) is False
+    known = True
+    calls.clear()
+    assert lowering.register_neuron_lowerings(c_api=object()) is True
+    assert calls == [
+        (primitives.gathered_attn_p, "neuron"),
+        (primitives.gathered_attn_idx_p, "neuron"),
+    ]
+    calls.clear()
+    assert lowering.register_neuron_lowerings(c_api=object()) is True  # once only
+    assert calls == []
+
+
+def test_on_this_machine_no_neuron_rule_is_registered():
+    assert lowering.register_neuron_lowerings() is False
+
+
+def test_neuron_rule_dispatch(monkeypatch):
+    """On the "neuron" platform: None and "nki" take the kernel path, the others their own path."""
+    seen = []
+    monkeypatch.setattr(lowering, "nki_gathered_attn_idx", lambda *a: seen.append("kernel") or a[0])
+    rule = lowering._neuron_rule(True)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
+    idx = jnp.asarray([[0, 1, -1], [2, -1, -1]], jnp.int32)
+    sink = jnp.full((4,), -jnp.inf, jnp.float32)
+    bias = jnp.zeros((2, 3), jnp.float32)
+    scale = jnp.full((2,), 0.125, jnp.float32)
+    args = (q, kv, idx, sink, bias, scale)
+
+    rule(*args, implementation=None)
+    rule(*args, implementation="nki")
+    assert seen == ["kernel", "kernel"]
+    np.testing.assert_array_equal(
+        np.asarray(rule(*args, implementation="reference"), np.float32),
+        np.asarray(primitives.path("reference", True)(*args), np.float32),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(rule(*args, implementation="nki_emulated"), np.float32),
+        np.asarray(lowering.emulated_gathered_attn_idx(*args), np.float32),
+    )
+    assert seen == ["kernel", "kernel"]
