@@ -470,8 +470,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shapes = [s for group in a.cases.split(",") for s in SHAPES[group.strip()]]
         repeats = a.repeats or (3 if a.quick else 15)
         for shape in shapes:
-            rec = bench_shape(shape, a.dtype, a.implementation, repeats, a.warmup,
-                              naive=not a.no_naive, gemm=not a.no_gemm)
+            try:
+                rec = bench_shape(shape, a.dtype, a.implementation, repeats, a.warmup,
+                                  naive=not a.no_naive, gemm=not a.no_gemm)
+            except (RuntimeError, NotImplementedError, ValueError) as err:
+                # e.g. implementation="nki" without the Neuron SDK: the library's message says why.
+                print(f"bench: {shape.name} ({shape.describe()}): {err}", file=sys.stderr)
+                return 2
             result["records"].append(rec)
             print(format_table([rec]).splitlines()[-1] if len(result["records"]) > 1
                   else format_table([rec]), flush=True)
