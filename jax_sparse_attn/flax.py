@@ -35,7 +35,7 @@ over ``B``, whose rule folds the per-sequence caches into one.
 **Gradients.** The top-k selection returns integer indices, so no gradient reaches the indexer
 through the main loss (``W_iq``, ``W_ik``, ``W_iw`` get zeros). Gradients flow through the attention
 into ``W_q``, ``W_kv``, ``W_o`` and the sink. DeepSeek trains the indexer with a separate
-distillation loss against the dense attention; :func:`indexer_scores` exposes the scores for that.
+distillation loss against the dense attention: :meth:`SparseAttention.indexer_loss`.
 
 No positional encoding is applied inside the layer; add one upstream (e.g. to ``x``) if needed.
 """
@@ -205,6 +205,14 @@ class SparseAttention(nnx.Module):
             length=jnp.zeros((batch_size,), jnp.int32),
         )
 
+    def _project(self, x):
+        """x [B, T, E] -> q [B, T, H, D], rows [B, T, D], iq [B, T, Hi, Di], ik [B, T, Di],
+        iw [B, T, Hi]."""
+        B, T, _ = x.shape
+        q = self.query(x).reshape(B, T, self.num_heads, self.head_dim)
+        iq = self.index_query(x).reshape(B, T, self.index_heads, self.index_dim)
+        return q, self.kv(x), iq, self.index_key(x), self.index_weights(x)
+
     def _check_input(self, x, cache):
         if x.ndim != 3 or x.shape[-1] != self.features:
             raise ValueError(
@@ -246,12 +254,8 @@ class SparseAttention(nnx.Module):
         """
         self._check_input(x, cache)
         B, T, _ = x.shape
-        H, D, Hi, Di = self.num_heads, self.head_dim, self.index_heads, self.index_dim
-        q = self.query(x).reshape(B, T, H, D)
-        rows = self.kv(x)
-        iq = self.index_query(x).reshape(B, T, Hi, Di)
-        ik = self.index_key(x)
-        iw = self.index_weights(x)
+        H, D = self.num_heads, self.head_dim
+        q, rows, iq, ik, iw = self._project(x)
         offsets = jnp.arange(T, dtype=jnp.int32)[None, :]
 
         if cache is None:
@@ -278,3 +282,52 @@ class SparseAttention(nnx.Module):
         o = jax.vmap(attend, in_axes=(0, 0, 0, None))(q, kv.astype(q.dtype), idx, self.sink[...])
         y = self.out(o.reshape(B, T, H * D))
         return y if cache is None else (y, new_cache)
+
+    def indexer_loss(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Distillation loss that trains the indexer to pick the rows the attention uses.
+
+        The top-k indices give the indexer no gradient, so, as in DeepSeek V3.2, the indexer learns
+        from its own loss: for each token, the target distribution over its causal rows is the
+        layer's **dense** attention (softmax with the sink, every head), summed over heads and
+        normalised to 1; the loss is ``KL(target || softmax(indexer scores))``, averaged over tokens.
+        The target and the indexer's input are detached, so only ``index_query``, ``index_key`` and
+        ``index_weights`` receive gradients; add it to the main loss (optionally weighted).
+
+        Costs ``O(B * T * H * T)`` memory (dense attention over the sequence): meant for training
+        sequences, without a cache.
+
+        Args:
+          x: ``[B, T, E]`` float, a whole sequence per batch element (positions ``0..T-1``).
+
+        Returns:
+          ``(loss, selected_mass)``: float32 scalars. ``selected_mass`` is the mean fraction of the
+          target mass that falls on the rows the indexer currently selects (1 = the top-k rows hold
+          all of the dense attention), a progress measure that has no gradient.
+        """
+        self._check_input(x, None)
+        B, T, _ = x.shape
+        # Detached input: this loss trains the indexer only, never the layer's input.
+        q, rows, iq, ik, iw = self._project(jax.lax.stop_gradient(x))
+        q, rows = jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows)
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
+        valid = jnp.arange(T)[None, None, :] <= positions[:, :, None]  # [B, T, R=T]
+
+        scale = self.head_dim**-0.5 if self.scale is None else self.scale
+        logits = jnp.einsum("bthd,brd->bthr", q, rows, preferred_element_type=jnp.float32)
+        logits = jnp.where(valid[:, :, None, :], logits * jnp.float32(scale), -jnp.inf)
+        sink = jax.lax.stop_gradient(self.sink[...])[None, None, :, None]
+        m = jnp.maximum(jnp.max(logits, -1, keepdims=True), sink)
+        e = jnp.exp(logits - m)
+        probs = e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m))  # [B, T, H, R]
+        target = jnp.sum(probs, axis=2)
+        target = target / jnp.maximum(jnp.sum(target, -1, keepdims=True), jnp.float32(1e-30))
+
+        scores = indexer_scores(iq, iw, ik, positions)
+        log_pred = jnp.where(valid, jax.nn.log_softmax(scores, axis=-1), 0.0)
+        log_target = jnp.log(jnp.where(target > 0, target, 1.0))
+        loss = jnp.mean(jnp.sum(target * (log_target - log_pred), axis=-1))
+
+        idx = select_topk_rows(scores, self.topk)
+        picked = jnp.take_along_axis(target, jnp.maximum(idx, 0), axis=-1)
+        selected_mass = jnp.mean(jnp.sum(jnp.where(idx >= 0, picked, 0.0), axis=-1))
+        return loss, jax.lax.stop_gradient(selected_mass)

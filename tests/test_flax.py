@@ -265,3 +265,42 @@ def test_clear_errors():
         layer(jnp.zeros((2, 1, E)), bad)
     with pytest.raises(ValueError, match="topk must be a positive integer"):
         SparseAttention(E, H, D, 0, rngs=nnx.Rngs(0))
+
+
+def test_indexer_loss_matches_numpy_and_trains_only_the_indexer():
+    B, T, K = 2, 7, 3
+    layer = make_layer(topk=K, seed=15, sink=SINK)
+    x = inputs(B, T, seed=16)
+    wt = weights(layer)
+    xs = np.asarray(x, np.float64)
+    scores = oracle_index_scores(wt, xs)
+    q = (xs @ wt["q"]).reshape(B, T, H, D)
+    kv = xs @ wt["kv"]
+    want_loss, want_mass = 0.0, 0.0
+    for b in range(B):
+        for t in range(T):
+            target = np.zeros(t + 1)
+            for h in range(H):
+                logits = kv[b, : t + 1] @ q[b, t, h] * D**-0.5
+                m = max(logits.max(), wt["sink"][h])
+                e = np.exp(logits - m)
+                target += e / (e.sum() + np.exp(wt["sink"][h] - m))
+            target /= target.sum()
+            s = scores[b, t, : t + 1]
+            log_pred = s - s.max() - np.log(np.exp(s - s.max()).sum())
+            want_loss += (target * (np.log(target) - log_pred)).sum() / (B * T)
+            chosen = sorted(range(t + 1), key=lambda r: (-s[r], r))[:K]
+            want_mass += target[chosen].sum() / (B * T)
+
+    (loss, mass), grads = nnx.jit(nnx.value_and_grad(lambda m, x: m.indexer_loss(x), has_aux=True))(
+        layer, x
+    )
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+    np.testing.assert_allclose(mass, want_mass, rtol=1e-5)
+    assert 0 < float(mass) < 1
+    for linear in (grads.index_query, grads.index_key, grads.index_weights):
+        grad = np.asarray(linear.kernel[...])
+        assert np.isfinite(grad).all() and np.abs(grad).max() > 0
+    for linear in (grads.query, grads.kv, grads.out):
+        assert not np.asarray(linear.kernel[...]).any()
+    assert not np.asarray(grads.sink[...]).any()
