@@ -254,10 +254,38 @@ class SparseAttention(nnx.Module):
         """
         self._check_input(x, cache)
         B, T, _ = x.shape
-        H, D = self.num_heads, self.head_dim
+        q, kv, idx, new_cache = self._queries_rows_and_selection(x, cache)
+
+        def attend(q_b, kv_b, idx_b, sink):
+            return gathered_attn_idx(
+                q_b, kv_b, idx_b, sink, scale=self.scale, implementation=self.implementation
+            )
+
+        o = jax.vmap(attend, in_axes=(0, 0, 0, None))(q, kv.astype(q.dtype), idx, self.sink[...])
+        y = self.out(o.reshape(B, T, self.num_heads * self.head_dim))
+        return y if cache is None else (y, new_cache)
+
+    def select_rows(self, x: jax.Array, cache: Optional[SparseAttentionCache] = None) -> jax.Array:
+        """The cache rows the indexer picks for each token (what ``self(x, cache)`` attends to).
+
+        Args: as :meth:`__call__`; the cache is not modified.
+
+        Returns:
+          ``[B, T, min(topk, R)]`` int32 rows (``R = T`` without a cache), best first; ``-1`` for
+          an empty slot.
+        """
+        self._check_input(x, cache)
+        return self._queries_rows_and_selection(x, cache)[2]
+
+    def _queries_rows_and_selection(self, x, cache):
+        """Projections, the cache write and the top-k selection.
+
+        Returns ``q [B, T, H, D]``, the rows to attend to ``kv [B, R, D]``, ``idx [B, T, k]`` and
+        the updated cache (``None`` without one).
+        """
+        B, T, _ = x.shape
         q, rows, iq, ik, iw = self._project(x)
         offsets = jnp.arange(T, dtype=jnp.int32)[None, :]
-
         if cache is None:
             positions = jnp.broadcast_to(offsets, (B, T))
             kv, index_keys, new_cache = rows, ik, None
@@ -271,17 +299,8 @@ class SparseAttention(nnx.Module):
                 ik.astype(cache.index_keys.dtype), mode="drop"
             )
             new_cache = SparseAttentionCache(kv, index_keys, cache.length + T)
-
         idx = select_topk_rows(indexer_scores(iq, iw, index_keys, positions), self.topk)
-
-        def attend(q_b, kv_b, idx_b, sink):
-            return gathered_attn_idx(
-                q_b, kv_b, idx_b, sink, scale=self.scale, implementation=self.implementation
-            )
-
-        o = jax.vmap(attend, in_axes=(0, 0, 0, None))(q, kv.astype(q.dtype), idx, self.sink[...])
-        y = self.out(o.reshape(B, T, H * D))
-        return y if cache is None else (y, new_cache)
+        return q, kv, idx, new_cache
 
     def indexer_loss(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Distillation loss that trains the indexer to pick the rows the attention uses.

@@ -118,6 +118,12 @@ def test_sparse_selection_matches_numpy_oracle():
         return chosen
 
     want = oracle_layer(wt, np.asarray(x), rows_of)
+    picked = np.asarray(layer.select_rows(x))
+    assert picked.shape == (B, T, K)
+    for b in range(B):
+        for t in range(T):
+            chosen = rows_of(b, t)
+            assert picked[b, t].tolist() == chosen + [-1] * (K - len(chosen)), (b, t)
     y = nnx.jit(lambda m, x: m(x))(layer, x)
     np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
     # A sparse selection really differs from dense attention here.
