@@ -36,6 +36,7 @@ over ``B``, whose rule folds the per-sequence caches into one.
 through the main loss (``W_iq``, ``W_ik``, ``W_iw`` get zeros). Gradients flow through the attention
 into ``W_q``, ``W_kv``, ``W_o`` and the sink. DeepSeek trains the indexer with a separate
 distillation loss against the dense attention: :meth:`SparseAttention.indexer_loss`.
+:meth:`SparseAttention.select_rows` shows which rows each token attends to.
 
 No positional encoding is applied inside the layer; add one upstream (e.g. to ``x``) if needed.
 """
@@ -198,7 +199,8 @@ class SparseAttention(nnx.Module):
         ``dtype`` defaults to the layer's ``dtype``, else float32. Tokens whose position is
         ``>= max_len`` are not stored (they still attend to the rows that are).
         """
-        dtype = dtype or self.dtype or jnp.float32
+        if dtype is None:
+            dtype = jnp.float32 if self.dtype is None else self.dtype
         return SparseAttentionCache(
             kv=jnp.zeros((batch_size, max_len, self.head_dim), dtype),
             index_keys=jnp.zeros((batch_size, max_len, self.index_dim), dtype),

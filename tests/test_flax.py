@@ -98,6 +98,11 @@ def test_topk_covering_the_sequence_is_dense_causal_attention(dtype, tol):
     assert y.dtype == (dtype or jnp.float32)
     want = oracle_layer(weights(layer), np.asarray(x), lambda b, t: range(t + 1))
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol)
+    # The same through a cache larger than the sequence (rows past T are never written).
+    cache = layer.init_cache(B, T + 3)
+    assert cache.kv.dtype == (dtype or jnp.float32)
+    y_cached, cache = nnx.jit(lambda m, x, c: m(x, c))(layer, x, cache)
+    np.testing.assert_allclose(np.asarray(y_cached, np.float64), want, rtol=tol, atol=tol)
 
 
 def test_sparse_selection_matches_numpy_oracle():
