@@ -8,6 +8,10 @@ Trainium and a bf16-exact pure-jnp reference everywhere else.
 from .api import gathered_attn, gathered_attn_idx
 from .primitives import gathered_attn_idx_p, gathered_attn_p
 
+# Registers implementation="nki_emulated" and the lazy "neuron" platform lowerings. Imports no
+# Neuron SDK: safe on every machine.
+from . import neuron  # noqa: E402,F401  (isort: after the primitives it extends)
+
 __version__ = "0.1.0"
 
 __all__ = [

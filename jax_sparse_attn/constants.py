@@ -25,3 +25,20 @@ EMPTY_SLOT_INDEX = 0
 
 # Largest cache the int32 kernel indices can address.
 MAX_ROWS = 2**31 - 1
+
+# --- NKI kernel geometry (used by the kernels, the Neuron packing and the tests) -----------------
+
+# Slots and head-dim columns travel in tiles of PARTITIONS rows: the kernel requires D and K to be
+# multiples of this (the packing pads both).
+KERNEL_TILE = PARTITIONS
+# Largest free size of one nc_matmul moving operand / one fp32 PSUM tile: the score matmul covers at
+# most this many slots per instruction, the value accumulator at most this many head-dim columns.
+MATMUL_MAX_N = PSUM_BANK_FP32
+# At most this many query heads per kernel call: they sit on the partitions of the score tile.
+MAX_HEADS_PER_CALL = PARTITIONS
+# dma_transpose writes 2-byte elements at 32-byte aligned destination offsets: the transposed q
+# tile pads its head axis to a multiple of this many bf16 elements.
+DMA_TRANSPOSE_ALIGN_ELEMS = 16
+# SBUF bytes per partition on the smallest target (trn1; trn2 has 224 KiB). The packing refuses
+# shapes whose per-token working set would not fit.
+SBUF_BYTES_PER_PARTITION = 192 * 1024

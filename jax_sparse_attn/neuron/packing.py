@@ -1,0 +1,179 @@
+"""Packing the primitives' operands into the NKI kernel interface, and unpacking the result (jnp).
+
+The kernels (:mod:`jax_sparse_attn.neuron.kernels`) accept bf16 only, ``D`` and ``K`` multiples of
+128, at most 128 heads per call, one ``[T, 16 + Kp]`` f32 tensor for scale and bias, and in-range
+indices. :func:`pack_for_kernel` turns the primitive operands into that form:
+
+- q and the slot rows are cast to bf16 (the kernel is bf16-only, also for f32 / f16 inputs);
+- ``D`` is zero-padded to ``Dp``, a multiple of 128 (zero columns change no dot product and give
+  zero output columns, cropped again);
+- ``K`` is padded to ``Kp``, a multiple of 128, with empty slots;
+- an empty slot (index outside ``[0, R)``, a ``-inf`` bias entry, or padding) is sent as index
+  ``EMPTY_SLOT_INDEX`` with bias ``EMPTY_LOGIT``: its logit is then exactly -1e30 and its
+  probability exactly 0 in every row that has a real slot;
+- ``H > 128`` is split into ``G`` groups of ``Hg = ceil(H / G)`` heads (one kernel call each; the
+  few padding heads get zero q and a ``-inf`` sink, and are cropped);
+- the per-token scale goes to column ``SCALE_COL`` of the bias tensor, the per-slot bias to
+  columns ``BIAS_PREFIX_COLS:``.
+
+:func:`unpack_from_kernel` reassembles ``[T, H, D]``, zeroes the rows that have no valid slot (the
+kernel zeroes them only when a finite sink overflows its denominator) and casts to q's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from ..constants import (
+    BIAS_PREFIX_COLS,
+    EMPTY_LOGIT,
+    EMPTY_SLOT_INDEX,
+    KERNEL_TILE,
+    MAX_HEADS_PER_CALL,
+    SBUF_BYTES_PER_PARTITION,
+    SCALE_COL,
+)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLayout:
+    """Static sizes of one packed call: the user's ``T, H, D, K`` and the kernel's padded ones."""
+
+    tokens: int
+    heads: int
+    dim: int
+    slots: int
+    head_groups: int  # G kernel calls
+    heads_per_group: int  # Hg <= 128
+    dim_padded: int  # Dp, multiple of 128
+    slots_padded: int  # Kp, multiple of 128
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute: the result is all zeros (``T``, ``H`` or ``K`` is 0)."""
+        return self.tokens == 0 or self.heads == 0 or self.slots == 0
+
+
+def kernel_layout(tokens: int, heads: int, dim: int, slots: int) -> KernelLayout:
+    """Chooses the padding and head grouping for ``q [T, H, D]`` with ``K`` slots per token."""
+    groups = max(1, -(-heads // MAX_HEADS_PER_CALL))
+    return KernelLayout(
+        tokens=tokens,
+        heads=heads,
+        dim=dim,
+        slots=slots,
+        head_groups=groups,
+        heads_per_group=max(1, -(-heads // groups)),
+        dim_padded=_round_up(max(dim, 1), KERNEL_TILE),
+        slots_padded=_round_up(max(slots, 1), KERNEL_TILE),
+    )
+
+
+def check_fits_on_chip(layout: KernelLayout) -> None:
+    """Raises a clear ``ValueError`` when one token's working set would overflow SBUF."""
+    from .kernels import sbuf_bytes_per_partition
+
+    need = sbuf_bytes_per_partition(layout.heads_per_group, layout.dim_padded, layout.slots_padded)
+    if need > SBUF_BYTES_PER_PARTITION:
+        raise ValueError(
+            f"the NKI kernel cannot hold one token with K={layout.slots} slots of head dim "
+            f"D={layout.dim} (padded to Kp={layout.slots_padded}, Dp={layout.dim_padded}) and "
+            f"{layout.heads_per_group} heads per call: it needs {need} bytes of SBUF per "
+            f"partition, more than {SBUF_BYTES_PER_PARTITION}; use fewer slots per token or "
+            "implementation='reference'"
+        )
+
+
+class PackedOperands(NamedTuple):
+    """Operands of the kernel calls (``G`` calls share everything but q and sink).
+
+    q_groups:    ``[G, T*Hg, Dp]`` bf16, group g's row ``t*Hg + h`` is head ``g*Hg + h``.
+    slot_rows:   ``kv [R, Dp]`` bf16 (indexed) or ``g2 [T*Kp, Dp]`` bf16, row ``t*Kp + j``.
+    idx:         ``[T, Kp]`` int32, every entry in ``[0, R)`` (indexed), else ``None``.
+    bias:        ``[T, 16 + Kp]`` f32: scale in column 0, per-slot bias (or -1e30) from column 16.
+    sink_groups: ``[G, Hg, 1]`` f32.
+    row_has_slot: ``[T]`` bool, whether the token has at least one valid slot.
+    """
+
+    q_groups: jax.Array
+    slot_rows: jax.Array
+    idx: Optional[jax.Array]
+    bias: jax.Array
+    sink_groups: jax.Array
+    row_has_slot: jax.Array
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def pack_for_kernel(q, slot_rows, sink, bias, scale, idx=None) -> tuple[PackedOperands, KernelLayout]:
+    """Packs normalised primitive operands for the NKI kernels.
+
+    Args:
+      q: ``[T, H, D]`` float. slot_rows: ``g [T, K, D]`` (``idx is None``) or ``kv [R, D]`` (R > 0).
+      sink: ``[H]`` f32 (``-inf`` = none). bias: ``[T, K]`` f32 (``-inf`` = empty slot).
+      scale: ``[T]`` f32. idx: ``[T, K]`` int32 or ``None``; outside ``[0, R)`` = empty slot.
+    Returns the packed operands and the static layout. The layout must not be empty.
+    """
+    T, H, D = q.shape
+    K = bias.shape[1]
+    layout = kernel_layout(T, H, D, K)
+    G, Hg, Dp, Kp = layout.head_groups, layout.heads_per_group, layout.dim_padded, layout.slots_padded
+
+    valid = bias != -jnp.inf
+    if idx is not None:
+        rows = slot_rows.shape[0]
+        valid = valid & (idx >= 0) & (idx < rows)
+
+    q_bf16 = _pad_axis(_pad_axis(q.astype(jnp.bfloat16), 2, Dp), 1, G * Hg)
+    q_groups = q_bf16.reshape(T, G, Hg, Dp).transpose(1, 0, 2, 3).reshape(G, T * Hg, Dp)
+    sink_groups = _pad_axis(sink.astype(jnp.float32), 0, G * Hg, -jnp.inf).reshape(G, Hg, 1)
+
+    slot_bias = _pad_axis(jnp.where(valid, bias, jnp.float32(EMPTY_LOGIT)), 1, Kp, EMPTY_LOGIT)
+    prefix = jnp.zeros((T, BIAS_PREFIX_COLS), jnp.float32).at[:, SCALE_COL].set(scale)
+    packed_bias = jnp.concatenate([prefix, slot_bias.astype(jnp.float32)], axis=1)
+
+    if idx is not None:
+        packed_idx = _pad_axis(
+            jnp.where(valid, idx, EMPTY_SLOT_INDEX).astype(jnp.int32), 1, Kp, EMPTY_SLOT_INDEX
+        )
+        packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
+    else:
+        packed_idx = None
+        g = _pad_axis(_pad_axis(slot_rows.astype(jnp.bfloat16), 2, Dp), 1, Kp)
+        packed_rows = g.reshape(T * Kp, Dp)
+
+    packed = PackedOperands(
+        q_groups=q_groups,
+        slot_rows=packed_rows,
+        idx=packed_idx,
+        bias=packed_bias,
+        sink_groups=sink_groups,
+        row_has_slot=jnp.any(valid, axis=1),
+    )
+    return packed, layout
+
+
+def unpack_from_kernel(out_groups, layout: KernelLayout, row_has_slot, dtype) -> jax.Array:
+    """``[G, T*Hg, Dp]`` kernel outputs -> ``[T, H, D]`` in ``dtype``, empty rows exactly 0."""
+    T, G, Hg, Dp = layout.tokens, layout.head_groups, layout.heads_per_group, layout.dim_padded
+    out = out_groups.reshape(G, T, Hg, Dp).transpose(1, 0, 2, 3).reshape(T, G * Hg, Dp)
+    out = out[:, : layout.heads, : layout.dim]
+    out = jnp.where(row_has_slot[:, None, None], out, jnp.zeros((), out.dtype))
+    return out.astype(dtype)
+
+
+def empty_result(q) -> jax.Array:
+    """The result when there is nothing to attend to (``T``, ``H`` or ``K`` is 0, or ``R`` is 0)."""
+    return jnp.zeros(q.shape, q.dtype)

@@ -1,0 +1,623 @@
+"""The ``nki.isa`` subset, emulated on the host (bind it as ``nisa``).
+
+Every instruction writes into a caller-provided ``dst`` whose shape must equal the computed value's
+shape exactly (no implicit broadcasting into ``dst``). Compute instructions read their inputs as
+fp32, compute in fp32 and round once to ``dst.dtype``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ..constants import PARTITIONS, PSUM_BANK_FP32
+from . import language as nl
+from ._core import (
+    _FP8_E4M3,
+    F32,
+    HBM_BUFFERS,
+    ON_CHIP,
+    PSUM,
+    SBUF,
+    AccessPattern,
+    Tensor,
+    read,
+    read_ap,
+    write,
+    write_ap,
+)
+from .errors import (
+    NkiDtypeError,
+    NkiEmulatorError,
+    NkiLimitError,
+    NkiMemorySpaceError,
+    NkiShapeError,
+    NkiUninitializedReadError,
+    NkiUnsupportedError,
+)
+from .language import (
+    begin,
+    check_dst_shape,
+    check_free_axes,
+    f32_values,
+    no_extra,
+    reduce_values,
+    same_base_partition,
+    tensor_arg,
+)
+
+__all__ = [
+    "reduce_cmd", "oob_mode", "engine", "dge_mode", "dma_copy", "dma_transpose", "tensor_copy",
+    "nc_matmul", "nc_transpose", "activation", "activation_reduce", "tensor_scalar",
+    "scalar_tensor_tensor", "tensor_tensor", "tensor_reduce", "reciprocal", "memset",
+]  # fmt: skip
+
+
+class reduce_cmd(enum.Enum):
+    """Scalar Engine reduce-register commands (``nisa.activation(reduce_cmd=...)``)."""
+
+    idle = "idle"
+    reset = "reset"
+    reduce = "reduce"
+    reset_reduce = "reset_reduce"
+    load_reduce = "load_reduce"
+
+
+_RC = reduce_cmd  # the enum, for functions whose reduce_cmd parameter shadows it
+
+
+class oob_mode(enum.Enum):
+    """What an indirect DMA does with an out-of-range index: raise (default) or skip that row."""
+
+    error = "error"
+    skip = "skip"
+
+
+_OOB = oob_mode
+
+
+class engine(enum.Enum):
+    unknown = "unknown"
+    tensor = "tensor"
+    vector = "vector"
+    scalar = "scalar"
+    gpsimd = "gpsimd"
+    sync = "sync"
+
+
+class dge_mode(enum.Enum):
+    unknown = "unknown"
+    none = "none"
+    swdge = "swdge"
+    hwdge = "hwdge"
+
+
+# Operators, keyed by the nl function (and the numpy ufunc older NKI code passes).
+_BINARY_OPS = {
+    nl.add: np.add, nl.subtract: np.subtract, nl.multiply: np.multiply, nl.divide: np.divide,
+    nl.maximum: np.maximum, nl.minimum: np.minimum,
+    np.add: np.add, np.subtract: np.subtract, np.multiply: np.multiply, np.divide: np.divide,
+    np.maximum: np.maximum, np.minimum: np.minimum,
+}  # fmt: skip
+_REDUCE_OPS = {
+    nl.add: np.add, nl.multiply: np.multiply, nl.max: np.maximum, nl.min: np.minimum,
+    np.add: np.add, np.multiply: np.multiply, np.max: np.maximum, np.min: np.minimum,
+}  # fmt: skip
+
+
+def _identity(v: np.ndarray) -> np.ndarray:
+    return v
+
+
+_ACTIVATIONS = {
+    nl.exp: np.exp, nl.copy: _identity, nl.tanh: np.tanh, nl.log: np.log, nl.sqrt: np.sqrt,
+    nl.square: np.square, nl.relu: lambda v: np.maximum(v, np.float32(0)),
+    nl.reciprocal: lambda v: np.float32(1) / v, nl.negative: np.negative,
+    np.exp: np.exp, np.tanh: np.tanh,
+}  # fmt: skip
+
+_MATMUL_INPUT_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (np.float32, ml_dtypes.bfloat16, np.float16, _FP8_E4M3, ml_dtypes.float8_e5m2)
+)
+
+
+def _op(table: dict, op: Any, instr: str, arg: str):
+    try:
+        return table[op]
+    except (KeyError, TypeError):
+        names = sorted(
+            k.__name__ for k in table if getattr(k, "__module__", "") == nl.__name__
+        )
+        raise NkiUnsupportedError(
+            f"{instr}: {arg}={getattr(op, '__name__', op)!r} is not an emulated operator "
+            f"(emulated: {', '.join(names)})"
+        ) from None
+
+
+def _free_broadcast(column: np.ndarray, ndim: int) -> np.ndarray:
+    """A ``[P, 1]`` column shaped to broadcast along all free axes of a rank-``ndim`` tile."""
+    return column.reshape((column.shape[0],) + (1,) * (ndim - 1))
+
+
+def _scalar_or_column(value: Any, data: Tensor, instr: str, arg: str, inputs: list) -> Any:
+    """A python/numpy scalar as fp32, or an on-chip ``[P, 1]`` tile as an fp32 column."""
+    if isinstance(value, Tensor):
+        tensor_arg(value, instr, arg, ON_CHIP)
+        if value.shape != (data.shape[0], 1):
+            raise NkiShapeError(
+                f"{instr}: {arg} must be a scalar or a [{data.shape[0]}, 1] column "
+                f"(one value per partition of data), got {value.describe()}"
+            )
+        inputs.append(value)
+        return _free_broadcast(f32_values(value, instr, arg), data.ndim)
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        return np.float32(value)
+    raise NkiUnsupportedError(f"{instr}: {arg} of type {type(value).__name__}")
+
+
+def _apply(fn, a, b, reverse: bool):
+    return fn(b, a) if reverse else fn(a, b)
+
+
+def _not_both_psum(instr: str, a: Tensor, b: Tensor, names: str) -> None:
+    if a.buffer is PSUM and b.buffer is PSUM:
+        raise NkiMemorySpaceError(
+            f"operand in the wrong memory: {instr} {names} may not both be in PSUM"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# data movement
+
+
+def dma_copy(
+    dst: Any,
+    src: Any,
+    dst_rmw_op: Any = None,
+    oob_mode: oob_mode = oob_mode.error,
+    dge_mode: Any = None,
+    engine: Any = None,
+    unique_indices: bool = True,
+    **kwargs: Any,
+) -> None:
+    """``dst = src`` by DMA, between any memories except that PSUM cannot be read; converts dtype.
+
+    ``src`` may be a tensor, a view or an access pattern ``t.ap(...)``; with
+    ``vector_offset=idx_tile`` it gathers HBM rows (an index outside the rows raises, or with
+    ``oob_mode=nisa.oob_mode.skip`` leaves that destination row untouched). ``dst_rmw_op=nl.add``
+    adds into ``dst`` instead of overwriting it.
+    """
+    instr = "nisa.dma_copy"
+    no_extra(kwargs, instr)
+    begin()
+    for arg, x in (("dst", dst), ("src", src)):
+        if not isinstance(x, (Tensor, AccessPattern)):
+            raise NkiUnsupportedError(f"{instr}: {arg} must be a tensor, view or ap, got {type(x).__name__}")
+    if src.buffer is PSUM:
+        raise NkiMemorySpaceError(
+            f"operand in the wrong memory: {instr} cannot read PSUM (src is {src.describe()}); "
+            "copy it to SBUF with nisa.tensor_copy first"
+        )
+    skip = oob_mode is _OOB.skip
+    if isinstance(src, AccessPattern):
+        values, rows_ok = read_ap(src, instr, "src", skip)
+    else:
+        values, rows_ok = read(src, instr, "src"), None
+    check_dst_shape(instr, dst, values.shape)
+    if dst_rmw_op is not None:
+        if dst_rmw_op not in (nl.add, np.add):
+            raise NkiUnsupportedError(f"{instr}: dst_rmw_op must be nl.add or None")
+        if isinstance(dst, AccessPattern):
+            raise NkiUnsupportedError(f"{instr}: dst_rmw_op with an access-pattern dst")
+        values = f32_values(dst, instr, "dst (dst_rmw_op reads it)") + values.astype(F32)
+    if isinstance(dst, AccessPattern):
+        if rows_ok is not None:
+            raise NkiUnsupportedError(f"{instr}: oob_mode=skip with an access-pattern dst")
+        write_ap(dst, values, instr)
+    elif rows_ok is None:
+        write(dst, values)
+    else:
+        dst._data[rows_ok] = values[rows_ok]
+        dst._mask[rows_ok] = True
+
+
+def dma_transpose(dst: Tensor, src: Tensor, axes: Any = None, dge_mode: Any = None, **kwargs: Any) -> None:
+    """``dst[B, A] = src[A, B].T`` by DMA, HBM -> SBUF, for 2-byte dtypes.
+
+    Rules: 2-byte dtypes only (no dtype conversion); the source free size ``B`` at most 128; the
+    destination view must start at a 32-byte aligned offset within its partition.
+    """
+    instr = "nisa.dma_transpose"
+    no_extra(kwargs, instr)
+    begin()
+    if axes not in (None, (1, 0), [1, 0]):
+        raise NkiUnsupportedError(f"{instr}: only the 2-D transpose axes=(1, 0) is emulated")
+    tensor_arg(src, instr, "src", HBM_BUFFERS)
+    tensor_arg(dst, instr, "dst", (SBUF,))
+    if src.ndim != 2 or dst.ndim != 2:
+        raise NkiShapeError(f"{instr}: 2-D src and dst only, got {src.shape} -> {dst.shape}")
+    if src.dtype.itemsize != 2:
+        raise NkiDtypeError(
+            f"dma_transpose of a {src.dtype.itemsize}-byte dtype ({src.dtype.name}): "
+            "dma_transpose moves 2-byte dtypes only (bf16/fp16)"
+        )
+    if dst.dtype != src.dtype:
+        raise NkiDtypeError(
+            f"{instr} does not convert dtypes: src {src.dtype.name}, dst {dst.dtype.name}"
+        )
+    if src.shape[1] > PARTITIONS:
+        raise NkiLimitError(
+            f"dma_transpose source free size over {PARTITIONS}: src shape {src.shape}"
+        )
+    check_dst_shape(instr, dst, src.shape[::-1])
+    st = dst._st
+    row_bytes = st.data.dtype.itemsize * int(np.prod(st.data.shape[1:], dtype=np.int64))
+    start = dst._data.__array_interface__["data"][0] - st.data.__array_interface__["data"][0]
+    if (start % row_bytes) % 32:
+        raise NkiLimitError(
+            f"dma_transpose destination offset not 32-byte aligned: dst view starts "
+            f"{start % row_bytes} bytes into its partition ({dst.describe()})"
+        )
+    write(dst, read(src, instr, "src").T)
+
+
+def tensor_copy(dst: Tensor, src: Tensor, engine: Any = None, **kwargs: Any) -> None:
+    """``dst = src`` between SBUF/PSUM tiles, converting the dtype."""
+    instr = "nisa.tensor_copy"
+    no_extra(kwargs, instr)
+    begin()
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    tensor_arg(src, instr, "src", ON_CHIP)
+    check_dst_shape(instr, dst, src.shape)
+    write(dst, read(src, instr, "src"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor Engine
+
+
+def nc_matmul(
+    dst: Tensor,
+    stationary: Tensor,
+    moving: Tensor,
+    is_stationary_onezero: bool = False,
+    is_moving_onezero: bool = False,
+    is_transpose: bool = False,
+    accumulate: Any = None,
+    tile_position: Any = (),
+    tile_size: Any = (),
+    perf_mode: Any = None,
+    **kwargs: Any,
+) -> None:
+    """``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]`` on the Tensor Engine, fp32 accumulation.
+
+    Contracts the partition axis of both inputs; K <= 128, M <= 128, N <= 512. Inputs in SBUF
+    (bf16, fp16, fp8 or fp32; fp32 only with fp32), ``dst`` an fp32 PSUM tile.
+    ``accumulate=True`` adds into ``dst`` (which must hold values), ``False`` overwrites it; the
+    emulator requires it explicitly (stricter than NKI's ``None`` default, whose meaning varies
+    across releases).
+    """
+    instr = "nisa.nc_matmul"
+    no_extra(kwargs, instr)
+    begin()
+    if is_transpose:
+        raise NkiUnsupportedError(f"{instr}: is_transpose=True is not emulated; use nisa.nc_transpose")
+    if tile_position or tile_size or perf_mode not in (None, "none"):
+        raise NkiUnsupportedError(f"{instr}: tile_position/tile_size/perf_mode are not emulated")
+    if not isinstance(accumulate, bool):
+        raise NkiUnsupportedError(
+            f"{instr}: pass accumulate=True (add into dst) or accumulate=False (overwrite dst) "
+            f"explicitly, got {accumulate!r}"
+        )
+    tensor_arg(stationary, instr, "stationary", (SBUF,))
+    tensor_arg(moving, instr, "moving", (SBUF,))
+    tensor_arg(dst, instr, "dst", (PSUM,))
+    if stationary.ndim != 2 or moving.ndim != 2:
+        raise NkiShapeError(
+            f"{instr}: 2-D stationary [K, M] and moving [K, N], got {stationary.shape} and {moving.shape}"
+        )
+    k, m = stationary.shape
+    k2, n = moving.shape
+    if k > PARTITIONS or m > PARTITIONS or n > PSUM_BANK_FP32:
+        raise NkiLimitError(
+            f"matmul K/M/N over {PARTITIONS}/{PARTITIONS}/{PSUM_BANK_FP32}: K={k}, M={m}, N={n} "
+            f"(stationary {stationary.shape}, moving {moving.shape})"
+        )
+    if k != k2:
+        raise NkiShapeError(
+            f"{instr}: stationary and moving must share the contraction (partition) size K, "
+            f"got {stationary.shape} and {moving.shape}"
+        )
+    for arg, t in (("stationary", stationary), ("moving", moving)):
+        if t.dtype not in _MATMUL_INPUT_DTYPES:
+            raise NkiDtypeError(f"{instr}: {arg} dtype {t.dtype.name} is not a matmul input dtype")
+    if (stationary.dtype == F32) != (moving.dtype == F32):
+        raise NkiDtypeError(
+            f"{instr}: an fp32 matmul needs both inputs fp32, got {stationary.dtype.name} and "
+            f"{moving.dtype.name}"
+        )
+    if dst.dtype != F32:
+        raise NkiDtypeError(f"{instr}: the PSUM dst accumulates in fp32, got {dst.dtype.name}")
+    check_dst_shape(instr, dst, (m, n))
+    same_base_partition(instr, stationary, moving)
+    product = f32_values(stationary, instr, "stationary").T @ f32_values(moving, instr, "moving")
+    if accumulate:
+        product = read(dst, instr, "dst (accumulate=True adds into it)") + product
+    write(dst, product)
+
+
+def nc_transpose(dst: Tensor, data: Tensor, engine: Any = None, **kwargs: Any) -> None:
+    """``dst[F, P] = data[P, F].T`` on the Tensor Engine: SBUF -> PSUM, at most 128 x 128, same dtype."""
+    instr = "nisa.nc_transpose"
+    no_extra(kwargs, instr)
+    begin()
+    if engine is not None and getattr(engine, "value", engine) not in ("unknown", "tensor"):
+        raise NkiUnsupportedError(f"{instr}: only the Tensor Engine transpose is emulated")
+    tensor_arg(data, instr, "data", (SBUF,))
+    tensor_arg(dst, instr, "dst", (PSUM,))
+    if data.ndim != 2:
+        raise NkiShapeError(f"{instr}: 2-D data only, got {data.shape}")
+    if data.shape[0] > PARTITIONS or data.shape[1] > PARTITIONS:
+        raise NkiLimitError(
+            f"transpose over {PARTITIONS} x {PARTITIONS}: data shape {data.shape}"
+        )
+    if dst.dtype != data.dtype:
+        raise NkiDtypeError(
+            f"{instr}: dst dtype {dst.dtype.name} must equal data dtype {data.dtype.name}"
+        )
+    check_dst_shape(instr, dst, data.shape[::-1])
+    write(dst, read(data, instr, "data").T)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scalar Engine
+
+
+def activation(
+    dst: Tensor,
+    op: Any,
+    data: Tensor,
+    bias: Any = None,
+    scale: Any = 1.0,
+    reduce_op: Any = None,
+    reduce_res: Tensor | None = None,
+    reduce_cmd: reduce_cmd = reduce_cmd.idle,
+    **kwargs: Any,
+) -> None:
+    """``dst = op(data * scale + bias)`` in fp32, with the Scalar Engine's reduce registers.
+
+    ``bias`` and ``scale``: scalars or ``[P, 1]`` columns. The reduction follows NKI >= 0.3
+    (SDK 2.29+): ``reduce_cmd`` drives 128 fp32 registers (one per partition):
+    ``reset`` zeroes them, ``reduce`` adds the free-axis sum of this result (the fp32 values,
+    before rounding to dst), ``reset_reduce`` does both, ``idle`` leaves them; passing
+    ``reduce_res`` (``[P, 1]``) reads the registers out after the update. So the sum of *this*
+    call reaches ``reduce_res`` only with ``reduce_cmd=nisa.reduce_cmd.reset_reduce`` (or
+    ``reduce`` after a reset); ``reduce_op`` must then be ``nl.add``. A ``reduce_op`` with an
+    ``idle``/``reset`` command, or a read of registers never reset, is rejected (strict reading:
+    on hardware it would silently return stale register contents).
+    """
+    instr = "nisa.activation"
+    no_extra(kwargs, instr)
+    ctx = begin()
+    tensor_arg(data, instr, "data", ON_CHIP)
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    fn = _op(_ACTIVATIONS, op, instr, "op")
+    inputs: list = [data]
+    scale_v = _scalar_or_column(scale, data, instr, "scale", inputs)
+    bias_v = np.float32(0) if bias is None else _scalar_or_column(bias, data, instr, "bias", inputs)
+    check_dst_shape(instr, dst, data.shape)
+    same_base_partition(instr, *inputs)
+    cmd = reduce_cmd
+    if not isinstance(cmd, _RC):
+        raise NkiUnsupportedError(f"{instr}: reduce_cmd must be a nisa.reduce_cmd, got {cmd!r}")
+    if cmd is _RC.load_reduce:
+        raise NkiUnsupportedError(f"{instr}: reduce_cmd=load_reduce is not emulated")
+    accumulates = cmd in (_RC.reduce, _RC.reset_reduce)
+    if reduce_op is not None and reduce_op not in (nl.add, np.add):
+        raise NkiUnsupportedError(f"{instr}: reduce_op must be nl.add (the only Scalar Engine reduction)")
+    if accumulates and reduce_op is None:
+        raise NkiShapeError(f"{instr}: reduce_cmd={cmd.name} needs reduce_op=nl.add")
+    if reduce_op is not None and not accumulates:
+        raise NkiEmulatorError(
+            f"activation reduce_op=nl.add with reduce_cmd={cmd.name} reduces nothing: in NKI >= 0.3 "
+            "pass reduce_cmd=nisa.reduce_cmd.reset_reduce to sum this activation into reduce_res"
+        )
+    with np.errstate(all="ignore"):
+        result = fn(f32_values(data, instr, "data") * scale_v + bias_v).astype(F32, copy=False)
+    if cmd is not _RC.idle or reduce_res is not None:
+        p = data.shape[0]
+        lanes = slice(data._p0, data._p0 + p)
+        regs, valid = ctx.reduce_regs, ctx.reduce_regs_valid
+        if cmd in (_RC.reset, _RC.reset_reduce):
+            regs[lanes] = 0.0
+            valid[lanes] = True
+        if accumulates:
+            if not valid[lanes].all():
+                raise NkiUninitializedReadError(
+                    f"read of memory never written: {instr} reduce_cmd=reduce adds into Scalar "
+                    "Engine reduce registers never reset (use reset_reduce first)"
+                )
+            with np.errstate(all="ignore"):
+                row_sums = reduce_values(np.add, result.reshape(p, -1), (1,), False)
+                regs[lanes] = regs[lanes] + row_sums
+        if reduce_res is not None:
+            tensor_arg(reduce_res, instr, "reduce_res", ON_CHIP)
+            if reduce_res.shape != (p, 1):
+                raise NkiShapeError(
+                    f"shape mismatch between dst and the computed value: {instr} reduce_res must "
+                    f"be [{p}, 1], got {reduce_res.describe()}"
+                )
+            if not valid[lanes].all():
+                raise NkiUninitializedReadError(
+                    f"read of memory never written: {instr} reduce_res reads Scalar Engine reduce "
+                    f"registers never reset (reduce_cmd={cmd.name}; use reset_reduce)"
+                )
+            write(reduce_res, regs[lanes].reshape(p, 1))
+    write(dst, result)
+
+
+def activation_reduce(
+    dst: Tensor,
+    op: Any,
+    data: Tensor,
+    reduce_op: Any,
+    reduce_res: Tensor,
+    bias: Any = None,
+    scale: Any = 1.0,
+    **kwargs: Any,
+) -> None:
+    """``nisa.activation`` with ``reduce_cmd=reset_reduce``: ``reduce_res`` gets this call's sum."""
+    activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
+               reduce_cmd=reduce_cmd.reset_reduce, **kwargs)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Vector Engine
+
+
+def tensor_scalar(
+    dst: Tensor,
+    data: Tensor,
+    op0: Any,
+    operand0: Any,
+    reverse0: bool = False,
+    op1: Any = None,
+    operand1: Any = None,
+    reverse1: bool = False,
+    engine: Any = None,
+    **kwargs: Any,
+) -> None:
+    """``dst = (data op0 operand0) op1 operand1`` in fp32; operands scalars or ``[P, 1]`` columns.
+
+    ``reverse0`` computes ``operand0 op0 data``; ``reverse1`` computes ``operand1 op1 (...)``.
+    """
+    instr = "nisa.tensor_scalar"
+    no_extra(kwargs, instr)
+    begin()
+    tensor_arg(data, instr, "data", ON_CHIP)
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    if (op1 is None) != (operand1 is None):
+        raise NkiShapeError(f"{instr}: op1 and operand1 go together (both set or both None)")
+    inputs: list = [data]
+    f0 = _op(_BINARY_OPS, op0, instr, "op0")
+    v0 = _scalar_or_column(operand0, data, instr, "operand0", inputs)
+    f1 = v1 = None
+    if op1 is not None:
+        f1 = _op(_BINARY_OPS, op1, instr, "op1")
+        v1 = _scalar_or_column(operand1, data, instr, "operand1", inputs)
+    check_dst_shape(instr, dst, data.shape)
+    same_base_partition(instr, *inputs)
+    with np.errstate(all="ignore"):
+        result = _apply(f0, f32_values(data, instr, "data"), v0, reverse0)
+        if f1 is not None:
+            result = _apply(f1, result, v1, reverse1)
+    write(dst, result)
+
+
+def scalar_tensor_tensor(
+    dst: Tensor,
+    data: Tensor,
+    op0: Any,
+    operand0: Any,
+    op1: Any,
+    operand1: Tensor,
+    reverse0: bool = False,
+    reverse1: bool = False,
+    **kwargs: Any,
+) -> None:
+    """``dst = (data op0 operand0) op1 operand1`` in fp32.
+
+    ``operand0``: scalar or ``[P, 1]`` column; ``operand1``: a tile of ``data``'s shape. ``data``
+    and ``operand1`` may not both be in PSUM.
+    """
+    instr = "nisa.scalar_tensor_tensor"
+    no_extra(kwargs, instr)
+    begin()
+    tensor_arg(data, instr, "data", ON_CHIP)
+    tensor_arg(operand1, instr, "operand1", ON_CHIP)
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    _not_both_psum(instr, data, operand1, "data and operand1")
+    if operand1.shape != data.shape:
+        raise NkiShapeError(
+            f"{instr}: operand1 must have data's shape {data.shape}, got {operand1.describe()}"
+        )
+    inputs: list = [data, operand1]
+    f0 = _op(_BINARY_OPS, op0, instr, "op0")
+    f1 = _op(_BINARY_OPS, op1, instr, "op1")
+    v0 = _scalar_or_column(operand0, data, instr, "operand0", inputs)
+    check_dst_shape(instr, dst, data.shape)
+    same_base_partition(instr, *inputs)
+    with np.errstate(all="ignore"):
+        result = _apply(f0, f32_values(data, instr, "data"), v0, reverse0)
+        result = _apply(f1, result, f32_values(operand1, instr, "operand1"), reverse1)
+    write(dst, result)
+
+
+def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: Any = None, **kwargs: Any) -> None:
+    """``dst = data1 op data2`` elementwise in fp32 (same shapes; not both in PSUM)."""
+    instr = "nisa.tensor_tensor"
+    no_extra(kwargs, instr)
+    begin()
+    tensor_arg(data1, instr, "data1", ON_CHIP)
+    tensor_arg(data2, instr, "data2", ON_CHIP)
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    _not_both_psum(instr, data1, data2, "data1 and data2")
+    if data1.shape != data2.shape:
+        raise NkiShapeError(f"{instr}: data1 {data1.shape} and data2 {data2.shape} differ")
+    fn = _op(_BINARY_OPS, op, instr, "op")
+    check_dst_shape(instr, dst, data1.shape)
+    same_base_partition(instr, data1, data2)
+    with np.errstate(all="ignore"):
+        result = fn(f32_values(data1, instr, "data1"), f32_values(data2, instr, "data2"))
+    write(dst, result)
+
+
+def tensor_reduce(
+    dst: Tensor,
+    op: Any,
+    data: Tensor,
+    axis: Any,
+    negate: bool = False,
+    keepdims: bool = False,
+    **kwargs: Any,
+) -> None:
+    """``dst = op-reduce(data, axis)`` along free axes (never axis 0), fp32; ``negate`` negates it."""
+    instr = "nisa.tensor_reduce"
+    no_extra(kwargs, instr)
+    begin()
+    tensor_arg(data, instr, "data", ON_CHIP)
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    fn = _op(_REDUCE_OPS, op, instr, "op")
+    axes = check_free_axes(instr, axis, data.ndim)
+    with np.errstate(all="ignore"):
+        result = reduce_values(fn, f32_values(data, instr, "data"), axes, keepdims)
+    if negate:
+        result = -result
+    check_dst_shape(instr, dst, result.shape)
+    write(dst, result)
+
+
+def reciprocal(dst: Tensor, data: Tensor, **kwargs: Any) -> None:
+    """``dst = 1 / data`` in fp32."""
+    instr = "nisa.reciprocal"
+    no_extra(kwargs, instr)
+    begin()
+    tensor_arg(data, instr, "data", ON_CHIP)
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    check_dst_shape(instr, dst, data.shape)
+    with np.errstate(all="ignore"):
+        result = np.float32(1) / f32_values(data, instr, "data")
+    write(dst, result)
+
+
+def memset(dst: Tensor, value: Any, engine: Any = None, **kwargs: Any) -> None:
+    """Fill the on-chip tile ``dst`` with ``value``."""
+    instr = "nisa.memset"
+    no_extra(kwargs, instr)
+    begin()
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    write(dst, np.asarray(value, F32))

@@ -1,0 +1,196 @@
+"""Packing for the NKI kernels and unpacking of their output, against plain numpy loops."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_sparse_attn.constants import BIAS_PREFIX_COLS, EMPTY_LOGIT, SCALE_COL
+from jax_sparse_attn.neuron import packing
+
+BF16 = ml_dtypes.bfloat16
+
+
+def flashmla_invalid(R):
+    """FlashMLA's test set of invalid indices for a cache of R rows (CONTRACT section 5)."""
+    return [-(2**31), -123456, -1, R, R + 114514, 2**31 - 1]
+
+
+def to_bf16(x):
+    return np.asarray(x, np.float32).astype(BF16)
+
+
+@pytest.mark.parametrize(
+    "H, groups, per_group", [(1, 1, 1), (64, 1, 64), (128, 1, 128), (129, 2, 65), (130, 2, 65),
+                             (200, 2, 100), (256, 2, 128), (300, 3, 100)]
+)
+def test_head_groups_have_at_most_128_heads(H, groups, per_group):
+    layout = packing.kernel_layout(3, H, 64, 10)
+    assert (layout.head_groups, layout.heads_per_group) == (groups, per_group)
+    assert layout.heads_per_group <= 128
+    assert layout.head_groups * layout.heads_per_group >= H
+    # Padding heads never fill a whole group.
+    assert layout.head_groups * layout.heads_per_group - H < layout.head_groups
+
+
+@pytest.mark.parametrize("D, Dp", [(1, 128), (64, 128), (128, 128), (576, 640), (1024, 1024)])
+@pytest.mark.parametrize("K, Kp", [(1, 128), (100, 128), (128, 128), (129, 256), (2048, 2048)])
+def test_dim_and_slots_padded_to_tiles(D, Dp, K, Kp):
+    layout = packing.kernel_layout(2, 4, D, K)
+    assert (layout.dim_padded, layout.slots_padded) == (Dp, Kp)
+
+
+def _inputs(rng, T, H, D, K):
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    sink = rng.standard_normal(H).astype(np.float32)
+    bias = rng.standard_normal((T, K)).astype(np.float32)
+    scale = rng.uniform(0.05, 0.2, T).astype(np.float32)
+    return q, sink, bias, scale
+
+
+def _check_common(packed, layout, q, sink, bias, scale, valid):
+    """q groups, sink groups and the bias tensor, element by element."""
+    T, H, D = q.shape
+    K = bias.shape[1]
+    G, Hg, Dp, Kp = layout.head_groups, layout.heads_per_group, layout.dim_padded, layout.slots_padded
+    q_groups = np.asarray(packed.q_groups)
+    assert q_groups.shape == (G, T * Hg, Dp) and q_groups.dtype == BF16
+    sink_groups = np.asarray(packed.sink_groups)
+    assert sink_groups.shape == (G, Hg, 1) and sink_groups.dtype == np.float32
+    for g in range(G):
+        for h in range(Hg):
+            head = g * Hg + h
+            for t in range(T):
+                row = q_groups[g, t * Hg + h].astype(np.float32)
+                if head < H:
+                    np.testing.assert_array_equal(row[:D], to_bf16(q[t, head]).astype(np.float32))
+                else:
+                    np.testing.assert_array_equal(row[:D], 0)
+                np.testing.assert_array_equal(row[D:], 0)
+            expected_sink = sink[head] if head < H else -np.inf
+            assert sink_groups[g, h, 0] == expected_sink
+
+    packed_bias = np.asarray(packed.bias)
+    assert packed_bias.shape == (T, BIAS_PREFIX_COLS + Kp) and packed_bias.dtype == np.float32
+    for t in range(T):
+        assert packed_bias[t, SCALE_COL] == scale[t]
+        others = [c for c in range(BIAS_PREFIX_COLS) if c != SCALE_COL]
+        np.testing.assert_array_equal(packed_bias[t, others], 0)
+        for j in range(Kp):
+            expected = bias[t, j] if j < K and valid[t, j] else EMPTY_LOGIT
+            assert packed_bias[t, BIAS_PREFIX_COLS + j] == np.float32(expected)
+    np.testing.assert_array_equal(np.asarray(packed.row_has_slot), valid.any(axis=1))
+
+
+@pytest.mark.parametrize("T, H, D, K", [(2, 130, 64, 100), (3, 1, 576, 1), (1, 200, 128, 129)])
+def test_pack_gathered(T, H, D, K):
+    rng = np.random.default_rng(0)
+    q, sink, bias, scale = _inputs(rng, T, H, D, K)
+    g = rng.standard_normal((T, K, D)).astype(np.float32)
+    bias[0, 0] = -np.inf  # an empty slot by bias
+    bias[T - 1, :] = -np.inf  # a token with no valid slot
+    packed, layout = packing.pack_for_kernel(
+        jnp.asarray(q), jnp.asarray(g), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale)
+    )
+    valid = bias != -np.inf
+    _check_common(packed, layout, q, sink, bias, scale, valid)
+    assert packed.idx is None
+    Kp, Dp = layout.slots_padded, layout.dim_padded
+    rows = np.asarray(packed.slot_rows)
+    assert rows.shape == (T * Kp, Dp) and rows.dtype == BF16
+    for t in range(T):
+        for j in range(Kp):
+            row = rows[t * Kp + j].astype(np.float32)
+            if j < K:
+                np.testing.assert_array_equal(row[:D], to_bf16(g[t, j]).astype(np.float32))
+            else:
+                np.testing.assert_array_equal(row[:D], 0)
+            np.testing.assert_array_equal(row[D:], 0)
+
+
+@pytest.mark.parametrize("T, H, D, K, R", [(2, 130, 64, 100, 37), (4, 64, 576, 7, 5)])
+def test_pack_idx_sends_every_empty_slot_as_row_0_with_bias_minus_1e30(T, H, D, K, R):
+    rng = np.random.default_rng(1)
+    q, sink, bias, scale = _inputs(rng, T, H, D, K)
+    kv = rng.standard_normal((R, D)).astype(np.float32)
+    idx = rng.integers(0, R, (T, K)).astype(np.int64)
+    invalid = np.array(flashmla_invalid(R), np.int64)
+    for j, bad in enumerate(invalid[: min(K, len(invalid))]):
+        idx[0, j] = bad
+    idx[1, :] = invalid[np.arange(K) % len(invalid)]  # token 1: no valid slot at all
+    bias[T - 1, K - 1] = -np.inf  # a valid index made empty by its bias
+    # The primitive receives int32 with -1 for every out-of-range index (api._normalise_idx).
+    prim_idx = np.where((idx >= 0) & (idx < R), idx, -1).astype(np.int32)
+    packed, layout = packing.pack_for_kernel(
+        jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale),
+        idx=jnp.asarray(prim_idx),
+    )
+    valid = (idx >= 0) & (idx < R) & (bias != -np.inf)
+    _check_common(packed, layout, q, sink, bias, scale, valid)
+    assert not np.asarray(packed.row_has_slot)[1]
+
+    Kp, Dp = layout.slots_padded, layout.dim_padded
+    packed_idx = np.asarray(packed.idx)
+    assert packed_idx.shape == (T, Kp) and packed_idx.dtype == np.int32
+    for t in range(T):
+        for j in range(Kp):
+            expected = idx[t, j] if j < K and valid[t, j] else 0
+            assert packed_idx[t, j] == expected
+    assert packed_idx.min() >= 0 and packed_idx.max() < R
+    rows = np.asarray(packed.slot_rows)
+    assert rows.shape == (R, Dp) and rows.dtype == BF16
+    np.testing.assert_array_equal(rows[:, :D].astype(np.float32), to_bf16(kv).astype(np.float32))
+    np.testing.assert_array_equal(rows[:, D:].astype(np.float32), 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+@pytest.mark.parametrize("T, H, D", [(3, 200, 576), (2, 1, 64), (1, 128, 128)])
+def test_unpack_reassembles_heads_crops_and_zeroes_empty_rows(T, H, D, dtype):
+    rng = np.random.default_rng(2)
+    layout = packing.kernel_layout(T, H, D, 10)
+    G, Hg, Dp = layout.head_groups, layout.heads_per_group, layout.dim_padded
+    out_groups = to_bf16(rng.standard_normal((G, T * Hg, Dp)))
+    has_slot = np.arange(T) % 2 == 0
+    out = packing.unpack_from_kernel(jnp.asarray(out_groups), layout, jnp.asarray(has_slot), dtype)
+    assert out.shape == (T, H, D) and out.dtype == dtype
+    out = np.asarray(out)
+    for t in range(T):
+        for head in range(H):
+            g, h = divmod(head, Hg)
+            kernel_row = out_groups[g, t * Hg + h, :D] if has_slot[t] else np.zeros(D, BF16)
+            # One cast from the kernel's bf16 to q's dtype.
+            np.testing.assert_array_equal(out[t, head], kernel_row.astype(np.dtype(dtype)))
+
+
+def test_pack_then_unpack_of_q_is_the_bf16_query():
+    """Feeding the packed q back as if it were the kernel's output recovers bf16(q)."""
+    rng = np.random.default_rng(3)
+    T, H, D, K = 3, 257, 100, 5
+    q, sink, bias, scale = _inputs(rng, T, H, D, K)
+    g = rng.standard_normal((T, K, D)).astype(np.float32)
+
+    @jax.jit
+    def round_trip(q, g, sink, bias, scale):
+        packed, layout = packing.pack_for_kernel(q, g, sink, bias, scale)
+        return packing.unpack_from_kernel(packed.q_groups, layout, packed.row_has_slot, q.dtype)
+
+    out = round_trip(q, g, sink, bias, scale)
+    np.testing.assert_array_equal(np.asarray(out), to_bf16(q).astype(np.float32))
+
+
+def test_shape_too_large_for_sbuf_is_a_clear_error():
+    layout = packing.kernel_layout(1, 128, 1024, 65536)
+    with pytest.raises(ValueError, match=r"K=65536 .*D=1024.*SBUF"):
+        packing.check_fits_on_chip(layout)
+    packing.check_fits_on_chip(packing.kernel_layout(1, 128, 576, 2048))  # DeepSeek-like: fits
+
+
+def test_sbuf_estimate_grows_with_slots_and_dim():
+    from jax_sparse_attn.neuron.kernels import sbuf_bytes_per_partition
+
+    base = sbuf_bytes_per_partition(64, 512, 2048)
+    # Slot rows and their transpose dominate: 2 * Kp * Dp * 2 bytes over 128 partitions.
+    assert base >= 2 * 2048 * 512 * 2 // 128
+    assert sbuf_bytes_per_partition(64, 512, 4096) > base
+    assert sbuf_bytes_per_partition(64, 1024, 2048) > base
