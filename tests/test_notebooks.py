@@ -52,7 +52,11 @@ def execute(notebook_path: pathlib.Path):
 
 
 def test_there_are_notebooks():
-    assert [p.name for p in NOTEBOOKS][:2] == ["01_quickstart.ipynb", "02_flax_model.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_quickstart.ipynb",
+        "02_flax_model.ipynb",
+        "03_neuron_path.ipynb",
+    ]
 
 
 @pytest.mark.parametrize("notebook_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
