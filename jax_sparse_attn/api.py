@@ -135,6 +135,12 @@ def _normalise_idx(idx, rows: int):
     Validity is decided in a dtype wide enough to hold both the index and ``R``, so an int64 or
     uint32 index beyond int32 is empty rather than wrapped into range.
     """
+    if isinstance(idx, np.ndarray):
+        # Concrete host indices: decide validity in numpy before JAX would canonicalise an int64
+        # array to int32 (which wraps 2**32 + 5 into the valid row 5 when x64 is off).
+        idx = np.asarray(idx)
+        valid = (idx >= 0) & (idx < rows)
+        return jnp.asarray(np.where(valid, idx, -1).astype(np.int32))
     idx = jnp.asarray(idx)
     if idx.dtype.itemsize < 4:
         idx = idx.astype(jnp.int32)
@@ -162,7 +168,9 @@ def gathered_attn_idx(
       q: ``[T, H, D]`` queries, bf16 (f16 and f32 accepted).
       kv: ``[R, D]`` cache; each row is key and value (one KV head); computed in ``q``'s dtype.
       idx: ``[T, K]`` any integer dtype: the cache row of each slot. ``idx < 0`` or ``idx >= R``
-        is an empty slot.
+        is an empty slot. (With x64 disabled, JAX itself narrows 64-bit arrays to int32 when they
+        enter ``jax.jit`` as arguments; numpy arrays passed to this function directly are checked
+        at full width.)
       sink: ``[H]`` per-head sink logits (cast to f32), or ``None``. ``-inf`` = no sink;
         ``+inf`` makes that head's output 0.
       bias: ``[T, K]`` additive logit bias (cast to f32), or ``None``; ``-inf`` = empty slot.

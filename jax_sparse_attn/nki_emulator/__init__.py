@@ -48,6 +48,12 @@ Where the NKI docs are ambiguous the stricter reading is taken and written next 
 Numerics. Compute instructions read fp32, compute in fp32 and round once to the destination dtype;
 matmuls accumulate in fp32 (numpy's summation order, not the PE array's: expect last-bit fp32
 differences from hardware); free-axis sums accumulate in float64 and round once to fp32.
+Float-to-integer conversions truncate toward zero (numpy's cast); the hardware's rounding mode
+for such casts is not modelled.
+
+Not emulated (raises :class:`NkiUnsupportedError`): masks, ``tensor.ap`` on on-chip tensors or
+on views, scatter (indirect destinations), ``t[...] = value`` assignment, and the NKI functions
+not listed above.
 """
 
 from __future__ import annotations

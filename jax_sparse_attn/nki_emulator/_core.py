@@ -528,33 +528,20 @@ class AccessPattern:
             raise NkiShapeError(f"ap pattern counts must be positive and strides >= 0: {pairs}")
         if not _is_int(offset) or offset < 0:
             raise NkiOutOfBoundsError(f"access outside a tensor: ap offset {offset!r}")
+        if st.buffer.on_chip and vector_offset is not None:
+            raise NkiMemorySpaceError(
+                f"operand in the wrong memory: an indirect (vector_offset) access pattern gathers "
+                f"HBM rows, {base.describe()} is on chip"
+            )
         if st.buffer.on_chip:
-            row = int(np.prod(st.data.shape[1:], dtype=np.int64))
-            if pairs[0][0] != row or len(pairs) < 2:
-                raise NkiUnsupportedError(
-                    f"an on-chip ap must start with the partition pair [{row}, partitions] "
-                    f"followed by free-axis pairs, got {pairs}"
-                )
-            if any(s * (c - 1) for s, c in pairs[1:]) and (
-                offset % row + sum(s * (c - 1) for s, c in pairs[1:]) >= row
-            ):
-                raise NkiOutOfBoundsError(
-                    f"access outside a tensor: on-chip ap {pairs} offset {offset} leaves the "
-                    f"partition row of {row} elements"
-                )
-            if offset // row + pairs[0][1] > st.data.shape[0]:
-                raise NkiOutOfBoundsError(
-                    f"access outside a tensor: ap reaches partition {offset // row + pairs[0][1] - 1} "
-                    f"of {base.describe()}"
-                )
+            # The kernels use access patterns on HBM only; the partition-step convention of
+            # on-chip patterns is not modelled, so refuse rather than guess.
+            raise NkiUnsupportedError(
+                f"tensor.ap on an on-chip tensor is not emulated ({base.describe()}); slice it"
+            )
         if vector_offset is not None:
             if indirect_dim != 0:
                 raise NkiUnsupportedError(f"indirect_dim={indirect_dim}: only indirect_dim=0 is emulated")
-            if st.buffer.on_chip:
-                raise NkiMemorySpaceError(
-                    f"operand in the wrong memory: an indirect (vector_offset) access pattern reads "
-                    f"HBM rows, {base.describe()} is on chip"
-                )
             if not isinstance(vector_offset, Tensor) or vector_offset.buffer is not SBUF:
                 raise NkiMemorySpaceError(
                     "operand in the wrong memory: vector_offset must be an SBUF tile of row indices"

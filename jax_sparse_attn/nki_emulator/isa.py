@@ -225,7 +225,15 @@ def dma_copy(
         dst._mask[rows_ok] = True
 
 
-def dma_transpose(dst: Tensor, src: Tensor, axes: Any = None, dge_mode: Any = None, **kwargs: Any) -> None:
+def dma_transpose(
+    dst: Tensor,
+    src: Tensor,
+    axes: Any = None,
+    dge_mode: Any = None,
+    oob_mode: Any = None,
+    priority: Any = None,
+    **kwargs: Any,
+) -> None:
     """``dst[B, A] = src[A, B].T`` by DMA, HBM -> SBUF, for 2-byte dtypes.
 
     Rules: 2-byte dtypes only (no dtype conversion); the source free size ``B`` at most 128; the

@@ -1,0 +1,99 @@
+"""Independent oracles for the tests, written plainly in numpy (never calling the library).
+
+``attention_f64``: the mathematical definition in float64.
+``attention_bf16_contract``: a numpy model of CONTRACT section 2 for 16-bit inputs (bf16 operands,
+fp32 logits/softmax/denominator, bf16 probabilities in the value product, one final rounding).
+``within_one_ulp``: the fraction of elements that agree to one unit in the last place of bf16.
+"""
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+FLASHMLA_INVALID = (-(2**31), -123456, -1)  # plus R, R + 114514, 2**31 - 1, which depend on R
+
+
+def invalid_indices(rows):
+    """FlashMLA's test set of invalid indices for a cache of ``rows`` rows."""
+    return list(FLASHMLA_INVALID) + [rows, rows + 114514, 2**31 - 1]
+
+
+def gather(kv, idx):
+    """``x[t, j] = kv[idx[t, j]]`` for valid slots, zeros elsewhere; also returns the validity."""
+    kv = np.asarray(kv)
+    idx = np.asarray(idx).astype(np.int64)
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    x = np.zeros(idx.shape + kv.shape[1:], kv.dtype)
+    x[valid] = kv[idx[valid]]
+    return x, valid
+
+
+def attention_f64(q, x, valid, sink=None, bias=None, scale=None):
+    """float64 softmax attention with a sink in the denominator.
+
+    q [T, H, D], x [T, K, D], valid [T, K] bool, sink [H] or None, bias [T, K] or None.
+    """
+    q = np.asarray(q, np.float64)
+    x = np.asarray(x, np.float64)
+    T, H, D = q.shape
+    K = x.shape[1]
+    valid = np.asarray(valid, bool).copy()
+    bias = np.zeros((T, K)) if bias is None else np.asarray(bias, np.float64)
+    valid &= ~np.isneginf(bias)
+    sink = np.full(H, -np.inf) if sink is None else np.asarray(sink, np.float64)
+    scale = D**-0.5 if scale is None else float(scale)
+    out = np.zeros((T, H, D))
+    for t in range(T):
+        if not valid[t].any():
+            continue
+        xs = x[t][valid[t]]  # [k, D]
+        logits = (q[t] @ xs.T) * scale + bias[t][valid[t]][None, :]  # [H, k]
+        m = logits.max(axis=1, keepdims=True)
+        e = np.exp(logits - m)
+        with np.errstate(over="ignore"):
+            den = e.sum(axis=1) + np.exp(sink - m[:, 0])
+        out[t] = (e @ xs) / den[:, None]
+    return out
+
+
+def attention_bf16_contract(q, x, valid, sink=None, bias=None, scale=None, dtype=BF16):
+    """numpy model of the contract's arithmetic for 16-bit float inputs (returns ``dtype``)."""
+    q = np.asarray(q).astype(np.float64)
+    x = np.asarray(x).astype(np.float64)
+    T, H, D = q.shape
+    K = x.shape[1]
+    valid = np.asarray(valid, bool).copy()
+    bias = np.zeros((T, K), np.float32) if bias is None else np.asarray(bias, np.float32)
+    valid &= ~np.isneginf(bias)
+    sink = np.full(H, -np.inf, np.float32) if sink is None else np.asarray(sink, np.float32)
+    scale = np.float32(D**-0.5 if scale is None else scale)
+    out = np.zeros((T, H, D), dtype)
+    for t in range(T):
+        if not valid[t].any():
+            continue
+        s = (q[t] @ x[t].T).astype(np.float32)  # exact products, fp32 result
+        b = np.where(valid[t], bias[t], np.float32(-1e30)).astype(np.float32)
+        s = (s * scale).astype(np.float32) + b[None, :]
+        m = s.max(axis=1, keepdims=True)
+        e = np.exp(s - m).astype(np.float32)
+        with np.errstate(over="ignore"):
+            den = e.sum(axis=1, dtype=np.float32) + np.exp(sink - m[:, 0]).astype(np.float32)
+        p = e.astype(dtype).astype(np.float64)
+        num = (p @ x[t]).astype(np.float32)
+        out[t] = (num / den[:, None]).astype(dtype)
+    return out
+
+
+def _ordered_bits(a, dtype):
+    bits = np.asarray(a, dtype).view(np.uint16).astype(np.int32)
+    magnitude = bits & 0x7FFF
+    return np.where(bits & 0x8000, -magnitude, magnitude)
+
+
+def within_one_ulp(actual, expected, dtype=BF16):
+    """Fraction of elements whose 16-bit encodings differ by at most one step (+0 == -0)."""
+    a = _ordered_bits(actual, dtype)
+    e = _ordered_bits(np.asarray(expected).astype(dtype), dtype)
+    if a.size == 0:
+        return 1.0
+    return float(np.mean(np.abs(a - e) <= 1))

@@ -1,0 +1,798 @@
+"""The NKI emulator: each instruction against plain numpy, each rejection rule, and simulate().
+
+Oracles are float64 numpy written out here; bf16 rounding is checked against a bit-level
+round-to-nearest-even written here too, not against ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_sparse_attn import nki_emulator
+from jax_sparse_attn.nki_emulator import isa as nisa
+from jax_sparse_attn.nki_emulator import language as nl
+from jax_sparse_attn.nki_emulator import simulate
+from jax_sparse_attn.nki_emulator.errors import (
+    NkiCapacityError,
+    NkiDtypeError,
+    NkiEmulatorError,
+    NkiLimitError,
+    NkiMemorySpaceError,
+    NkiOutOfBoundsError,
+    NkiShapeError,
+    NkiUninitializedReadError,
+    NkiUnsupportedError,
+)
+
+BF16 = ml_dtypes.bfloat16
+F32_TOL = dict(rtol=2e-6, atol=1e-6)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def bf16_rne(x: np.ndarray) -> np.ndarray:
+    """float32 -> nearest bf16 (ties to even), returned as float64, by bit arithmetic."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def as64(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def copy_out(tile):
+    """Kernel helper: a shared-HBM output holding the on-chip ``tile`` (via SBUF)."""
+    out = nl.ndarray(tile.shape, tile.dtype, buffer=nl.shared_hbm)
+    if tile.buffer is nl.psum:
+        staged = nl.ndarray(tile.shape, tile.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=staged, src=tile)
+        tile = staged
+    nl.store(out, value=tile)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# simulate and binding
+
+
+def test_simulate_binds_nki_names_over_guarded_imports():
+    # A kernel module whose `import nki` failed: its globals hold None for all three names, and the
+    # kernel calls a helper of the same module.
+    module = types.ModuleType("guarded_kernel_module")
+    exec(
+        "nki = nl = nisa = None\n"
+        "def _double(tile):\n"
+        "    return nl.add(tile, tile)\n"
+        "def kernel(x):\n"
+        "    out = nki.language.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)\n"
+        "    nl.store(out, value=_double(nl.load(x)))\n"
+        "    return out\n",
+        module.__dict__,
+    )
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_array_equal(simulate(module.kernel)(x), 2 * x)
+    assert module.nl is None  # the module itself is left alone
+
+
+def test_simulate_unwraps_kernel_objects_and_returns_tuples():
+    class Jitted:  # what a decorator such as nki.jit may return
+        def __init__(self, func):
+            self.func = func
+
+    def two_outputs(x):
+        a = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        b = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        nl.store(a, value=t)
+        nl.store(b, value=t)
+        return a, b
+
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    a, b = simulate(Jitted(two_outputs))(x)
+    assert a.dtype == np.float32 and b.dtype == BF16
+    np.testing.assert_array_equal(a, x)
+    np.testing.assert_array_equal(as64(b), bf16_rne(x))
+
+
+def test_jit_is_a_passthrough_decorator():
+    def f(x):
+        return x
+
+    assert nki_emulator.jit(f) is f
+    assert nki_emulator.jit(mode="simulation")(f) is f
+
+
+def test_kernel_inputs_are_copies_and_host_arrays_untouched():
+    def kernel(x):
+        t = nl.load(x)
+        nl.store(x, value=nl.negative(t))  # writes the HBM copy of the argument
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.load(x))
+        return out
+
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_array_equal(simulate(kernel)(x), -x)
+    np.testing.assert_array_equal(x, np.ones((2, 3)))
+
+
+def test_calls_outside_simulate_are_rejected():
+    with pytest.raises(NkiEmulatorError, match="outside a simulated kernel"):
+        nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+
+
+def test_float64_inputs_are_rejected():
+    def kernel(x):
+        return x
+
+    with pytest.raises(NkiDtypeError, match="unsupported dtype"):
+        simulate(kernel)(np.zeros((2, 2)))
+
+
+def test_unknown_target_is_rejected():
+    with pytest.raises(ValueError, match="trn1"):
+        simulate(lambda x: x, target="trn9")
+
+
+# ------------------------------------------------------------------------------------------------
+# data movement
+
+
+def test_load_store_round_bf16_to_nearest_even(rng):
+    # Values exactly halfway between two bf16 numbers, plus random ones.
+    halfway = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(2 + 2**-7), 3 * 2**-8], np.float32)
+    x = np.concatenate([halfway, rng.standard_normal(124).astype(np.float32)]).reshape(4, 32)
+
+    def kernel(x):
+        out = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.load(x))
+        return out
+
+    got = as64(simulate(kernel)(x))
+    np.testing.assert_array_equal(got, bf16_rne(x))
+    assert list(got.reshape(-1)[:4]) == [1.0, 1 + 2**-6, -2.0, 3 * 2**-8]
+
+
+def test_load_with_dtype_and_copy_cast(rng):
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+
+    def kernel(x):
+        t = nl.load(x, dtype=nl.bfloat16)
+        return copy_out(nl.copy(t, dtype=nl.float32))
+
+    np.testing.assert_array_equal(as64(simulate(kernel)(x)), bf16_rne(x))
+
+
+def test_broadcast_to_partition_and_free_axes(rng):
+    row = rng.standard_normal((1, 6)).astype(np.float32)
+    col = rng.standard_normal((5, 1)).astype(np.float32)
+
+    def kernel(row, col):
+        a = nl.broadcast_to(nl.load(row), shape=(5, 6))
+        b = nl.broadcast_to(nl.load(col), shape=(5, 6))
+        return copy_out(a), copy_out(b)
+
+    a, b = simulate(kernel)(row, col)
+    np.testing.assert_array_equal(a, np.repeat(row, 5, axis=0))
+    np.testing.assert_array_equal(b, np.repeat(col, 6, axis=1))
+
+
+def test_views_write_through_to_their_allocation(rng):
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+
+    def kernel(x):
+        tile = nl.ndarray((4, 2, 8), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile[:, 1, :], src=x)
+        nisa.dma_copy(dst=tile[:, 0, 0:4], src=x[:, 4:8])
+        nisa.dma_copy(dst=tile[:, 0, 4:8], src=x[:, 0:4])
+        out = nl.ndarray((4, 16), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[:, 0:8], src=tile[:, 0, :])
+        nisa.dma_copy(dst=out[:, 8:16], src=tile[:, 1, :])
+        return out
+
+    got = simulate(kernel)(x)
+    np.testing.assert_array_equal(got, np.concatenate([x[:, 4:], x[:, :4], x], axis=1))
+
+
+def test_dma_copy_converts_dtype_and_adds_with_rmw(rng):
+    x = rng.standard_normal((8, 8)).astype(np.float32)
+
+    def kernel(x):
+        tile = nl.ndarray((8, 8), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x)
+        out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=x)
+        nisa.dma_copy(dst=out, src=tile, dst_rmw_op=nl.add)
+        return out
+
+    np.testing.assert_allclose(as64(simulate(kernel)(x)), as64(x) + bf16_rne(x), **F32_TOL)
+
+
+def test_dma_copy_direct_access_pattern(rng):
+    # Partition p reads idx[t, first + p]: an [N, 1] column out of a row-major [T, K] tensor.
+    idx = rng.integers(0, 100, (3, 40)).astype(np.int32)
+
+    def kernel(idx):
+        col = nl.ndarray((16, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=col, src=idx.ap(pattern=[[1, 16], [1, 1]], offset=1 * 40 + 8))
+        # Every other element of row 2, as one partition.
+        strided = nl.ndarray((1, 20), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=strided, src=idx.ap(pattern=[[40, 1], [2, 20]], offset=80))
+        return copy_out(col), copy_out(strided)
+
+    col, strided = simulate(kernel)(idx)
+    np.testing.assert_array_equal(col[:, 0], idx[1, 8:24])
+    np.testing.assert_array_equal(strided[0], idx[2, ::2])
+
+
+def test_dma_copy_indirect_row_gather(rng):
+    kv = rng.standard_normal((50, 24)).astype(BF16)
+    idx = np.array([3, 49, 0, 3, 17, 3, 22, 8], np.int32)  # duplicates gather twice
+
+    def kernel(kv, idx):
+        rows = nl.ndarray((8, 2, 24), nl.bfloat16, buffer=nl.sbuf)
+        index = nl.load(idx.reshape(8, 1))
+        nisa.dma_copy(
+            dst=rows[:, 1, :],
+            src=kv.ap(pattern=[[24, 8], [1, 24]], offset=0, vector_offset=index, indirect_dim=0),
+        )
+        out = nl.ndarray((8, 24), nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.copy(rows[:, 1, :]))
+        return out
+
+    np.testing.assert_array_equal(simulate(kernel)(kv, idx), kv[idx])
+
+
+def test_gather_with_oob_skip_leaves_bad_rows_untouched(rng):
+    kv = rng.standard_normal((10, 4)).astype(np.float32)
+    idx = np.array([[2], [10], [-1], [9]], np.int32)
+
+    def kernel(kv, idx):
+        rows = nl.zeros((4, 4), nl.float32)
+        nisa.dma_copy(
+            dst=rows,
+            src=kv.ap(pattern=[[4, 4], [1, 4]], vector_offset=nl.load(idx)),
+            oob_mode=nisa.oob_mode.skip,
+        )
+        return copy_out(rows)
+
+    got = simulate(kernel)(kv, idx)
+    np.testing.assert_array_equal(got, np.stack([kv[2], np.zeros(4), np.zeros(4), kv[9]]))
+
+
+def test_dma_transpose_into_aligned_view(rng):
+    x = rng.standard_normal((16, 128)).astype(BF16)
+
+    def kernel(x):
+        q_t = nl.ndarray((128, 2, 32), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=q_t[:, 1, 16:32], src=x)  # starts 96 bytes into each partition
+        out = nl.ndarray((128, 16), nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.copy(q_t[:, 1, 16:32]))
+        return out
+
+    np.testing.assert_array_equal(simulate(kernel)(x), x.T)
+
+
+def test_tensor_copy_through_psum_with_casts(rng):
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+
+    def kernel(x):
+        p = nl.ndarray((32, 64), nl.bfloat16, buffer=nl.psum)
+        nisa.tensor_copy(dst=p, src=nl.load(x))
+        back = nl.ndarray((32, 64), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=back, src=p)
+        return copy_out(back)
+
+    np.testing.assert_array_equal(as64(simulate(kernel)(x)), bf16_rne(x))
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensor Engine
+
+
+def test_nc_matmul_contracts_partitions_and_accumulate_semantics(rng):
+    a1 = rng.standard_normal((128, 96)).astype(BF16)
+    b1 = rng.standard_normal((128, 512)).astype(BF16)
+    a2 = rng.standard_normal((64, 96)).astype(BF16)
+    b2 = rng.standard_normal((64, 512)).astype(BF16)
+
+    def kernel(a1, b1, a2, b2):
+        acc = nl.ndarray((96, 512), nl.float32, buffer=nl.psum)
+        ta1, tb1, ta2, tb2 = nl.load(a1), nl.load(b1), nl.load(a2), nl.load(b2)
+        nisa.nc_matmul(acc, ta2, tb2, accumulate=False)  # overwritten below
+        first = copy_out(acc)
+        nisa.nc_matmul(acc, ta1, tb1, accumulate=False)
+        nisa.nc_matmul(acc, ta2, tb2, accumulate=True)
+        return first, copy_out(acc)
+
+    first, total = simulate(kernel)(a1, b1, a2, b2)
+    expect_first = as64(a2).T @ as64(b2)
+    expect_total = as64(a1).T @ as64(b1) + expect_first
+    np.testing.assert_allclose(first, expect_first, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(total, expect_total, rtol=1e-5, atol=1e-4)
+
+
+def test_nc_transpose(rng):
+    x = rng.standard_normal((128, 48)).astype(BF16)
+
+    def kernel(x):
+        t = nl.ndarray((48, 128), nl.bfloat16, buffer=nl.psum)
+        nisa.nc_transpose(dst=t, data=nl.load(x))
+        return copy_out(t)
+
+    np.testing.assert_array_equal(simulate(kernel)(x), x.T)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scalar and Vector Engines
+
+
+def test_activation_scale_bias_and_add_reduction(rng):
+    x = rng.standard_normal((16, 40)).astype(np.float32)
+    bias = rng.standard_normal((16, 1)).astype(np.float32)
+    scale = rng.uniform(0.5, 2, (16, 1)).astype(np.float32)
+
+    def kernel(x, bias, scale):
+        xt, bt, st = nl.load(x), nl.load(bias), nl.load(scale)
+        y = nl.ndarray((16, 40), nl.float32, buffer=nl.sbuf)
+        s = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=y, op=nl.exp, data=xt, bias=bt, scale=st, reduce_op=nl.add,
+                        reduce_res=s, reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        z = nl.ndarray((16, 40), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=z, op=nl.exp, data=xt, scale=0.5)
+        # `reduce` keeps adding on top of the registers: the sum of both activations.
+        both = nl.ndarray((16, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=z, op=nl.exp, data=xt, scale=0.5, reduce_op=nl.add,
+                        reduce_res=both, reduce_cmd=nisa.reduce_cmd.reduce)  # fmt: skip
+        return copy_out(y), copy_out(s), copy_out(z), copy_out(both)
+
+    y, s, z, both = simulate(kernel)(x, bias, scale)
+    expect_y = np.exp(as64(x) * as64(scale) + as64(bias))
+    np.testing.assert_allclose(y, expect_y, rtol=1e-5)
+    np.testing.assert_allclose(s[:, 0], expect_y.sum(1), rtol=1e-5)
+    np.testing.assert_allclose(z, np.exp(as64(x) * 0.5), rtol=1e-5)
+    np.testing.assert_allclose(both[:, 0], expect_y.sum(1) + np.exp(as64(x) * 0.5).sum(1), rtol=1e-5)
+
+
+def test_activation_computes_in_fp32_and_rounds_once():
+    # bf16 data 1.0 plus a bias of 2**-9: representable in fp32, lost if added in bf16.
+    x = np.ones((4, 8), BF16)
+
+    def kernel(x):
+        xt = nl.load(x)
+        wide = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=wide, op=nl.copy, data=xt, bias=2.0**-9)
+        narrow = nl.ndarray((4, 8), nl.bfloat16, buffer=nl.sbuf)
+        nisa.activation(dst=narrow, op=nl.copy, data=xt, bias=3 * 2.0**-9)
+        return copy_out(wide), copy_out(narrow)
+
+    wide, narrow = simulate(kernel)(x)
+    assert np.all(wide == 1 + 2**-9)
+    assert np.all(as64(narrow) == bf16_rne(np.float32(1 + 3 * 2**-9)))  # 1 + 2**-7: rounded once
+
+
+def test_tensor_scalar_two_ops_with_reverse_and_columns(rng):
+    x = rng.standard_normal((8, 10)).astype(np.float32)
+    col = rng.standard_normal((8, 1)).astype(np.float32)
+
+    def kernel(x, col):
+        xt, ct = nl.load(x), nl.load(col)
+        y = nl.ndarray((8, 10), nl.float32, buffer=nl.sbuf)
+        # (col - x) * 3
+        nisa.tensor_scalar(y, xt, nl.subtract, ct, reverse0=True, op1=nl.multiply, operand1=3.0)
+        z = nl.ndarray((8, 10), nl.float32, buffer=nl.sbuf)
+        # 2 - max(x, col)
+        nisa.tensor_scalar(z, xt, nl.maximum, ct, op1=nl.subtract, operand1=2.0, reverse1=True)
+        return copy_out(y), copy_out(z)
+
+    y, z = simulate(kernel)(x, col)
+    np.testing.assert_allclose(y, (as64(col) - as64(x)) * 3, **F32_TOL)
+    np.testing.assert_allclose(z, 2 - np.maximum(as64(x), as64(col)), **F32_TOL)
+
+
+def test_scalar_tensor_tensor_reads_psum_and_sbuf(rng):
+    a = rng.standard_normal((16, 128)).astype(BF16)
+    b = rng.standard_normal((16, 64)).astype(BF16)
+    row = rng.standard_normal((1, 80)).astype(np.float32)
+
+    def kernel(a, b, row):
+        acc = nl.ndarray((128, 64), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(acc, nl.load(a), nl.load(b), accumulate=False)
+        wide = nl.broadcast_to(nl.load(row), shape=(128, 80))
+        out = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=out, data=acc, op0=nl.multiply, operand0=wide[:, 0:1],
+                                  op1=nl.add, operand1=wide[:, 16:80])  # fmt: skip
+        return copy_out(out)
+
+    got = simulate(kernel)(a, b, row)
+    scores = as64(a).T @ as64(b)
+    np.testing.assert_allclose(got, scores * row[0, 0] + as64(row[:, 16:80]), rtol=1e-5, atol=1e-4)
+
+
+def test_tensor_tensor_reduce_reciprocal_memset(rng):
+    x = rng.uniform(0.5, 2, (8, 3, 5)).astype(np.float32)
+    y = rng.uniform(0.5, 2, (8, 3, 5)).astype(np.float32)
+
+    def kernel(x, y):
+        xt, yt = nl.load(x), nl.load(y)
+        prod = nl.ndarray((8, 3, 5), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(prod, xt, yt, nl.multiply)
+        neg_max = nl.ndarray((8, 3), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(neg_max, nl.max, prod, axis=2, negate=True)
+        total = nl.ndarray((8, 1, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(total, nl.add, prod, axis=(1, 2), keepdims=True)
+        inv = nl.ndarray((8, 3, 5), nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(inv, xt)
+        filled = nl.ndarray((8, 4), nl.int32, buffer=nl.sbuf)
+        nisa.memset(filled, 7)
+        return copy_out(neg_max), copy_out(total), copy_out(inv), copy_out(filled)
+
+    neg_max, total, inv, filled = simulate(kernel)(x, y)
+    p = as64(x) * as64(y)
+    np.testing.assert_allclose(neg_max, -p.max(2), **F32_TOL)
+    np.testing.assert_allclose(total[:, 0, 0], p.sum((1, 2)), rtol=1e-6)
+    np.testing.assert_allclose(inv, 1 / as64(x), **F32_TOL)
+    np.testing.assert_array_equal(filled, np.full((8, 4), 7))
+
+
+def test_nl_elementwise_reductions_and_operators(rng):
+    x = rng.standard_normal((8, 2, 6)).astype(np.float32)
+    col = rng.standard_normal((8, 1, 1)).astype(np.float32)
+
+    def kernel(x, col):
+        xt, ct = nl.load(x), nl.load(col)
+        m = nl.max(xt, axis=(1, 2), keepdims=True)
+        e = nl.exp(nl.add(xt, nl.negative(m)))
+        s = nl.sum(e, axis=2)
+        mixed = (xt * ct - 1.0) / 2.0
+        low = nl.min(nl.multiply(xt, 2.0, dtype=nl.bfloat16), axis=-1)
+        return copy_out(e), copy_out(s), copy_out(mixed), copy_out(low)
+
+    e, s, mixed, low = simulate(kernel)(x, col)
+    x64 = as64(x)
+    expect_e = np.exp(x64 - x64.max(axis=(1, 2), keepdims=True))
+    np.testing.assert_allclose(e, expect_e, rtol=1e-6)
+    np.testing.assert_allclose(s, expect_e.sum(2), rtol=1e-6)
+    np.testing.assert_allclose(mixed, (x64 * as64(col) - 1) / 2, **F32_TOL)
+    assert low.dtype == BF16
+    np.testing.assert_array_equal(as64(low), bf16_rne(2 * x).min(-1))
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end
+
+
+def tiled_softmax_kernel(x):
+    """Row softmax of ``x [N*128, F]`` bf16 -> bf16, 128 rows per tile."""
+    out = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.shared_hbm)
+    for i in nl.affine_range(x.shape[0] // 128):
+        rows = nl.load(x[i * 128 : (i + 1) * 128, :])
+        neg_max = nl.negative(nl.max(rows, axis=1, keepdims=True))
+        probs = nl.ndarray(rows.shape, nl.float32, buffer=nl.sbuf)
+        den = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=probs, op=nl.exp, data=rows, bias=neg_max, reduce_op=nl.add,
+                        reduce_res=den, reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        inv = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(inv, den)
+        normalised = nl.ndarray(rows.shape, nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_scalar(normalised, probs, nl.multiply, inv)
+        nl.store(out[i * 128 : (i + 1) * 128, :], value=normalised)
+    return out
+
+
+def tiled_matmul_kernel(a_t, b):
+    """``a_t.T @ b`` for ``a_t [K, M<=128]``, ``b [K, N]`` bf16, K a multiple of 128 -> f32."""
+    k_total, m = a_t.shape
+    n = b.shape[1]
+    out = nl.ndarray((m, n), nl.float32, buffer=nl.shared_hbm)
+    for n0 in nl.affine_range(0, n, 512):
+        width = min(512, n - n0)
+        acc = nl.ndarray((m, width), nl.float32, buffer=nl.psum)
+        for k in nl.affine_range(k_total // 128):
+            stationary = nl.load(a_t[k * 128 : (k + 1) * 128, :])
+            moving = nl.load(b[k * 128 : (k + 1) * 128, n0 : n0 + width])
+            nisa.nc_matmul(acc, stationary, moving, accumulate=k > 0)
+        nl.store(out[:, n0 : n0 + width], value=nl.copy(acc))
+    return out
+
+
+def test_end_to_end_tiled_softmax(rng):
+    x = (3 * rng.standard_normal((256, 1000))).astype(BF16)
+    run = simulate(tiled_softmax_kernel)
+    got = as64(run(x))
+    x64 = as64(x)
+    expect = np.exp(x64 - x64.max(1, keepdims=True))
+    expect /= expect.sum(1, keepdims=True)
+    # One bf16 rounding of an fp32 result: within one bf16 ulp (2**-8 relative).
+    np.testing.assert_allclose(got, expect, rtol=2**-8, atol=1e-30)
+    assert run.last_stats["instructions"] > 0
+    assert run.last_stats["sbuf_peak_bytes_per_partition"] < 192 * 1024
+
+
+def test_end_to_end_tiled_matmul(rng):
+    a_t = rng.standard_normal((384, 100)).astype(BF16)
+    b = rng.standard_normal((384, 700)).astype(BF16)
+    got = simulate(tiled_matmul_kernel)(a_t, b)
+    np.testing.assert_allclose(got, as64(a_t).T @ as64(b), rtol=1e-5, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# rejection rules
+
+
+def _reject(kernel, *args, error=NkiEmulatorError, match, target="trn1"):
+    with pytest.raises(error, match=match):
+        simulate(kernel, target=target)(*args)
+
+
+def test_reject_partition_axis_over_128():
+    def alloc(x):
+        nl.ndarray((129, 4), nl.float32, buffer=nl.sbuf)
+
+    def load_tall(x):
+        nl.load(x)
+
+    _reject(alloc, np.zeros((1, 1), np.float32), error=NkiLimitError, match="partition axis > 128")
+    _reject(load_tall, np.zeros((200, 2), np.float32), error=NkiLimitError, match="partition axis > 128")
+
+
+def test_reject_psum_tile_over_2kib():
+    def kernel(x):
+        nl.ndarray((128, 513), nl.float32, buffer=nl.psum)
+
+    _reject(kernel, np.zeros(1, np.float32), error=NkiLimitError, match="PSUM tile over 2 KiB")
+
+
+def test_reject_more_than_8_psum_banks_but_free_rebound_tiles():
+    def nine_live(x):
+        tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(9)]
+        nl.load(x)
+        return tiles
+
+    def rebound_in_loop(x):
+        for _ in nl.affine_range(20):
+            acc = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+            nisa.memset(acc, 0.0)
+        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.load(x))
+        return out
+
+    x = np.zeros((1, 1), np.float32)
+    _reject(nine_live, x, error=NkiCapacityError, match="more PSUM live than 8 banks")
+    run = simulate(rebound_in_loop)
+    run(x)
+    assert run.last_stats["psum_peak_banks"] <= 2
+
+
+def test_reject_sbuf_over_budget_per_target():
+    # Two [128, 25600] fp32 tiles: 200 KiB per partition, over trn1's 192 KiB, under trn2's 224.
+    def kernel(x):
+        a = nl.ndarray((128, 25600), nl.float32, buffer=nl.sbuf)
+        b = nl.ndarray((128, 25600), nl.float32, buffer=nl.sbuf)
+        nisa.memset(a, 0.0)
+        nisa.memset(b, 0.0)
+        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.load(x))
+        return out
+
+    x = np.zeros((1, 1), np.float32)
+    _reject(kernel, x, error=NkiCapacityError, match="SBUF over its budget")
+    simulate(kernel, target="trn2")(x)
+
+
+def test_reject_matmul_sizes_memories_and_dtypes():
+    def kernel_m(x):
+        st = nl.zeros((128, 129), nl.bfloat16)
+        mv = nl.zeros((128, 512), nl.bfloat16)
+        nisa.nc_matmul(nl.ndarray((128, 512), nl.float32, buffer=nl.psum), st, mv, accumulate=False)
+
+    def kernel_n(x):
+        st = nl.zeros((128, 128), nl.bfloat16)
+        mv = nl.zeros((128, 513), nl.bfloat16)
+        nisa.nc_matmul(nl.ndarray((128, 512), nl.float32, buffer=nl.psum), st, mv, accumulate=False)
+
+    def kernel_memory(x):
+        st = nl.zeros((128, 128), nl.bfloat16, buffer=nl.psum)
+        mv = nl.zeros((128, 128), nl.bfloat16)
+        nisa.nc_matmul(nl.ndarray((128, 128), nl.float32, buffer=nl.psum), st, mv, accumulate=False)
+
+    def kernel_dst_in_sbuf(x):
+        st = nl.zeros((128, 128), nl.bfloat16)
+        nisa.nc_matmul(nl.ndarray((128, 128), nl.float32, buffer=nl.sbuf), st, st, accumulate=False)
+
+    def kernel_dst_shape(x):
+        st = nl.zeros((128, 64), nl.bfloat16)
+        mv = nl.zeros((128, 32), nl.bfloat16)
+        nisa.nc_matmul(nl.ndarray((64, 64), nl.float32, buffer=nl.psum), st, mv, accumulate=False)
+
+    def kernel_implicit_accumulate(x):
+        st = nl.zeros((128, 64), nl.bfloat16)
+        nisa.nc_matmul(nl.ndarray((64, 64), nl.float32, buffer=nl.psum), st, st)
+
+    x = np.zeros(1, np.float32)
+    _reject(kernel_m, x, error=NkiLimitError, match="matmul K/M/N over 128/128/512")
+    _reject(kernel_n, x, error=NkiLimitError, match="matmul K/M/N over 128/128/512")
+    _reject(kernel_memory, x, error=NkiMemorySpaceError, match="operand in the wrong memory")
+    _reject(kernel_dst_in_sbuf, x, error=NkiMemorySpaceError, match="operand in the wrong memory")
+    _reject(kernel_dst_shape, x, error=NkiShapeError, match="shape mismatch between dst")
+    _reject(kernel_implicit_accumulate, x, error=NkiUnsupportedError, match="accumulate")
+
+
+def test_reject_transpose_over_128x128():
+    def kernel(x):
+        data = nl.zeros((128, 129), nl.bfloat16)
+        nisa.nc_transpose(dst=nl.ndarray((128, 128), nl.bfloat16, buffer=nl.psum), data=data)
+
+    _reject(kernel, np.zeros(1, np.float32), error=NkiLimitError, match="transpose over 128 x 128")
+
+
+def test_reject_dma_transpose_rules():
+    def four_byte(x):
+        nisa.dma_transpose(dst=nl.ndarray((8, 4), nl.float32, buffer=nl.sbuf), src=x)
+
+    def wide_source(x):
+        nisa.dma_transpose(dst=nl.ndarray((8, 256), nl.bfloat16, buffer=nl.sbuf), src=x)
+
+    def misaligned(x):
+        q_t = nl.ndarray((8, 40), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=q_t[:, 1:5], src=x)
+
+    def from_sbuf(x):
+        nisa.dma_transpose(dst=nl.ndarray((8, 4), nl.bfloat16, buffer=nl.sbuf), src=nl.load(x))
+
+    _reject(four_byte, np.zeros((4, 8), np.float32), error=NkiDtypeError,
+            match="dma_transpose of a 4-byte dtype")  # fmt: skip
+    _reject(wide_source, np.zeros((256, 8), BF16).T.copy(), error=NkiLimitError,
+            match="source free size over 128")  # fmt: skip
+    _reject(misaligned, np.zeros((4, 8), BF16), error=NkiLimitError, match="32-byte aligned")
+    _reject(from_sbuf, np.zeros((4, 8), BF16), error=NkiMemorySpaceError, match="wrong memory")
+
+
+def test_reject_reductions_over_the_partition_axis():
+    def nl_max(x):
+        nl.max(nl.load(x), axis=0)
+
+    def isa_reduce(x):
+        nisa.tensor_reduce(nl.ndarray((1,), nl.float32, buffer=nl.sbuf), nl.add, nl.load(x), axis=(0, 1))
+
+    x = np.ones((4, 4), np.float32)
+    _reject(nl_max, x, error=NkiShapeError, match="reduction over the partition axis")
+    _reject(isa_reduce, x, error=NkiShapeError, match="reduction over the partition axis")
+
+
+def test_reject_shape_mismatch_between_dst_and_value():
+    def copy_wider(x):
+        nisa.tensor_copy(dst=nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf), src=nl.load(x))
+
+    def activation_broadcast(x):
+        dst = nl.ndarray((4, 4, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=dst, op=nl.exp, data=nl.load(x))
+
+    def store_mismatch(x):
+        out = nl.ndarray((4, 3), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.load(x))
+
+    x = np.ones((4, 4), np.float32)
+    for kernel in (copy_wider, activation_broadcast, store_mismatch):
+        _reject(kernel, x, error=NkiShapeError, match="shape mismatch between dst and the computed value")
+
+
+def test_reject_out_of_range_gather_indices():
+    kv = np.zeros((10, 4), np.float32)
+
+    def kernel(kv, idx):
+        rows = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=kv.ap(pattern=[[4, 4], [1, 4]], vector_offset=nl.load(idx)))
+
+    for bad in (10, -1, 2**31 - 1):
+        idx = np.array([[0], [bad], [1], [2]], np.int32)
+        _reject(kernel, kv, idx, error=NkiOutOfBoundsError, match="out-of-range gather index")
+
+
+def test_reject_reading_memory_never_written():
+    def fresh_tile(x):
+        nl.copy(nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf))
+
+    def half_written(x):
+        t = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:, 0:4], src=x)
+        nl.exp(t)
+
+    def accumulate_into_fresh_psum(x):
+        st = nl.load(x)
+        acc = nl.ndarray((4, 4), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(acc, st, st, accumulate=True)
+
+    def output_not_fully_written(x):
+        out = nl.ndarray((8, 4), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out[0:4, :], value=nl.load(x))
+        return out
+
+    def reduce_registers_never_reset(x):
+        res = nl.ndarray((4, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf), op=nl.exp,
+                        data=nl.load(x), reduce_res=res)  # fmt: skip
+
+    def reduce_onto_registers_never_reset(x):
+        nisa.activation(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf), op=nl.exp,
+                        data=nl.load(x), reduce_op=nl.add, reduce_cmd=nisa.reduce_cmd.reduce)  # fmt: skip
+
+    x = np.ones((4, 4), np.float32)
+    for kernel in (fresh_tile, half_written, accumulate_into_fresh_psum, output_not_fully_written,
+                   reduce_registers_never_reset, reduce_onto_registers_never_reset):  # fmt: skip
+        _reject(kernel, x, error=NkiUninitializedReadError, match="never written")
+
+
+def test_reject_activation_reduce_without_reduce_cmd():
+    def kernel(x):
+        res = nl.ndarray((4, 1), nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf), op=nl.exp,
+                        data=nl.load(x), reduce_op=nl.add, reduce_res=res)  # fmt: skip
+
+    _reject(kernel, np.ones((4, 4), np.float32), match="reduce_cmd=nisa.reduce_cmd.reset_reduce")
+
+
+def test_reject_access_outside_a_tensor():
+    def slice_past_end(x):
+        nl.load(x[0:5, :])
+
+    def index_past_end(x):
+        nl.load(x[4])
+
+    def negative_index(x):
+        nl.load(x[-1:, :])
+
+    def ap_past_end(x):
+        t = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x.ap(pattern=[[4, 4], [1, 4]], offset=1))
+
+    x = np.ones((4, 4), np.float32)
+    for kernel in (slice_past_end, index_past_end, negative_index, ap_past_end):
+        _reject(kernel, x, error=NkiOutOfBoundsError, match="access outside a tensor")
+
+
+def test_reject_other_memory_rules():
+    def dma_from_psum(x):
+        p = nl.zeros((4, 4), nl.float32, buffer=nl.psum)
+        nisa.dma_copy(dst=nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf), src=p)
+
+    def output_in_hbm_scratch(x):
+        out = nl.ndarray((4, 4), nl.float32, buffer=nl.hbm)
+        nl.store(out, value=nl.load(x))
+        return out
+
+    def gather_from_sbuf(x):
+        t = nl.load(x)
+        t.ap(pattern=[[4, 4], [1, 4]], vector_offset=nl.zeros((4, 1), nl.int32))
+
+    def both_inputs_in_psum(x):
+        p = nl.zeros((4, 4), nl.float32, buffer=nl.psum)
+        nisa.tensor_tensor(nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf), p, p, nl.add)
+
+    x = np.ones((4, 4), np.float32)
+    _reject(dma_from_psum, x, error=NkiMemorySpaceError, match="cannot read PSUM")
+    _reject(output_in_hbm_scratch, x, error=NkiMemorySpaceError, match="shared_hbm")
+    _reject(gather_from_sbuf, x, error=NkiMemorySpaceError, match="wrong memory")
+    _reject(both_inputs_in_psum, x, error=NkiMemorySpaceError, match="may not both be in PSUM")
+
+
+def test_reject_inputs_at_different_base_partitions():
+    def kernel(x):
+        t = nl.load(x)
+        nisa.tensor_tensor(nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf), t[0:2, :], t[2:4, :], nl.add)
+
+    _reject(kernel, np.ones((4, 4), np.float32), error=NkiShapeError, match="different base partitions")
+
+
+def test_reject_integer_index_dropping_the_partition_axis():
+    def kernel(x):
+        nl.exp(nl.load(x)[0])
+
+    _reject(kernel, np.ones((4, 4), np.float32), error=NkiShapeError, match="partition axis")
