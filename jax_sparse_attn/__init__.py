@@ -5,6 +5,7 @@ gathers the slots from a shared KV cache by index. Both run the project's NKI ke
 Trainium and a bf16-exact pure-jnp reference everywhere else.
 """
 
+from . import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)
 from .api import gathered_attn, gathered_attn_idx
 from .primitives import gathered_attn_idx_p, gathered_attn_p
 

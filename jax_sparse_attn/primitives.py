@@ -25,12 +25,18 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir, xla
 
-from . import reference
+from . import reference, sharding
 
 gathered_attn_p = Primitive("gathered_attn")
 gathered_attn_idx_p = Primitive("gathered_attn_idx")
 
 IMPLEMENTATIONS = ("reference", "nki", "nki_emulated")
+
+# Operand names of each primitive, by ``indexed`` (False: gathered_attn_p, True: gathered_attn_idx_p).
+OPERANDS = {
+    False: ("q", "g", "sink", "bias", "scale"),
+    True: ("q", "kv", "idx", "sink", "bias", "scale"),
+}
 
 # Host-runnable data paths by implementation name: (gathered_fn, gathered_idx_fn), each taking the
 # primitive's operands and returning the output. The Neuron package registers "nki_emulated".
@@ -53,7 +59,8 @@ def path(name: str, indexed: bool) -> Callable:
 
 def _abstract_eval(q, *_, implementation):
     del implementation
-    return jax.core.ShapedArray(q.shape, q.dtype)
+    # Keeps q's token/head sharding in the type under explicit mesh axes (see sharding.py).
+    return sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"])
 
 
 gathered_attn_p.def_abstract_eval(_abstract_eval)
@@ -73,11 +80,16 @@ def _default_rule(indexed: bool):
                 f"implementation={implementation!r} cannot run on this platform; the Neuron "
                 "kernel needs a Trainium device (use 'nki_emulated' to run it on the host)."
             )
-        return path(name, indexed)(*args)
+        # Shard-local under multi-device jit: see sharding.py.
+        path_fn = path(name, indexed)
+        layouts = [sharding.LAYOUTS[n] for n in OPERANDS[indexed]]
+        run = sharding.shard_local(lambda *a: (path_fn(*a),), layouts, [sharding.LAYOUTS["out"]])
+        return run(*args)[0]
 
     return rule
 
 
+sharding.register_device_aware(gathered_attn_p, gathered_attn_idx_p)
 mlir.register_lowering(gathered_attn_p, mlir.lower_fun(_default_rule(False), multiple_results=False))
 mlir.register_lowering(
     gathered_attn_idx_p, mlir.lower_fun(_default_rule(True), multiple_results=False)

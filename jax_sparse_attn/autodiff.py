@@ -1,0 +1,471 @@
+"""Differentiation rules: ``jax.grad``, ``jax.vjp``, ``jax.jvp``, ``jacfwd`` and ``jacrev``.
+
+Design: a JVP rule on each forward primitive whose primal output is the primitive itself (so the
+forward always runs the chosen implementation, the NKI kernel on Neuron) and whose tangent is a
+*linear* primitive, ``gathered_attn[_idx]_tangent``. JAX's linearize + transpose then needs only
+the transpose of that linear primitive, which is a third primitive,
+``gathered_attn[_idx]_cotangent``: the backward pass. Both are jnp formulas on every platform,
+chunked over tokens like the reference, and both run shard-locally (sharding.py). The residuals
+kept between the forward and the backward pass are the operands themselves: the probabilities
+are recomputed chunk by chunk, never stored for all tokens.
+
+Math, per token and head (``x_j`` the slot rows, ``c`` the scale, ``b_j`` the bias)::
+
+    z_j = q . x_j      s_j = c z_j + b_j      p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink))
+    p_sink = exp(sink) / (same denominator)    o = sum_j p_j x_j
+
+    tangent:   ds_j = c (dq . x_j + q . dx_j) + dc z_j + db_j
+               do   = sum_j p_j ds_j x_j - (sum_j p_j ds_j + p_sink dsink) o + sum_j p_j dx_j
+    cotangent: u_j = do . x_j      delta = do . o      dS_j = p_j (u_j - delta)
+               dq = c sum_j dS_j x_j      dx_j = sum_h (p_j do + c dS_j q)      db_j = sum_h dS_j
+               dc = sum_{h,j} dS_j z_j    dsink = -sum_t p_sink delta
+
+Every coefficient is finite by construction: the softmax is taken against
+``m = max(max_j s_j, sink)`` with empty slots masked to probability 0 *before* any division, a
+``+inf`` sink (output 0) and a row with no valid slot (output 0) get all-zero probabilities, and the
+denominator is guarded where it can be 0. So the gradients are finite wherever the forward is.
+They are the derivatives of the exact (f32) function: the bf16 rounding of the probabilities in the
+forward's value product is treated as the identity, as every attention backward does.
+
+The gradient with respect to ``idx`` does not exist (integers); the scale's gradient is given.
+Derivatives of order two raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir, xla
+
+from . import primitives, reference, sharding
+from .constants import EMPTY_LOGIT
+
+# Operands that have a gradient, and the layout of each cotangent the backward primitive returns.
+# The sink's cotangent is returned per token and summed over tokens outside the primitive, so
+# that batching and token sharding stay trivial.
+DIFFERENTIABLE = ("q", "g", "kv", "sink", "bias", "scale")
+COTANGENT_LAYOUTS = {
+    "q": sharding.LAYOUTS["q"],
+    "g": sharding.LAYOUTS["g"],
+    "kv": sharding.LAYOUTS["kv"],
+    "sink": sharding.LAYOUTS["sink_per_token"],
+    "bias": sharding.LAYOUTS["bias"],
+    "scale": sharding.LAYOUTS["scale"],
+}
+
+
+# --- formulas -----------------------------------------------------------------------------------
+
+
+def _softmax_parts(q, x, valid, sink, bias, scale):
+    """Recomputes the forward's probabilities for a chunk of tokens, in f32.
+
+    Args: q ``[c, H, D]`` f32, x ``[c, K, D]`` f32 slot rows, valid ``[c, K]`` bool, sink ``[H]``,
+    bias ``[c, K]``, scale ``[c]``.
+    Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, o ``[c, H, D]``.
+    """
+    z = jnp.einsum("thd,tkd->thk", q, x)
+    s = z * scale[:, None, None] + jnp.where(valid, bias, 0.0)[:, None, :]
+    s = jnp.where(valid[:, None, :], s, EMPTY_LOGIT)
+    sink_wins = sink == jnp.inf  # that head's output is exactly 0
+    sink_finite = jnp.where(sink_wins, 0.0, sink)  # -inf stays: exp(-inf - m) = 0
+    m = jnp.maximum(jnp.max(s, axis=-1), sink_finite[None, :])
+    e = jnp.where(valid[:, None, :], jnp.exp(s - m[..., None]), 0.0)
+    e_sink = jnp.exp(sink_finite[None, :] - m)
+    den = jnp.sum(e, axis=-1) + e_sink
+    den = jnp.where(den > 0, den, 1.0)  # 0 only when there is nothing to normalise
+    live = jnp.any(valid, axis=-1)[:, None] & ~sink_wins[None, :]
+    p = jnp.where(live[..., None], e / den[..., None], 0.0)
+    p_sink = jnp.where(live, e_sink / den, 0.0)
+    o = jnp.einsum("thk,tkd->thd", p, x)
+    return z, p, p_sink, o
+
+
+def _slots(indexed, src, idx, bias, live):
+    """Slot rows (f32) and validity for a chunk; ``live`` is False for padding tokens."""
+    valid = (bias != -jnp.inf) & live[:, None]
+    if not indexed:
+        return src.astype(jnp.float32), valid, None
+    rows_count = src.shape[0]
+    valid = valid & (idx >= 0) & (idx < rows_count)
+    rows = jnp.where(valid, idx, 0)
+    return src.astype(jnp.float32)[rows], valid, rows
+
+
+def _tangent_chunk(indexed, active, primal, tangent, live):
+    """Output tangent ``[c, H, D]`` (f32) for a chunk. ``primal``/``tangent``: dicts by name."""
+    q = primal["q"].astype(jnp.float32)
+    src = primal["kv" if indexed else "g"]
+    x, valid, rows = _slots(indexed, src, primal.get("idx"), primal["bias"], live)
+    scale = primal["scale"]
+    z, p, p_sink, o = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
+
+    src_name = "kv" if indexed else "g"
+    dx = None
+    if src_name in active:
+        dsrc = tangent[src_name].astype(jnp.float32)
+        dx = dsrc[rows] if indexed else dsrc
+    ds = jnp.zeros_like(z)
+    if "q" in active:
+        ds = ds + jnp.einsum("thd,tkd->thk", tangent["q"].astype(jnp.float32), x)
+    if dx is not None:
+        ds = ds + jnp.einsum("thd,tkd->thk", q, dx)
+    ds = ds * scale[:, None, None]
+    if "scale" in active:
+        ds = ds + tangent["scale"][:, None, None] * z
+    if "bias" in active:
+        ds = ds + jnp.where(valid, tangent["bias"], 0.0)[:, None, :]
+    pds = p * ds
+    weight = jnp.sum(pds, axis=-1)
+    if "sink" in active:
+        weight = weight + p_sink * tangent["sink"][None, :]
+    do = jnp.einsum("thk,tkd->thd", pds, x) - weight[..., None] * o
+    if dx is not None:
+        do = do + jnp.einsum("thk,tkd->thd", p, dx)
+    return do
+
+
+def _cotangent_chunk(indexed, wanted, primal, ct, live):
+    """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input."""
+    q = primal["q"].astype(jnp.float32)
+    src = primal["kv" if indexed else "g"]
+    x, valid, rows = _slots(indexed, src, primal.get("idx"), primal["bias"], live)
+    scale = primal["scale"]
+    z, p, p_sink, o = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
+    ct = ct.astype(jnp.float32)
+    u = jnp.einsum("thd,tkd->thk", ct, x)
+    delta = jnp.sum(ct * o, axis=-1)
+    dS = p * (u - delta[..., None])
+    out = {}
+    if "q" in wanted:
+        out["q"] = scale[:, None, None] * jnp.einsum("thk,tkd->thd", dS, x)
+    if "g" in wanted or "kv" in wanted:
+        dx = jnp.einsum("thk,thd->tkd", p, ct)
+        dx = dx + scale[:, None, None] * jnp.einsum("thk,thd->tkd", dS, q)
+        if indexed:
+            # Empty slots are sent out of range and dropped by the scatter.
+            out["kv"] = (jnp.where(valid, rows, src.shape[0]), dx)
+        else:
+            out["g"] = dx
+    if "sink" in wanted:
+        out["sink"] = -p_sink * delta
+    if "bias" in wanted:
+        out["bias"] = jnp.sum(dS, axis=1)
+    if "scale" in wanted:
+        out["scale"] = jnp.sum(dS * z, axis=(1, 2))
+    return out
+
+
+# --- chunking over tokens -----------------------------------------------------------------------
+
+
+def _chunk_size(q, src, indexed, num_slots):
+    T, H, D = q.shape
+    # f32 slot rows and their cotangent, four [H, K] f32 maps, four [H, D] f32 rows per token.
+    per_token = 2 * num_slots * D * 4 + 4 * H * num_slots * 4 + 4 * H * D * 4
+    return int(max(1, min(T, reference.CHUNK_BYTES // max(per_token, 1))))
+
+
+def _over_token_chunks(step, token_arrays: dict, chunk: int, carry):
+    """Runs ``step(carry, chunk_arrays, live) -> (carry, outputs)`` over chunks of tokens.
+
+    The token axis is padded to a multiple of ``chunk``; padding tokens have ``live`` False, so they
+    contribute nothing, and their outputs are cut off again.
+    """
+    T = next(iter(token_arrays.values())).shape[0]
+    if chunk >= T:
+        return step(carry, token_arrays, jnp.ones((T,), bool))
+    n = -(-T // chunk)
+    pad = n * chunk - T
+
+    def split(a):
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape((n, chunk) + a.shape[1:])
+
+    live = split(jnp.ones((T,), bool))
+    xs = ({k: split(v) for k, v in token_arrays.items()}, live)
+    carry, outs = jax.lax.scan(lambda c, a: step(c, *a), carry, xs)
+    outs = jax.tree_util.tree_map(lambda a: a.reshape((n * chunk,) + a.shape[2:])[:T], outs)
+    return carry, outs
+
+
+_TOKEN_OPERANDS = ("q", "g", "idx", "bias", "scale")
+
+
+def _tangent(indexed, active, *operands):
+    """Lowering of the tangent primitive: operands = primal operands, then active tangents."""
+    names = primitives.OPERANDS[indexed]
+    primal = dict(zip(names, operands[: len(names)]))
+    tangent = dict(zip(active, operands[len(names):]))
+    q = primal["q"]
+    T, H, D = q.shape
+    K = primal["bias"].shape[1]
+    if T == 0 or H == 0 or K == 0 or (indexed and primal["kv"].shape[0] == 0):
+        return (jnp.zeros(q.shape, q.dtype),)
+    token = {n: primal[n] for n in _TOKEN_OPERANDS if n in primal}
+    token.update({"d" + n: tangent[n] for n in ("q", "g", "bias", "scale") if n in tangent})
+    shared_primal = {n: primal[n] for n in ("kv", "sink") if n in primal}
+    shared_tangent = {n: tangent[n] for n in ("kv", "sink") if n in tangent}
+
+    def step(carry, chunk_arrays, live):
+        p = {n: v for n, v in chunk_arrays.items() if not n.startswith("d")}
+        t = {n[1:]: v for n, v in chunk_arrays.items() if n.startswith("d")}
+        p.update(shared_primal)
+        t.update(shared_tangent)
+        return carry, _tangent_chunk(indexed, active, p, t, live)
+
+    chunk = _chunk_size(q, primal.get("kv"), indexed, K)
+    _, do = _over_token_chunks(step, token, chunk, ())
+    return (do.astype(q.dtype),)
+
+
+def _cotangent(indexed, wanted, *operands):
+    """Lowering of the cotangent primitive: operands = primal operands, then the output cotangent."""
+    names = primitives.OPERANDS[indexed]
+    primal = dict(zip(names, operands[: len(names)]))
+    ct = operands[len(names)]
+    q = primal["q"]
+    T, H, D = q.shape
+    K = primal["bias"].shape[1]
+    src_dtype = primal["kv" if indexed else "g"].dtype
+    dtypes = {"q": q.dtype, "g": src_dtype, "kv": src_dtype}
+    if T == 0 or H == 0 or K == 0 or (indexed and primal["kv"].shape[0] == 0):
+        shapes = {"q": q.shape, "g": (T, K, D), "kv": primal.get("kv", q).shape,
+                  "sink": (T, H), "bias": (T, K), "scale": (T,)}
+        return tuple(jnp.zeros(shapes[n], dtypes.get(n, jnp.float32)) for n in wanted)
+    token = {n: primal[n] for n in _TOKEN_OPERANDS if n in primal}
+    token["ct"] = ct
+    shared = {n: primal[n] for n in ("kv", "sink") if n in primal}
+
+    def step(dkv, chunk_arrays, live):
+        p = {n: v for n, v in chunk_arrays.items() if n != "ct"}
+        p.update(shared)
+        out = _cotangent_chunk(indexed, wanted, p, chunk_arrays["ct"], live)
+        if "kv" in wanted:
+            rows, dx = out.pop("kv")
+            dkv = dkv.at[rows].add(dx, mode="drop")
+        return dkv, out
+
+    dkv0 = jnp.zeros(primal["kv"].shape, jnp.float32) if "kv" in wanted else ()
+    chunk = _chunk_size(q, primal.get("kv"), indexed, K)
+    dkv, per_token = _over_token_chunks(step, token, chunk, dkv0)
+    results = dict(per_token)
+    if "kv" in wanted:
+        results["kv"] = dkv
+    return tuple(results[n].astype(dtypes.get(n, jnp.float32)) for n in wanted)
+
+
+# --- the tangent and cotangent primitives -------------------------------------------------------
+
+tangent_p = {
+    False: Primitive("gathered_attn_tangent"),
+    True: Primitive("gathered_attn_idx_tangent"),
+}
+cotangent_p = {
+    False: Primitive("gathered_attn_cotangent"),
+    True: Primitive("gathered_attn_idx_cotangent"),
+}
+for _p in cotangent_p.values():
+    _p.multiple_results = True
+sharding.register_device_aware(*tangent_p.values(), *cotangent_p.values())
+
+
+def _tangent_abstract_eval(*avals, active):
+    q = avals[0]
+    return sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"])
+
+
+def _cotangent_shape(indexed, name, avals):
+    primal = dict(zip(primitives.OPERANDS[indexed], avals))
+    q = primal["q"]
+    T, H, D = q.shape
+    K = primal["bias"].shape[1]
+    shapes = {"q": (T, H, D), "g": (T, K, D), "kv": getattr(primal.get("kv"), "shape", None),
+              "sink": (T, H), "bias": (T, K), "scale": (T,)}
+    dtype = q.dtype if name in ("q", "g", "kv") else jnp.float32
+    return shapes[name], dtype
+
+
+def _cotangent_abstract_eval(indexed):
+    def rule(*avals, wanted):
+        q = avals[0]
+        return [
+            sharding.result_aval(q, *_cotangent_shape(indexed, n, avals), COTANGENT_LAYOUTS[n])
+            for n in wanted
+        ]
+
+    return rule
+
+
+def _tangent_lowering(indexed):
+    def rule(*operands, active):
+        names = primitives.OPERANDS[indexed] + active
+        layouts = [sharding.LAYOUTS[n] for n in names]
+        fn = functools.partial(_tangent, indexed, active)
+        return sharding.shard_local(fn, layouts, [sharding.LAYOUTS["out"]])(*operands)[0]
+
+    return rule
+
+
+def _cotangent_lowering(indexed):
+    def rule(*operands, wanted):
+        names = primitives.OPERANDS[indexed] + ("out",)
+        layouts = [sharding.LAYOUTS[n] for n in names]
+        fn = functools.partial(_cotangent, indexed, wanted)
+        results = [COTANGENT_LAYOUTS[n] for n in wanted]
+        return list(sharding.shard_local(fn, layouts, results)(*operands))
+
+    return rule
+
+
+for _indexed in (False, True):
+    for _p in (tangent_p[_indexed], cotangent_p[_indexed]):
+        _p.def_impl(functools.partial(xla.apply_primitive, _p))
+    tangent_p[_indexed].def_abstract_eval(_tangent_abstract_eval)
+    cotangent_p[_indexed].def_abstract_eval(_cotangent_abstract_eval(_indexed))
+    mlir.register_lowering(
+        tangent_p[_indexed], mlir.lower_fun(_tangent_lowering(_indexed), multiple_results=False)
+    )
+    mlir.register_lowering(
+        cotangent_p[_indexed], mlir.lower_fun(_cotangent_lowering(_indexed), multiple_results=True)
+    )
+
+
+# --- vmap: fold batch axes into tokens, as the forward does -------------------------------------
+
+
+def _role(name: str) -> str:
+    """'t' token-indexed, 'r' the cache, 'h' per head (the sink)."""
+    return sharding.LAYOUTS[name].split()[0]
+
+
+def _map_over_batch(prim, args, dims, params):
+    """A batched sink: one call per batch element (as the forward does)."""
+    batched = [i for i, d in enumerate(dims) if d is not None]
+
+    def one(slices):
+        full = list(args)
+        for i, s in zip(batched, slices):
+            full[i] = s
+        return prim.bind(*full, **params)
+
+    out = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
+    return (out, [0] * len(out)) if prim.multiple_results else (out, 0)
+
+
+def _batcher(prim, indexed, names_of, result_layouts_of, always_fold_cache):
+    def rule(args, dims, **params):
+        names = names_of(params)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        roles = [_role(n) for n in names]
+        if any(r == "h" and d is not None for r, d in zip(roles, dims)):
+            return _map_over_batch(prim, args, dims, params)
+        fold_cache = always_fold_cache(params) or any(
+            r == "r" and d is not None for r, d in zip(roles, dims)
+        )
+        args = list(args)
+        for i, (r, d) in enumerate(zip(roles, dims)):
+            if r == "t" or (r == "r" and fold_cache):
+                args[i] = primitives._to_front(args[i], d, size)
+        rows = None
+        if fold_cache and indexed:
+            # One cache per batch element: stacked, with each element's indices offset by b * R.
+            k = names.index("idx")
+            rows = args[names.index("kv")].shape[1]
+            idx = args[k]
+            valid = (idx >= 0) & (idx < rows)
+            offset = (jnp.arange(size, dtype=jnp.int32) * rows)[:, None, None]
+            args[k] = jnp.where(valid, idx + offset, jnp.int32(-1))
+        for i, (r, d) in enumerate(zip(roles, dims)):
+            if r == "t" or (r == "r" and fold_cache):
+                args[i] = primitives._fold(args[i])
+        outs = prim.bind(*args, **params)
+        single = not prim.multiple_results
+        outs = [outs] if single else list(outs)
+        outs = [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
+        return (outs[0], 0) if single else (outs, [0] * len(outs))
+
+    return rule
+
+
+for _indexed in (False, True):
+    _names = primitives.OPERANDS[_indexed]
+    batching.primitive_batchers[tangent_p[_indexed]] = _batcher(
+        tangent_p[_indexed], _indexed,
+        lambda params, _n=_names: _n + params["active"],
+        None, lambda params: False,
+    )
+    batching.primitive_batchers[cotangent_p[_indexed]] = _batcher(
+        cotangent_p[_indexed], _indexed,
+        lambda params, _n=_names: _n + ("out",),
+        None,
+        # Per-example cache gradients need one cache per batch element.
+        lambda params: "kv" in params["wanted"],
+    )
+
+
+# --- JVP of the forward primitives, transpose of the tangent ------------------------------------
+
+
+def _forward_jvp(indexed):
+    prim = primitives.gathered_attn_idx_p if indexed else primitives.gathered_attn_p
+    names = primitives.OPERANDS[indexed]
+
+    def rule(primals, tangents, *, implementation):
+        out = prim.bind(*primals, implementation=implementation)
+        active = tuple(
+            n for n, t in zip(names, tangents) if n in DIFFERENTIABLE and type(t) is not ad.Zero
+        )
+        if not active:
+            return out, ad.Zero(jax.typeof(primals[0]).to_tangent_aval())
+        by_name = dict(zip(names, tangents))
+        tangent_out = tangent_p[indexed].bind(
+            *primals, *(by_name[n] for n in active), active=active
+        )
+        return out, tangent_out
+
+    return rule
+
+
+def _tangent_transpose(indexed):
+    names = primitives.OPERANDS[indexed]
+
+    def rule(ct, *args, active):
+        primals, tangents = args[: len(names)], args[len(names):]
+        if any(ad.is_undefined_primal(p) for p in primals):
+            raise NotImplementedError(
+                "gathered_attn: the tangent is linear in the tangents only; transposing it with "
+                "respect to a primal operand (a derivative of order two) is not supported"
+            )
+        undefined = [ad.is_undefined_primal(t) for t in tangents]
+        wanted = tuple(n for n, u in zip(active, undefined) if u)
+        if type(ct) is ad.Zero or not wanted:
+            zeros = [ad.Zero(t.aval) if u else None for t, u in zip(tangents, undefined)]
+            return [None] * len(primals) + zeros
+        cts = dict(zip(wanted, cotangent_p[indexed].bind(*primals, ct, wanted=wanted)))
+        if "sink" in cts:
+            cts["sink"] = jnp.sum(cts["sink"], axis=0)
+        return [None] * len(primals) + [cts[n] if u else None for n, u in zip(active, undefined)]
+
+    return rule
+
+
+def _no_higher_order(name):
+    def rule(primals, tangents, **params):
+        raise NotImplementedError(
+            f"{name}: derivatives of order two and higher (e.g. jax.hessian, grad of grad) are "
+            "not implemented for gathered_attn / gathered_attn_idx"
+        )
+
+    return rule
+
+
+for _indexed in (False, True):
+    _fwd = primitives.gathered_attn_idx_p if _indexed else primitives.gathered_attn_p
+    ad.primitive_jvps[_fwd] = _forward_jvp(_indexed)
+    ad.primitive_transposes[tangent_p[_indexed]] = _tangent_transpose(_indexed)
+    ad.primitive_jvps[tangent_p[_indexed]] = _no_higher_order(tangent_p[_indexed].name)
+    ad.primitive_jvps[cotangent_p[_indexed]] = _no_higher_order(cotangent_p[_indexed].name)

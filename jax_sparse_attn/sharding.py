@@ -1,0 +1,329 @@
+"""Multi-device sharding: every primitive of the package runs shard-locally, with no gathers.
+
+The op is independent across tokens (``t``) and across query heads (``h``): a token only reads its
+own slots, and a head only its own sink. So when ``q`` is split over tokens and/or heads, each
+device can run the very same computation (the jnp reference, or the NKI kernel on Neuron) on its
+own block, with the cache ``kv`` and the slot axes replicated. Left to itself, the XLA partitioner
+cannot see inside an opaque kernel custom call and would gather every operand around it.
+
+Layouts are strings of one-letter factors per operand or result: ``t`` tokens, ``h`` heads, ``d``
+head dim, ``k`` slots, ``r`` cache rows. Only ``t`` and ``h`` are ever sharded, and they take the
+mesh axes that split ``q`` (operand 0 of every primitive here). A result without a ``t`` (or
+``h``) dimension is a sum over tokens (or heads), like the cache gradient: each device's partial
+sum is completed with one ``psum``, the only collective, and only in the backward pass.
+
+:func:`shard_local` wraps the function that a primitive lowers to, in one of two ways:
+
+- **Explicit mesh axes** (``jax.make_mesh``'s default from JAX 0.9, or ``axis_types=Explicit``):
+  shardings are part of the types, so the split is known while lowering; the function runs under
+  ``jax.shard_map`` on each device's block. Python host callbacks work there too, so the
+  ``"nki_emulated"`` host path also runs shard-locally.
+- **Automatic mesh axes** (the default of JAX 0.7/0.8): the shardings are chosen later by the
+  partitioner, so the function is wrapped in ``jax.experimental.custom_partitioning`` with a
+  Shardy sharding rule (``"t h d, r d, t k, h, t k, t -> t h d"`` for ``gathered_attn_idx``) and a
+  partition callback that lowers it on the per-device shapes.
+
+Limitation of the automatic case: JAX cannot run a Python host callback inside a
+``custom_partitioning`` body (the callback is registered with a temporary module and lost, and the
+program crashes; see jax-ml/jax#23620), so a function that contains one (the ``"nki_emulated"``
+host path) is lowered without the wrapper: its callback then runs once on gathered inputs
+(correct, not local). Explicit axes or ``jax.shard_map`` keep it local.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+# The factors that may be sharded: tokens and heads. Everything else is replicated.
+SHARDABLE_FACTORS = ("t", "h")
+
+# Layouts of the primitives' operands and results, by name. ``sink_per_token`` is the sink
+# cotangent before its sum over tokens (see autodiff.py).
+LAYOUTS = {
+    "q": "t h d",
+    "g": "t k d",
+    "kv": "r d",
+    "idx": "t k",
+    "sink": "h",
+    "bias": "t k",
+    "scale": "t",
+    "out": "t h d",
+    "sink_per_token": "t h",
+}
+
+_DEF_PARTITION_KWARGS = inspect.signature(custom_partitioning.def_partition).parameters
+
+
+def register_device_aware(*primitives) -> None:
+    """Marks primitives whose lowering needs the device assignment (custom partitioning does).
+
+    JAX lowers a jit program without devices unless a primitive in it asks for them; JAX's own
+    cuDNN attention and TransformerEngine register their primitives the same way. The registry
+    is internal to JAX, so its absence is tolerated (single-device lowering still works).
+    """
+    try:
+        from jax._src import dispatch
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return
+    registry = getattr(dispatch, "prim_requires_devices_during_lowering", None)
+    if registry is not None:
+        registry.update(primitives)
+
+
+# --- shardings from q's abstract value ----------------------------------------------------------
+
+
+def _mesh_axes(entry) -> tuple:
+    """The mesh axis names of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _spec_entry(axes: tuple):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _spec(layout: str, factor_axes: dict) -> PartitionSpec:
+    return PartitionSpec(*(_spec_entry(factor_axes.get(f, ())) for f in layout.split()))
+
+
+def _q_factor_axes(spec, q_shape, mesh_shape, keep: Callable[[str], bool] = lambda name: True):
+    """Mesh axes of ``t`` and ``h`` from q's PartitionSpec, dropping a split that does not divide.
+
+    An uneven split would pad blocks with undefined tokens, which would then enter the sums over
+    tokens (the cache gradient): such a factor is replicated instead.
+    """
+    spec = tuple(spec) + (None,) * 3
+    axes = {}
+    for dim, factor in enumerate(LAYOUTS["q"].split()):
+        if factor in SHARDABLE_FACTORS:
+            names = tuple(n for n in _mesh_axes(spec[dim]) if keep(n))
+            shards = math.prod(mesh_shape[n] for n in names)
+            axes[factor] = names if names and q_shape[dim] % shards == 0 else ()
+    return axes
+
+
+def result_aval(q_aval, shape, dtype, layout: str):
+    """Abstract value of a result: ``q``'s mesh, its ``t``/``h`` sharding, other dims replicated.
+
+    With explicit mesh axes the sharding is part of the type; elsewhere it is unspecified and
+    this is just ``ShapedArray(shape, dtype)`` (``q``'s varying manual axes are kept, so the op
+    also types inside a user's ``shard_map``).
+    """
+    sharding = getattr(q_aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return jax.core.ShapedArray(shape, dtype)
+    spec = tuple(spec) + (None,) * 3
+    by_factor = {"t": spec[0], "h": spec[1]}
+    out = NamedSharding(sharding.mesh, PartitionSpec(*(by_factor.get(f) for f in layout.split())))
+    return q_aval.update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False, sharding=out)
+
+
+# --- host callbacks cannot live in a custom_partitioning body -----------------------------------
+
+
+def _has_host_callback(jaxpr) -> bool:
+    """Whether a jaxpr calls back into Python anywhere (``pure_callback``, ``io_callback``...)."""
+    for eqn in jaxpr.eqns:
+        if "callback" in eqn.primitive.name:
+            return True
+        if any(_has_host_callback(sub) for v in eqn.params.values() for sub in _jaxprs_in(v)):
+            return True
+    return False
+
+
+def _jaxprs_in(value):
+    """The jaxprs held by an equation parameter (a jaxpr, a closed jaxpr, or tuples of them)."""
+    if isinstance(value, ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _jaxprs_in(v)
+
+
+# --- the two ways of running shard-locally ------------------------------------------------------
+
+
+def _with_psums(fn: Callable, reduce_over: Sequence[tuple]) -> Callable:
+    """``fn`` followed by a psum of each result over the mesh axes it was summed across."""
+
+    def local(*operands):
+        outs = fn(*operands)
+        single = not isinstance(outs, (tuple, list))
+        outs = (outs,) if single else tuple(outs)
+        outs = tuple(jax.lax.psum(o, names) if names else o for o, names in zip(outs, reduce_over))
+        return outs[0] if single else outs
+
+    return local
+
+
+def _reduced_axes(result_layouts, factor_axes) -> list:
+    return [
+        tuple(a for f in SHARDABLE_FACTORS if f not in lay.split() for a in factor_axes[f])
+        for lay in result_layouts
+    ]
+
+
+def _explicit_axis_names(aval) -> set:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        return set()
+    return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+
+
+def _has_explicit_axes(aval) -> bool:
+    return bool(_explicit_axis_names(aval))
+
+
+def _explicit_factor_axes(q_aval) -> dict:
+    """``t``/``h`` mesh axes of q that are Explicit (empty when the mesh has none)."""
+    explicit = _explicit_axis_names(q_aval)
+    mesh = q_aval.sharding.mesh
+    return _q_factor_axes(q_aval.sharding.spec, q_aval.shape, dict(mesh.shape), explicit.__contains__)
+
+
+def _replicated(x):
+    sharding = jax.typeof(x).sharding
+    if all(entry is None for entry in sharding.spec):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
+def _run_under_shard_map(fn, operands, operand_layouts, result_layouts, factor_axes):
+    """Explicit axes: reshard each operand to its layout (a local slice at most) and shard_map."""
+    mesh = jax.typeof(operands[0]).sharding.mesh
+    in_specs = tuple(_spec(lay, factor_axes) for lay in operand_layouts)
+    out_specs = tuple(_spec(lay, factor_axes) for lay in result_layouts)
+    resharded = []
+    for x, spec in zip(operands, in_specs):
+        current = tuple(jax.typeof(x).sharding.spec) + (None,) * (x.ndim - len(spec))
+        target = tuple(spec) + (None,) * (x.ndim - len(spec))
+        if current != target:
+            x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
+        resharded.append(x)
+    local = _with_psums(fn, _reduced_axes(result_layouts, factor_axes))
+    axis_names = {a for axes in factor_axes.values() for a in axes}
+
+    def body(*ops):
+        outs = local(*ops)
+        return outs if isinstance(outs, (tuple, list)) else (outs,)
+
+    outs = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axis_names,
+        check_vma=False,
+    )(*resharded)
+    return tuple(outs)
+
+
+class _Partitioner:
+    """custom_partitioning callbacks for one wrapped function (automatic mesh axes)."""
+
+    def __init__(self, fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str]):
+        self.fn = fn
+        self.operand_layouts = list(operand_layouts)
+        self.result_layouts = list(result_layouts)
+
+    def _mesh(self, mesh, arg_shapes):
+        if isinstance(arg_shapes[0].sharding, NamedSharding):
+            return arg_shapes[0].sharding.mesh
+        if mesh is not None and not mesh.empty:
+            return mesh
+        # No named mesh (e.g. positional shardings): one axis over the devices, all replicated.
+        devices = sorted(arg_shapes[0].sharding.device_set, key=lambda d: d.id)
+        return jax.sharding.Mesh(np.array(devices), ("devices",))
+
+    def _factor_axes(self, mesh, arg_shapes) -> dict:
+        sharding = arg_shapes[0].sharding
+        if not isinstance(sharding, NamedSharding):
+            return {f: () for f in SHARDABLE_FACTORS}
+        return _q_factor_axes(sharding.spec, arg_shapes[0].shape, dict(mesh.shape))
+
+    def _shardings(self, mesh, layouts, factor_axes):
+        return tuple(NamedSharding(mesh, _spec(lay, factor_axes)) for lay in layouts)
+
+    def partition(self, mesh, arg_shapes, result_shape):
+        mesh = self._mesh(mesh, arg_shapes)
+        axes = self._factor_axes(mesh, arg_shapes)
+        arg_shardings = self._shardings(mesh, self.operand_layouts, axes)
+        result_shardings = self._shardings(mesh, self.result_layouts, axes)
+        lower_fn = _with_psums(self.fn, _reduced_axes(self.result_layouts, axes))
+        if not isinstance(result_shape, (tuple, list)):
+            result_shardings = result_shardings[0]
+        return mesh, lower_fn, result_shardings, arg_shardings
+
+    def infer_sharding_from_operands(self, mesh, arg_shapes, result_shape):
+        """For the GSPMD partitioner (Shardy uses the sharding rule instead)."""
+        mesh = self._mesh(mesh, arg_shapes)
+        shardings = self._shardings(mesh, self.result_layouts, self._factor_axes(mesh, arg_shapes))
+        return shardings if isinstance(result_shape, (tuple, list)) else shardings[0]
+
+    def sharding_rule(self) -> tuple[str, dict]:
+        rule = ", ".join(self.operand_layouts) + " -> " + ", ".join(self.result_layouts)
+        if "need_replication_factors" not in _DEF_PARTITION_KWARGS:
+            return rule, {}  # JAX 0.7: every factor is a pass-through factor.
+        # Shardy numbers factors in order of first appearance and wants special ones in that order.
+        factors = dict.fromkeys(f for lay in self.operand_layouts + self.result_layouts for f in lay.split())
+        replicated = tuple(f for f in factors if f not in SHARDABLE_FACTORS)
+        return rule, ({"need_replication_factors": replicated} if replicated else {})
+
+    def wrap(self) -> Callable:
+        partitioned = custom_partitioning(self.fn)
+        rule, kinds = self.sharding_rule()
+        partitioned.def_partition(
+            partition=self.partition,
+            infer_sharding_from_operands=self.infer_sharding_from_operands,
+            sharding_rule=rule,
+            **kinds,
+        )
+        return partitioned
+
+
+def shard_local(
+    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str]
+) -> Callable:
+    """Wraps ``fn`` so that, under multi-device ``jit``, it runs on each device's block.
+
+    Args:
+      fn: a jnp-traceable function of the operands returning a tuple of arrays, one per entry
+        of ``result_layouts``; it must be correct on any block of tokens and heads given the
+        other dimensions whole.
+      operand_layouts: one factor string per operand, e.g. ``"t h d"``; operand 0 must be ``q``.
+      result_layouts: one factor string per result. A result missing ``t`` or ``h`` is summed
+        over the devices that split that factor.
+
+    Returns:
+      A function of the operands returning the tuple of results, meant to be called while
+      lowering a primitive (inside ``mlir.lower_fun``). On one device it is ``fn``.
+    """
+
+    def wrapped(*operands):
+        if _has_explicit_axes(jax.typeof(operands[0])):
+            explicit_axes = _explicit_factor_axes(jax.typeof(operands[0]))
+            if any(explicit_axes.values()):
+                return _run_under_shard_map(
+                    fn, operands, operand_layouts, result_layouts, explicit_axes
+                )
+            # q is not split over an explicit axis: the op runs whole (replicated) on each device.
+            operands = [_replicated(x) for x in operands]
+        avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands]
+        if _has_host_callback(jax.make_jaxpr(fn)(*avals).jaxpr):
+            return tuple(fn(*operands))
+        return tuple(_Partitioner(fn, operand_layouts, result_layouts).wrap()(*operands))
+
+    return wrapped
