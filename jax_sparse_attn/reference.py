@@ -13,9 +13,16 @@ kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
 
 For f32 inputs step 5's cast is the identity, so everything stays in f32.
 
-Rows with no valid slot are exactly 0. Work is split into token chunks (``lax.map``) so that the
-gathered slots and the logits of one chunk stay within ``CHUNK_BYTES``; chunking does not change a
-single bit, since every token is computed independently.
+Rows with no valid slot are exactly 0. Work runs in token chunks (``lax.map``) whose gathered
+slots and logits stay within ``CHUNK_BYTES``: small enough to stay in the CPU caches, and a bound
+on memory however many tokens there are. Chunking does not change a single bit, since every token
+is computed independently (``tests/test_reference_chunking.py``).
+
+Memory beyond the inputs and the output, for ``gathered_attn_idx``: one chunk's working set, plus
+either all tokens' gathered slots when they are at most ``PREGATHER_MAX_BYTES`` and smaller than
+the cache, or else one copy of the cache's bits (the loop reads the cache as raw bits, see
+``_map_tokens``). For ``gathered_attn``: one chunk's working set plus one copy of ``g``'s bits
+when there is more than one chunk.
 """
 
 from __future__ import annotations
@@ -26,14 +33,45 @@ import numpy as np
 
 from .constants import EMPTY_LOGIT
 
-# Target working set of one token chunk (gathered slots + fp32 logits/probabilities).
-CHUNK_BYTES = 64 * 2**20
+# Target working set of one token chunk (gathered slots + fp32 logits/probabilities). Small on
+# purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM, which
+# measured about twice as fast as one big batch (README, Performance), and it bounds the memory of a
+# long prefill (the gathered slots of T=4096, K=2048, D=512 alone would be 8 GiB).
+CHUNK_BYTES = 4 * 2**20
+
+# Largest gather of all tokens' slots done up front, outside the token loop. Up to this size, and
+# when the cache is bigger than the slots, one gather beats the loop's copy of the cache's bits.
+PREGATHER_MAX_BYTES = 64 * 2**20
 
 
 def token_chunk_size(num_tokens: int, heads: int, slots: int, dim: int, itemsize: int) -> int:
-    """Tokens per chunk so that one chunk's working set stays near ``CHUNK_BYTES``."""
+    """Tokens per chunk so that one chunk's working set stays near ``CHUNK_BYTES`` (at least 1)."""
     per_token = slots * dim * itemsize + 3 * heads * slots * 4 + heads * dim * 4
     return int(max(1, min(num_tokens, CHUNK_BYTES // max(per_token, 1))))
+
+
+def _bits_dtype(dtype) -> np.dtype:
+    """The unsigned integer dtype with ``dtype``'s width."""
+    return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+
+
+def _to_bits(x):
+    return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
+
+
+def _from_bits(bits, dtype):
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _gather_rows(kv_bits, rows):
+    """``kv[rows]`` on bit patterns: kv_bits ``[R, D]`` unsigned, rows ``[..., K]`` int32, all in
+    range -> ``[..., K, D]`` unsigned.
+
+    XLA:CPU widens a bf16 gather to f32; inside the token loop it hoists that conversion of the whole
+    cache out of the loop (an f32 copy of ``kv``, twice its size, on every call). Raw bits move as
+    they are.
+    """
+    return kv_bits.at[rows].get(mode="promise_in_bounds")
 
 
 def _attend_one_token(q, x, valid, sink, bias, scale):
@@ -50,7 +88,13 @@ def _attend_one_token(q, x, valid, sink, bias, scale):
 
 
 def _map_tokens(fn, token_args, shared_args, chunk):
-    """Applies per-token ``fn(*token_slices, *shared)`` over the leading token axis in chunks."""
+    """Applies per-token ``fn(*token_slices, *shared)`` over the leading token axis, ``chunk``
+    tokens at a time (``lax.map``); one ``vmap`` when a single chunk covers every token.
+
+    Tokens are independent, so the chunk size never changes a result bit. Floating operands travel
+    through the loop as unsigned bit patterns and ``fn`` returns bits: XLA:CPU otherwise widens
+    every bf16 slice and update of the loop to f32, converting the whole output once per chunk.
+    """
     if chunk >= token_args[0].shape[0]:
         return jax.vmap(lambda *a: fn(*a, *shared_args))(*token_args)
     return jax.lax.map(lambda a: fn(*a, *shared_args), token_args, batch_size=chunk)
@@ -58,6 +102,27 @@ def _map_tokens(fn, token_args, shared_args, chunk):
 
 def _empty_result(q):
     return jnp.zeros(q.shape, q.dtype)
+
+
+def _attend_bits(dtype):
+    """Per-token attention on bit patterns: (q bits [H, D], slot bits [K, D], valid [K], bias [K],
+    scale [], sink [H]) -> output bits [H, D]."""
+
+    def one(q_bits, x_bits, valid, bias_t, scale_t, sink):
+        q_t, x = _from_bits(q_bits, dtype), _from_bits(x_bits, dtype)
+        return _to_bits(_attend_one_token(q_t, x, valid, sink, bias_t, scale_t))
+
+    return one
+
+
+def _gathered_chunks(q, g_bits, valid, sink, bias, scale):
+    """Runs the contract over slots that are already gathered, ``g_bits [T, K, D]`` as bits."""
+    T, H, D = q.shape
+    K = g_bits.shape[1]
+    one = _attend_bits(q.dtype)
+    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize)
+    out_bits = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
+    return _from_bits(out_bits, q.dtype)
 
 
 def gathered_attn_reference(q, g, sink, bias, scale):
@@ -72,18 +137,16 @@ def gathered_attn_reference(q, g, sink, bias, scale):
     K = g.shape[1]
     if T == 0 or K == 0 or H == 0:
         return _empty_result(q)
-    g = g.astype(q.dtype)
-
-    def one(q_t, g_t, bias_t, scale_t, sink_):
-        valid = bias_t != -jnp.inf
-        return _attend_one_token(q_t, g_t, valid, sink_, bias_t, scale_t)
-
-    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize)
-    return _map_tokens(one, (q, g, bias, scale), (sink,), chunk)
+    valid = bias != -jnp.inf
+    return _gathered_chunks(q, _to_bits(g.astype(q.dtype)), valid, sink, bias, scale)
 
 
 def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
-    """Reference that gathers rows of ``kv`` by ``idx`` (one chunk of tokens at a time).
+    """Reference that gathers rows of ``kv`` by ``idx``.
+
+    When all tokens' slots fit in ``PREGATHER_MAX_BYTES`` and are smaller than the cache (decode),
+    they are gathered in one step and the products run by token chunks; otherwise (prefill) each
+    chunk of tokens gathers its own slots inside the loop, so memory stays bounded.
 
     Args:
       q: ``[T, H, D]`` float. kv: ``[R, D]`` in q's dtype. idx: ``[T, K]`` int32; a slot is empty when
@@ -95,13 +158,21 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
     K = idx.shape[1]
     if T == 0 or K == 0 or H == 0 or R == 0:
         return _empty_result(q)
-    kv = kv.astype(q.dtype)
+    dtype = q.dtype
+    itemsize = np.dtype(dtype).itemsize
+    kv_bits = _to_bits(kv.astype(dtype))
+    valid = (idx >= 0) & (idx < R) & (bias != -jnp.inf)
+    rows = jnp.where(valid, idx, 0)
 
-    def one(q_t, idx_t, bias_t, scale_t, kv_, sink_):
-        valid = (idx_t >= 0) & (idx_t < R) & (bias_t != -jnp.inf)
-        rows = jnp.where(valid, idx_t, 0)
-        x = kv_.at[rows].get(mode="promise_in_bounds")
-        return _attend_one_token(q_t, x, valid, sink_, bias_t, scale_t)
+    slot_bytes = T * K * D * itemsize
+    if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
+        return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
 
-    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize)
-    return _map_tokens(one, (q, idx, bias, scale), (kv, sink), chunk)
+    attend = _attend_bits(dtype)
+
+    def one(q_bits, rows_t, valid_t, bias_t, scale_t, kv_bits_, sink_):
+        return attend(q_bits, _gather_rows(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
+
+    chunk = token_chunk_size(T, H, K, D, itemsize)
+    out_bits = _map_tokens(one, (_to_bits(q), rows, valid, bias, scale), (kv_bits, sink), chunk)
+    return _from_bits(out_bits, dtype)

@@ -28,7 +28,12 @@ def test_each_flashmla_invalid_index_is_an_empty_slot(rng, dtype, bad):
     out = jsa.gathered_attn_idx(q, kv, with_bad, np.zeros(3, np.float32))
     # removing the slot altogether must give the same result
     dropped = jsa.gathered_attn_idx(q, kv, np.delete(idx, 2, axis=1), np.zeros(3, np.float32))
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(dropped))
+    if dtype is np.float32:
+        # The empty slot adds exact zeros to both sums, but XLA may order a sum of K terms
+        # differently from one of K - 1 (jax 0.7's CPU backend does): f32 can move by an ulp.
+        np.testing.assert_array_max_ulp(np.asarray(out), np.asarray(dropped), maxulp=2)
+    else:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(dropped))
 
 
 def _enable_x64():

@@ -1,0 +1,492 @@
+"""Benchmarks: ``python -m jax_sparse_attn.bench``.
+
+Times ``gathered_attn_idx`` jitted on the current backend over decode and prefill shapes, after
+warm-up, and reports medians over interleaved rounds. Every figure that depends on the machine is
+also given as a ratio to a baseline measured in the same run, on the same machine, in the same
+rounds (so that a noisy, shared machine slows both alike):
+
+- ``vs naive``: time of a naive jnp implementation (one gather and two einsums with a softmax in
+  between, written below, the same contract arithmetic) divided by the op's time; above 1 means
+  the op is faster.
+- ``of f32 GEMM``: the op's GFLOP/s over the GFLOP/s of a square f32 matrix product with about
+  the same FLOPs.
+
+It also reports GFLOP/s (``4 T H K D`` FLOPs: two products), the effective gather bandwidth (the
+``T K D`` slot bytes read from the cache, per second of the op), and checks a few tokens of the
+output against a float64 numpy model of the bf16 contract (fraction within one bf16 ulp).
+
+``--memory`` measures, in a fresh subprocess, the peak resident memory growth of one call at a
+long prefill (T=4096, K=2048, D=512, H=16 by default; the gathered slots alone would be 8 GiB),
+and checks a few output rows against the same tokens computed without chunking.
+
+``--implementation`` is passed to the public API as is: ``None`` (the default: the NKI kernel on
+Trainium, the jnp reference elsewhere), ``reference``, ``nki`` or ``nki_emulated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import gathered_attn_idx, reference
+
+IMPLEMENTATIONS = ("none", "reference", "nki", "nki_emulated")
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+MEMORY_LIMIT_BYTES = int(1.5 * 2**30)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One benchmark case: T tokens, H heads, D head dim, K slots per token, R cache rows."""
+
+    name: str
+    T: int
+    H: int
+    D: int
+    K: int
+    R: int
+
+    @property
+    def flops(self) -> int:
+        return 4 * self.T * self.H * self.K * self.D  # logits and values: 2 T H K D each
+
+    def describe(self) -> str:
+        return f"T={self.T} H={self.H} D={self.D} K={self.K} R={self.R}"
+
+
+# DeepSeek V3.2-like sizes: 64 heads at decode (absorbed MLA, D=512, top-2048), a prefill chunk
+# with fewer heads per device.
+SHAPES = {
+    "decode": [
+        Shape("decode-R8k", 16, 64, 512, 2048, 8192),
+        Shape("decode-R64k", 16, 64, 512, 2048, 65536),
+    ],
+    "prefill": [Shape("prefill-T512", 512, 16, 512, 2048, 65536)],
+}
+QUICK_SHAPES = [
+    Shape("decode-quick", 4, 16, 128, 256, 4096),
+    Shape("prefill-quick", 64, 8, 128, 256, 4096),
+]
+MEMORY_SHAPE = Shape("memory-prefill", 4096, 16, 512, 2048, 65536)
+
+
+# --- the baseline ---------------------------------------------------------------------------------
+
+
+def naive_attention(q, kv, idx, sink, scale):
+    """What one writes without this library: one gather, two einsums, a softmax in between.
+
+    q ``[T, H, D]``, kv ``[R, D]`` (q's dtype), idx ``[T, K]`` int32, sink ``[H]`` f32, scale a
+    float -> ``[T, H, D]`` in q's dtype. Same arithmetic as the contract (fp32 accumulation,
+    fp32 softmax, probabilities in q's dtype for the value product); a row with no valid slot is
+    not special-cased.
+    """
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    g = kv[jnp.where(valid, idx, 0)]
+    s = jnp.einsum("thd,tkd->thk", q, g, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(valid[:, None, :], s, jnp.float32(-1e30))
+    m = jnp.max(s, axis=-1, keepdims=True)
+    e = jnp.exp(s - m)
+    den = jnp.sum(e, axis=-1) + jnp.exp(sink[None, :] - m[..., 0])
+    o = jnp.einsum("thk,tkd->thd", e.astype(q.dtype), g, preferred_element_type=jnp.float32)
+    return (o / den[..., None]).astype(q.dtype)
+
+
+# --- an independent model of the contract, for a few tokens ----------------------------------------
+
+
+def contract_model(q, kv, idx, sink, scale, dtype):
+    """numpy model of CONTRACT section 2 for the given tokens (float64 products, exact for bf16
+    operands, rounded to fp32 as an fp32 accumulator would be to within its own rounding)."""
+    q64 = np.asarray(q, np.float64)
+    kv_np = np.asarray(kv)
+    out = np.zeros(q.shape, dtype)
+    for t in range(q.shape[0]):
+        valid = (idx[t] >= 0) & (idx[t] < kv_np.shape[0])
+        if not valid.any():
+            continue
+        x = kv_np[np.where(valid, idx[t], 0)].astype(np.float64)
+        s = (q64[t] @ x.T).astype(np.float32) * np.float32(scale)
+        s = s + np.where(valid, np.float32(0), np.float32(-1e30))[None, :]
+        m = s.max(axis=1, keepdims=True)
+        e = np.exp(s - m, dtype=np.float32)
+        den = e.sum(axis=1, dtype=np.float32) + np.exp(sink - m[:, 0], dtype=np.float32)
+        p = e.astype(dtype).astype(np.float64)
+        out[t] = ((p @ x).astype(np.float32) / den[:, None]).astype(dtype)
+    return out
+
+
+def fraction_within_one_ulp(actual, expected) -> float:
+    """Fraction of 16-bit float elements whose encodings are at most one step apart."""
+
+    def ordered(a):
+        bits = np.asarray(a).view(np.uint16).astype(np.int32)
+        return np.where(bits & 0x8000, -(bits & 0x7FFF), bits & 0x7FFF)
+
+    return float(np.mean(np.abs(ordered(actual) - ordered(expected)) <= 1))
+
+
+def check_contract(out, q, kv, idx, sink, scale, tokens: int = 16) -> dict:
+    """Compares ``tokens`` evenly spaced output tokens with the numpy model of the contract."""
+    T = q.shape[0]
+    pick = np.unique(np.linspace(0, T - 1, min(tokens, T)).astype(int))
+    q_np = np.asarray(q)[pick]
+    want = contract_model(q_np, kv, np.asarray(idx)[pick], np.asarray(sink), scale, q_np.dtype)
+    got = np.asarray(out)[pick]
+    if got.dtype.itemsize == 2:
+        return {"tokens_checked": len(pick), "within_one_ulp": fraction_within_one_ulp(got, want)}
+    err = np.abs(got.astype(np.float64) - want) / (np.abs(want).max() + 1e-30)
+    return {"tokens_checked": len(pick), "max_rel_error": float(err.max())}
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+def _inputs(shape: Shape, dtype, seed: int = 0):
+    """Random operands on the default device: a quarter of the last eighth of slots empty."""
+    T, H, D, K, R = shape.T, shape.H, shape.D, shape.K, shape.R
+    k_q, k_kv, k_idx, k_sink = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(k_q, (T, H, D), dtype)
+    kv = jax.random.normal(k_kv, (R, D), dtype)
+    idx = jax.random.randint(k_idx, (T, K), 0, R, jnp.int32)
+    idx = idx.at[:, -max(K // 32, 1) :].set(-1)  # some empty slots, as a short context has
+    sink = jax.random.normal(k_sink, (H,), jnp.float32)
+    return jax.block_until_ready((q, kv, idx, sink))
+
+
+def _square_gemm(flops: int, seed: int = 1):
+    """An f32 ``[n, n] @ [n, n]`` with ``2 n^3`` close to ``flops``; returns (fn, args, its FLOPs)."""
+    n = max(16, int(round((flops / 2) ** (1 / 3) / 16)) * 16)
+    a, b = jax.random.normal(jax.random.key(seed), (2, n, n), jnp.float32)
+    return jax.jit(jnp.matmul), (a, b), 2 * n**3
+
+
+def _time_rounds(fns: dict[str, tuple[Callable, tuple]], repeats: int, warmup: int) -> dict:
+    """Runs each function ``warmup`` times, then ``repeats`` interleaved rounds; seconds per call."""
+    for fn, args in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, (fn, args) in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _implementation_arg(name: str) -> Optional[str]:
+    return None if name == "none" else name
+
+
+def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int, warmup: int,
+                naive: bool = True, gemm: bool = True) -> dict:
+    """Times the op (and, unless disabled, the naive baseline and the f32 GEMM) at one shape."""
+    dtype = DTYPES[dtype_name]
+    q, kv, idx, sink = _inputs(shape, dtype)
+    scale = shape.D**-0.5
+    impl = _implementation_arg(implementation)
+    op = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(q, kv, idx, sink, scale=scale,
+                                                           implementation=impl))
+    fns = {"op": (op, (q, kv, idx, sink))}
+    compile_start = time.perf_counter()
+    out = jax.block_until_ready(op(q, kv, idx, sink))
+    compile_s = time.perf_counter() - compile_start
+    if naive:
+        fns["naive"] = (jax.jit(lambda q, kv, idx, sink: naive_attention(q, kv, idx, sink, scale)),
+                        (q, kv, idx, sink))
+    gemm_flops = None
+    if gemm:
+        gemm_fn, gemm_args, gemm_flops = _square_gemm(shape.flops)
+        fns["gemm_f32"] = (gemm_fn, gemm_args)
+    times = _time_rounds(fns, repeats, warmup)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    itemsize = np.dtype(dtype).itemsize
+    rec = {
+        "shape": dataclasses.asdict(shape),
+        "dtype": dtype_name,
+        "implementation": implementation,
+        "flops": shape.flops,
+        "first_call_s": compile_s,
+        "times_s": times,
+        "median_s": med,
+        "op_gflops": shape.flops / med["op"] / 1e9,
+        "gather_gbytes_per_s": shape.T * shape.K * shape.D * itemsize / med["op"] / 1e9,
+        "contract_check": check_contract(out, q, kv, idx, sink, scale),
+    }
+    if naive:
+        rec["naive_over_op"] = med["naive"] / med["op"]
+        # Ratio of the per-round ratios: less sensitive to a slow round than the ratio of medians.
+        rec["naive_over_op_per_round_median"] = float(
+            np.median(np.array(times["naive"]) / np.array(times["op"])))
+    if gemm:
+        rec["gemm_f32_flops"] = gemm_flops
+        rec["gemm_f32_gflops"] = gemm_flops / med["gemm_f32"] / 1e9
+        rec["op_fraction_of_gemm_f32"] = rec["op_gflops"] / rec["gemm_f32_gflops"]
+    return rec
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+
+def _status_bytes(field: str) -> Optional[int]:
+    """A ``kB`` field of /proc/self/status (Linux), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Resets the kernel's peak RSS to the current RSS (Linux >= 4.0); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_bytes() -> int:
+    """Current resident set size; the peak so far where the current one is unavailable."""
+    current = _status_bytes("VmRSS")
+    return current if current is not None else _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size: VmHWM (which ``_reset_peak_rss`` resets), else ru_maxrss."""
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def memory_child(shape: Shape, dtype_name: str, implementation: str, check_tokens: int) -> dict:
+    """Runs in a fresh process: peak RSS growth of compiling and running one call.
+
+    The growth is the peak after the call minus the resident size once the inputs exist, so the
+    inputs are excluded and everything else (compilation, the cache's bits, chunk buffers, the
+    output) is included. Creating the inputs has its own transient peak, so the kernel's peak
+    counter is reset once they exist (where it cannot be, the growth is an upper bound). Then a few tokens are recomputed as a small separate call traced with
+    the reference's chunking switched off (one batch, no loop, slots gathered up front) and
+    compared bit for bit with the same rows of the long call.
+    """
+    dtype = DTYPES[dtype_name]
+    q, kv, idx, sink = _inputs(shape, dtype)
+    scale = shape.D**-0.5
+    impl = _implementation_arg(implementation)
+    peak_reset = _reset_peak_rss()
+    rss_before = _rss_bytes()
+    peak_before = _peak_rss_bytes()
+    start = time.perf_counter()
+    out = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
+        q, kv, idx, sink, scale=scale, implementation=impl))(q, kv, idx, sink)
+    out = jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    peak_after = _peak_rss_bytes()
+    growth = peak_after - rss_before
+
+    pick = np.unique(np.linspace(0, shape.T - 1, check_tokens).astype(int))
+    budgets = reference.CHUNK_BYTES, reference.PREGATHER_MAX_BYTES
+    reference.CHUNK_BYTES = reference.PREGATHER_MAX_BYTES = 2**62  # read while tracing
+    try:
+        few = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
+            q, kv, idx, sink, scale=scale, implementation=impl))(q[pick], kv, idx[pick], sink)
+        few = jax.block_until_ready(few)
+    finally:
+        reference.CHUNK_BYTES, reference.PREGATHER_MAX_BYTES = budgets
+    bits = np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+    same = bool(np.array_equal(np.asarray(out)[pick].view(bits), np.asarray(few).view(bits)))
+    return {
+        "shape": dataclasses.asdict(shape),
+        "dtype": dtype_name,
+        "implementation": implementation,
+        "input_bytes": int(sum(x.nbytes for x in (q, kv, idx, sink))),
+        "gathered_slot_bytes": shape.T * shape.K * shape.D * np.dtype(dtype).itemsize,
+        "rss_before_bytes": rss_before,
+        "peak_before_bytes": peak_before,
+        "peak_reset": peak_reset,
+        "peak_after_bytes": peak_after,
+        "growth_bytes": growth,
+        "limit_bytes": MEMORY_LIMIT_BYTES,
+        "within_limit": growth <= MEMORY_LIMIT_BYTES,
+        "seconds_first_call": seconds,
+        "rows_checked": len(pick),
+        "rows_same_bits_as_unchunked": same,
+        "contract_check": check_contract(out, q, kv, idx, sink, scale),
+    }
+
+
+def run_memory_check(shape: Shape, dtype_name: str, implementation: str,
+                     check_tokens: int = 4, timeout: float = 900) -> dict:
+    """Runs :func:`memory_child` in a fresh Python process and returns its record."""
+    cmd = [sys.executable, "-m", "jax_sparse_attn.bench", "--memory-child",
+           "--shape", f"{shape.T},{shape.H},{shape.D},{shape.K},{shape.R}",
+           "--dtype", dtype_name, "--implementation", implementation,
+           "--check-tokens", str(check_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory check failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- reporting ------------------------------------------------------------------------------------
+
+
+def environment() -> dict:
+    """Where the figures come from."""
+    cpu = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in cpu:
+                    cpu[key] = value.strip()
+                if key == "flags" and "flags" not in cpu:
+                    flags = value.split()
+                    cpu["flags"] = " ".join(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+    except OSError:
+        cpu["model name"] = platform.processor()
+    device = jax.devices()[0]
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax": jax.__version__,
+        "jaxlib": _jaxlib_version(),
+        "backend": jax.default_backend(),
+        "device": getattr(device, "device_kind", str(device)),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+
+
+def _jaxlib_version() -> Optional[str]:
+    try:
+        import jaxlib
+
+        return jaxlib.__version__
+    except (ImportError, AttributeError):
+        return None
+
+
+def format_table(records: Sequence[dict]) -> str:
+    head = (f"{'case':<14} {'shape':<34} {'impl':<10} {'op ms':>8} {'naive ms':>9} {'vs naive':>9} "
+            f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'gather GB/s':>11} {'ulp<=1':>7}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        s = Shape(**r["shape"])
+        med = r["median_s"]
+        naive = f"{med['naive'] * 1e3:9.2f}" if "naive" in med else f"{'-':>9}"
+        ratio = f"{r['naive_over_op']:8.2f}x" if "naive_over_op" in r else f"{'-':>9}"
+        gemm = f"{r['op_fraction_of_gemm_f32']:11.2f}" if "op_fraction_of_gemm_f32" in r else f"{'-':>11}"
+        check = r["contract_check"]
+        ulp = f"{check['within_one_ulp']:7.4f}" if "within_one_ulp" in check else f"{check['max_rel_error']:7.1e}"
+        lines.append(f"{s.name:<14} {s.describe():<34} {r['implementation']:<10} {med['op'] * 1e3:8.2f} "
+                     f"{naive} {ratio} {r['op_gflops']:8.1f} {gemm} {r['gather_gbytes_per_s']:11.2f} {ulp}")
+    return "\n".join(lines)
+
+
+def _parse_shape(text: str) -> Shape:
+    try:
+        T, H, D, K, R = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape wants T,H,D,K,R (five integers); got {text!r}")
+    return Shape("custom", T, H, D, K, R)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.bench",
+                                description="Times gathered_attn_idx (jitted, after warm-up, medians of "
+                                "interleaved rounds) against a naive jnp implementation and an f32 GEMM "
+                                "measured in the same run; --memory measures the peak memory of a long "
+                                "prefill in a subprocess.")
+    p.add_argument("--cases", default="decode,prefill",
+                   help="comma-separated groups of shapes: decode, prefill (default: both)")
+    p.add_argument("--shape", type=_parse_shape, action="append",
+                   help="a custom shape T,H,D,K,R (repeatable; replaces --cases)")
+    p.add_argument("--quick", action="store_true",
+                   help="small shapes and few rounds: a smoke run in seconds (CI)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--implementation", choices=IMPLEMENTATIONS, default="none",
+                   help="passed to the API; 'none' = implementation=None (the default)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 15; 3 quick)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
+    p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
+    p.add_argument("--no-gemm", action="store_true", help="skip the f32 GEMM baseline")
+    p.add_argument("--memory", action="store_true",
+                   help="measure peak memory growth of one long prefill call in a subprocess")
+    p.add_argument("--check-tokens", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", metavar="PATH", help="also write every record and the environment")
+    a = p.parse_args(argv)
+
+    if a.memory_child:
+        shape = dataclasses.replace(a.shape[0], name="memory") if a.shape else MEMORY_SHAPE
+        print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens)))
+        return 0
+
+    env = environment()
+    print(f"# jax {env['jax']} on {env['backend']} ({env['device']}); "
+          f"CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}", flush=True)
+    result: dict = {"environment": env, "records": []}
+    if a.memory:
+        shape = a.shape[0] if a.shape else (QUICK_SHAPES[1] if a.quick else MEMORY_SHAPE)
+        rec = run_memory_check(shape, a.dtype, a.implementation)
+        result["memory"] = rec
+        gib = 2**30
+        print(f"memory  {shape.describe()} {a.dtype}: peak RSS growth "
+              f"{rec['growth_bytes'] / gib:.3f} GiB (limit {rec['limit_bytes'] / gib:.1f} GiB; "
+              f"inputs {rec['input_bytes'] / gib:.3f} GiB; gathered slots would be "
+              f"{rec['gathered_slot_bytes'] / gib:.1f} GiB) in {rec['seconds_first_call']:.1f} s; "
+              f"{rec['rows_checked']} rows same bits as unchunked: {rec['rows_same_bits_as_unchunked']}",
+              flush=True)
+        ok = rec["within_limit"] and rec["rows_same_bits_as_unchunked"]
+    else:
+        if a.shape:
+            shapes = a.shape
+        elif a.quick:
+            shapes = QUICK_SHAPES
+        else:
+            shapes = [s for group in a.cases.split(",") for s in SHAPES[group.strip()]]
+        repeats = a.repeats or (3 if a.quick else 15)
+        for shape in shapes:
+            try:
+                rec = bench_shape(shape, a.dtype, a.implementation, repeats, a.warmup,
+                                  naive=not a.no_naive, gemm=not a.no_gemm)
+            except (RuntimeError, NotImplementedError, ValueError) as err:
+                # e.g. implementation="nki" without the Neuron SDK: the library's message says why.
+                print(f"bench: {shape.name} ({shape.describe()}): {err}", file=sys.stderr)
+                return 2
+            result["records"].append(rec)
+            print(format_table([rec]).splitlines()[-1] if len(result["records"]) > 1
+                  else format_table([rec]), flush=True)
+        ok = True
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"# wrote {a.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

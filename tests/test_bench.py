@@ -1,0 +1,42 @@
+"""The benchmark's own pieces: its naive baseline and contract model agree with the test oracle,
+and the command line runs end to end and writes its JSON."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_attn import bench
+from oracle import BF16, attention_bf16_contract, gather, within_one_ulp
+
+
+def test_naive_baseline_and_contract_model_follow_the_contract(rng):
+    T, H, D, K, R = 3, 4, 64, 48, 90
+    q = rng.standard_normal((T, H, D)).astype(BF16)
+    kv = rng.standard_normal((R, D)).astype(BF16)
+    idx = rng.integers(-5, R + 5, (T, K)).astype(np.int32)
+    sink = rng.standard_normal(H).astype(np.float32)
+    x, valid = gather(kv, idx)
+    want = attention_bf16_contract(q, x, valid, sink, scale=0.125)
+    naive = jax.jit(bench.naive_attention, static_argnums=4)(q, kv, idx, sink, 0.125)
+    model = bench.contract_model(q, kv, idx, sink, 0.125, BF16)
+    assert naive.dtype == jnp.bfloat16
+    assert within_one_ulp(np.asarray(naive), want) >= 0.999
+    assert within_one_ulp(model, want) >= 0.999
+
+
+def test_command_line_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "1",
+                       "--json", str(path)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "T=2 H=4 D=64 K=32 R=128" in table
+    result = json.loads(path.read_text())
+    (rec,) = result["records"]
+    assert rec["flops"] == 4 * 2 * 4 * 32 * 64
+    assert len(rec["times_s"]["op"]) == len(rec["times_s"]["naive"]) == 2
+    assert rec["naive_over_op"] > 0 and rec["op_fraction_of_gemm_f32"] > 0
+    assert rec["contract_check"]["within_one_ulp"] >= 0.999
+    assert result["environment"]["backend"] == jax.default_backend()

@@ -1,0 +1,317 @@
+"""The Flax NNX layer: jit, prefill/decode against the full sequence, gradients, and a float64 oracle.
+
+The oracles here are plain numpy (float64) written from the math in the layer's docstring: the
+projections are matrix products with the layer's weights, the indexer score is
+``sum_j w_j relu(iq_j . ik_r) / sqrt(Hi Di)``, and attention is a causal softmax whose denominator
+includes ``exp(sink)``.
+"""
+
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jax_sparse_attn.flax import (  # noqa: E402
+    SparseAttention,
+    SparseAttentionCache,
+    indexer_scores,
+    select_topk_rows,
+)
+
+E, H, D, HI, DI = 16, 4, 8, 3, 8
+
+
+def make_layer(topk, seed=0, dtype=None, sink=None):
+    layer = SparseAttention(
+        E, H, D, topk, index_heads=HI, index_dim=DI, dtype=dtype, rngs=nnx.Rngs(seed)
+    )
+    if sink is not None:
+        layer.sink[...] = jnp.asarray(sink, jnp.float32)
+    return layer
+
+
+def inputs(B, T, seed=1):
+    return jax.random.normal(jax.random.key(seed), (B, T, E), jnp.float32)
+
+
+def weights(layer):
+    def w(linear):
+        return np.asarray(linear.kernel[...], np.float64)
+
+    return {
+        "q": w(layer.query),
+        "kv": w(layer.kv),
+        "iq": w(layer.index_query),
+        "ik": w(layer.index_key),
+        "iw": w(layer.index_weights),
+        "o": w(layer.out),
+        "sink": np.asarray(layer.sink[...], np.float64),
+    }
+
+
+def oracle_index_scores(wt, x):
+    """[B, T, R=T] float64 indexer scores; -inf on rows after the token."""
+    B, T, _ = x.shape
+    iq = (x @ wt["iq"]).reshape(B, T, HI, DI)
+    ik = x @ wt["ik"]
+    iw = x @ wt["iw"]
+    scores = np.full((B, T, T), -np.inf)
+    for b in range(B):
+        for t in range(T):
+            for r in range(t + 1):
+                relu = np.maximum(iq[b, t] @ ik[b, r], 0.0)
+                scores[b, t, r] = (iw[b, t] * relu).sum() / np.sqrt(HI * DI)
+    return scores
+
+
+def oracle_layer(wt, x, rows_of):
+    """float64 layer output; ``rows_of(b, t)`` lists the cache rows token (b, t) attends to."""
+    x = np.asarray(x, np.float64)
+    B, T, _ = x.shape
+    q = (x @ wt["q"]).reshape(B, T, H, D)
+    kv = x @ wt["kv"]
+    o = np.zeros((B, T, H, D))
+    for b in range(B):
+        for t in range(T):
+            x_rows = kv[b, list(rows_of(b, t))]
+            for h in range(H):
+                logits = x_rows @ q[b, t, h] * D**-0.5
+                m = max(logits.max(), wt["sink"][h])
+                e = np.exp(logits - m)
+                o[b, t, h] = e @ x_rows / (e.sum() + np.exp(wt["sink"][h] - m))
+    return o.reshape(B, T, H * D) @ wt["o"]
+
+
+SINK = [0.5, -1.0, 2.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype, tol", [(None, 2e-5), (jnp.bfloat16, 6e-2)])
+def test_topk_covering_the_sequence_is_dense_causal_attention(dtype, tol):
+    B, T = 2, 6
+    layer = make_layer(topk=T + 2, dtype=dtype, sink=SINK)
+    x = inputs(B, T)
+    y = nnx.jit(lambda m, x: m(x))(layer, x)
+    assert y.shape == (B, T, E)
+    assert y.dtype == (dtype or jnp.float32)
+    want = oracle_layer(weights(layer), np.asarray(x), lambda b, t: range(t + 1))
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol)
+    # The same through a cache larger than the sequence (rows past T are never written).
+    cache = layer.init_cache(B, T + 3)
+    assert cache.kv.dtype == (dtype or jnp.float32)
+    y_cached, cache = nnx.jit(lambda m, x, c: m(x, c))(layer, x, cache)
+    np.testing.assert_allclose(np.asarray(y_cached, np.float64), want, rtol=tol, atol=tol)
+
+
+def test_sparse_selection_matches_numpy_oracle():
+    B, T, K = 2, 9, 3
+    layer = make_layer(topk=K, seed=3, sink=SINK)
+    x = inputs(B, T, seed=4)
+    wt = weights(layer)
+    scores = oracle_index_scores(wt, np.asarray(x, np.float64))
+
+    def rows_of(b, t):
+        # Highest scores first, lower row first on ties (the layer's documented order).
+        order = sorted(range(t + 1), key=lambda r: (-scores[b, t, r], r))
+        chosen = order[:K]
+        if len(order) > K:
+            # The case must not sit on a float32 near-tie at the boundary, or the test is luck.
+            gap = scores[b, t, order[K - 1]] - scores[b, t, order[K]]
+            assert gap == 0 or gap > 1e-4, f"degenerate test data at b={b}, t={t}"
+        return chosen
+
+    want = oracle_layer(wt, np.asarray(x), rows_of)
+    picked = np.asarray(layer.select_rows(x))
+    assert picked.shape == (B, T, K)
+    for b in range(B):
+        for t in range(T):
+            chosen = rows_of(b, t)
+            assert picked[b, t].tolist() == chosen + [-1] * (K - len(chosen)), (b, t)
+    y = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+    # A sparse selection really differs from dense attention here.
+    dense = oracle_layer(wt, np.asarray(x), lambda b, t: range(t + 1))
+    assert np.abs(dense - want).max() > 1e-2
+
+
+def test_indexer_scores_and_topk_rows():
+    rng = np.random.default_rng(5)
+    B, T, R, K = 2, 3, 5, 4
+    iq = rng.standard_normal((B, T, HI, DI)).astype(np.float32)
+    iw = rng.standard_normal((B, T, HI)).astype(np.float32)
+    ik = rng.standard_normal((B, R, DI)).astype(np.float32)
+    positions = np.array([[0, 1, 2], [2, 3, 4]], np.int32)
+    got = np.asarray(indexer_scores(iq, iw, ik, positions))
+    for b in range(B):
+        for t in range(T):
+            for r in range(R):
+                if r > positions[b, t]:
+                    assert got[b, t, r] == -np.inf
+                else:
+                    dots = iq[b, t].astype(np.float64) @ ik[b, r].astype(np.float64)
+                    want = (iw[b, t] * np.maximum(dots, 0)).sum() / np.sqrt(HI * DI)
+                    np.testing.assert_allclose(got[b, t, r], want, rtol=1e-5, atol=1e-6)
+    idx = np.asarray(select_topk_rows(jnp.asarray(got), K))
+    assert idx.shape == (B, T, K) and idx.dtype == np.int32
+    for b in range(B):
+        for t in range(T):
+            valid = positions[b, t] + 1
+            order = sorted(range(valid), key=lambda r: (-got[b, t, r], r))[:K]
+            want = order + [-1] * (K - len(order))
+            assert idx[b, t].tolist() == want
+    # topk larger than the cache: one slot per row.
+    assert select_topk_rows(jnp.asarray(got), 50).shape == (B, T, R)
+
+
+@pytest.mark.parametrize("prefill", [1, 5])
+def test_prefill_then_decode_matches_the_full_sequence(prefill):
+    B, T, K, max_len = 2, 9, 3, 12
+    layer = make_layer(topk=K, seed=6, sink=SINK)
+    x = inputs(B, T, seed=7)
+    full = nnx.jit(lambda m, x: m(x))(layer, x)
+
+    step = nnx.jit(lambda m, x, c: m(x, c))
+    cache = layer.init_cache(B, max_len)
+    y, cache = step(layer, x[:, :prefill], cache)
+    pieces = [y]
+    for t in range(prefill, T):
+        y, cache = step(layer, x[:, t : t + 1], cache)
+        pieces.append(y)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, 1)), np.asarray(full), atol=1e-5)
+    assert cache.length.tolist() == [T] * B
+    # Rows past the written length are still the zeros of init_cache.
+    assert not np.asarray(cache.kv[:, T:]).any()
+
+
+def test_sequences_at_different_positions_use_their_own_cache():
+    T, K, max_len = 6, 4, 8
+    layer = make_layer(topk=K, seed=8, sink=SINK)
+    x = inputs(2, T, seed=9)
+    step = nnx.jit(lambda m, x, c: m(x, c))
+    # Sequence 0 prefilled with 4 tokens, sequence 1 with 2: fill separately, then stack.
+    c0 = step(layer, x[:1, :4], layer.init_cache(1, max_len))[1]
+    c1 = step(layer, x[1:, :2], layer.init_cache(1, max_len))[1]
+    both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), c0, c1)
+    new = jnp.stack([x[0, 4], x[1, 2]])[:, None]
+    y, both = step(layer, new, both)
+    assert both.length.tolist() == [5, 3]
+    want0 = nnx.jit(lambda m, x: m(x))(layer, x[:1, :5])[:, 4]
+    want1 = nnx.jit(lambda m, x: m(x))(layer, x[1:, :3])[:, 2]
+    np.testing.assert_allclose(np.asarray(y[:, 0]), np.concatenate([want0, want1]), atol=1e-5)
+
+
+def test_tokens_beyond_the_cache_are_not_stored():
+    layer = make_layer(topk=4, seed=10)
+    x = inputs(1, 5, seed=11)
+    step = nnx.jit(lambda m, x, c: m(x, c))
+    _, cache = step(layer, x[:, :4], layer.init_cache(1, 4))
+    y, after = step(layer, x[:, 4:], cache)
+    np.testing.assert_array_equal(np.asarray(after.kv), np.asarray(cache.kv))
+    assert np.isfinite(np.asarray(y)).all()
+
+
+def dense_layer_jnp(params, x):
+    """Dense causal attention with sinks in plain jnp (independent of the op), for gradients."""
+    B, T, _ = x.shape
+    q = (x @ params["q"]).reshape(B, T, H, D)
+    kv = x @ params["kv"]
+    logits = jnp.einsum("bthd,brd->bthr", q, kv) * D**-0.5
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, :, None, :]
+    logits = jnp.where(causal, logits, -jnp.inf)
+    sink = jnp.broadcast_to(params["sink"][None, None, :, None], (B, T, H, 1))
+    p = jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :T]
+    o = jnp.einsum("bthr,brd->bthd", p, kv)
+    return o.reshape(B, T, H * D) @ params["o"]
+
+
+def test_gradients_with_flax_transforms():
+    B, T = 2, 5
+    layer = make_layer(topk=T, seed=12, sink=SINK)
+    x = inputs(B, T, seed=13)
+    target = jax.random.normal(jax.random.key(14), (B, T, E))
+
+    def loss(model, x):
+        return jnp.mean((model(x) - target) ** 2)
+
+    value, grads = nnx.jit(nnx.value_and_grad(loss))(layer, x)
+    g = {
+        "q": grads.query.kernel[...],
+        "kv": grads.kv.kernel[...],
+        "o": grads.out.kernel[...],
+        "sink": grads.sink[...],
+    }
+    for name, grad in g.items():
+        assert np.isfinite(np.asarray(grad)).all(), name
+        assert np.abs(np.asarray(grad)).max() > 0, name
+    # The top-k indices carry no gradient: the indexer learns only from a separate loss.
+    for linear in (grads.index_query, grads.index_key, grads.index_weights):
+        assert not np.asarray(linear.kernel[...]).any()
+
+    # topk covers the sequence, so the gradients are those of dense causal attention with sinks.
+    params = {k: jnp.asarray(v, jnp.float32) for k, v in weights(layer).items()}
+    want_value, want = jax.value_and_grad(
+        lambda p: jnp.mean((dense_layer_jnp(p, x) - target) ** 2)
+    )(params)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for name in g:
+        np.testing.assert_allclose(
+            np.asarray(g[name]), np.asarray(want[name]), rtol=1e-4, atol=1e-6, err_msg=name
+        )
+
+    # nnx.grad works too (same gradient as value_and_grad).
+    sink_grad = nnx.grad(loss)(layer, x).sink[...]
+    np.testing.assert_allclose(np.asarray(sink_grad), np.asarray(g["sink"]), rtol=1e-6)
+
+
+def test_clear_errors():
+    layer = make_layer(topk=2)
+    with pytest.raises(ValueError, match=r"x must have shape \[B, T, E\] with E = 16"):
+        layer(jnp.zeros((3, E)))
+    with pytest.raises(ValueError, match=r"cache.kv must have shape \(2, 4, 8\)"):
+        bad = SparseAttentionCache(
+            jnp.zeros((2, 4, 7)), jnp.zeros((2, 4, DI)), jnp.zeros((2,), jnp.int32)
+        )
+        layer(jnp.zeros((2, 1, E)), bad)
+    with pytest.raises(ValueError, match="topk must be a positive integer"):
+        SparseAttention(E, H, D, 0, rngs=nnx.Rngs(0))
+
+
+def test_indexer_loss_matches_numpy_and_trains_only_the_indexer():
+    B, T, K = 2, 7, 3
+    layer = make_layer(topk=K, seed=15, sink=SINK)
+    x = inputs(B, T, seed=16)
+    wt = weights(layer)
+    xs = np.asarray(x, np.float64)
+    scores = oracle_index_scores(wt, xs)
+    q = (xs @ wt["q"]).reshape(B, T, H, D)
+    kv = xs @ wt["kv"]
+    want_loss, want_mass = 0.0, 0.0
+    for b in range(B):
+        for t in range(T):
+            target = np.zeros(t + 1)
+            for h in range(H):
+                logits = kv[b, : t + 1] @ q[b, t, h] * D**-0.5
+                m = max(logits.max(), wt["sink"][h])
+                e = np.exp(logits - m)
+                target += e / (e.sum() + np.exp(wt["sink"][h] - m))
+            target /= target.sum()
+            s = scores[b, t, : t + 1]
+            log_pred = s - s.max() - np.log(np.exp(s - s.max()).sum())
+            want_loss += (target * (np.log(target) - log_pred)).sum() / (B * T)
+            chosen = sorted(range(t + 1), key=lambda r: (-s[r], r))[:K]
+            want_mass += target[chosen].sum() / (B * T)
+
+    (loss, mass), grads = nnx.jit(nnx.value_and_grad(lambda m, x: m.indexer_loss(x), has_aux=True))(
+        layer, x
+    )
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+    np.testing.assert_allclose(mass, want_mass, rtol=1e-5)
+    assert 0 < float(mass) < 1
+    for linear in (grads.index_query, grads.index_key, grads.index_weights):
+        grad = np.asarray(linear.kernel[...])
+        assert np.isfinite(grad).all() and np.abs(grad).max() > 0
+    for linear in (grads.query, grads.kv, grads.out):
+        assert not np.asarray(linear.kernel[...]).any()
+    assert not np.asarray(grads.sink[...]).any()

@@ -1,0 +1,117 @@
+"""Token chunking of the reference: the same bits as one unchunked pass, in every regime.
+
+The reference splits tokens into chunks (``lax.map``) so that memory stays bounded and each chunk
+stays in the CPU caches. Tokens are independent, so chunking must not change a single bit. These
+tests force tiny chunks (2 tokens out of 7, which leaves a remainder chunk of 1) by lowering the
+module's ``CHUNK_BYTES`` while the function is traced, and compare with a pass where one chunk
+covers every token. A fresh ``jax.jit(lambda ...)`` per call makes JAX trace (and read the budget)
+again instead of reusing a compiled executable.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import jax_sparse_attn as jsa
+from jax_sparse_attn import reference
+from oracle import BF16, attention_bf16_contract, attention_f64, gather, within_one_ulp
+
+T, H, D, K = 7, 3, 32, 24
+TOKENS_PER_CHUNK = 2
+BITS = {np.dtype(BF16): np.uint16, np.dtype(np.float32): np.uint32}
+
+
+def per_token_bytes(dtype):
+    """The working set that ``reference.token_chunk_size`` budgets for one token."""
+    return K * D * np.dtype(dtype).itemsize + 3 * H * K * 4 + H * D * 4
+
+
+def make_case(rng, rows, dtype):
+    q = rng.standard_normal((T, H, D)).astype(dtype)
+    kv = rng.standard_normal((rows, D)).astype(dtype)
+    idx = rng.integers(0, rows, (T, K)).astype(np.int32)
+    idx[rng.random((T, K)) < 0.2] = -1  # empty slots
+    idx[1, 3] = idx[1, 4]  # a duplicate counts twice
+    idx[4] = -1  # a token with no valid slot: exactly 0
+    bias = (0.5 * rng.standard_normal((T, K))).astype(np.float32)
+    bias[2, ::3] = -np.inf  # -inf bias empties the slot
+    sink = rng.standard_normal(H).astype(np.float32)
+    return q, kv, idx, sink, bias
+
+
+def traced(monkeypatch, fn, args, chunk_bytes, pregather_bytes):
+    """Traces and runs ``fn(*args)`` under the given budgets: (output, whether it loops)."""
+    monkeypatch.setattr(reference, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(reference, "PREGATHER_MAX_BYTES", pregather_bytes)
+    jitted = jax.jit(lambda *a: fn(*a))
+    has_loop = "while" in jitted.lower(*args).as_text()
+    return np.asarray(jitted(*args)), has_loop
+
+
+def same_bits(a, b):
+    bits = BITS[np.dtype(a.dtype)]
+    return a.dtype == b.dtype and np.array_equal(a.view(bits), b.view(bits))
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize(
+    "regime, rows, pregather_bytes",
+    [
+        # More slots than cache rows: each chunk gathers its own slots inside the loop.
+        ("gather-in-loop", 50, 2**40),
+        # A cache bigger than all the slots, but pre-gathering disabled: also the in-loop gather.
+        ("gather-in-loop-big-cache", 400, 0),
+        # A cache bigger than all the slots: one gather up front, then the products by chunks.
+        ("pregather", 400, 2**40),
+    ],
+)
+def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regime, rows, pregather_bytes):
+    q, kv, idx, sink, bias = make_case(rng, rows, dtype)
+    args = (q, kv, idx, sink, bias)
+
+    def fn(q, kv, idx, sink, bias):
+        return jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, scale=0.2)
+
+    small = per_token_bytes(dtype) * TOKENS_PER_CHUNK
+    chunked, chunked_loops = traced(monkeypatch, fn, args, small, pregather_bytes)
+    whole, whole_loops = traced(monkeypatch, fn, args, 2**40, pregather_bytes)
+    assert chunked_loops and not whole_loops, "the budgets did not force the intended chunking"
+    assert same_bits(chunked, whole)
+
+    x, valid = gather(kv, idx)
+    if dtype is BF16:
+        want = attention_bf16_contract(q, x, valid, sink, bias, scale=0.2)
+        assert within_one_ulp(chunked, want) >= 0.999
+    else:
+        want = attention_f64(q, x, valid, sink, bias, scale=0.2)
+        np.testing.assert_allclose(chunked, want, rtol=2e-5, atol=2e-6)
+    assert not chunked[4].any()
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype):
+    q, kv, idx, sink, bias = make_case(rng, 50, dtype)
+    x, valid = gather(kv, idx)
+    bias = np.where(valid, bias, -np.inf).astype(np.float32)  # empty slots, as the gathered form says
+    args = (q, x, sink, bias)
+
+    def fn(q, g, sink, bias):
+        return jsa.gathered_attn(q, g, sink, bias=bias)
+
+    small = per_token_bytes(dtype) * TOKENS_PER_CHUNK
+    chunked, chunked_loops = traced(monkeypatch, fn, args, small, 2**40)
+    whole, whole_loops = traced(monkeypatch, fn, args, 2**40, 2**40)
+    assert chunked_loops and not whole_loops, "the budgets did not force the intended chunking"
+    assert same_bits(chunked, whole)
+    if dtype is BF16:
+        want = attention_bf16_contract(q, x, np.ones(bias.shape, bool), sink, bias)
+        assert within_one_ulp(chunked, want) >= 0.999
+
+
+def test_chunk_size_follows_the_budget(monkeypatch):
+    per_token = per_token_bytes(BF16)
+    monkeypatch.setattr(reference, "CHUNK_BYTES", 3 * per_token)
+    assert reference.token_chunk_size(100, H, K, D, 2) == 3
+    assert reference.token_chunk_size(2, H, K, D, 2) == 2  # never more than the tokens
+    monkeypatch.setattr(reference, "CHUNK_BYTES", per_token // 2)
+    assert reference.token_chunk_size(100, H, K, D, 2) == 1  # never fewer than one token
