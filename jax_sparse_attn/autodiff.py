@@ -57,6 +57,10 @@ COTANGENT_LAYOUTS = {
 }
 
 
+# f32 formulas in full f32 on every platform (GPUs would otherwise use TF32 for f32 products).
+_einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+
+
 # --- formulas -----------------------------------------------------------------------------------
 
 
@@ -67,7 +71,7 @@ def _softmax_parts(q, x, valid, sink, bias, scale):
     bias ``[c, K]``, scale ``[c]``.
     Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, o ``[c, H, D]``.
     """
-    z = jnp.einsum("thd,tkd->thk", q, x)
+    z = _einsum("thd,tkd->thk", q, x)
     s = z * scale[:, None, None] + jnp.where(valid, bias, 0.0)[:, None, :]
     s = jnp.where(valid[:, None, :], s, EMPTY_LOGIT)
     sink_wins = sink == jnp.inf  # that head's output is exactly 0
@@ -80,7 +84,7 @@ def _softmax_parts(q, x, valid, sink, bias, scale):
     live = jnp.any(valid, axis=-1)[:, None] & ~sink_wins[None, :]
     p = jnp.where(live[..., None], e / den[..., None], 0.0)
     p_sink = jnp.where(live, e_sink / den, 0.0)
-    o = jnp.einsum("thk,tkd->thd", p, x)
+    o = _einsum("thk,tkd->thd", p, x)
     return z, p, p_sink, o
 
 
@@ -109,9 +113,9 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
         dx = (dsrc[rows] if indexed else dsrc).astype(jnp.float32)
     ds = jnp.zeros_like(z)
     if "q" in active:
-        ds = ds + jnp.einsum("thd,tkd->thk", tangent["q"].astype(jnp.float32), x)
+        ds = ds + _einsum("thd,tkd->thk", tangent["q"].astype(jnp.float32), x)
     if dx is not None:
-        ds = ds + jnp.einsum("thd,tkd->thk", q, dx)
+        ds = ds + _einsum("thd,tkd->thk", q, dx)
     ds = ds * scale[:, None, None]
     if "scale" in active:
         ds = ds + tangent["scale"][:, None, None] * z
@@ -121,9 +125,9 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
     weight = jnp.sum(pds, axis=-1)
     if "sink" in active:
         weight = weight + p_sink * tangent["sink"][None, :]
-    do = jnp.einsum("thk,tkd->thd", pds, x) - weight[..., None] * o
+    do = _einsum("thk,tkd->thd", pds, x) - weight[..., None] * o
     if dx is not None:
-        do = do + jnp.einsum("thk,tkd->thd", p, dx)
+        do = do + _einsum("thk,tkd->thd", p, dx)
     return do
 
 
@@ -135,15 +139,15 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live):
     scale = primal["scale"]
     z, p, p_sink, o = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
     ct = ct.astype(jnp.float32)
-    u = jnp.einsum("thd,tkd->thk", ct, x)
+    u = _einsum("thd,tkd->thk", ct, x)
     delta = jnp.sum(ct * o, axis=-1)
     dS = p * (u - delta[..., None])
     out = {}
     if "q" in wanted:
-        out["q"] = scale[:, None, None] * jnp.einsum("thk,tkd->thd", dS, x)
+        out["q"] = scale[:, None, None] * _einsum("thk,tkd->thd", dS, x)
     if "g" in wanted or "kv" in wanted:
-        dx = jnp.einsum("thk,thd->tkd", p, ct)
-        dx = dx + scale[:, None, None] * jnp.einsum("thk,thd->tkd", dS, q)
+        dx = _einsum("thk,thd->tkd", p, ct)
+        dx = dx + scale[:, None, None] * _einsum("thk,thd->tkd", dS, q)
         if indexed:
             # Empty slots are sent out of range and dropped by the scatter.
             out["kv"] = (jnp.where(valid, rows, src.shape[0]), dx)

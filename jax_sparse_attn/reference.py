@@ -43,6 +43,10 @@ CHUNK_BYTES = 4 * 2**20
 # when the cache is bigger than the slots, one gather beats the loop's copy of the cache's bits.
 PREGATHER_MAX_BYTES = 64 * 2**20
 
+# f32 inputs are computed in f32 throughout: without this, GPUs run f32 products in TF32 (10-bit
+# mantissa). bf16 and f16 products are exact in the fp32 accumulator either way.
+_EXACT = jax.lax.Precision.HIGHEST
+
 
 def token_chunk_size(num_tokens: int, heads: int, slots: int, dim: int, itemsize: int) -> int:
     """Tokens per chunk so that one chunk's working set stays near ``CHUNK_BYTES`` (at least 1)."""
@@ -77,12 +81,14 @@ def _gather_rows(kv_bits, rows):
 def _attend_one_token(q, x, valid, sink, bias, scale):
     """One token. q [H, D], x [K, D] (q's dtype), valid [K] bool, sink [H] f32, bias [K] f32,
     scale [] f32 -> [H, D] in q's dtype."""
-    s = jnp.einsum("hd,kd->hk", q, x, preferred_element_type=jnp.float32)
+    s = jnp.einsum("hd,kd->hk", q, x, preferred_element_type=jnp.float32, precision=_EXACT)
     s = s * scale + jnp.where(valid, bias, jnp.float32(EMPTY_LOGIT))[None, :]
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.exp(s - m)
     den = jnp.sum(e, axis=-1) + jnp.exp(sink - m[:, 0])
-    num = jnp.einsum("hk,kd->hd", e.astype(q.dtype), x, preferred_element_type=jnp.float32)
+    num = jnp.einsum(
+        "hk,kd->hd", e.astype(q.dtype), x, preferred_element_type=jnp.float32, precision=_EXACT
+    )
     o = num / den[:, None]
     return jnp.where(jnp.any(valid), o, jnp.float32(0)).astype(q.dtype)
 
