@@ -11,7 +11,6 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import primitives
-from .constants import MAX_ROWS
+from .constants import BIAS_FLOOR, MAX_ROWS
 
 ArrayLike = jax.typing.ArrayLike
 Scale = Union[float, ArrayLike, None]
@@ -63,12 +63,15 @@ def _sink_bias_scale(q_shape, k: int, sink, bias, scale):
         if _shape(bias) != (T, k):
             raise ValueError(f"bias must have shape [T, K] = ({T}, {k}); got {_shape(bias)}")
         bias = jnp.asarray(bias, jnp.float32)
+        bias = jnp.where(bias == -jnp.inf, bias, jnp.maximum(bias, jnp.float32(BIAS_FLOOR)))
     if scale is None:
         scale = D**-0.5
     if _shape(scale) != ():
         raise ValueError(f"scale must be a scalar; got shape {_shape(scale)}")
-    if not isinstance(scale, (int, float)):
-        _check_float("scale", scale)
+    if not isinstance(scale, (int, float)) and not (
+        jnp.issubdtype(_dtype(scale), jnp.floating) or jnp.issubdtype(_dtype(scale), jnp.integer)
+    ):
+        raise TypeError(f"scale must be a real number (cast to f32); got dtype {_dtype(scale)}")
     scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (T,))
     return sink, bias, scale
 
@@ -106,8 +109,10 @@ def gathered_attn(
       sink: ``[H]`` per-head sink logits (cast to f32), or ``None``. ``-inf`` = no sink;
         ``+inf`` makes that head's output 0.
       bias: ``[T, K]`` additive logit bias (cast to f32), or ``None``. A ``-inf`` entry marks the
-        slot empty.
-      scale: softmax scale, a python float or f32 scalar; default ``D ** -0.5``.
+        slot empty; finite entries below ``-1e29`` are raised to ``-1e29`` (see
+        ``constants.BIAS_FLOOR``) so that masked-but-real slots still rank above empty ones.
+      scale: softmax scale, a real scalar (python number or array, cast to f32); default
+        ``D ** -0.5``.
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
 
@@ -173,8 +178,10 @@ def gathered_attn_idx(
         at full width.)
       sink: ``[H]`` per-head sink logits (cast to f32), or ``None``. ``-inf`` = no sink;
         ``+inf`` makes that head's output 0.
-      bias: ``[T, K]`` additive logit bias (cast to f32), or ``None``; ``-inf`` = empty slot.
-      scale: softmax scale, a python float or f32 scalar; default ``D ** -0.5``.
+      bias: ``[T, K]`` additive logit bias (cast to f32), or ``None``; ``-inf`` = empty slot;
+        finite entries below ``-1e29`` are raised to ``-1e29`` (``constants.BIAS_FLOOR``).
+      scale: softmax scale, a real scalar (python number or array, cast to f32); default
+        ``D ** -0.5``.
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
 

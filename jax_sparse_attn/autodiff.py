@@ -332,68 +332,14 @@ for _indexed in (False, True):
 # --- vmap: fold batch axes into tokens, as the forward does -------------------------------------
 
 
-def _role(name: str) -> str:
-    """'t' token-indexed, 'r' the cache, 'h' per head (the sink)."""
-    return sharding.LAYOUTS[name].split()[0]
-
-
-def _map_over_batch(prim, args, dims, params):
-    """A batched sink: one call per batch element (as the forward does)."""
-    batched = [i for i, d in enumerate(dims) if d is not None]
-
-    def one(slices):
-        full = list(args)
-        for i, s in zip(batched, slices):
-            full[i] = s
-        return prim.bind(*full, **params)
-
-    out = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
-    return (out, [0] * len(out)) if prim.multiple_results else (out, 0)
-
-
-def _batcher(prim, indexed, names_of, always_fold_cache):
-    def rule(args, dims, **params):
-        names = names_of(params)
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        roles = [_role(n) for n in names]
-        if any(r == "h" and d is not None for r, d in zip(roles, dims)):
-            return _map_over_batch(prim, args, dims, params)
-        fold_cache = always_fold_cache(params) or any(
-            r == "r" and d is not None for r, d in zip(roles, dims)
-        )
-        args = list(args)
-        for i, (r, d) in enumerate(zip(roles, dims)):
-            if r == "t" or (r == "r" and fold_cache):
-                args[i] = primitives._to_front(args[i], d, size)
-        rows = None
-        if fold_cache and indexed:
-            # One cache per batch element: stacked, with each element's indices offset by b * R.
-            k = names.index("idx")
-            rows = args[names.index("kv")].shape[1]
-            idx = args[k]
-            valid = (idx >= 0) & (idx < rows)
-            offset = (jnp.arange(size, dtype=jnp.int32) * rows)[:, None, None]
-            args[k] = jnp.where(valid, idx + offset, jnp.int32(-1))
-        for i, (r, d) in enumerate(zip(roles, dims)):
-            if r == "t" or (r == "r" and fold_cache):
-                args[i] = primitives._fold(args[i])
-        outs = prim.bind(*args, **params)
-        single = not prim.multiple_results
-        outs = [outs] if single else list(outs)
-        outs = [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
-        return (outs[0], 0) if single else (outs, [0] * len(outs))
-
-    return rule
-
-
 for _indexed in (False, True):
     _names = primitives.OPERANDS[_indexed]
-    batching.primitive_batchers[tangent_p[_indexed]] = _batcher(
+    batching.primitive_batchers[tangent_p[_indexed]] = primitives.make_batcher(
         tangent_p[_indexed], _indexed,
         lambda params, _n=_names: _n + params["active"],
         lambda params: False,
     )
-    batching.primitive_batchers[cotangent_p[_indexed]] = _batcher(
+    batching.primitive_batchers[cotangent_p[_indexed]] = primitives.make_batcher(
         cotangent_p[_indexed], _indexed,
         lambda params, _n=_names: _n + ("out",),
         # Per-example cache gradients need one cache per batch element.

@@ -20,6 +20,11 @@ PSUM_BANKS = 8
 BIAS_PREFIX_COLS = 16
 SCALE_COL = 0
 
+# Finite biases below this are raised to it, so that a real slot's logit always stays above an empty
+# slot's EMPTY_LOGIT (a bias of -1e30 or finfo.min used as a mask would otherwise tie with the empty
+# slots and let them into the softmax). At this magnitude a logit's own value is lost in fp32 anyway.
+BIAS_FLOOR = -1e29
+
 # Index sent to the kernel for an empty slot (with bias EMPTY_LOGIT): any in-range row works.
 EMPTY_SLOT_INDEX = 0
 
@@ -42,3 +47,4 @@ DMA_TRANSPOSE_ALIGN_ELEMS = 16
 # SBUF bytes per partition on the smallest target (trn1; trn2 has 224 KiB). The packing refuses
 # shapes whose per-token working set would not fit.
 SBUF_BYTES_PER_PARTITION = 192 * 1024
+SBUF_BYTES_PER_PARTITION_TRN2 = 224 * 1024

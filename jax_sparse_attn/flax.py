@@ -337,9 +337,14 @@ class SparseAttention(nnx.Module):
         logits = jnp.einsum("bthd,brd->bthr", q, rows, preferred_element_type=jnp.float32)
         logits = jnp.where(valid[:, :, None, :], logits * jnp.float32(scale), -jnp.inf)
         sink = jax.lax.stop_gradient(self.sink[...])[None, None, :, None]
+        # A +inf sink takes all of its head's attention (the op outputs 0 there): that head adds
+        # nothing to the target; keep it out of the max so that no inf - inf appears.
+        sink_wins = sink == jnp.inf
+        sink = jnp.where(sink_wins, -jnp.inf, sink)
         m = jnp.maximum(jnp.max(logits, -1, keepdims=True), sink)
         e = jnp.exp(logits - m)
         probs = e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m))  # [B, T, H, R]
+        probs = jnp.where(sink_wins, 0.0, probs)
         target = jnp.sum(probs, axis=2)
         target = target / jnp.maximum(jnp.sum(target, -1, keepdims=True), jnp.float32(1e-30))
 

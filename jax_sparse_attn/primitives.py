@@ -26,6 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir, xla
 
 from . import reference, sharding
+from .constants import MAX_ROWS
 
 gathered_attn_p = Primitive("gathered_attn")
 gathered_attn_idx_p = Primitive("gathered_attn_idx")
@@ -52,6 +53,7 @@ def register_path(name: str, gathered_fn: Callable, gathered_idx_fn: Callable) -
 
 
 def path(name: str, indexed: bool) -> Callable:
+    """The jnp-traceable function that ``implementation=name`` lowers to (operands as above)."""
     return _PATHS[name][1 if indexed else 0]
 
 
@@ -115,59 +117,72 @@ def _fold(x):
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
 
-def _map_over_batch(prim, args, dims, size, implementation):
+def _role(name: str) -> str:
+    """An operand's leading factor: 't' indexed by token, 'r' the cache, 'h' per head (the sink)."""
+    return sharding.LAYOUTS[name].split()[0]
+
+
+def _map_over_batch(prim, args, dims, params):
     """Fallback for a batched sink (one sink vector per batch element): one call per element."""
     batched = [i for i, d in enumerate(dims) if d is not None]
-    xs = [jnp.moveaxis(args[i], dims[i], 0) for i in batched]
 
     def one(slices):
         full = list(args)
         for i, s in zip(batched, slices):
             full[i] = s
-        return prim.bind(*full, implementation=implementation)
+        return prim.bind(*full, **params)
 
-    return jax.lax.map(one, xs), 0
+    out = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
+    return (out, [0] * len(out)) if prim.multiple_results else (out, 0)
 
 
-def _gathered_batcher(args, dims, *, implementation):
-    q, g, sink, bias, scale = args
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    if dims[2] is not None:
-        return _map_over_batch(gathered_attn_p, args, dims, size, implementation)
-    qd, gd, _, bd, sd = dims
-    q, g, bias, scale = (_to_front(x, d, size) for x, d in zip((q, g, bias, scale), (qd, gd, bd, sd)))
-    out = gathered_attn_p.bind(
-        _fold(q), _fold(g), sink, _fold(bias), _fold(scale), implementation=implementation
+def _offset_per_sequence(idx, rows: int, size: int):
+    """Indices into ``size`` stacked caches of ``rows`` rows: element b's valid indices move by
+    ``b * rows``; empty slots stay -1 (so -1 never becomes the previous cache's last row)."""
+    if size * rows > MAX_ROWS:
+        raise ValueError(
+            f"vmap over kv: {size} caches of {rows} rows exceed int32 indexing once folded"
+        )
+    valid = (idx >= 0) & (idx < rows)
+    offset = (jnp.arange(size, dtype=jnp.int32) * rows)[:, None, None]
+    return jnp.where(valid, idx + offset, jnp.int32(-1))
+
+
+def make_batcher(prim, indexed: bool, names_of: Callable, always_fold_cache: Callable):
+    """The vmap rule shared by this package's primitives: every batch axis folds into tokens.
+
+    ``names_of(params)`` names the operands (keys of ``sharding.LAYOUTS``). Token-indexed operands
+    move their batch axis to the front (unbatched ones are broadcast) and fold into the token axis.
+    A batched cache (or one that ``always_fold_cache(params)`` asks to fold) is stacked into one
+    ``[B*R, D]`` cache with per-sequence index offsets. A batched sink falls back to one call per
+    batch element. Results come back with the batch axis at 0.
+    """
+
+    def rule(args, dims, **params):
+        names = names_of(params)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        roles = [_role(n) for n in names]
+        if any(r == "h" and d is not None for r, d in zip(roles, dims)):
+            return _map_over_batch(prim, args, dims, params)
+        fold_cache = always_fold_cache(params) or any(
+            r == "r" and d is not None for r, d in zip(roles, dims)
+        )
+        folds = [r == "t" or (r == "r" and fold_cache) for r in roles]
+        args = [_to_front(a, d, size) if f else a for a, d, f in zip(args, dims, folds)]
+        if fold_cache and indexed:
+            k = names.index("idx")
+            args[k] = _offset_per_sequence(args[k], args[names.index("kv")].shape[1], size)
+        args = [_fold(a) if f else a for a, f in zip(args, folds)]
+        outs = prim.bind(*args, **params)
+        single = not prim.multiple_results
+        outs = [outs] if single else list(outs)
+        outs = [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
+        return (outs[0], 0) if single else (outs, [0] * len(outs))
+
+    return rule
+
+
+for _indexed, _prim in ((False, gathered_attn_p), (True, gathered_attn_idx_p)):
+    batching.primitive_batchers[_prim] = make_batcher(
+        _prim, _indexed, lambda params, _n=OPERANDS[_indexed]: _n, lambda params: False
     )
-    return out.reshape(q.shape), 0
-
-
-def _gathered_idx_batcher(args, dims, *, implementation):
-    q, kv, idx, sink, bias, scale = args
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    if dims[3] is not None:
-        return _map_over_batch(gathered_attn_idx_p, args, dims, size, implementation)
-    qd, kvd, id_, _, bd, sd = dims
-    q, idx, bias, scale = (
-        _to_front(x, d, size) for x, d in zip((q, idx, bias, scale), (qd, id_, bd, sd))
-    )
-    if kvd is not None:
-        # One cache per batch element: stack them and offset each element's indices by b * R.
-        kv = jnp.moveaxis(kv, kvd, 0)
-        rows = kv.shape[1]
-        if size * rows > 2**31 - 1:
-            raise ValueError(
-                f"vmap over kv: {size} caches of {rows} rows exceed int32 indexing once folded"
-            )
-        valid = (idx >= 0) & (idx < rows)
-        offset = (jnp.arange(size, dtype=jnp.int32) * rows)[:, None, None]
-        idx = jnp.where(valid, idx + offset, jnp.int32(-1))
-        kv = _fold(kv)
-    out = gathered_attn_idx_p.bind(
-        _fold(q), kv, _fold(idx), sink, _fold(bias), _fold(scale), implementation=implementation
-    )
-    return out.reshape(q.shape), 0
-
-
-batching.primitive_batchers[gathered_attn_p] = _gathered_batcher
-batching.primitive_batchers[gathered_attn_idx_p] = _gathered_idx_batcher

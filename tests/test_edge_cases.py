@@ -34,6 +34,9 @@ def test_each_flashmla_invalid_index_is_an_empty_slot(rng, dtype, bad):
         np.testing.assert_array_max_ulp(np.asarray(out), np.asarray(dropped), maxulp=2)
     else:
         np.testing.assert_array_equal(np.asarray(out), np.asarray(dropped))
+    x, valid = gather(kv, with_bad)
+    want = attention_f64(q, x, valid, np.zeros(3))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-2, atol=2e-2)
 
 
 def _enable_x64():
@@ -105,6 +108,8 @@ def test_sink_minus_inf_is_no_sink(rng, dtype):
     a = jsa.gathered_attn_idx(q, kv, idx, np.full(3, -np.inf, np.float32))
     b = jsa.gathered_attn_idx(q, kv, idx, None)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x, valid = gather(kv, idx)
+    np.testing.assert_allclose(np.asarray(b, np.float64), attention_f64(q, x, valid), rtol=2e-2, atol=2e-2)
 
 
 def test_sink_lowers_the_output_by_its_denominator_share(rng):
@@ -165,3 +170,39 @@ def test_empty_cache_is_all_empty(rng):
     q, _, idx = setup(rng, np.float32)
     out = jsa.gathered_attn_idx(q, np.zeros((0, 16), np.float32), idx)
     assert np.all(np.asarray(out) == 0)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "nki_emulated"])
+@pytest.mark.parametrize("mask_value", [-1e30, -1e31, float(np.finfo(np.float32).min)])
+def test_huge_negative_bias_never_lets_empty_slots_in(rng, implementation, mask_value):
+    """A finite bias used as a mask (-1e30, finfo.min) must still rank above an empty slot."""
+    q, kv, _ = setup(rng, np.float32)
+    idx = np.array([[0, 1, 1, -1, 12, 5]] * 4)
+    bias = np.full(idx.shape, mask_value, np.float32)
+    bias[1:, 5] = 0.0  # tokens 1.. have one ordinary slot; token 0 has only masked ones
+    out = jsa.gathered_attn_idx(q, kv, idx, bias=bias, implementation=implementation)
+    x, valid = gather(kv, idx)
+    want = attention_f64(q, x, valid, None, np.maximum(bias, -1e29))
+    tol = dict(rtol=2e-5, atol=2e-6) if implementation == "reference" else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(out), want, **tol)
+    # token 0 averages rows 0, 1, 1, 5 (all masked alike), never the empty slots' stand-in row
+    np.testing.assert_allclose(np.asarray(out[0, 0]), (kv[0] + 2 * kv[1] + kv[5]) / 4, **tol)
+
+
+def test_integer_scale_is_accepted_everywhere(rng):
+    q, kv, idx = setup(rng, np.float32)
+    x, valid = gather(kv, idx)
+    want = attention_f64(q, x, valid, scale=2.0)
+    for scale in (2, np.int32(2), jnp.array(2), 2.0):
+        out = jsa.gathered_attn_idx(q, kv, idx, scale=scale)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-6)
+    traced = jax.jit(lambda s: jsa.gathered_attn_idx(q, kv, idx, scale=s))(jnp.int32(2))
+    np.testing.assert_allclose(np.asarray(traced), want, rtol=2e-5, atol=2e-6)
+
+
+def test_vmap_over_too_many_rows_for_int32_is_refused():
+    q = jax.ShapeDtypeStruct((3, 2, 1, 8), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((3, 2**30, 8), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((3, 2, 4), jnp.int32)
+    with pytest.raises(ValueError, match="exceed int32 indexing"):
+        jax.eval_shape(jax.vmap(jsa.gathered_attn_idx), q, kv, idx)

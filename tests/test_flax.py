@@ -278,9 +278,10 @@ def test_clear_errors():
         SparseAttention(E, H, D, 0, rngs=nnx.Rngs(0))
 
 
-def test_indexer_loss_matches_numpy_and_trains_only_the_indexer():
+@pytest.mark.parametrize("sink", [SINK, [np.inf] + list(SINK[1:])], ids=["finite", "plus_inf"])
+def test_indexer_loss_matches_numpy_and_trains_only_the_indexer(sink):
     B, T, K = 2, 7, 3
-    layer = make_layer(topk=K, seed=15, sink=SINK)
+    layer = make_layer(topk=K, seed=15, sink=sink)
     x = inputs(B, T, seed=16)
     wt = weights(layer)
     xs = np.asarray(x, np.float64)
@@ -292,6 +293,8 @@ def test_indexer_loss_matches_numpy_and_trains_only_the_indexer():
         for t in range(T):
             target = np.zeros(t + 1)
             for h in range(H):
+                if wt["sink"][h] == np.inf:
+                    continue  # the sink takes all of this head's attention: nothing to distil
                 logits = kv[b, : t + 1] @ q[b, t, h] * D**-0.5
                 m = max(logits.max(), wt["sink"][h])
                 e = np.exp(logits - m)

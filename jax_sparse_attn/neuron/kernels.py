@@ -70,8 +70,9 @@ def aligned_heads(heads: int) -> int:
 def sbuf_bytes_per_partition(heads: int, dim: int, slots: int) -> int:
     """SBUF bytes per partition that one token's tiles occupy (no reuse between them assumed).
 
-    ``dim`` and ``slots`` are the padded kernel sizes (multiples of 128). Dominated by the slot rows
-    and their transpose, ``2 * Kp * D * 2 / 128`` bytes.
+    ``dim`` and ``slots`` are the padded kernel sizes (multiples of 128). About
+    ``4 * Kp * D / 128`` bytes for the slot rows and their transpose, plus about ``20 * Kp`` for the
+    bias row, the fp32 logits and probabilities (with 128 heads): 83 KiB at Kp = 2048, D = 640.
     """
     k_tiles, d_tiles = slots // KERNEL_TILE, dim // KERNEL_TILE
     q_transposed = d_tiles * aligned_heads(heads) * 2

@@ -95,12 +95,14 @@ def _call_nki_kernels(packed: PackedOperands, layout: KernelLayout) -> jax.Array
 
 
 def nki_gathered_attn(q, g, sink, bias, scale):
-    """The Neuron path of ``gathered_attn_p`` (operands as the primitive's)."""
+    """The Neuron path of ``gathered_attn_p``: q ``[T, H, D]``, g ``[T, K, D]``, sink ``[H]`` f32,
+    bias ``[T, K]`` f32 (``-inf`` = empty slot), scale ``[T]`` f32 -> ``[T, H, D]`` in q's dtype."""
     return _run_packed(_call_nki_kernels, q, g, sink, bias, scale)
 
 
 def nki_gathered_attn_idx(q, kv, idx, sink, bias, scale):
-    """The Neuron path of ``gathered_attn_idx_p`` (operands as the primitive's)."""
+    """The Neuron path of ``gathered_attn_idx_p``: q ``[T, H, D]``, kv ``[R, D]``, idx ``[T, K]``
+    int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32 -> ``[T, H, D]``."""
     return _run_packed(_call_nki_kernels, q, kv, sink, bias, scale, idx=idx)
 
 
@@ -138,12 +140,16 @@ def _call_emulated_kernels(packed: PackedOperands, layout: KernelLayout) -> jax.
 
 
 def emulated_gathered_attn(q, g, sink, bias, scale):
-    """``implementation="nki_emulated"`` for ``gathered_attn_p``: the Neuron path on the host."""
+    """``implementation="nki_emulated"`` for ``gathered_attn_p``: the Neuron path on the host.
+
+    Operands and result as :func:`nki_gathered_attn`."""
     return _run_packed(_call_emulated_kernels, q, g, sink, bias, scale)
 
 
 def emulated_gathered_attn_idx(q, kv, idx, sink, bias, scale):
-    """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``: Neuron path on the host."""
+    """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``: Neuron path on the host.
+
+    Operands and result as :func:`nki_gathered_attn_idx`."""
     return _run_packed(_call_emulated_kernels, q, kv, sink, bias, scale, idx=idx)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .. import constants
 from ..constants import PARTITIONS, PSUM_BANK_FP32, PSUM_BANKS
 from .errors import (
     NkiCapacityError,
@@ -43,7 +44,10 @@ from .errors import (
 PSUM_BANK_BYTES = PSUM_BANK_FP32 * 4
 
 # SBUF bytes per partition available to a kernel, by target (NKI_SUBSET.md).
-SBUF_BYTES_PER_PARTITION = {"trn1": 192 * 1024, "trn2": 224 * 1024}
+SBUF_BYTES_PER_PARTITION = {
+    "trn1": constants.SBUF_BYTES_PER_PARTITION,
+    "trn2": constants.SBUF_BYTES_PER_PARTITION_TRN2,
+}
 
 _PACKAGE = __name__.rsplit(".", 1)[0]
 
