@@ -339,7 +339,8 @@ def shard_local(
 
     Returns:
       A function of the operands returning the tuple of results, meant to be called while
-      lowering a primitive (inside ``mlir.lower_fun``). On one device it computes what ``fn`` does (the partitioner inlines the wrapper).
+      lowering a primitive (inside ``mlir.lower_fun``). On one device it computes what ``fn``
+      does (the partitioner inlines the wrapper).
     """
 
     def wrapped(*operands):
