@@ -303,82 +303,54 @@ def _elementwise(name: str, fn, operands: tuple, dtype: Any) -> Tensor:
     return tile
 
 
-def add(x: Any, y: Any, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.add")
-    return _elementwise("add", np.add, (x, y), dtype)
+def _binary(name: str, fn: Any) -> Any:
+    def op(x: Any, y: Any, dtype: Any = None, **kwargs: Any) -> Tensor:
+        no_extra(kwargs, f"nl.{name}")
+        return _elementwise(name, fn, (x, y), dtype)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = (
+        f"``nl.{name}(x, y, dtype=None)``: elementwise in fp32 on SBUF/PSUM tiles (or scalars), "
+        "broadcasting like NKI; returns a new SBUF tile."
+    )
+    return op
 
 
-def subtract(x: Any, y: Any, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.subtract")
-    return _elementwise("subtract", np.subtract, (x, y), dtype)
+def _unary(name: str, fn: Any) -> Any:
+    def op(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
+        no_extra(kwargs, f"nl.{name}")
+        return _elementwise(name, fn, (x,), dtype)
 
-
-def multiply(x: Any, y: Any, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.multiply")
-    return _elementwise("multiply", np.multiply, (x, y), dtype)
-
-
-def divide(x: Any, y: Any, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.divide")
-    return _elementwise("divide", np.divide, (x, y), dtype)
-
-
-def maximum(x: Any, y: Any, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.maximum")
-    return _elementwise("maximum", np.maximum, (x, y), dtype)
-
-
-def minimum(x: Any, y: Any, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.minimum")
-    return _elementwise("minimum", np.minimum, (x, y), dtype)
-
-
-def negative(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.negative")
-    return _elementwise("negative", np.negative, (x,), dtype)
-
-
-def exp(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.exp")
-    return _elementwise("exp", np.exp, (x,), dtype)
-
-
-def log(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.log")
-    return _elementwise("log", np.log, (x,), dtype)
-
-
-def tanh(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.tanh")
-    return _elementwise("tanh", np.tanh, (x,), dtype)
-
-
-def sqrt(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.sqrt")
-    return _elementwise("sqrt", np.sqrt, (x,), dtype)
-
-
-def square(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.square")
-    return _elementwise("square", np.square, (x,), dtype)
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = (
+        f"``nl.{name}(x, dtype=None)``: elementwise in fp32 on an SBUF/PSUM tile; returns a new "
+        "SBUF tile."
+    )
+    return op
 
 
 def _relu(v: np.ndarray) -> np.ndarray:
     return np.maximum(v, np.float32(0))
 
 
-def relu(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.relu")
-    return _elementwise("relu", _relu, (x,), dtype)
-
-
 def _reciprocal(v: np.ndarray) -> np.ndarray:
     return np.float32(1) / v
 
 
-def reciprocal(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    no_extra(kwargs, "nl.reciprocal")
-    return _elementwise("reciprocal", _reciprocal, (x,), dtype)
+add = _binary("add", np.add)
+subtract = _binary("subtract", np.subtract)
+multiply = _binary("multiply", np.multiply)
+divide = _binary("divide", np.divide)
+maximum = _binary("maximum", np.maximum)
+minimum = _binary("minimum", np.minimum)
+negative = _unary("negative", np.negative)
+exp = _unary("exp", np.exp)
+log = _unary("log", np.log)
+tanh = _unary("tanh", np.tanh)
+sqrt = _unary("sqrt", np.sqrt)
+square = _unary("square", np.square)
+relu = _unary("relu", _relu)
+reciprocal = _unary("reciprocal", _reciprocal)
 
 
 def reduce_values(ufunc, values: np.ndarray, axes: tuple[int, ...], keepdims: bool) -> np.ndarray:
