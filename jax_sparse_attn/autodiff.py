@@ -98,13 +98,20 @@ def _slots(indexed, src, idx, bias, live):
     return src[rows].astype(jnp.float32), valid, rows
 
 
-def _tangent_chunk(indexed, active, primal, tangent, live):
-    """Output tangent ``[c, H, D]`` (f32) for a chunk. ``primal``/``tangent``: dicts by name."""
+def _recompute(indexed, primal, live):
+    """The forward's intermediates for a chunk (f32): q, slot rows x, validity, gather rows,
+    scale, and ``_softmax_parts``'s z, p, p_sink, o. ``primal``: the operands by name."""
     q = primal["q"].astype(jnp.float32)
-    src = primal["kv" if indexed else "g"]
-    x, valid, rows = _slots(indexed, src, primal.get("idx"), primal["bias"], live)
+    x, valid, rows = _slots(indexed, primal["kv" if indexed else "g"], primal.get("idx"),
+                            primal["bias"], live)
     scale = primal["scale"]
     z, p, p_sink, o = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
+    return q, x, valid, rows, scale, z, p, p_sink, o
+
+
+def _tangent_chunk(indexed, active, primal, tangent, live):
+    """Output tangent ``[c, H, D]`` (f32) for a chunk. ``primal``/``tangent``: dicts by name."""
+    q, x, valid, rows, scale, z, p, p_sink, o = _recompute(indexed, primal, live)
 
     src_name = "kv" if indexed else "g"
     dx = None
@@ -133,11 +140,7 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
 
 def _cotangent_chunk(indexed, wanted, primal, ct, live):
     """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input."""
-    q = primal["q"].astype(jnp.float32)
-    src = primal["kv" if indexed else "g"]
-    x, valid, rows = _slots(indexed, src, primal.get("idx"), primal["bias"], live)
-    scale = primal["scale"]
-    z, p, p_sink, o = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
+    q, x, valid, rows, scale, z, p, p_sink, o = _recompute(indexed, primal, live)
     ct = ct.astype(jnp.float32)
     u = _einsum("thd,tkd->thk", ct, x)
     delta = jnp.sum(ct * o, axis=-1)
@@ -150,7 +153,7 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live):
         dx = dx + scale[:, None, None] * _einsum("thk,thd->tkd", dS, q)
         if indexed:
             # Empty slots are sent out of range and dropped by the scatter.
-            out["kv"] = (jnp.where(valid, rows, src.shape[0]), dx)
+            out["kv"] = (jnp.where(valid, rows, primal["kv"].shape[0]), dx)
         else:
             out["g"] = dx
     if "sink" in wanted:
