@@ -77,27 +77,165 @@ class tile_size:
     gemm_moving_fmax = PSUM_BANK_FP32
 
 
-# Loops: in NKI >= 0.3 these are plain Python ranges, unrolled by tracing.
-def affine_range(*args: int, **kwargs: Any) -> range:
-    return range(*args)
+# Loops. nki/deep-dives/nki-dynamic-loops.rst: static_range, affine_range and sequential_range take
+# compile-time bounds and are fully unrolled (affine_range and sequential_range are deprecated,
+# nki/api/nki/language/__init__.py), so here they are plain Python ranges: every iteration's
+# instructions are part of the compiled program. dynamic_range is a hardware loop whose body is
+# compiled once (see DynamicRange).
+def _check_bounds(kind: str, args: tuple) -> None:
+    for a in args:
+        if isinstance(a, (LoopIndex,)) or not isinstance(a, (int, np.integer)):
+            # nki-dynamic-loops.rst: "The other NKI range iterators ... all require compile-time
+            # constant bounds."
+            raise NkiUnsupportedError(
+                f"nl.{kind} needs compile-time int bounds, got {type(a).__name__} "
+                "(nki/deep-dives/nki-dynamic-loops.rst; runtime bounds need nl.dynamic_range)"
+            )
 
 
 def static_range(*args: int, **kwargs: Any) -> range:
+    """Fully unrolled loop over compile-time ints (the preferred NKI >= 0.3 range)."""
+    _check_bounds("static_range", args)
+    return range(*args)
+
+
+def affine_range(*args: int, **kwargs: Any) -> range:
+    """Fully unrolled loop (deprecated in NKI 0.3 in favour of ``static_range``)."""
+    _check_bounds("affine_range", args)
     return range(*args)
 
 
 def sequential_range(*args: int, **kwargs: Any) -> range:
+    """Fully unrolled loop (deprecated in NKI 0.3 in favour of ``static_range``)."""
+    _check_bounds("sequential_range", args)
     return range(*args)
+
+
+class LoopIndex:
+    """The induction variable of an ``nl.dynamic_range`` loop: a device value, opaque to Python.
+
+    ``nki-dynamic-loops.rst``: "The loop variable is a device register, not a Python int. You
+    cannot use it in host-side Python expressions". The NKI 0.3 release notes (known issues) add:
+    it "cannot be used as a scalar_offset in access patterns or in arithmetic expressions for
+    computing tile offsets". (The deep dive's last example passes it as ``scalar_offset``; the
+    emulator takes the stricter known-issues reading.) So any use of it raises; per-iteration
+    offsets come from a counter in SBUF (a ``[1, 1]`` int32 tile updated by an instruction) or
+    a ``VirtualRegister``, passed as ``.ap(scalar_offset=...)``.
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: int):
+        self._value = value
+
+    def _refuse(self, *args: Any, **kwargs: Any):
+        raise NkiUnsupportedError(
+            "the nl.dynamic_range loop variable cannot be used in Python expressions, index "
+            "arithmetic or as a scalar_offset (NKI 0.3 release notes, known issues; "
+            "nki/deep-dives/nki-dynamic-loops.rst): keep a [1, 1] int32 SBUF counter (or a "
+            "VirtualRegister) and pass it as .ap(scalar_offset=...)"
+        )
+
+    __index__ = __int__ = __float__ = __bool__ = __hash__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __truediv__ = __eq__ = __ne__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
+    def __repr__(self) -> str:
+        return "<nl.dynamic_range loop variable>"
+
+
+class DynamicRange:
+    """``nl.dynamic_range``: a hardware loop; the body is compiled once, run ``trip`` times.
+
+    The emulator runs the body once per iteration (so values and costs are those of every
+    iteration) but counts its instructions in ``compiled_instructions`` only on the first
+    iteration. A loop with zero trips runs nothing and so counts nothing (a limitation: its body
+    is still compiled on hardware).
+    """
+
+    def __init__(self, start: Any, stop: Any = None, step: Any = 1):
+        if stop is None:
+            start, stop = 0, start
+        # nki-dynamic-loops.rst: "step: Must be a compile-time positive int (not a VirtualRegister)".
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step <= 0:
+            raise NkiUnsupportedError(
+                f"nl.dynamic_range step must be a compile-time positive int, got {step!r} "
+                "(nki/deep-dives/nki-dynamic-loops.rst)"
+            )
+        self.start, self.stop, self.step = start, stop, int(step)
+
+    @staticmethod
+    def _bound(value: Any) -> int:
+        from .isa import VirtualRegister
+
+        if isinstance(value, VirtualRegister):
+            return value.read("nl.dynamic_range bound")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            # nki-dynamic-loops.rst: start/stop are Python ints or VirtualRegisters.
+            raise NkiUnsupportedError(
+                f"nl.dynamic_range bounds are ints or VirtualRegisters, got {type(value).__name__}"
+            )
+        return int(value)
+
+    def __iter__(self):
+        ctx = current_context()
+        lo, hi = self._bound(self.start), self._bound(self.stop)
+        for n, value in enumerate(range(lo, hi, self.step)):
+            repeat = 1 if n > 0 else 0
+            ctx.repeat_depth += repeat
+            try:
+                yield LoopIndex(value)
+            finally:
+                ctx.repeat_depth -= repeat
+
+
+def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> DynamicRange:
+    """A loop the hardware runs (``nki/deep-dives/nki-dynamic-loops.rst``): never unrolled.
+
+    ``start``/``stop`` are ints or ``nisa.VirtualRegister``; ``step`` a positive int. The loop
+    variable is opaque (see :class:`LoopIndex`).
+    """
+    return DynamicRange(start, stop, step)
+
+
+# SPMD launch (nki/get-started/about/lnc.rst; nki/api/nki/language/__init__.py).
+def program_id(axis: int = 0) -> int:
+    """Index of this program in the launch grid (0 without a grid); ``axis`` must be 0."""
+    ctx = current_context()
+    if axis != 0:
+        raise NkiUnsupportedError(
+            f"nl.program_id({axis}): the NKI >= 0.3 launch grid has one axis "
+            "(nki/get-started/about/lnc.rst)"
+        )
+    return ctx.program_id
+
+
+def num_programs(axes: int = 0) -> int:
+    """Number of programs in the launch grid (1 without a grid); ``axes`` must be 0."""
+    ctx = current_context()
+    if axes not in (0, None):
+        raise NkiUnsupportedError(
+            f"nl.num_programs({axes}): the NKI >= 0.3 launch grid has one axis "
+            "(nki/get-started/about/lnc.rst)"
+        )
+    return ctx.launch.grid
+
+
+def program_ndim() -> int:
+    """Number of launch-grid dimensions: 0 without a grid, else 1."""
+    return 1 if current_context().launch.grid > 1 else 0
 
 
 # ----------------------------------------------------------------------------------------------
 # helpers shared with isa.py
 
 
-def begin():
-    """Start an instruction: the live on-chip memory must fit (see _core.Context.check_capacity)."""
+def begin(instr: str):
+    """Start the instruction ``instr``: count it; the live on-chip memory must fit (see
+    _core.Context.begin_instruction). Returns the running program's context."""
     ctx = current_context()
-    ctx.check_capacity()
+    ctx.begin_instruction(instr)
     return ctx
 
 
@@ -190,8 +328,9 @@ def ndarray(shape: Any, dtype: Any, buffer: Any = SBUF, name: str = "", **kwargs
 
 def full(shape: Any, fill_value: Any, dtype: Any, buffer: Any = SBUF, name: str = "", **kwargs: Any) -> Tensor:
     """``nl.ndarray`` filled with ``fill_value`` (one memset instruction)."""
-    no_extra(kwargs, "nl.full")
-    ctx = begin()
+    instr = "nl.full"
+    no_extra(kwargs, instr)
+    ctx = begin(instr)
     t = ctx.allocate(shape, dtype, buffer, name or "nl.full")
     write(t, np.asarray(fill_value, F32))
     return t
@@ -206,7 +345,7 @@ def load(src: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
     """A new SBUF tile holding ``src`` (an HBM tensor or view; axis 0 becomes the partition axis)."""
     instr = "nl.load"
     no_extra(kwargs, instr)
-    ctx = begin()
+    ctx = begin(instr)
     tensor_arg(src, instr, "src", HBM_BUFFERS)
     values = read(src, instr, "src")
     tile = ctx.allocate(src.shape, src.dtype if dtype is None else dtype, SBUF, "nl.load")
@@ -218,7 +357,7 @@ def store(dst: Tensor, value: Tensor, **kwargs: Any) -> None:
     """Write the SBUF tile ``value`` into the HBM tensor (or view) ``dst``, converting the dtype."""
     instr = "nl.store"
     no_extra(kwargs, instr)
-    begin()
+    begin(instr)
     tensor_arg(dst, instr, "dst", HBM_BUFFERS)
     tensor_arg(value, instr, "value", (SBUF,))  # a DMA cannot read PSUM
     check_dst_shape(instr, dst, value.shape)
@@ -229,7 +368,7 @@ def copy(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
     """A new SBUF tile copied (and cast) from the SBUF or PSUM tile ``x``."""
     instr = "nl.copy"
     no_extra(kwargs, instr)
-    ctx = begin()
+    ctx = begin(instr)
     tensor_arg(x, instr, "x", ON_CHIP)
     values = read(x, instr, "x")
     tile = ctx.allocate(x.shape, x.dtype if dtype is None else dtype, SBUF, "nl.copy")
@@ -246,7 +385,7 @@ def broadcast_to(src: Tensor, shape: Any = None, **kwargs: Any) -> Tensor:
     no_extra(kwargs, instr)
     if shape is None:
         raise NkiShapeError(f"{instr} needs shape=")
-    ctx = begin()
+    ctx = begin(instr)
     tensor_arg(src, instr, "src", ON_CHIP)
     shape = tuple(int(s) for s in shape)
     if len(shape) != src.ndim or any(s != d and d != 1 for s, d in zip(shape, src.shape)):
@@ -265,7 +404,7 @@ def broadcast_to(src: Tensor, shape: Any = None, **kwargs: Any) -> Tensor:
 
 def _elementwise(name: str, fn, operands: tuple, dtype: Any) -> Tensor:
     instr = f"nl.{name}"
-    ctx = begin()
+    ctx = begin(instr)
     tiles = [o for o in operands if isinstance(o, Tensor)]
     if not tiles:
         raise NkiUnsupportedError(f"{instr} needs at least one tile operand")
@@ -362,7 +501,7 @@ def reduce_values(ufunc, values: np.ndarray, axes: tuple[int, ...], keepdims: bo
 
 def _reduction(name: str, ufunc, x: Tensor, axis: Any, dtype: Any, keepdims: bool) -> Tensor:
     instr = f"nl.{name}"
-    ctx = begin()
+    ctx = begin(instr)
     tensor_arg(x, instr, "x", ON_CHIP)
     axes = check_free_axes(instr, axis, x.ndim)
     with np.errstate(all="ignore"):
