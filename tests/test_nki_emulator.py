@@ -458,9 +458,9 @@ def test_nl_elementwise_reductions_and_operators(rng):
     def kernel(x, col):
         xt, ct = nl.load(x), nl.load(col)
         m = nl.max(xt, axis=(1, 2), keepdims=True)
-        e = nl.exp(nl.add(xt, nl.negative(m)))
+        e = nl.exp(nl.add(xt, nl.broadcast_to(nl.negative(m), shape=xt.shape)))
         s = nl.sum(e, axis=2)
-        mixed = (xt * ct - 1.0) / 2.0
+        mixed = (xt * nl.broadcast_to(ct, shape=xt.shape) - 1.0) * 0.5
         low = nl.min(nl.multiply(xt, 2.0, dtype=nl.bfloat16), axis=-1)
         return copy_out(e), copy_out(s), copy_out(mixed), copy_out(low)
 
@@ -508,7 +508,9 @@ def tiled_matmul_kernel(a_t, b):
             stationary = nl.load(a_t[k * 128 : (k + 1) * 128, :])
             moving = nl.load(b[k * 128 : (k + 1) * 128, n0 : n0 + width])
             nisa.nc_matmul(acc, stationary, moving, accumulate=k > 0)
-        nl.store(out[:, n0 : n0 + width], value=nl.copy(acc))
+        staged = nl.ndarray((m, width), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=staged, src=acc)
+        nl.store(out[:, n0 : n0 + width], value=staged)
     return out
 
 
@@ -1072,6 +1074,42 @@ def test_reject_indirect_dma_transpose_rules(kv_dtype, idx_shape, idx_dtype, row
         nisa.dma_transpose(dst=dst, src=src)
 
     _reject(kernel, kv, idx, error=error, match=match)
+
+
+def test_reject_nl_rules_of_nki_0_3():
+    x = np.ones((4, 4), np.float32)
+
+    def broadcast_add(x):
+        t = nl.load(x)
+        nl.add(t, nl.max(t, axis=1, keepdims=True))
+
+    def divide(x):
+        t = nl.load(x)
+        nl.divide(t, t)
+
+    def true_divide(x):
+        t = nl.load(x)
+        return t / 2.0
+
+    def mod(x):
+        nl.mod(nl.load(x), 2.0)
+
+    def fmod(x):
+        nl.fmod(nl.load(x), 2.0)
+
+    def copy_psum(x):
+        acc = nl.ndarray((4, 4), nl.float32, buffer=nl.psum)
+        nisa.tensor_copy(dst=acc, src=nl.load(x))
+        nl.copy(acc)
+
+    def memset_float_into_int(x):
+        nisa.memset(nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf), 2.0)
+
+    _reject(broadcast_add, x, error=NkiShapeError, match="do not broadcast")
+    for kernel in (divide, true_divide, mod, fmod):
+        _reject(kernel, x, error=NkiUnsupportedError, match="no hardware instruction")
+    _reject(copy_psum, x, error=NkiMemorySpaceError, match="nl.copy x must be in sbuf")
+    _reject(memset_float_into_int, x, error=NkiDtypeError, match="matching types")
 
 
 def test_iota_against_its_formula():

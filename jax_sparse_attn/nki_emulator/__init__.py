@@ -58,8 +58,10 @@ not listed above.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -85,6 +87,8 @@ from .targets import TARGET_ENV, TARGETS, Target, current_target, resolve_target
 __all__ = [
     "simulate",
     "SimulatedKernel",
+    "recording",
+    "Recording",
     "RunStats",
     "ProgramStats",
     "current_target",
@@ -270,6 +274,40 @@ def _check_grid(grid: Any, target: Target) -> int:
     return int(grid)
 
 
+class Recording:
+    """The launches simulated inside a ``with recording():`` block, in order (see :func:`recording`)."""
+
+    def __init__(self, cost: bool):
+        self.cost = cost
+        self.runs: list[RunStats] = []
+
+
+_RECORDINGS: list[Recording] = []
+_RECORDINGS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def recording(cost: bool = True):
+    """Collect the :class:`RunStats` of every simulated launch in the block (any thread).
+
+    With ``cost=True`` every launch records its modelled cost, even launches made deep inside
+    the library (for example ``implementation="nki_emulated"``, whose host callback may run on
+    another thread)::
+
+        with nki_emulator.recording() as rec:
+            jax_sparse_attn.gathered_attn_idx(q, kv, idx, implementation="nki_emulated")
+        rec.runs  # [RunStats, ...]
+    """
+    rec = Recording(cost)
+    with _RECORDINGS_LOCK:
+        _RECORDINGS.append(rec)
+    try:
+        yield rec
+    finally:
+        with _RECORDINGS_LOCK:
+            _RECORDINGS.remove(rec)
+
+
 class SimulatedKernel:
     """``simulate(kernel)``: call it with numpy arrays; ``[n]`` sets the launch grid.
 
@@ -308,12 +346,15 @@ class SimulatedKernel:
 
         call_args = [wrap(a, f"argument {i}") for i, a in enumerate(args)]
         call_kwargs = {k: wrap(v, k) for k, v in kwargs.items()}
+        with _RECORDINGS_LOCK:
+            recordings = list(_RECORDINGS)
+        record_cost = self._cost or any(r.cost for r in recordings)
         out = None
         first_result = None
         with single_threaded_blas():
             for pid in range(self.grid):
                 ctx = Context(self.target, pid, launch)
-                if self._cost:
+                if record_cost:
                     from . import cost as cost_model
 
                     ctx.cost = cost_model.CostRecord(self.target.name)
@@ -339,6 +380,8 @@ class SimulatedKernel:
             out = _to_numpy(first_result)
         self.last_run = run_stats
         self.last_stats = run_stats.as_dict()
+        for rec in recordings:
+            rec.runs.append(run_stats)
         if self._stats:
             return out, run_stats
         return out

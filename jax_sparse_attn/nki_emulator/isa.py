@@ -104,6 +104,8 @@ _DGE = dge_mode
 
 
 # Operators, keyed by the nl function (and the numpy ufunc older NKI code passes).
+# The ALU operator table (nki-aluop) is not among the stored 0.3 pages; divide is accepted as an
+# engine ALU operator (inferred; only the nl.divide *function* is documented as unsupported).
 _BINARY_OPS = {
     nl.add: np.add, nl.subtract: np.subtract, nl.multiply: np.multiply, nl.divide: np.divide,
     nl.maximum: np.maximum, nl.minimum: np.minimum,
@@ -222,6 +224,12 @@ def _check_dma_target(instr: str, src: Any, dst: Any, dge: Any) -> None:
                 )
 
 
+def _charge(ctx: Any, instr: str, engine: Any, dst: Any, inputs: list, **info: Any) -> None:
+    """Record the instruction's modelled cost when the run records costs (see cost.py)."""
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, engine, dst, inputs, **info)
+
+
 def _masked_write(dst: Tensor, values: np.ndarray, ok: np.ndarray | None) -> None:
     """Write ``values`` into ``dst`` where ``ok`` (None: everywhere); the rest keeps its contents."""
     if ok is None:
@@ -302,7 +310,12 @@ def dma_copy(
     else:
         _masked_write(dst, values, ok)
     if ctx.cost is not None:
-        ctx.cost.dma(instr, src, dst, values, ok, dge)
+        ctx.cost.dma(
+            instr, src, dst, values, ok, dge,
+            indirect_rows=src.shape[0] if isinstance(src, AccessPattern) and src.is_indirect else 0,
+            dynamic=any(isinstance(x, AccessPattern) and x.scalar_offset is not None for x in (src, dst)),
+            nc_version=ctx.target_info.nc_version,
+        )  # fmt: skip
 
 
 def dma_transpose(
@@ -392,7 +405,7 @@ def dma_transpose(
         values = read(src, instr, "src")
         write(dst, values.T)
         if ctx.cost is not None:
-            ctx.cost.dma(instr, src, dst, values, None, dge)
+            ctx.cost.dma(instr, src, dst, values, None, dge, transpose=True)
         return
     _check_indirect_transpose(instr, src, dge)
     idx = src.vector_offset
@@ -401,7 +414,7 @@ def dma_transpose(
     values, ok = read_ap(src, instr, "src", mode is _OOB.skip, rows=rows)
     _masked_write(dst, values.T, None if ok is None else np.broadcast_to(ok, dst.shape))
     if ctx.cost is not None:
-        ctx.cost.dma(instr, src, dst, values, ok, dge)
+        ctx.cost.dma(instr, src, dst, values, ok, dge, transpose=True, indirect_rows=count)
 
 
 def _check_indirect_transpose(instr: str, src: AccessPattern, dge: Any) -> None:
@@ -438,11 +451,12 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: Any = None, **kwargs: Any) -> 
     """``dst = src`` between SBUF/PSUM tiles, converting the dtype."""
     instr = "nisa.tensor_copy"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     tensor_arg(src, instr, "src", ON_CHIP)
     check_dst_shape(instr, dst, src.shape)
     write(dst, read(src, instr, "src"))
+    _charge(ctx, instr, engine, dst, [src])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,7 +486,7 @@ def nc_matmul(
     """
     instr = "nisa.nc_matmul"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     if is_transpose:
         raise NkiUnsupportedError(f"{instr}: is_transpose=True is not emulated; use nisa.nc_transpose")
     if tile_position or tile_size or perf_mode not in (None, "none"):
@@ -517,13 +531,14 @@ def nc_matmul(
     if accumulate:
         product = read(dst, instr, "dst (accumulate=True adds into it)") + product
     write(dst, product)
+    _charge(ctx, instr, None, dst, [stationary, moving], n_stationary=m, n_moving=n)
 
 
 def nc_transpose(dst: Tensor, data: Tensor, engine: Any = None, **kwargs: Any) -> None:
     """``dst[F, P] = data[P, F].T`` on the Tensor Engine: SBUF -> PSUM, at most 128 x 128, same dtype."""
     instr = "nisa.nc_transpose"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     if engine is not None and getattr(engine, "value", engine) not in ("unknown", "tensor"):
         raise NkiUnsupportedError(f"{instr}: only the Tensor Engine transpose is emulated")
     tensor_arg(data, instr, "data", (SBUF,))
@@ -540,6 +555,7 @@ def nc_transpose(dst: Tensor, data: Tensor, engine: Any = None, **kwargs: Any) -
         )
     check_dst_shape(instr, dst, data.shape[::-1])
     write(dst, read(data, instr, "data").T)
+    _charge(ctx, instr, engine, dst, [data])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -627,6 +643,7 @@ def activation(
                 )
             write(reduce_res, regs[lanes].reshape(p, 1))
     write(dst, result)
+    _charge(ctx, instr, None, dst, [data], reduce=accumulates)
 
 
 def activation_reduce(
@@ -666,7 +683,7 @@ def tensor_scalar(
     """
     instr = "nisa.tensor_scalar"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     if (op1 is None) != (operand1 is None):
@@ -685,6 +702,7 @@ def tensor_scalar(
         if f1 is not None:
             result = _apply(f1, result, v1, reverse1)
     write(dst, result)
+    _charge(ctx, instr, engine, dst, [data], ops=(op0,) if op1 is None else (op0, op1))
 
 
 def scalar_tensor_tensor(
@@ -705,7 +723,7 @@ def scalar_tensor_tensor(
     """
     instr = "nisa.scalar_tensor_tensor"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(operand1, instr, "operand1", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
@@ -724,13 +742,14 @@ def scalar_tensor_tensor(
         result = _apply(f0, f32_values(data, instr, "data"), v0, reverse0)
         result = _apply(f1, result, f32_values(operand1, instr, "operand1"), reverse1)
     write(dst, result)
+    _charge(ctx, instr, None, dst, [data, operand1], ops=(op0, op1))
 
 
 def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: Any = None, **kwargs: Any) -> None:
     """``dst = data1 op data2`` elementwise in fp32 (same shapes; not both in PSUM)."""
     instr = "nisa.tensor_tensor"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     tensor_arg(data1, instr, "data1", ON_CHIP)
     tensor_arg(data2, instr, "data2", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
@@ -743,6 +762,7 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: An
     with np.errstate(all="ignore"):
         result = fn(f32_values(data1, instr, "data1"), f32_values(data2, instr, "data2"))
     write(dst, result)
+    _charge(ctx, instr, engine, dst, [data1, data2], ops=(op,))
 
 
 def tensor_reduce(
@@ -757,7 +777,7 @@ def tensor_reduce(
     """``dst = op-reduce(data, axis)`` along free axes (never axis 0), fp32; ``negate`` negates it."""
     instr = "nisa.tensor_reduce"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     fn = _op(_REDUCE_OPS, op, instr, "op")
@@ -768,28 +788,41 @@ def tensor_reduce(
         result = -result
     check_dst_shape(instr, dst, result.shape)
     write(dst, result)
+    _charge(ctx, instr, None, dst, [data], ops=(op,))
 
 
 def reciprocal(dst: Tensor, data: Tensor, **kwargs: Any) -> None:
     """``dst = 1 / data`` in fp32."""
     instr = "nisa.reciprocal"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     check_dst_shape(instr, dst, data.shape)
     with np.errstate(all="ignore"):
         result = np.float32(1) / f32_values(data, instr, "data")
     write(dst, result)
+    _charge(ctx, instr, None, dst, [data])
 
 
 def memset(dst: Tensor, value: Any, engine: Any = None, **kwargs: Any) -> None:
-    """Fill the on-chip tile ``dst`` with ``value``."""
+    """Fill the on-chip tile ``dst`` with the compile-time constant ``value``."""
     instr = "nisa.memset"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
+    # memset page: Vector or GpSimd engine writes an SBUF/PSUM tile (on-chip; inferred for PSUM).
     tensor_arg(dst, instr, "dst", ON_CHIP)
-    write(dst, np.asarray(value, F32))
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise NkiUnsupportedError(f"{instr}: value must be a compile-time number, got {value!r}")
+    if dst.dtype.kind in "iu" and isinstance(value, (float, np.floating)):
+        # NKI 0.3 release notes, breaking changes: memset "Enforces strict type matching between
+        # value and destination dtype" (value=2.0 into an integer tile is a compile error).
+        raise NkiDtypeError(
+            f"{instr}: a float value {value!r} into the integer tile {dst.describe()} (NKI 0.3 "
+            "enforces matching types: pass an int)"
+        )
+    write(dst, np.full(dst.shape, value))
+    _charge(ctx, instr, engine, dst, [], value=value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -924,5 +957,4 @@ def iota(dst: Tensor, pattern: Any, offset: int = 0, channel_multiplier: int = 0
     # iota page: computed in 32-bit integer arithmetic (wraps), then cast to dst.dtype.
     full = full.astype(np.int32).reshape(dst.shape)
     write(dst, full)
-    if ctx.cost is not None:
-        ctx.cost.compute(instr, "gpsimd", dst, [])
+    _charge(ctx, instr, None, dst, [])

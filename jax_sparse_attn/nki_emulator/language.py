@@ -8,7 +8,6 @@ result dtype (round-to-nearest-even for bf16).
 
 from __future__ import annotations
 
-import builtins
 from typing import Any
 
 import ml_dtypes
@@ -333,6 +332,8 @@ def full(shape: Any, fill_value: Any, dtype: Any, buffer: Any = SBUF, name: str 
     ctx = begin(instr)
     t = ctx.allocate(shape, dtype, buffer, name or "nl.full")
     write(t, np.asarray(fill_value, F32))
+    if ctx.cost is not None and buffer.on_chip:
+        ctx.cost.compute(instr, None, t, [], value=fill_value)
     return t
 
 
@@ -350,6 +351,8 @@ def load(src: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
     values = read(src, instr, "src")
     tile = ctx.allocate(src.shape, src.dtype if dtype is None else dtype, SBUF, "nl.load")
     write(tile, values)
+    if ctx.cost is not None:
+        ctx.cost.dma(instr, src, tile, values, None, None)
     return tile
 
 
@@ -357,22 +360,29 @@ def store(dst: Tensor, value: Tensor, **kwargs: Any) -> None:
     """Write the SBUF tile ``value`` into the HBM tensor (or view) ``dst``, converting the dtype."""
     instr = "nl.store"
     no_extra(kwargs, instr)
-    begin(instr)
+    ctx = begin(instr)
     tensor_arg(dst, instr, "dst", HBM_BUFFERS)
     tensor_arg(value, instr, "value", (SBUF,))  # a DMA cannot read PSUM
     check_dst_shape(instr, dst, value.shape)
-    write(dst, read(value, instr, "value"))
+    values = read(value, instr, "value")
+    write(dst, values)
+    if ctx.cost is not None:
+        ctx.cost.dma(instr, value, dst, values, None, None)
 
 
 def copy(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    """A new SBUF tile copied (and cast) from the SBUF or PSUM tile ``x``."""
+    """A new SBUF tile copied (and cast) from the SBUF tile ``x`` (PSUM: use nisa.tensor_copy)."""
     instr = "nl.copy"
     no_extra(kwargs, instr)
     ctx = begin(instr)
-    tensor_arg(x, instr, "x", ON_CHIP)
+    # NKI 0.3 release notes, known issues (Data Movement): nl.copy "cross-buffer copies (e.g.,
+    # PSUM to SBUF) are not supported"; the result is an SBUF tile, so x must be in SBUF.
+    tensor_arg(x, instr, "x", (SBUF,))
     values = read(x, instr, "x")
     tile = ctx.allocate(x.shape, x.dtype if dtype is None else dtype, SBUF, "nl.copy")
     write(tile, values)
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, tile, [x])
     return tile
 
 
@@ -395,6 +405,8 @@ def broadcast_to(src: Tensor, shape: Any = None, **kwargs: Any) -> Tensor:
     values = read(src, instr, "src")
     tile = ctx.allocate(shape, src.dtype, SBUF, "nl.broadcast_to")
     write(tile, np.broadcast_to(values, shape))
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, tile, [])
     return tile
 
 
@@ -420,25 +432,24 @@ def _elementwise(name: str, fn, operands: tuple, dtype: Any) -> Tensor:
         else:
             raise NkiUnsupportedError(f"{instr}: operand {i} of type {type(o).__name__}")
     shapes = [t.shape for t in tiles]
-    ndim = len(shapes[0])
-    if any(len(s) != ndim for s in shapes):
-        raise NkiShapeError(f"{instr}: operands of different rank {shapes}")
-    out_shape = []
-    for axis in range(ndim):
-        sizes = {s[axis] for s in shapes}
-        big = sizes - {1}
-        if len(big) > 1 or (axis == 0 and len(sizes) > 1):
-            raise NkiShapeError(
-                f"{instr}: operand shapes {shapes} do not line up (the partition axis must match; "
-                "free axes may broadcast from 1; use nl.broadcast_to for the partition axis)"
-            )
-        out_shape.append(builtins.max(sizes))
+    if any(s != shapes[0] for s in shapes):
+        # NKI 0.3 release notes, known issues (Broadcasting): "Binary operations do not support
+        # broadcasting — Operations like nl.add(a, b) require both operands to have the same
+        # shape." Python scalars are accepted (inferred: a scalar is an immediate operand).
+        raise NkiShapeError(
+            f"{instr}: operand shapes {shapes} differ: nl binary operations do not broadcast in "
+            "NKI 0.3 (release notes, known issues); use nisa.tensor_scalar with a [P, 1] column "
+            "or nl.broadcast_to first"
+        )
+    out_shape = list(shapes[0])
     same_base_partition(instr, *tiles)
     with np.errstate(all="ignore"):
         result = fn(*values)
     out_dtype = default_dtype(tiles) if dtype is None else as_dtype(dtype, instr)
     tile = ctx.allocate(tuple(out_shape), out_dtype, SBUF, instr)
     write(tile, np.broadcast_to(result, tuple(out_shape)))
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, tile, tiles, ops=(name,))
     return tile
 
 
@@ -449,8 +460,8 @@ def _binary(name: str, fn: Any) -> Any:
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = (
-        f"``nl.{name}(x, y, dtype=None)``: elementwise in fp32 on SBUF/PSUM tiles (or scalars), "
-        "broadcasting like NKI; returns a new SBUF tile."
+        f"``nl.{name}(x, y, dtype=None)``: elementwise in fp32 on SBUF/PSUM tiles of one shape "
+        "(or a tile and a scalar; no broadcasting, as in NKI 0.3); returns a new SBUF tile."
     )
     return op
 
@@ -479,7 +490,25 @@ def _reciprocal(v: np.ndarray) -> np.ndarray:
 add = _binary("add", np.add)
 subtract = _binary("subtract", np.subtract)
 multiply = _binary("multiply", np.multiply)
-divide = _binary("divide", np.divide)
+
+
+def _no_instruction(name: str) -> Any:
+    def op(*args: Any, **kwargs: Any) -> Tensor:
+        # NKI 0.3 release notes, known issues (Math Operations): nl.divide, nl.fmod and nl.mod
+        # are not available as hardware instructions.
+        raise NkiUnsupportedError(
+            f"nl.{name} has no hardware instruction (NKI 0.3 release notes, known issues): "
+            "multiply by nl.reciprocal / nisa.reciprocal instead"
+        )
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``nl.{name}``: rejected, no hardware instruction in NKI 0.3 (known issues)."
+    return op
+
+
+divide = _no_instruction("divide")
+mod = _no_instruction("mod")
+fmod = _no_instruction("fmod")
 maximum = _binary("maximum", np.maximum)
 minimum = _binary("minimum", np.minimum)
 negative = _unary("negative", np.negative)
@@ -509,6 +538,8 @@ def _reduction(name: str, ufunc, x: Tensor, axis: Any, dtype: Any, keepdims: boo
     out_dtype = x.dtype if dtype is None else as_dtype(dtype, instr)
     tile = ctx.allocate(result.shape, out_dtype, SBUF, instr)
     write(tile, result)
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, tile, [x], ops=(name,))
     return tile
 
 
