@@ -206,3 +206,42 @@ def test_attention_bounds_by_hand():
 def test_an_instruction_without_a_formula_is_named():
     with pytest.raises(KeyError, match="no cost formula for nisa.frobnicate"):
         cost._cost_key("nisa.frobnicate", 1, 1)
+
+
+def test_bench_model_cli_writes_labelled_json(tmp_path, capsys):
+    import json
+
+    from jax_sparse_attn import bench
+
+    path = tmp_path / "model.json"
+    assert bench.main(["--model", "trn2", "--shape", "2,4,128,128,256", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "MODEL (not a measurement)" in printed
+    result = json.loads(path.read_text())
+    assert result["kind"].startswith("MODEL") and result["target"] == "trn2"
+    (rec,) = result["records"]
+    assert rec["shape"] == {"T": 2, "H": 4, "D": 128, "K": 128, "R": 256}
+    nbytes = 2 * (2 * 4 * 128) * 2 + 2 * 128 * 128 * 2 + 2 * 128 * 4
+    assert rec["hbm_bound_us"] == pytest.approx(nbytes / (2 * 375e3))
+    assert rec["pe_bound_us"] == pytest.approx(4 * 2 * 4 * 128 * 128 / (2 * 79e6))
+    assert set(rec["per_engine_us"]) == {"tensor", "vector", "scalar", "gpsimd", "dma"}
+    assert rec["modelled_us"] == pytest.approx(max(rec["per_engine_us"].values()))
+    assert rec["busiest_engine"] == max(rec["per_engine_us"], key=rec["per_engine_us"].get)
+    assert rec["instructions"] > 0 and rec["instructions_executed"] >= rec["instructions"]
+    assert rec["scaled_from_tokens"] is None
+
+
+def test_bench_model_scaling_is_affine_in_tokens():
+    from jax_sparse_attn import bench_model
+
+    small = {"modelled_us": 10.0, "per_engine_us": {"dma": 10.0, "tensor": 4.0},
+             "instructions": 100, "instructions_executed": 300, "dma_bytes": 1000, "launches": 1}
+    large = {"modelled_us": 16.0, "per_engine_us": {"dma": 16.0, "tensor": 6.0},
+             "instructions": 100, "instructions_executed": 500, "dma_bytes": 1800, "launches": 1}
+    # P = 8 tokens and 2P = 16: per token 0.75 us, 25 instructions, 100 bytes; T = 4096.
+    got = bench_model._scale(small, large, 8, 4096)
+    assert got["modelled_us"] == pytest.approx(10.0 + 4088 * 0.75)
+    assert got["per_engine_us"]["tensor"] == pytest.approx(4.0 + 4088 * 0.25)
+    assert got["instructions"] == 100  # a compiled body that does not grow stays as it is
+    assert got["instructions_executed"] == 300 + 4088 * 25
+    assert got["dma_bytes"] == 1000 + 4088 * 100
