@@ -418,6 +418,19 @@ def test_sbuf_estimate_bounds_the_emulated_peak(H, D, Kp, max_chunk, indexed):
     assert peak <= estimate <= 1.1 * peak
 
 
+def test_value_product_arrangement_follows_the_matmul_cost():
+    """With few heads the value product runs transposed (the rows stationary, H moving columns),
+    which the nc_matmul cost formula makes cheaper; with 128 heads the plain arrangement."""
+    assert all(u.transposed for u in kernels._value_units(64, 512, 2048))
+    assert all(u.transposed for u in kernels._value_units(16, 576, 2048))
+    assert not any(u.transposed for u in kernels._value_units(128, 512, 2048))
+    # Every output column is in exactly one accumulator.
+    for H, D in [(64, 576), (8, 1100), (128, 1024)]:
+        columns = sorted(c for u in kernels._value_units(H, D, 256) for d0, n in u.blocks
+                         for c in range(d0, d0 + n))  # fmt: skip
+        assert columns == list(range(D))
+
+
 def test_every_shape_gets_a_plan_that_fits_the_smallest_sbuf():
     from jax_sparse_attn.constants import SBUF_BYTES_PER_PARTITION
 
