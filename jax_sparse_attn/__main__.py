@@ -10,12 +10,16 @@ top-2048 of an 8192-row cache), and prints:
 - its accuracy: against an exact float64 attention with FlashMLA's acceptance bound, and against a
   float64 model of the bf16 arithmetic contract (``docs/contract.md``) in bf16 ulps.
 
-The demo exits with status 1 when an element falls outside FlashMLA's bound.
+The demo exits with status 1 when fewer than 99.9% of the elements are within one ulp of the
+contract's model (the project's own tolerance, ``docs/contract.md#tolerances``). FlashMLA's
+bound is reported, not enforced: at small K an output element near zero can exceed its 8e-4
+absolute part while still matching the contract.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -24,11 +28,12 @@ import numpy as np
 
 from . import bench, gathered_attn_idx
 
-# The cases of the README's performance table (the benchmark's default shapes).
+# The cases of the README's performance table (the benchmark's default shapes), by the demo's names.
 SHAPES = {
-    "decode": bench.SHAPES["decode"][0],
-    "decode-large-cache": bench.SHAPES["decode"][1],
-    "prefill": bench.SHAPES["prefill"][0],
+    name: dataclasses.replace(shape, name=name)
+    for name, shape in (("decode", bench.SHAPES["decode"][0]),
+                        ("decode-large-cache", bench.SHAPES["decode"][1]),
+                        ("prefill", bench.SHAPES["prefill"][0]))
 }
 DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
 IMPLEMENTATIONS = {"auto": None, "reference": "reference", "nki": "nki", "nki_emulated": "nki_emulated"}
@@ -37,6 +42,12 @@ IMPLEMENTATIONS = {"auto": None, "reference": "reference", "nki": "nki", "nki_em
 # tests): |out - exact| <= FLASHMLA_ABS_TOL + FLASHMLA_REL_TOL * |exact|. See docs/contract.md#tolerances.
 FLASHMLA_ABS_TOL = 8e-4
 FLASHMLA_REL_TOL = 3.01 / 128
+
+# The project's tolerance against the float64 model of the contract (docs/contract.md#tolerances):
+# 16-bit outputs within one ulp on at least this share of elements; f32 outputs within this relative
+# error of the largest output.
+CONTRACT_MIN_WITHIN_ONE_ULP = 0.999
+CONTRACT_MAX_REL_ERROR_F32 = 1e-5
 
 # Tokens checked against the float64 computations (evenly spaced; all of them when T is smaller).
 CHECKED_TOKENS = 16
@@ -178,8 +189,9 @@ def main(argv=None) -> int:
     else:
         print(f"vs contract    : max relative error {contract['max_rel_error']:.1e} against a float64 "
               "model of the contract (docs/contract.md#arithmetic)")
-    if not within.all():
-        print("FAILED: some elements are outside FlashMLA's bound")
+    if contract.get("within_one_ulp", 1.0) < CONTRACT_MIN_WITHIN_ONE_ULP or \
+            contract.get("max_rel_error", 0.0) > CONTRACT_MAX_REL_ERROR_F32:
+        print("FAILED: the output does not follow the arithmetic contract")
         return 1
     return 0
 
