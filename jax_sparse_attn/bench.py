@@ -448,6 +448,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.plot:
         from . import plots  # matplotlib is optional: imported only for --plot
 
+        plots.pyplot()  # fails now, not after minutes of measuring, where matplotlib is missing
         result = plots.sweep(quick=a.quick, implementation=a.implementation, dtype_name=a.dtype)
         plots.write_png(result, a.plot)
         if a.json:

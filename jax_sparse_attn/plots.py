@@ -113,7 +113,9 @@ def sweep(quick: bool = False, implementation: str = "none", dtype_name: str = "
 # --- drawing ----------------------------------------------------------------------------------------
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot (the Agg backend outside a notebook); an ImportError naming the extra
+    where matplotlib is missing."""
     try:
         import matplotlib
 
@@ -204,7 +206,7 @@ def _draw_time_panels(ax_k, ax_t, result: dict) -> None:
 
 def time_figure(result: dict):
     """Time against K and against T, side by side (a matplotlib Figure)."""
-    fig, (ax_k, ax_t) = _pyplot().subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_k, ax_t) = pyplot().subplots(1, 2, figsize=(11, 4.2))
     _draw_time_panels(ax_k, ax_t, result)
     fig.suptitle(_subtitle(result) + "; labels: naive time / op time", fontsize=9)
     fig.tight_layout()
@@ -213,7 +215,7 @@ def time_figure(result: dict):
 
 def memory_figure(result: dict):
     """Peak memory growth against T (a matplotlib Figure)."""
-    fig, ax = _pyplot().subplots(figsize=(6, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6, 4.2))
     draw_memory(ax, result["memory_vs_T"])
     fig.suptitle(_subtitle(result), fontsize=9)
     fig.tight_layout()
@@ -222,7 +224,7 @@ def memory_figure(result: dict):
 
 def write_png(result: dict, path: str, dpi: int = 90) -> None:
     """The three charts of a :func:`sweep` result side by side, as one PNG at ``path``."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     _draw_time_panels(axes[0], axes[1], result)
     draw_memory(axes[2], result["memory_vs_T"])
