@@ -189,7 +189,8 @@ def _require_nc_version(instr: str, minimum: int, what: str, source: str) -> Non
     target = current_context().target_info
     if target.nc_version < minimum:
         raise NkiUnsupportedError(
-            f"not available on {target.name}: {instr} {what} needs NeuronCore-v{minimum} or newer "
+            f"not available on {target.name}: {' '.join(filter(None, (instr, what)))} needs "
+            f"NeuronCore-v{minimum} or newer "
             f"({target.name} is NeuronCore-v{target.nc_version}; {source})"
         )
 
