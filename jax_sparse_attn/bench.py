@@ -22,6 +22,9 @@ and checks a few output rows against the same tokens computed without chunking.
 ``--plot PATH`` instead sweeps K and T (time, op against naive) and T (memory) and writes the charts
 as one PNG (``jax_sparse_attn/plots.py``; needs matplotlib, the ``plot`` extra).
 
+``--model trn1|trn2|trn3`` reports the modelled (not measured) Trainium time of the NKI kernel
+instead, from the emulator's cost model (:mod:`jax_sparse_attn.bench_model`).
+
 ``--implementation`` is passed to the public API as is: ``None`` (the default: the NKI kernel on
 Trainium, the jnp reference elsewhere), ``reference``, ``nki`` or ``nki_emulated``.
 """
@@ -443,7 +446,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write every record and the environment")
     p.add_argument("--plot", metavar="PATH", help="instead: sweep K and T (time) and T (memory), "
                    "op against naive, and write the charts as one PNG (needs matplotlib; see plots.py)")
+    p.add_argument("--model", choices=("trn1", "trn2", "trn3"),
+                   help="instead of timing: the MODELLED Trainium time of the NKI kernel under the "
+                   "emulator's cost model (see jax_sparse_attn/bench_model.py)")
     a = p.parse_args(argv)
+
+    if a.model:
+        from .bench_model import run_model
+
+        return run_model(a.model, a.shape, a.json)
 
     if a.plot:
         from . import plots  # matplotlib is optional: imported only for --plot
