@@ -46,8 +46,8 @@ FLASHMLA_REL_TOL = 3.01 / 128
 # The project's tolerance against the float64 model of the contract (docs/contract.md#tolerances):
 # 16-bit outputs within one ulp on at least this share of elements; f32 outputs within this relative
 # error of the largest output.
-CONTRACT_MIN_WITHIN_ONE_ULP = 0.999
-CONTRACT_MAX_REL_ERROR_F32 = 1e-5
+MIN_WITHIN_ONE_ULP = 0.999
+MAX_REL_ERROR_F32 = 1e-5
 
 # Tokens checked against the float64 computations (evenly spaced; all of them when T is smaller).
 CHECKED_TOKENS = 16
@@ -189,8 +189,8 @@ def main(argv=None) -> int:
     else:
         print(f"vs contract    : max relative error {contract['max_rel_error']:.1e} against a float64 "
               "model of the contract (docs/contract.md#arithmetic)")
-    if contract.get("within_one_ulp", 1.0) < CONTRACT_MIN_WITHIN_ONE_ULP or \
-            contract.get("max_rel_error", 0.0) > CONTRACT_MAX_REL_ERROR_F32:
+    if contract.get("within_one_ulp", 1.0) < MIN_WITHIN_ONE_ULP or \
+            contract.get("max_rel_error", 0.0) > MAX_REL_ERROR_F32:
         print("FAILED: the output does not follow the arithmetic contract")
         return 1
     return 0
