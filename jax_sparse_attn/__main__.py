@@ -73,14 +73,22 @@ def float64_attention(q, kv, idx, sink, scale):
     return out
 
 
+# What each path is called in the report.
+PATH_DESCRIPTIONS = {
+    "nki": "the NKI kernel on a NeuronCore",
+    "nki_emulated": "nki_emulated: the Neuron data path with the kernel run by the host NKI emulator",
+    "reference": "the jnp reference (jax_sparse_attn/reference.py)",
+}
+
+
 def implementation_that_ran(compiled_text: str, requested) -> str:
-    """Names the path in a compiled program: the NKI kernel's custom call, the emulator's host
-    callback, or neither (the jnp reference)."""
+    """The path in a compiled program: ``"nki"`` (the NKI kernel's custom call), ``"nki_emulated"``
+    (asked for, and the emulator's host callback is there) or ``"reference"`` (neither)."""
     if "AwsNeuronCustomNativeKernel" in compiled_text:
-        return "the NKI kernel on a NeuronCore"
+        return "nki"
     if requested == "nki_emulated" and "callback" in compiled_text:
-        return "nki_emulated: the Neuron data path with the kernel run by the host NKI emulator"
-    return "the jnp reference (jax_sparse_attn/reference.py)"
+        return "nki_emulated"
+    return "reference"
 
 
 def _parse_shape(text: str) -> bench.Shape:
@@ -126,7 +134,7 @@ def main(argv=None) -> int:
                    "default: decode")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                    help="dtype of q and the cache (the output has q's dtype); default: bf16")
-    p.add_argument("--rounds", type=int, default=10,
+    p.add_argument("--rounds", type=lambda v: max(1, int(v)), default=10,
                    help="timed rounds, each calling the op and the naive version once; default: 10")
     a = p.parse_args(argv)
     shape, dtype = a.shape, DTYPES[a.dtype]
@@ -153,22 +161,23 @@ def main(argv=None) -> int:
 
     # The Neuron data path is bf16-only: it rounds f32 / f16 inputs to bf16 (docs/contract.md#arithmetic),
     # so its accuracy is judged against the exact attention of the rounded inputs.
-    on_neuron_path = "NKI" in ran or "nki_emulated" in ran
-    rounded = on_neuron_path and dtype is not ml_dtypes.bfloat16
+    rounded = ran in ("nki", "nki_emulated") and dtype is not ml_dtypes.bfloat16
     q_seen, kv_seen = (x.astype(ml_dtypes.bfloat16) for x in (q, kv)) if rounded else (q, kv)
     pick = np.unique(np.linspace(0, T - 1, min(CHECKED_TOKENS, T)).astype(int))
     want = float64_attention(q_seen[pick], kv_seen, idx[pick], sink, scale)
     got = np.asarray(out, np.float64)[pick]
     err = np.abs(got - want)
     within = err <= FLASHMLA_ABS_TOL + FLASHMLA_REL_TOL * np.abs(want)
-    contract = bench.check_contract(out, q_seen, kv_seen, idx, sink, scale, tokens=CHECKED_TOKENS)
+    # On that path the result is bf16 cast to q's dtype: compared as the bf16 it was.
+    out_seen = np.asarray(out).astype(ml_dtypes.bfloat16) if rounded else out
+    contract = bench.check_contract(out_seen, q_seen, kv_seen, idx, sink, scale, tokens=CHECKED_TOKENS)
 
     print(f"jax-sparse-attn demo (jax {jax.__version__}, backend {jax.default_backend()}: "
           f"{jax.devices()[0].device_kind})")
     print(f"shape          : {shape.name}: q [{T}, {H}, {D}] "
           f"{a.dtype}, kv [{R}, {D}] {a.dtype}, idx [{T}, {K}] int32 (1/8 of the slots empty), "
           f"sink [{H}] f32")
-    print(f"implementation : {ran}"
+    print(f"implementation : {PATH_DESCRIPTIONS[ran]}"
           + ("" if implementation is None else f" (asked for implementation={implementation!r})"))
     print(f"time           : {op_s * 1e3:.2f} ms per call (median of {a.rounds} rounds, jitted, "
           f"after warm-up); {shape.flops / op_s / 1e9:.1f} GFLOP/s")
@@ -184,7 +193,7 @@ def main(argv=None) -> int:
         print(f"                 ({a.dtype} inputs rounded to bf16 by the Neuron data path; both checks "
               "use the rounded inputs)")
     if "within_one_ulp" in contract:
-        print(f"vs contract    : {contract['within_one_ulp'] * 100:.2f}% of elements within 1 {a.dtype} "
+        print(f"vs contract    : {contract['within_one_ulp'] * 100:.2f}% of elements within 1 {'bf16' if rounded else a.dtype} "
               "ulp of a float64 model of the arithmetic contract (docs/contract.md#arithmetic)")
     else:
         print(f"vs contract    : max relative error {contract['max_rel_error']:.1e} against a float64 "

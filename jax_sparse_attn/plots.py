@@ -30,7 +30,8 @@ import numpy as np
 
 from . import bench
 
-# Sweep sizes: the fixed dimensions and the swept values. "quick" keeps a smoke run within seconds.
+# Sweep sizes: the fixed dimensions and the swept values. "quick" is a smoke run (about a minute on
+# 2 busy cores, mostly the start of the memory-measuring processes).
 SWEEPS = {
     "full": {
         "time_vs_K": {"fixed": dict(T=16, H=64, D=512, R=8192), "K": [256, 512, 1024, 2048, 4096]},
@@ -97,15 +98,18 @@ def sweep(quick: bool = False, implementation: str = "none", dtype_name: str = "
     points = []
     for T in sorted(set(memory["T"]) | set(memory["naive_T"])):
         shape = _shape(f"memory-{T}", **memory["fixed"], T=T)
+        itemsize = np.dtype(bench.DTYPES[dtype_name]).itemsize
         point = {"T": T, "shape": dataclasses.asdict(shape),
-                 "gathered_slot_bytes": shape.T * shape.K * shape.D * np.dtype(bench.DTYPES[dtype_name]).itemsize}
+                 "gathered_slot_bytes": shape.T * shape.K * shape.D * itemsize}
         if T in memory["T"]:
-            point["op_growth_bytes"] = bench.run_memory_check(shape, dtype_name, implementation)["growth_bytes"]
+            op = bench.run_memory_check(shape, dtype_name, implementation)
+            point["op_growth_bytes"] = op["growth_bytes"]
         if T in memory["naive_T"]:
             point["naive_growth_bytes"] = _run_naive_memory(shape, dtype_name)["growth_bytes"]
         points.append(point)
         log(f"memory_vs_T: {shape.describe()}: " + ", ".join(
-            f"{k.split('_')[0]} {v / 2**30:.3f} GiB" for k, v in point.items() if k.endswith("_growth_bytes")))
+            f"{k.split('_')[0]} {v / 2**30:.3f} GiB"
+            for k, v in point.items() if k.endswith("_growth_bytes")))
     result["memory_vs_T"] = points
     return result
 

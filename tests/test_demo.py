@@ -27,12 +27,16 @@ def test_default_shape_is_the_decode_case_of_the_readme_table():
         bench.SHAPES["decode"][0].K, bench.SHAPES["decode"][0].R)
 
 
-@pytest.mark.parametrize("implementation, says", [
-    ("auto", "the jnp reference"),
-    ("nki_emulated", "nki_emulated: the Neuron data path"),
+@pytest.mark.parametrize("implementation, dtype, says", [
+    ("auto", "bf16", "the jnp reference"),
+    ("nki_emulated", "bf16", "nki_emulated: the Neuron data path"),
+    # The Neuron path rounds f16 to bf16: the demo checks the bf16 it computed.
+    ("nki_emulated", "f16", "nki_emulated: the Neuron data path"),
 ])
-def test_reports_the_implementation_the_naive_baseline_and_the_accuracy(capsys, implementation, says):
-    code = demo.main(["--shape", "3,4,128,40,100", "--rounds", "2", "--implementation", implementation])
+def test_reports_the_implementation_the_naive_baseline_and_the_accuracy(capsys, implementation, dtype,
+                                                                         says):
+    code = demo.main(["--shape", "3,4,128,40,100", "--rounds", "2", "--implementation", implementation,
+                      "--dtype", dtype])
     out = capsys.readouterr().out
     assert code == 0, out
     assert re.search(r"^implementation : " + re.escape(says), out, flags=re.M), out
