@@ -35,7 +35,6 @@ SHAPES = {
                         ("decode-large-cache", bench.SHAPES["decode"][1]),
                         ("prefill", bench.SHAPES["prefill"][0]))
 }
-DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
 IMPLEMENTATIONS = {"auto": None, "reference": "reference", "nki": "nki", "nki_emulated": "nki_emulated"}
 
 # FlashMLA's acceptance bound for a bf16 attention output against an fp32 reference (its sparse
@@ -104,19 +103,6 @@ def _parse_shape(text: str) -> bench.Shape:
     return bench.Shape("custom", T, H, D, K, R)
 
 
-def make_inputs(shape: bench.Shape, dtype, seed: int = 0):
-    """Random operands: normal q, cache and sinks; uniform indices with the last eighth of each
-    token's slots empty (-1), as a context shorter than K would leave them."""
-    rng = np.random.default_rng(seed)
-    T, H, D, K, R = shape.T, shape.H, shape.D, shape.K, shape.R
-    q = rng.standard_normal((T, H, D), np.float32).astype(dtype)
-    kv = rng.standard_normal((R, D), np.float32).astype(dtype)
-    idx = rng.integers(0, R, (T, K)).astype(np.int32)
-    idx[:, K - K // 8 :] = -1
-    sink = rng.standard_normal(H).astype(np.float32)
-    return q, kv, idx, sink
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jax_sparse_attn",
@@ -132,21 +118,23 @@ def main(argv=None) -> int:
     p.add_argument("--shape", type=_parse_shape, default=SHAPES["decode"], metavar="NAME|T,H,D,K,R",
                    help=f"a case of the README's table ({', '.join(SHAPES)}) or five integers; "
                    "default: decode")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+    p.add_argument("--dtype", choices=list(bench.DTYPES), default="bf16",
                    help="dtype of q and the cache (the output has q's dtype); default: bf16")
     p.add_argument("--rounds", type=lambda v: max(1, int(v)), default=10,
                    help="timed rounds, each calling the op and the naive version once; default: 10")
     a = p.parse_args(argv)
-    shape, dtype = a.shape, DTYPES[a.dtype]
+    shape = a.shape
     implementation = IMPLEMENTATIONS[a.implementation]
     T, H, D, K, R = shape.T, shape.H, shape.D, shape.K, shape.R
 
-    q, kv, idx, sink = make_inputs(shape, dtype)
+    # The benchmark's operands: normal q, cache and sinks, uniform indices, the last few of each
+    # token's slots empty (-1).
+    args = bench._inputs(shape, bench.DTYPES[a.dtype])
+    q, kv, idx, sink = (np.asarray(x) for x in args)
     scale = D**-0.5
     op = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
         q, kv, idx, sink, scale=scale, implementation=implementation))
     naive = jax.jit(lambda q, kv, idx, sink: bench.naive_attention(q, kv, idx, sink, scale))
-    args = [jax.device_put(x) for x in (q, kv, idx, sink)]
     compiled = op.lower(*args).compile()
     ran = implementation_that_ran(compiled.as_text(), implementation)
     out = jax.block_until_ready(compiled(*args))
@@ -161,7 +149,7 @@ def main(argv=None) -> int:
 
     # The Neuron data path is bf16-only: it rounds f32 / f16 inputs to bf16 (docs/contract.md#arithmetic),
     # so its accuracy is judged against the exact attention of the rounded inputs.
-    rounded = ran in ("nki", "nki_emulated") and dtype is not ml_dtypes.bfloat16
+    rounded = ran in ("nki", "nki_emulated") and a.dtype != "bf16"
     q_seen, kv_seen = (x.astype(ml_dtypes.bfloat16) for x in (q, kv)) if rounded else (q, kv)
     pick = np.unique(np.linspace(0, T - 1, min(CHECKED_TOKENS, T)).astype(int))
     want = float64_attention(q_seen[pick], kv_seen, idx[pick], sink, scale)
@@ -175,7 +163,7 @@ def main(argv=None) -> int:
     print(f"jax-sparse-attn demo (jax {jax.__version__}, backend {jax.default_backend()}: "
           f"{jax.devices()[0].device_kind})")
     print(f"shape          : {shape.name}: q [{T}, {H}, {D}] "
-          f"{a.dtype}, kv [{R}, {D}] {a.dtype}, idx [{T}, {K}] int32 (1/8 of the slots empty), "
+          f"{a.dtype}, kv [{R}, {D}] {a.dtype}, idx [{T}, {K}] int32 ({int((idx < 0).sum(1).max())} of each token's slots empty), "
           f"sink [{H}] f32")
     print(f"implementation : {PATH_DESCRIPTIONS[ran]}"
           + ("" if implementation is None else f" (asked for implementation={implementation!r})"))
