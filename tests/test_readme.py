@@ -48,7 +48,7 @@ def run(code: str, as_written: bool = True) -> dict:
 
 def test_every_snippet_is_covered_below():
     markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", "NamedSharding",
-               "from jax_sparse_attn.flax import SparseAttention"]
+               "from jax_sparse_attn.flax import SparseAttention", 'implementation="nki_emulated"']
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -68,6 +68,14 @@ def test_usage_snippet(as_written):
     out = ns["out"]
     assert out.shape == (ns["T"], ns["H"], ns["D"]) and out.dtype == jnp.bfloat16
     assert _follows_the_contract(ns, out)
+
+
+def test_nki_emulated_on_the_cpu_backend_snippet():
+    ns = run(snippet('implementation="nki_emulated"'))
+    out = ns["out"]
+    assert out.shape == (2, 4, 64) and list(out.devices())[0].platform == "cpu"
+    # Every cache row is ones, so every output row (a convex combination of them) is exactly 1.
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)
 
 
 @pytest.mark.parametrize("as_written", AS_WRITTEN)
