@@ -621,7 +621,7 @@ def poisoned_idx_case(rng, poison, T=3, H=8, D=64, K=100, R=60):
     a ``-inf`` bias select; K=100 pads to 128 slots. Returns the inputs and the same cache with
     those rows set to zero."""
     q, kv, idx, bias, sink = api_inputs(rng, T, H, D, K, R)
-    idx = np.where(idx == 0, 1, idx)
+    idx = np.where((idx == 0) | (idx == R - 1), 1, idx)  # rows 0 and R - 1: never selected
     bias[:, :10] = -np.inf
     idx[:, :10] = 0  # masked slots point at row 0 ...
     idx[0, 10:20] = R - 1  # ... and at a row that a masked slot selects, for token 0 only
