@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import jax_sparse_attn as jsa
-from jax_sparse_attn.constants import BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL
+from jax_sparse_attn.constants import (
+    BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL, UP_COLS,
+)  # fmt: skip
 from jax_sparse_attn.neuron import kernels
 
 BF16 = ml_dtypes.bfloat16
@@ -143,7 +145,7 @@ def kernel_inputs(rng, T, H, D, Kp, R, empty_fraction=0.25, sink=None, poison=No
 
     Empty slots are sent as index ``EMPTY_SLOT_INDEX`` with bias -1e30, their pre-gathered rows as
     zeros, as the interface says. Columns 1..15 of the bias prefix hold junk the kernel must
-    ignore. ``poison``: a value written into every cache row that no valid slot selects (and into
+    ignore; columns UP_COLS are 1 (q not scaled down). ``poison``: a value written into every cache row that no valid slot selects (and into
     row 0, which then is never selected).
     """
     q = bf16(rng.standard_normal((T, H, D)))
@@ -162,6 +164,7 @@ def kernel_inputs(rng, T, H, D, Kp, R, empty_fraction=0.25, sink=None, poison=No
         sink = rng.normal(0, 1, H).astype(np.float32)
     bias = np.full((T, BIAS_PREFIX_COLS + Kp), 7.0, np.float32)
     bias[:, SCALE_COL] = scale
+    bias[:, list(UP_COLS)] = 1.0  # q is not scaled down here
     bias[:, BIAS_PREFIX_COLS:] = np.where(valid, slot_bias, EMPTY_LOGIT)
     x = np.where(valid[:, :, None], kv[np.where(valid, idx, 0)], 0).astype(np.float32)
     case = dict(q=q, x=x, valid=valid, sink=sink, bias=slot_bias, scale=scale)
@@ -676,14 +679,10 @@ def test_emulated_gathered_path_never_reads_a_masked_row(target, poison):
     assert_matches_contract(out, gathered_model(q, clean, sink, bias, D**-0.5))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the backward pass (jax_sparse_attn/autodiff.py, jnp on every implementation) still "
-    "gathers row 0 for empty slots; the fix of issue 10 for the reference and the backward is on "
-    "another branch. Remove this mark once it is merged.",
-)
 @pytest.mark.parametrize("poison", POISONS[:1])
 def test_emulated_path_gradient_ignores_unselected_rows(poison):
+    """The gradients through nki_emulated (the backward is jnp) with poisoned unselected rows: the
+    same bits as with zeros there, for q, the sink and every selected row."""
     q, kv, clean, idx, bias, sink = poisoned_idx_case(np.random.default_rng(62), poison)
     rng = np.random.default_rng(63)
     target_out = rng.standard_normal(q.shape).astype(np.float32)

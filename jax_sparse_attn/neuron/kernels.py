@@ -15,6 +15,8 @@ Common interface::
 
     q     [T, H, D]         bf16   queries (H <= 128, any D)
     bias  [T, 16 + Kp]      f32    column SCALE_COL (0) = softmax scale of token t,
+                                   columns UP_COLS (1, 2) = two powers of two whose product
+                                   multiplies the dot products back (q arrives scaled down),
                                    columns BIAS_PREFIX_COLS (16).. = per-slot logit bias;
                                    an empty slot has bias EMPTY_LOGIT (-1e30)
     sink  [H, 1]            f32    per-head sink logit (-inf = none, +inf = zero output)
@@ -63,6 +65,7 @@ from ..constants import (
     SBUF_BYTES_PER_PARTITION,
     SCALE_COL,
     TARGETS_WITH_DGE,
+    UP_COLS,
 )
 
 try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
@@ -207,6 +210,7 @@ class _Source:
     slots: int
     token: object  # [1, 1] int32 SBUF: the token this iteration computes
     copy_engine: object
+    value_shift: int  # the value product's guard: probabilities scaled by 2**-value_shift
 
     @property
     def indexed(self) -> bool:
@@ -324,15 +328,19 @@ def _bias_row(src: _Source, c0: int, width: int, with_prefix: bool):
     return row
 
 
-def _chunk_logits(src: _Source, q_t, rows_t, scale_col, bias_heads, width: int, dst):
+def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst):
     """Logits of a chunk of ``width`` slots into ``dst [H, width]`` f32 (SBUF).
 
     ``q . x`` accumulates in fp32 PSUM over the D/128 chunks, at most 512 slots per matmul (one
-    PSUM bank). Then the saturation rule of docs/contract.md, in fp32: ``a`` clamped to
-    ``+-FLT_MAX`` (an overflowed accumulator is +-inf), ``a * scale`` clamped to
-    ``+-LOGIT_LIMIT``, plus the bias (``bias_heads [H, width]``). The scale never touches bf16 q.
-    The three steps run on the Scalar, GpSimd and Vector engines, which share the load.
+    PSUM bank); q arrives scaled down by a power of two so that no partial sum can overflow
+    (docs/contract.md, "Overflow guards"). Then in fp32: the sum multiplied back by that power of
+    two (the two factors of ``prefix[:, UP_COLS]``) and clamped to ``+-FLT_MAX``; ``a * scale``
+    clamped to ``+-LOGIT_LIMIT``; plus the bias (``bias_heads [H, width]``): the saturation rule.
+    The scale never touches bf16 q. The steps run on the Scalar, GpSimd and Vector engines, which
+    share the load.
     """
+    scale_col = prefix[:, SCALE_COL : SCALE_COL + 1]
+    up1, up2 = (prefix[:, c : c + 1] for c in UP_COLS)
     heads = src.heads
     score_psum = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.psum)
     saturated = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.sbuf)
@@ -348,6 +356,11 @@ def _chunk_logits(src: _Source, q_t, rows_t, scale_col, bias_heads, width: int, 
             )
         nisa.tensor_scalar(
             dst=saturated[:, 0:n], data=score_psum[:, 0:n],
+            op0=nl.multiply, operand0=up1, op1=nl.multiply, operand1=up2,
+            engine=nisa.engine.scalar,
+        )  # fmt: skip
+        nisa.tensor_scalar(
+            dst=saturated[:, 0:n], data=saturated[:, 0:n],
             op0=nl.maximum, operand0=-FLT_MAX, op1=nl.minimum, operand1=FLT_MAX,
             engine=nisa.engine.scalar,
         )  # fmt: skip
@@ -375,8 +388,11 @@ def _transposed_probs(src: _Source, probs_bf16, width: int):
             nisa.nc_transpose(
                 dst=psum[:, i, :], data=probs_bf16[:, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE]
             )
-        nisa.tensor_copy(dst=probs_t[:, k0 : k0 + n, :], src=psum[:, 0:n, :],
-                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        # The value product's overflow guard: probabilities enter it scaled by 2**-value_shift
+        # (exact: a power of two), on the way out of PSUM at the cost of the copy.
+        nisa.tensor_scalar(dst=probs_t[:, k0 : k0 + n, :], data=psum[:, 0:n, :],
+                           op0=nl.multiply, operand0=2.0**-src.value_shift,
+                           engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
     return probs_t
 
 
@@ -440,7 +456,8 @@ def _value_epilogue(src: _Source, unit: _ValueUnit, acc, inv_denominator, out_ro
     if not unit.transposed:
         d0, n = unit.blocks[0]
         nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + n], data=acc[:, 0:n], op0=nl.multiply,
-                           operand0=inv_denominator)  # fmt: skip
+                           operand0=inv_denominator, op1=nl.multiply,
+                           operand1=2.0**src.value_shift)  # fmt: skip
         return
     values_t = nl.ndarray((KERNEL_TILE, heads), dtype=nl.float32, buffer=nl.sbuf)
     values_psum = nl.ndarray((heads, KERNEL_TILE), dtype=nl.float32, buffer=nl.psum)
@@ -449,7 +466,8 @@ def _value_epilogue(src: _Source, unit: _ValueUnit, acc, inv_denominator, out_ro
                          engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
         nisa.nc_transpose(dst=values_psum[:, 0:dw], data=values_t[0:dw, :])
         nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + dw], data=values_psum[:, 0:dw],
-                           op0=nl.multiply, operand0=inv_denominator)  # fmt: skip
+                           op0=nl.multiply, operand0=inv_denominator, op1=nl.multiply,
+                           operand1=2.0**src.value_shift)  # fmt: skip
 
 
 def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch):
@@ -472,7 +490,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         scores = nl.ndarray((heads, plan.slots), dtype=nl.float32, buffer=nl.sbuf)
     chunk_max = nl.ndarray((heads, chunks), dtype=nl.float32, buffer=nl.sbuf)
     rows = None
-    scale_col = None
+    prefix = None
     for c, (c0, width) in enumerate(bounds):
         # The bias row (with the scale in front for the first chunk), broadcast to the H head
         # partitions: both operands of an instruction then start at partition 0 (two SBUF
@@ -480,7 +498,6 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         bias_row = _bias_row(src, c0, width, with_prefix=c == 0)
         if c == 0:
             prefix = nl.broadcast_to(bias_row[:, 0:BIAS_PREFIX_COLS], shape=(heads, BIAS_PREFIX_COLS))
-            scale_col = prefix[:, SCALE_COL : SCALE_COL + 1]
         first = BIAS_PREFIX_COLS if c == 0 else 0
         bias_heads = nl.broadcast_to(bias_row[:, first : first + width], shape=(heads, width))
         del bias_row
@@ -490,7 +507,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
             chunk_scores = scores[:, c0 : c0 + width]
         else:
             chunk_scores = nl.ndarray((heads, width), dtype=nl.float32, buffer=nl.sbuf)
-        _chunk_logits(src, q_t, rows_t, scale_col, bias_heads, width, chunk_scores)
+        _chunk_logits(src, q_t, rows_t, prefix, bias_heads, width, chunk_scores)
         del bias_heads
         nisa.tensor_reduce(
             dst=chunk_max[:, c : c + 1], op=nl.max, data=chunk_scores, axis=1, keepdims=True
@@ -566,7 +583,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
 COPY_ENGINES = ("scalar", "scalar", "scalar", "gpsimd")
 
 
-def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, max_chunk):
+def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk):
     indexed = idx is not None
     tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
@@ -587,7 +604,9 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, max_chunk):
     sink_col = nl.load(sink)
     token = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.memset(dst=token, value=program * per_program)
-    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES))
+    assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
+    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES),
+                  value_shift)  # fmt: skip
     # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
     # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
     # release notes, known issues), so every access to a token's data goes through the counter
@@ -598,15 +617,19 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, max_chunk):
     return out, lse
 
 
-def gathered_attn_idx_kernel(q, kv, idx, bias, sink, max_chunk=None):
+def gathered_attn_idx_kernel(q, kv, idx, bias, sink, value_shift=0, max_chunk=None):
     """Sparse attention gathering the slot rows of ``kv`` inside the kernel (trn2, trn3).
 
     Args:
       q: ``[T, H, D]`` bf16. kv: ``[R, D]`` bf16 cache (R > 0).
       idx: ``[T, 128, Kp/128]`` uint32, ``idx[t, p, kc]`` the row of slot ``kc*128 + p``; an
         index ``>= R`` (``EMPTY_SLOT_INDEX``) is an empty slot whose row is never read.
-      bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 16.. the per-slot bias.
+      bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 1 and 2 the factors that multiply
+        the dot products back (q comes scaled down by their product; 1.0 when it is not), columns
+        16.. the per-slot bias.
       sink: ``[H, 1]`` f32.
+      value_shift: compile-time int ``c``: the value product runs on probabilities scaled by
+        ``2**-c`` and its result is scaled back by ``2**c`` (``constants.value_shift(K)``).
       max_chunk: optional cap on the slots per chunk (a compile-time constant; tests).
     Returns ``(out [T, H, D] bf16, lse [T, H, 1] f32)`` in shared HBM. Launch it as
     ``kernel[n]`` with ``n`` the physical cores per logical core (T a multiple of n).
@@ -615,21 +638,21 @@ def gathered_attn_idx_kernel(q, kv, idx, bias, sink, max_chunk=None):
     assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
         f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
     )
-    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, max_chunk)
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk)
 
 
-def gathered_attn_kernel(q, g, bias, sink, max_chunk=None):
+def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None):
     """Sparse attention over pre-gathered slot rows; runs on every target (trn1 included: it
     uses neither ``dma_transpose`` nor indirect DMA).
 
     Args:
       q: ``[T, H, D]`` bf16. g: ``[T, Kp, D]`` bf16; the rows of empty and padding slots hold
         zeros. bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 16.. the per-slot bias.
-      sink: ``[H, 1]`` f32. max_chunk: as :func:`gathered_attn_idx_kernel`.
+      sink: ``[H, 1]`` f32. value_shift, max_chunk: as :func:`gathered_attn_idx_kernel`.
     Returns ``(out [T, H, D] bf16, lse [T, H, 1] f32)`` in shared HBM; launch as
     :func:`gathered_attn_idx_kernel`.
     """
-    return _sparse_attn_kernel_body(q, g, None, bias, sink, max_chunk)
+    return _sparse_attn_kernel_body(q, g, None, bias, sink, value_shift, max_chunk)
 
 
 def kernel_for(target: str, indexed: bool):
