@@ -210,6 +210,7 @@ class _Source:
     slots: int
     token: object  # [1, 1] int32 SBUF: the token this iteration computes
     copy_engine: object
+    clamp_engine: object
     value_shift: int  # the value product's guard: probabilities scaled by 2**-value_shift
 
     @property
@@ -362,7 +363,7 @@ def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst
         nisa.tensor_scalar(
             dst=saturated[:, 0:n], data=saturated[:, 0:n],
             op0=nl.maximum, operand0=-FLT_MAX, op1=nl.minimum, operand1=FLT_MAX,
-            engine=nisa.engine.scalar,
+            engine=getattr(nisa.engine, src.clamp_engine()),
         )  # fmt: skip
         nisa.tensor_scalar(
             dst=saturated[:, 0:n], data=saturated[:, 0:n],
@@ -581,6 +582,9 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
 # Engines that copy PSUM tiles to SBUF, in turn (the nki.isa.tensor_copy page lists Vector,
 # Scalar and GpSimd).
 COPY_ENGINES = ("scalar", "scalar", "scalar", "gpsimd")
+# Engines that clamp the multiplied-back dot products, in turn (tensor_scalar runs on Vector,
+# Scalar or GpSimd, nki.isa.tensor_scalar page).
+CLAMP_ENGINES = ("scalar", "vector")
 
 
 def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk):
@@ -606,7 +610,7 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     nisa.memset(dst=token, value=program * per_program)
     assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
     src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES),
-                  value_shift)  # fmt: skip
+                  _Engines(CLAMP_ENGINES), value_shift)  # fmt: skip
     # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
     # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
     # release notes, known issues), so every access to a token's data goes through the counter
