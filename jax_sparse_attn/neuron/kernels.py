@@ -474,6 +474,9 @@ def _value_epilogue(src: _Source, unit: _ValueUnit, acc, inv_denominator, out_ro
 def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch):
     """Computes ``out[token]`` and ``lse[token]`` (module docstring, steps 1-4)."""
     heads, dim = src.heads, src.dim
+    # The body is compiled once (a hardware loop): every token must use the same engines, so the
+    # round-robin choices restart here (the emulator runs the Python body once per token).
+    src.copy_engine.next = src.clamp_engine.next = 0
     chunks = plan.chunks
     bounds = [(c * plan.chunk, min(plan.chunk, plan.slots - c * plan.chunk)) for c in range(chunks)]
 
@@ -606,6 +609,7 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
         scratch = nl.ndarray((programs, heads, slots), dtype=nl.float32, buffer=nl.hbm)
         scratch = scratch[program]
     sink_col = nl.load(sink)
+    # The token counter: int32, updated by an fp32 add, exact below 2**24 tokens.
     token = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.memset(dst=token, value=program * per_program)
     assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
