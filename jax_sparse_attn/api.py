@@ -91,7 +91,8 @@ def gathered_attn(
     bias: Optional[ArrayLike] = None,
     scale: Scale = None,
     implementation: Optional[str] = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """Sparse attention over pre-gathered slots, with an optional per-head attention sink.
 
     For every token ``t`` and head ``h``::
@@ -115,9 +116,14 @@ def gathered_attn(
         ``D ** -0.5``.
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
+      return_lse: also return the log-sum-exp of the logits (see Returns).
 
     Returns:
-      ``[T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      With ``return_lse=True``, ``(out, lse)`` where ``lse [T, H]`` f32 is
+      ``log(exp(sink[h]) + sum over valid slots j of exp(s[t, h, j]))``, ``s`` the scaled and
+      biased fp32 logit: ``sink[h]`` for a token with no valid slot (``-inf`` without a sink).
+      Partial results over disjoint slot sets combine exactly with :func:`merge_attention`.
     """
     _check_implementation(implementation)
     _check_q(q)
@@ -131,7 +137,10 @@ def gathered_attn(
     q = jnp.asarray(q)
     g = jnp.asarray(g, q.dtype)
     sink, bias, scale = _sink_bias_scale(_shape(q), _shape(g)[1], sink, bias, scale)
-    return primitives.gathered_attn_p.bind(q, g, sink, bias, scale, implementation=implementation)
+    out, lse = primitives.gathered_attn_p.bind(
+        q, g, sink, bias, scale, implementation=implementation
+    )
+    return (out, lse) if return_lse else out
 
 
 def _normalise_idx(idx, rows: int):
@@ -162,7 +171,8 @@ def gathered_attn_idx(
     bias: Optional[ArrayLike] = None,
     scale: Scale = None,
     implementation: Optional[str] = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """DeepSeek-style top-k sparse attention that gathers rows of a shared KV cache by index.
 
     Equivalent to ``gathered_attn(q, kv[idx], sink, ...)`` without materialising ``kv[idx]``,
@@ -184,9 +194,14 @@ def gathered_attn_idx(
         ``D ** -0.5``.
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
+      return_lse: also return the log-sum-exp of the logits (see Returns).
 
     Returns:
-      ``[T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      With ``return_lse=True``, ``(out, lse)`` where ``lse [T, H]`` f32 is
+      ``log(exp(sink[h]) + sum over valid slots j of exp(s[t, h, j]))``, ``s`` the scaled and
+      biased fp32 logit: ``sink[h]`` for a token with no valid slot (``-inf`` without a sink).
+      Partial results over disjoint slot sets combine exactly with :func:`merge_attention`.
     """
     _check_implementation(implementation)
     _check_q(q)
@@ -207,6 +222,7 @@ def gathered_attn_idx(
     kv = jnp.asarray(kv, q.dtype)
     idx = _normalise_idx(idx, R)
     sink, bias, scale = _sink_bias_scale(_shape(q), _shape(idx)[1], sink, bias, scale)
-    return primitives.gathered_attn_idx_p.bind(
+    out, lse = primitives.gathered_attn_idx_p.bind(
         q, kv, idx, sink, bias, scale, implementation=implementation
     )
+    return (out, lse) if return_lse else out

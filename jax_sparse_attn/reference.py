@@ -13,6 +13,9 @@ kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
 
 For f32 inputs step 5's cast is the identity, so everything stays in f32.
 
+Both functions also return the log-sum-exp ``lse [T, H]`` f32 of each token and head,
+``log(exp(sink) + sum over valid slots of exp(s))``, from the same logits (``_lse``).
+
 Rows with no valid slot are exactly 0. Work runs in token chunks (``lax.map``) whose gathered
 slots and logits stay within ``CHUNK_BYTES``: small enough to stay in the CPU caches, and a bound
 on memory however many tokens there are. Chunking does not change a single bit, since every token
@@ -80,17 +83,28 @@ def _gather_rows(kv_bits, rows):
 
 def _attend_one_token(q, x, valid, sink, bias, scale):
     """One token. q [H, D], x [K, D] (q's dtype), valid [K] bool, sink [H] f32, bias [K] f32,
-    scale [] f32 -> [H, D] in q's dtype."""
+    scale [] f32 -> (out [H, D] in q's dtype, lse [H] f32)."""
     s = jnp.einsum("hd,kd->hk", q, x, preferred_element_type=jnp.float32, precision=_EXACT)
     s = s * scale + jnp.where(valid, bias, jnp.float32(EMPTY_LOGIT))[None, :]
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.exp(s - m)
-    den = jnp.sum(e, axis=-1) + jnp.exp(sink - m[:, 0])
+    sum_e = jnp.sum(e, axis=-1)
+    den = sum_e + jnp.exp(sink - m[:, 0])
     num = jnp.einsum(
         "hk,kd->hd", e.astype(q.dtype), x, preferred_element_type=jnp.float32, precision=_EXACT
     )
     o = num / den[:, None]
-    return jnp.where(jnp.any(valid), o, jnp.float32(0)).astype(q.dtype)
+    any_valid = jnp.any(valid)
+    out = jnp.where(any_valid, o, jnp.float32(0)).astype(q.dtype)
+    return out, _lse(any_valid, m[:, 0], sum_e, sink)
+
+
+def _lse(any_valid, m, sum_e, sink):
+    """log(exp(sink) + sum_j exp(s_j)) from the softmax statistics: ``sum_e = sum_j exp(s_j - m)``
+    is at least 1, so ``m + log(sum_e)`` is exact and finite; the sink joins by ``logaddexp``, which
+    stays exact when ``sink - m`` would overflow ``exp`` in the denominator. No valid slot: the
+    sink alone (``-inf`` without one)."""
+    return jnp.where(any_valid, jnp.logaddexp(m + jnp.log(sum_e), sink), sink)
 
 
 def _map_tokens(fn, token_args, shared_args, chunk):
@@ -106,17 +120,20 @@ def _map_tokens(fn, token_args, shared_args, chunk):
     return jax.lax.map(lambda a: fn(*a, *shared_args), token_args, batch_size=chunk)
 
 
-def _empty_result(q):
-    return jnp.zeros(q.shape, q.dtype)
+def _empty_result(q, sink):
+    """No slot at all: output 0, and the lse is the sink alone."""
+    T, H, _ = q.shape
+    return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(sink, (T, H)).astype(jnp.float32)
 
 
 def _attend_bits(dtype):
     """Per-token attention on bit patterns: (q bits [H, D], slot bits [K, D], valid [K], bias [K],
-    scale [], sink [H]) -> output bits [H, D]."""
+    scale [], sink [H]) -> (output bits [H, D], lse [H] f32)."""
 
     def one(q_bits, x_bits, valid, bias_t, scale_t, sink):
         q_t, x = _from_bits(q_bits, dtype), _from_bits(x_bits, dtype)
-        return _to_bits(_attend_one_token(q_t, x, valid, sink, bias_t, scale_t))
+        out, lse = _attend_one_token(q_t, x, valid, sink, bias_t, scale_t)
+        return _to_bits(out), lse
 
     return one
 
@@ -127,8 +144,8 @@ def _gathered_chunks(q, g_bits, valid, sink, bias, scale):
     K = g_bits.shape[1]
     one = _attend_bits(q.dtype)
     chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize)
-    out_bits = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
-    return _from_bits(out_bits, q.dtype)
+    out_bits, lse = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
+    return _from_bits(out_bits, q.dtype), lse
 
 
 def gathered_attn_reference(q, g, sink, bias, scale):
@@ -137,12 +154,12 @@ def gathered_attn_reference(q, g, sink, bias, scale):
     Args:
       q: ``[T, H, D]`` float. g: ``[T, K, D]`` in q's dtype. sink: ``[H]`` f32 (``-inf`` = none).
       bias: ``[T, K]`` f32 (``-inf`` = empty slot). scale: ``[T]`` f32.
-    Returns ``[T, H, D]`` in q's dtype.
+    Returns ``(out [T, H, D] in q's dtype, lse [T, H] f32)``.
     """
     T, H, D = q.shape
     K = g.shape[1]
     if T == 0 or K == 0 or H == 0:
-        return _empty_result(q)
+        return _empty_result(q, sink)
     valid = bias != -jnp.inf
     return _gathered_chunks(q, _to_bits(g.astype(q.dtype)), valid, sink, bias, scale)
 
@@ -157,13 +174,13 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
     Args:
       q: ``[T, H, D]`` float. kv: ``[R, D]`` in q's dtype. idx: ``[T, K]`` int32; a slot is empty when
       ``idx < 0`` or ``idx >= R``. sink: ``[H]`` f32. bias: ``[T, K]`` f32. scale: ``[T]`` f32.
-    Returns ``[T, H, D]`` in q's dtype.
+    Returns ``(out [T, H, D] in q's dtype, lse [T, H] f32)``.
     """
     T, H, D = q.shape
     R = kv.shape[0]
     K = idx.shape[1]
     if T == 0 or K == 0 or H == 0 or R == 0:
-        return _empty_result(q)
+        return _empty_result(q, sink)
     dtype = q.dtype
     itemsize = np.dtype(dtype).itemsize
     kv_bits = _to_bits(kv.astype(dtype))
@@ -180,5 +197,7 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
         return attend(q_bits, _gather_rows(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
 
     chunk = token_chunk_size(T, H, K, D, itemsize)
-    out_bits = _map_tokens(one, (_to_bits(q), rows, valid, bias, scale), (kv_bits, sink), chunk)
-    return _from_bits(out_bits, dtype)
+    out_bits, lse = _map_tokens(
+        one, (_to_bits(q), rows, valid, bias, scale), (kv_bits, sink), chunk
+    )
+    return _from_bits(out_bits, dtype), lse

@@ -59,6 +59,7 @@ LAYOUTS = {
     "bias": "t k",
     "scale": "t",
     "out": "t h d",
+    "lse": "t h",
     "sink_per_token": "t h",
 }
 

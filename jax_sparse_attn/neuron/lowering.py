@@ -184,12 +184,12 @@ def register_neuron_lowerings(**_plugin_info) -> bool:
     try:
         mlir.register_lowering(
             primitives.gathered_attn_p,
-            mlir.lower_fun(_neuron_rule(False), multiple_results=False),
+            mlir.lower_fun(_neuron_rule(False), multiple_results=True),
             platform=NEURON_PLATFORM,
         )
         mlir.register_lowering(
             primitives.gathered_attn_idx_p,
-            mlir.lower_fun(_neuron_rule(True), multiple_results=False),
+            mlir.lower_fun(_neuron_rule(True), multiple_results=True),
             platform=NEURON_PLATFORM,
         )
     except NotImplementedError:
