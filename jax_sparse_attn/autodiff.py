@@ -417,6 +417,9 @@ def _tangent_transpose(indexed):
         cts = dict(zip(wanted, cotangent_p[indexed].bind(*primals, *ct, wanted=wanted)))
         if "sink" in cts:
             cts["sink"] = jnp.sum(cts["sink"], axis=0)
+        by_name = dict(zip(active, tangents))
+        for n in cts:  # e.g. a cache split over its rows on an explicit axis: same type back
+            cts[n] = sharding.like_aval(cts[n], by_name[n].aval)
         return [None] * len(primals) + [cts[n] if u else None for n, u in zip(active, undefined)]
 
     return rule

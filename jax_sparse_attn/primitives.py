@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir, xla
 
-from . import reference, sharding
+from . import cache_sharding, reference, sharding
 from .constants import MAX_ROWS
 
 gathered_attn_p = Primitive("gathered_attn")
@@ -109,11 +109,11 @@ def _out_and_lse(path_fn: Callable, indexed: bool) -> Callable:
 def run_shard_local(path_fn: Callable, indexed: bool, *args):
     """Calls a path on the primitive's operands, on each device's block of tokens and heads under
     a multi-device jit (see sharding.py). Every lowering rule of the primitives goes through it.
-    Returns ``(out, lse)``."""
+    Returns ``(out, lse)``. With a cache split over its rows, gathered_attn_idx runs on each
+    device's rows and merges the partial results (cache_sharding.py)."""
     layouts = [sharding.LAYOUTS[n] for n in OPERANDS[indexed]]
-    run = sharding.shard_local(
-        _out_and_lse(path_fn, indexed), layouts, [sharding.LAYOUTS[n] for n in RESULTS]
-    )
+    local = cache_sharding.shard_local_rows if indexed else sharding.shard_local
+    run = local(_out_and_lse(path_fn, indexed), layouts, [sharding.LAYOUTS[n] for n in RESULTS])
     return tuple(run(*args))
 
 

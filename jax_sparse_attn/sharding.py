@@ -137,6 +137,16 @@ def result_aval(q_aval, shape, dtype, layout: str):
     return q_aval.update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False, sharding=out)
 
 
+def like_aval(x, aval):
+    """``x`` resharded to ``aval``'s explicit sharding when its own differs (a cotangent must have
+    its primal's type); unchanged elsewhere."""
+    want = getattr(aval, "sharding", None)
+    have = getattr(jax.typeof(x), "sharding", None)
+    if not _explicit_axis_names(aval) or want is None or have is None or want.spec == have.spec:
+        return x
+    return jax.sharding.reshard(x, want)
+
+
 # --- host callbacks cannot live in a custom_partitioning body -----------------------------------
 
 
@@ -326,7 +336,8 @@ class _Partitioner:
 
 
 def shard_local(
-    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str]
+    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str],
+    partitioner_type: type = _Partitioner,
 ) -> Callable:
     """Wraps ``fn`` so that, under multi-device ``jit``, it runs on each device's block.
 
@@ -337,6 +348,8 @@ def shard_local(
       operand_layouts: one factor string per operand, e.g. ``"t h d"``; operand 0 must be ``q``.
       result_layouts: one factor string per result. A result missing ``t`` or ``h`` is summed
         over the devices that split that factor.
+      partitioner_type: the custom_partitioning callbacks for automatic mesh axes (a subclass of
+        ``_Partitioner``; cache_sharding.py keeps the cache's rows split with its own).
 
     Returns:
       A function of the operands returning the tuple of results, meant to be called while
@@ -380,7 +393,7 @@ def shard_local(
             consts = [c.reshape(shape) for c, shape in zip(args[count:], shapes)]
             return tuple(jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, consts))(*args[:count]))
 
-        partitioner = _Partitioner(
+        partitioner = partitioner_type(
             lambda *args: fn(*args[:count]),
             list(operand_layouts) + [f"c{i}" for i in range(len(flat_consts))],
             result_layouts,
