@@ -1,6 +1,7 @@
 """A Flax NNX layer for DeepSeek-style sparse attention (indexer + top-k + sinks) on the project's op.
 
-Install with ``pip install "jax-sparse-attn[flax]"``; the core package never imports this module.
+Needs Flax: ``pip install ".[flax]"`` in a clone of the repository (or ``pip install "flax>=0.11"``);
+the core package never imports this module.
 
 The layer, per token (``E`` model features, ``H`` heads of dim ``D``, one shared KV head)::
 
@@ -52,7 +53,7 @@ try:
     from flax import nnx
 except ImportError as err:  # pragma: no cover - exercised only without flax
     raise ImportError(
-        "jax_sparse_attn.flax needs Flax (NNX): pip install 'jax-sparse-attn[flax]'"
+        "jax_sparse_attn.flax needs Flax (NNX): pip install 'flax>=0.11' (or '.[flax]' in a clone)"
     ) from err
 
 from .api import gathered_attn_idx

@@ -12,7 +12,10 @@ import pytest
 
 from jax_sparse_attn import bench
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self"),
+    pytest.mark.slow,  # a fresh process compiles and runs a T=4096 prefill: several seconds
+]
 
 
 def test_long_prefill_grows_memory_by_at_most_1_5_gib():

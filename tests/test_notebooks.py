@@ -59,6 +59,7 @@ def test_there_are_notebooks():
     ]
 
 
+@pytest.mark.slow  # a kernel start and a whole notebook each: 10 to 20 s
 @pytest.mark.parametrize("notebook_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(notebook_path, tmp_path, monkeypatch):
     for name, value in kernel_environment(tmp_path).items():

@@ -17,6 +17,9 @@ import pytest
 
 import sharding_checks as checks
 
+# One subprocess with 8 host devices compiles every layout: about 30 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 IMPLEMENTATIONS = [None, "nki_emulated"]
 AXIS_TYPES = ("Auto", "Explicit")

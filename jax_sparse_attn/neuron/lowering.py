@@ -41,8 +41,9 @@ NEURON_PLATFORM = "neuron"
 NEURON_INSTALL_HINT = (
     "install the Neuron SDK on a Trainium host from the Neuron pip repository: "
     "pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
-    "'jax-sparse-attn[neuron]' (NKI >= 0.3, Neuron SDK >= 2.29, with jax-neuronx, libneuronxla "
-    "and neuronx-cc). implementation='nki_emulated' runs the same kernel source on the host."
+    "'nki>=0.3' 'jax-neuronx>=0.7' 'libneuronxla>=2.2' 'neuronx-cc>=2.24' (Neuron SDK >= 2.29; "
+    "'.[neuron]' in a clone of this repository installs the same). implementation='nki_emulated' "
+    "runs the kernel source on the host."
 )
 
 KernelCall = Callable[[PackedOperands, KernelLayout], jax.Array]
