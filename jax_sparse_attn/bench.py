@@ -19,6 +19,9 @@ output against a float64 numpy model of the bf16 contract (fraction within one b
 long prefill (T=4096, K=2048, D=512, H=16 by default; the gathered slots alone would be 8 GiB),
 and checks a few output rows against the same tokens computed without chunking.
 
+``--model trn1|trn2|trn3`` reports the modelled (not measured) Trainium time of the NKI kernel
+instead, from the emulator's cost model (:mod:`jax_sparse_attn.bench_model`).
+
 ``--implementation`` is passed to the public API as is: ``None`` (the default: the NKI kernel on
 Trainium, the jnp reference elsewhere), ``reference``, ``nki`` or ``nki_emulated``.
 """
@@ -438,7 +441,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--check-tokens", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="PATH", help="also write every record and the environment")
+    p.add_argument("--model", choices=("trn1", "trn2", "trn3"),
+                   help="instead of timing: the MODELLED Trainium time of the NKI kernel under the "
+                   "emulator's cost model (see jax_sparse_attn/bench_model.py)")
     a = p.parse_args(argv)
+
+    if a.model:
+        from .bench_model import run_model
+
+        return run_model(a.model, a.shape, a.json)
 
     if a.memory_child:
         shape = dataclasses.replace(a.shape[0], name="memory") if a.shape else MEMORY_SHAPE

@@ -25,8 +25,18 @@ SCALE_COL = 0
 # slots and let them into the softmax). At this magnitude a logit's own value is lost in fp32 anyway.
 BIAS_FLOOR = -1e29
 
-# Index sent to the kernel for an empty slot (with bias EMPTY_LOGIT): any in-range row works.
-EMPTY_SLOT_INDEX = 0
+# The logit saturation rule (docs/contract.md): an fp32 dot product that overflowed is clamped to
+# +-FLT_MAX, then ``a * scale`` is clamped to +-LOGIT_LIMIT before the bias is added. A real slot's
+# logit then stays in [-2e29, FLT_MAX], strictly above an empty slot's EMPTY_LOGIT, and is never
+# +-inf or NaN for finite inputs. LOGIT_LIMIT equals -BIAS_FLOOR.
+FLT_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+LOGIT_LIMIT = 1e29
+
+# Index sent to the indexed kernel for an empty or padding slot: out of range of every cache (the
+# kernel's indices are uint32 and a cache has at most MAX_ROWS rows), so the kernel's indirect DMA
+# skips it (``oob_mode=skip``, nki.isa.dma_copy page) and the slot's row stays the zeros the kernel
+# wrote there. No slot ever reads a cache row it does not select.
+EMPTY_SLOT_INDEX = 2**32 - 1
 
 # Largest cache the int32 kernel indices can address.
 MAX_ROWS = 2**31 - 1
@@ -44,7 +54,18 @@ MAX_HEADS_PER_CALL = PARTITIONS
 # dma_transpose writes 2-byte elements at 32-byte aligned destination offsets: the transposed q
 # tile pads its head axis to a multiple of this many bf16 elements.
 DMA_TRANSPOSE_ALIGN_ELEMS = 16
-# SBUF bytes per partition on the smallest target (trn1; trn2 has 224 KiB). The packing refuses
-# shapes whose per-token working set would not fit.
+# SBUF bytes per partition: 24 MiB / 128 on NeuronCore-v2 (trn1; nki/guides/architecture/
+# trainium_inferentia2_arch.rst), 28 MiB / 128 on v3 (trn2; trainium2_arch.rst), 32 MiB / 128 on v4
+# (trn3; trainium3_arch.rst). The kernels size their slot chunks for the smallest (trn1), so one
+# plan is valid on every target.
 SBUF_BYTES_PER_PARTITION = 192 * 1024
 SBUF_BYTES_PER_PARTITION_TRN2 = 224 * 1024
+SBUF_BYTES_PER_PARTITION_TRN3 = 256 * 1024
+
+# The NKI compile targets (values of NEURON_PLATFORM_TARGET_OVERRIDE, nki.jit page), and the default
+# when the variable is unset (an assumption of this project: the trn2 instance family).
+NEURON_TARGETS = ("trn1", "trn2", "trn3")
+DEFAULT_NEURON_TARGET = "trn2"
+# Targets whose NeuronCore (v3 and later) has dma_transpose and indirect DMA (nki.isa.dma_transpose
+# page: "TRN2+ only"; hardware DGE "only supported for NeuronCore-v3 or newer", nki.isa.dma_copy).
+TARGETS_WITH_DGE = ("trn2", "trn3")

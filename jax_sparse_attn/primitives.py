@@ -93,19 +93,6 @@ gathered_attn_idx_p.def_impl(functools.partial(xla.apply_primitive, gathered_att
 RESULTS = ("out", "lse")
 
 
-def _out_and_lse(path_fn: Callable, indexed: bool) -> Callable:
-    """A path returning ``(out, lse)``. A path that returns ``out`` alone (a kernel that does not
-    emit its lse yet) gets the lse from the reference's statistics; its output is its own."""
-
-    def run(*args):
-        result = path_fn(*args)
-        if isinstance(result, (tuple, list)):
-            return tuple(result)
-        return result, path("reference", indexed)(*args)[1]
-
-    return run
-
-
 def run_shard_local(path_fn: Callable, indexed: bool, *args):
     """Calls a path on the primitive's operands, on each device's block of tokens and heads under
     a multi-device jit (see sharding.py). Every lowering rule of the primitives goes through it.
@@ -113,7 +100,7 @@ def run_shard_local(path_fn: Callable, indexed: bool, *args):
     device's rows and merges the partial results (cache_sharding.py)."""
     layouts = [sharding.LAYOUTS[n] for n in OPERANDS[indexed]]
     local = cache_sharding.shard_local_rows if indexed else sharding.shard_local
-    run = local(_out_and_lse(path_fn, indexed), layouts, [sharding.LAYOUTS[n] for n in RESULTS])
+    run = local(lambda *a: tuple(path_fn(*a)), layouts, [sharding.LAYOUTS[n] for n in RESULTS])
     return tuple(run(*args))
 
 

@@ -40,8 +40,8 @@ def test_nki_without_the_sdk_is_a_clear_error_at_trace_time(indexed):
 
 
 def test_nki_emulated_is_a_registered_path():
-    assert primitives.path("nki_emulated", False) is lowering.emulated_gathered_attn
-    assert primitives.path("nki_emulated", True) is lowering.emulated_gathered_attn_idx
+    assert primitives.path("nki_emulated", False) is lowering.emulated_gathered_attn_lse
+    assert primitives.path("nki_emulated", True) is lowering.emulated_gathered_attn_idx_lse
 
 
 def test_emulated_path_runs_through_a_host_callback():
@@ -91,7 +91,8 @@ def test_on_this_machine_no_neuron_rule_is_registered():
 def test_neuron_rule_dispatch(monkeypatch):
     """On the "neuron" platform: None and "nki" take the kernel path, the others their own path."""
     seen = []
-    monkeypatch.setattr(lowering, "nki_gathered_attn_idx", lambda *a: seen.append("kernel") or a[0])
+    monkeypatch.setattr(lowering, "nki_gathered_attn_idx_lse",
+                        lambda *a: seen.append("kernel") or (a[0], a[3]))
     rule = lowering._neuron_rule(True)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
@@ -109,8 +110,82 @@ def test_neuron_rule_dispatch(monkeypatch):
     for got, want in zip(rule(*args, implementation="reference"),
                          primitives.path("reference", True)(*args)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    np.testing.assert_array_equal(
-        np.asarray(rule(*args, implementation="nki_emulated")[0], np.float32),
-        np.asarray(lowering.emulated_gathered_attn_idx(*args), np.float32),
-    )
     assert seen == ["kernel", "kernel"]
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_nki_emulated_on_the_neuron_platform_is_a_clear_error(indexed):
+    """JAX on Neuron has no host callbacks: the "neuron" rule refuses nki_emulated, naming the
+    limitation and the CPU backend."""
+    rule = lowering._neuron_rule(indexed)
+    q = jnp.ones((2, 4, 64), jnp.bfloat16)
+    args = (q, jnp.ones((8, 64), jnp.bfloat16)) + ((jnp.zeros((2, 3), jnp.int32),) if indexed else ())
+    with pytest.raises(NotImplementedError, match=r"host callbacks.*Neuron.*jax\.devices\('cpu'\)"):
+        rule(*args, implementation="nki_emulated")
+
+
+@pytest.mark.parametrize(
+    "value, target",
+    [(None, "trn2"), ("", "trn2"), ("trn1", "trn1"), ("gen2", "trn1"), ("trn2", "trn2"),
+     ("gen3", "trn2"), ("TRN3", "trn3"), ("gen4", "trn3")],
+)  # fmt: skip
+def test_neuron_target_follows_the_nki_variable(monkeypatch, value, target):
+    if value is None:
+        monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
+    else:
+        monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", value)
+    assert lowering.neuron_target() == target
+
+
+def test_neuron_target_rejects_an_unknown_value(monkeypatch):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "inf2")
+    with pytest.raises(ValueError, match="NEURON_PLATFORM_TARGET_OVERRIDE"):
+        lowering.neuron_target()
+
+
+def test_kernel_variant_per_target():
+    """trn1 (NeuronCore-v2) has neither dma_transpose nor indirect DMA: both ops run the
+    pre-gathered kernel with q transposed on the PE, the indexed op's rows gathered by XLA."""
+    from jax_sparse_attn.neuron import kernels
+
+    assert kernels.kernel_for("trn1", True) == (kernels.gathered_attn_trn1_kernel, True)
+    assert kernels.kernel_for("trn1", False) == (kernels.gathered_attn_trn1_kernel, False)
+    for target in ("trn2", "trn3"):
+        assert kernels.kernel_for(target, True) == (kernels.gathered_attn_idx_kernel, False)
+        assert kernels.kernel_for(target, False) == (kernels.gathered_attn_kernel, False)
+
+
+def test_trn1_kernel_source_uses_no_dma_transpose_or_indirect_dma():
+    """The trn1 kernel's run under the emulator issues no dma_transpose and no indirect DMA."""
+    from jax_sparse_attn.neuron import kernels
+    from jax_sparse_attn.nki_emulator import isa
+
+    calls = []
+    original = (isa.dma_transpose, isa.dma_copy)
+
+    def dma_transpose(*a, **k):
+        calls.append("dma_transpose")
+        return original[0](*a, **k)
+
+    def dma_copy(dst, src, **k):
+        if getattr(src, "vector_offset", None) is not None:
+            calls.append("indirect dma_copy")
+        return original[1](dst, src, **k)
+
+    rng = np.random.default_rng(1)
+    T, H, D, Kp = 2, 8, 128, 128
+    bias = np.zeros((T, 16 + Kp), np.float32)
+    bias[:, 0] = 0.1
+    args = (rng.standard_normal((T * H, D)).astype(jnp.bfloat16),
+            rng.standard_normal((T * Kp, D)).astype(jnp.bfloat16), bias,
+            np.zeros((H, 1), np.float32))  # fmt: skip
+    from jax_sparse_attn.nki_emulator import simulate
+
+    try:
+        isa.dma_transpose, isa.dma_copy = dma_transpose, dma_copy
+        simulate(kernels.gathered_attn_trn1_kernel, target="trn1")(*args)
+        assert calls == []
+        simulate(kernels.gathered_attn_kernel, target="trn2")(*args)
+        assert "dma_transpose" in calls  # the check does see them
+    finally:
+        isa.dma_transpose, isa.dma_copy = original

@@ -6,14 +6,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_sparse_attn.constants import BIAS_PREFIX_COLS, EMPTY_LOGIT, SCALE_COL
+from jax_sparse_attn.constants import BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL
 from jax_sparse_attn.neuron import packing
 
 BF16 = ml_dtypes.bfloat16
 
 
 def flashmla_invalid(R):
-    """FlashMLA's test set of invalid indices for a cache of R rows (CONTRACT section 5)."""
+    """FlashMLA's test set of invalid indices for a cache of R rows (docs/contract.md)."""
     return [-(2**31), -123456, -1, R, R + 114514, 2**31 - 1]
 
 
@@ -91,6 +91,7 @@ def test_pack_gathered(T, H, D, K):
     g = rng.standard_normal((T, K, D)).astype(np.float32)
     bias[0, 0] = -np.inf  # an empty slot by bias
     bias[T - 1, :] = -np.inf  # a token with no valid slot
+    g[np.isneginf(bias)] = np.nan  # rows of empty slots: never reach the kernel
     packed, layout = packing.pack_for_kernel(
         jnp.asarray(q), jnp.asarray(g), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale)
     )
@@ -103,16 +104,14 @@ def test_pack_gathered(T, H, D, K):
     for t in range(T):
         for j in range(Kp):
             row = rows[t * Kp + j].astype(np.float32)
-            if j < K:
+            if j < K and valid[t, j]:
                 np.testing.assert_array_equal(row[:D], to_bf16(g[t, j]).astype(np.float32))
             else:
-                np.testing.assert_array_equal(row[:D], 0)
+                np.testing.assert_array_equal(row[:D], 0)  # empty or padding slot: zeros
             np.testing.assert_array_equal(row[D:], 0)
 
 
-@pytest.mark.parametrize("T, H, D, K, R", [(2, 130, 64, 100, 37), (4, 64, 576, 7, 5)])
-def test_pack_idx_sends_every_empty_slot_as_row_0_with_bias_minus_1e30(T, H, D, K, R):
-    rng = np.random.default_rng(1)
+def _idx_case(rng, T, H, D, K, R):
     q, sink, bias, scale = _inputs(rng, T, H, D, K)
     kv = rng.standard_normal((R, D)).astype(np.float32)
     idx = rng.integers(0, R, (T, K)).astype(np.int64)
@@ -123,22 +122,57 @@ def test_pack_idx_sends_every_empty_slot_as_row_0_with_bias_minus_1e30(T, H, D, 
     bias[T - 1, K - 1] = -np.inf  # a valid index made empty by its bias
     # The primitive receives int32 with -1 for every out-of-range index (api._normalise_idx).
     prim_idx = np.where((idx >= 0) & (idx < R), idx, -1).astype(np.int32)
+    valid = (idx >= 0) & (idx < R) & (bias != -np.inf)
+    return q, sink, bias, scale, kv, idx, prim_idx, valid
+
+
+@pytest.mark.parametrize("T, H, D, K, R", [(2, 130, 64, 100, 37), (4, 64, 576, 7, 5)])
+def test_pack_idx_gathered_by_xla_for_trn1_zeroes_empty_slots(T, H, D, K, R):
+    """trn1: the rows are gathered before the kernel; an empty slot's row is zeros, never a row of
+    the cache (row 0 holds NaN here)."""
+    rng = np.random.default_rng(4)
+    q, sink, bias, scale, kv, idx, prim_idx, valid = _idx_case(rng, T, H, D, K, R)
+    kv[0] = np.nan
+    masked_row_0 = (idx == 0) & valid
+    bias = np.where(masked_row_0, -np.inf, bias).astype(np.float32)  # row 0 is never selected
+    valid &= ~masked_row_0
+    packed, layout = packing.pack_for_kernel(
+        jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale),
+        idx=jnp.asarray(prim_idx), gather_in_xla=True,
+    )
+    _check_common(packed, layout, q, sink, bias, scale, valid)
+    assert packed.idx is None
+    Kp, Dp = layout.slots_padded, layout.dim_padded
+    rows = np.asarray(packed.slot_rows).astype(np.float32).reshape(T, Kp, Dp)
+    for t in range(T):
+        for j in range(Kp):
+            if j < K and valid[t, j]:
+                np.testing.assert_array_equal(rows[t, j, :D], to_bf16(kv[idx[t, j]]).astype(np.float32))
+            else:
+                np.testing.assert_array_equal(rows[t, j], 0)
+    np.testing.assert_array_equal(rows[:, :, D:], 0)
+
+
+@pytest.mark.parametrize("T, H, D, K, R", [(2, 130, 64, 100, 37), (4, 64, 576, 7, 5)])
+def test_pack_idx_sends_every_empty_slot_as_an_out_of_range_index(T, H, D, K, R):
+    rng = np.random.default_rng(1)
+    q, sink, bias, scale, kv, idx, prim_idx, valid = _idx_case(rng, T, H, D, K, R)
     packed, layout = packing.pack_for_kernel(
         jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale),
         idx=jnp.asarray(prim_idx),
     )
-    valid = (idx >= 0) & (idx < R) & (bias != -np.inf)
     _check_common(packed, layout, q, sink, bias, scale, valid)
     assert not np.asarray(packed.row_has_slot)[1]
 
     Kp, Dp = layout.slots_padded, layout.dim_padded
     packed_idx = np.asarray(packed.idx)
-    assert packed_idx.shape == (T, Kp) and packed_idx.dtype == np.int32
+    assert packed_idx.shape == (T, Kp) and packed_idx.dtype == np.uint32
     for t in range(T):
         for j in range(Kp):
-            expected = idx[t, j] if j < K and valid[t, j] else 0
+            expected = idx[t, j] if j < K and valid[t, j] else EMPTY_SLOT_INDEX
             assert packed_idx[t, j] == expected
-    assert packed_idx.min() >= 0 and packed_idx.max() < R
+    # Out of range of any cache the uint32 indices can address (at most 2**31 - 1 rows).
+    assert EMPTY_SLOT_INDEX >= 2**31
     rows = np.asarray(packed.slot_rows)
     assert rows.shape == (R, Dp) and rows.dtype == BF16
     np.testing.assert_array_equal(rows[:, :D].astype(np.float32), to_bf16(kv).astype(np.float32))
@@ -152,16 +186,24 @@ def test_unpack_reassembles_heads_crops_and_zeroes_empty_rows(T, H, D, dtype):
     layout = packing.kernel_layout(T, H, D, 10)
     G, Hg, Dp = layout.head_groups, layout.heads_per_group, layout.dim_padded
     out_groups = to_bf16(rng.standard_normal((G, T * Hg, Dp)))
+    lse_groups = rng.standard_normal((G, T * Hg, 1)).astype(np.float32)
     has_slot = np.arange(T) % 2 == 0
-    out = packing.unpack_from_kernel(jnp.asarray(out_groups), layout, jnp.asarray(has_slot), dtype)
+    sink = rng.standard_normal(H).astype(np.float32)
+    sink[0] = -np.inf
+    out, lse = packing.unpack_from_kernel(jnp.asarray(out_groups), jnp.asarray(lse_groups), layout,
+                                          jnp.asarray(has_slot), jnp.asarray(sink), dtype)  # fmt: skip
     assert out.shape == (T, H, D) and out.dtype == dtype
-    out = np.asarray(out)
+    assert lse.shape == (T, H) and lse.dtype == jnp.float32
+    out, lse = np.asarray(out), np.asarray(lse)
     for t in range(T):
         for head in range(H):
             g, h = divmod(head, Hg)
             kernel_row = out_groups[g, t * Hg + h, :D] if has_slot[t] else np.zeros(D, BF16)
             # One cast from the kernel's bf16 to q's dtype.
             np.testing.assert_array_equal(out[t, head], kernel_row.astype(np.dtype(dtype)))
+            # A row with no valid slot has the sink as its lse (-inf without one).
+            expected_lse = lse_groups[g, t * Hg + h, 0] if has_slot[t] else sink[head]
+            assert lse[t, head] == expected_lse
 
 
 def test_pack_then_unpack_of_q_is_the_bf16_query():
@@ -174,17 +216,13 @@ def test_pack_then_unpack_of_q_is_the_bf16_query():
     @jax.jit
     def round_trip(q, g, sink, bias, scale):
         packed, layout = packing.pack_for_kernel(q, g, sink, bias, scale)
-        return packing.unpack_from_kernel(packed.q_groups, layout, packed.row_has_slot, q.dtype)
+        lse = jnp.zeros(packed.q_groups.shape[:2] + (1,), jnp.float32)
+        return packing.unpack_from_kernel(
+            packed.q_groups, lse, layout, packed.row_has_slot, sink, q.dtype
+        )[0]
 
     out = round_trip(q, g, sink, bias, scale)
     np.testing.assert_array_equal(np.asarray(out), to_bf16(q).astype(np.float32))
-
-
-def test_shape_too_large_for_sbuf_is_a_clear_error():
-    layout = packing.kernel_layout(1, 128, 1024, 65536)
-    with pytest.raises(ValueError, match=r"K=65536 .*D=1024.*SBUF"):
-        packing.check_fits_on_chip(layout)
-    packing.check_fits_on_chip(packing.kernel_layout(1, 128, 576, 2048))  # DeepSeek-like: fits
 
 
 def test_sbuf_estimate_grows_with_slots_and_dim():
@@ -195,3 +233,5 @@ def test_sbuf_estimate_grows_with_slots_and_dim():
     assert base >= 2 * 2048 * 512 * 2 // 128
     assert sbuf_bytes_per_partition(64, 512, 4096) > base
     assert sbuf_bytes_per_partition(64, 1024, 2048) > base
+    # Chunks of slots shrink it.
+    assert sbuf_bytes_per_partition(64, 512, 4096, 1024) < sbuf_bytes_per_partition(64, 512, 4096)

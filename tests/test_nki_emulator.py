@@ -201,18 +201,27 @@ def test_views_write_through_to_their_allocation(rng):
     np.testing.assert_array_equal(got, np.concatenate([x[:, 4:], x[:, :4], x], axis=1))
 
 
-def test_dma_copy_converts_dtype_and_adds_with_rmw(rng):
+def test_dma_copy_converts_dtype(rng):
     x = rng.standard_normal((8, 8)).astype(np.float32)
 
     def kernel(x):
         tile = nl.ndarray((8, 8), nl.bfloat16, buffer=nl.sbuf)
         nisa.dma_copy(dst=tile, src=x)
         out = nl.ndarray((8, 8), nl.float32, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=x)
-        nisa.dma_copy(dst=out, src=tile, dst_rmw_op=nl.add)
+        nisa.dma_copy(dst=out, src=tile)
         return out
 
-    np.testing.assert_allclose(as64(simulate(kernel)(x)), as64(x) + bf16_rne(x), **F32_TOL)
+    np.testing.assert_array_equal(as64(simulate(kernel)(x)), bf16_rne(x))
+
+
+@pytest.mark.parametrize("removed", [{"dst_rmw_op": nl.add}, {"unique_indices": True}])
+def test_reject_dma_copy_arguments_removed_in_nki_0_3(removed):
+    def kernel(x):
+        tile = nl.ndarray((8, 8), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x, **removed)
+
+    _reject(kernel, np.zeros((8, 8), np.float32), error=NkiUnsupportedError,
+            match=f"{next(iter(removed))} was removed in NKI 0.3")  # fmt: skip
 
 
 def test_dma_copy_direct_access_pattern(rng):
@@ -449,9 +458,9 @@ def test_nl_elementwise_reductions_and_operators(rng):
     def kernel(x, col):
         xt, ct = nl.load(x), nl.load(col)
         m = nl.max(xt, axis=(1, 2), keepdims=True)
-        e = nl.exp(nl.add(xt, nl.negative(m)))
+        e = nl.exp(nl.add(xt, nl.broadcast_to(nl.negative(m), shape=xt.shape)))
         s = nl.sum(e, axis=2)
-        mixed = (xt * ct - 1.0) / 2.0
+        mixed = (xt * nl.broadcast_to(ct, shape=xt.shape) - 1.0) * 0.5
         low = nl.min(nl.multiply(xt, 2.0, dtype=nl.bfloat16), axis=-1)
         return copy_out(e), copy_out(s), copy_out(mixed), copy_out(low)
 
@@ -499,7 +508,9 @@ def tiled_matmul_kernel(a_t, b):
             stationary = nl.load(a_t[k * 128 : (k + 1) * 128, :])
             moving = nl.load(b[k * 128 : (k + 1) * 128, n0 : n0 + width])
             nisa.nc_matmul(acc, stationary, moving, accumulate=k > 0)
-        nl.store(out[:, n0 : n0 + width], value=nl.copy(acc))
+        staged = nl.ndarray((m, width), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=staged, src=acc)
+        nl.store(out[:, n0 : n0 + width], value=staged)
     return out
 
 
@@ -527,7 +538,7 @@ def test_end_to_end_tiled_matmul(rng):
 # rejection rules
 
 
-def _reject(kernel, *args, error=NkiEmulatorError, match, target="trn1"):
+def _reject(kernel, *args, error=NkiEmulatorError, match, target="trn2"):
     with pytest.raises(error, match=match):
         simulate(kernel, target=target)(*args)
 
@@ -571,20 +582,24 @@ def test_reject_more_than_8_psum_banks_but_free_rebound_tiles():
     assert run.last_stats["psum_peak_banks"] <= 2
 
 
-def test_reject_sbuf_over_budget_per_target():
-    # Two [128, 25600] fp32 tiles: 200 KiB per partition, over trn1's 192 KiB, under trn2's 224.
-    def kernel(x):
-        a = nl.ndarray((128, 25600), nl.float32, buffer=nl.sbuf)
-        b = nl.ndarray((128, 25600), nl.float32, buffer=nl.sbuf)
+@pytest.mark.parametrize(
+    "target, fits_kib, over_kib", [("trn1", 192, 200), ("trn2", 224, 232), ("trn3", 256, 264)]
+)
+def test_reject_sbuf_over_budget_per_target(target, fits_kib, over_kib):
+    # Two fp32 tiles of kib/2 KiB per partition each: the target's whole SBUF fits, 8 KiB more not.
+    def kernel(x, kib):
+        cols = kib * 1024 // 2 // 4
+        a = nl.ndarray((128, cols), nl.float32, buffer=nl.sbuf)
+        b = nl.ndarray((128, cols), nl.float32, buffer=nl.sbuf)
         nisa.memset(a, 0.0)
-        nisa.memset(b, 0.0)
+        nisa.memset(b, 1.0)
         out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
-        nl.store(out, value=nl.load(x))
+        nl.store(out, value=b[0:1, 0:1])
         return out
 
     x = np.zeros((1, 1), np.float32)
-    _reject(kernel, x, error=NkiCapacityError, match="SBUF over its budget")
-    simulate(kernel, target="trn2")(x)
+    _reject(kernel, x, over_kib, error=NkiCapacityError, match="SBUF over its budget", target=target)
+    assert simulate(kernel, target=target)(x, fits_kib)[0, 0] == 1.0
 
 
 def test_reject_matmul_sizes_memories_and_dtypes():
@@ -796,3 +811,313 @@ def test_reject_integer_index_dropping_the_partition_axis():
         nl.exp(nl.load(x)[0])
 
     _reject(kernel, np.ones((4, 4), np.float32), error=NkiShapeError, match="partition axis")
+
+
+# ------------------------------------------------------------------------------------------------
+# targets, SPMD launch grid, instruction counts, dynamic loops
+
+
+def test_current_target_reads_neuron_platform_target_override(monkeypatch):
+    monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
+    assert nki_emulator.current_target() == "trn2"
+    for value, expected in (("trn1", "trn1"), ("gen4", "trn3"), ("TRN3", "trn3")):
+        monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", value)
+        assert nki_emulator.current_target() == expected
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
+    assert simulate(lambda x: x).target.name == "trn1"
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "inf9")
+    with pytest.raises(ValueError, match="NEURON_PLATFORM_TARGET_OVERRIDE"):
+        nki_emulator.current_target()
+
+
+def _halves_kernel(x):
+    """Program p negates rows [p*R/n, (p+1)*R/n) of x (R rows, n programs)."""
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    n = nl.num_programs()
+    p = nl.program_id(0)
+    rows = x.shape[0] // n
+    tile = nl.load(x[p * rows : (p + 1) * rows, :])
+    nl.store(out[p * rows : (p + 1) * rows, :], value=nl.multiply(tile, -1.0 - p))
+    return out
+
+
+def test_spmd_grid_runs_every_program_with_its_own_id(rng):
+    x = rng.standard_normal((8, 4)).astype(np.float32)
+    expected = np.concatenate([-x[:4], -2 * x[4:]])
+    run = simulate(_halves_kernel, target="trn2")[2]
+    np.testing.assert_array_equal(run(x), expected)
+    assert [p.program_id for p in run.last_run.programs] == [0, 1]
+    assert run.last_run.grid == 2
+    out, stats = simulate(_halves_kernel, target="trn2", grid=2, stats=True)(x)
+    np.testing.assert_array_equal(out, expected)
+    assert [p.instructions for p in stats.programs] == [3, 3]  # load, multiply, store
+    assert stats.instructions == 6
+    np.testing.assert_array_equal(simulate(_halves_kernel)(x), -x)  # no grid: one program
+
+
+def test_spmd_grid_rules():
+    x = np.zeros((8, 4), np.float32)
+    with pytest.raises(NkiLimitError, match="launch grid over the logical core size"):
+        simulate(_halves_kernel, target="trn1")[2]
+    with pytest.raises(NkiLimitError, match="launch grid over the logical core size"):
+        simulate(_halves_kernel, target="trn2", grid=4)
+    with pytest.raises(NkiUnsupportedError, match="one number"):
+        simulate(_halves_kernel, target="trn2")[2, 1]
+
+    def other_output(x):
+        out = nl.ndarray((8, 4 + nl.program_id(0)), x.dtype, buffer=nl.shared_hbm)
+        return out
+
+    with pytest.raises(NkiShapeError, match="shared_hbm tensor #0"):
+        simulate(other_output, target="trn2")[2](x)
+
+
+def _rows_kernel(x, dynamic):
+    """Copies the rows of x one 1-row DMA pair at a time; a dynamic loop or an unrolled one."""
+    rows, cols = x.shape
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    if dynamic:
+        counter = nl.zeros((1, 1), nl.int32)
+        for _ in nl.dynamic_range(rows):
+            tile = nl.ndarray((1, cols), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=x.ap([[cols, 1], [1, cols]], scalar_offset=counter))
+            nisa.dma_copy(dst=out.ap([[cols, 1], [1, cols]], scalar_offset=counter), src=tile)
+            nisa.tensor_scalar(dst=counter, data=counter, op0=nl.add, operand0=1)
+    else:
+        for r in nl.static_range(rows):
+            tile = nl.ndarray((1, cols), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=x[r : r + 1, :])
+            nisa.dma_copy(dst=out[r : r + 1, :], src=tile)
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_dynamic_range_body_counts_once_per_compiled_body(rows, rng):
+    x = rng.standard_normal((rows, 5)).astype(np.float32)
+    dynamic = simulate(_rows_kernel)
+    unrolled = simulate(_rows_kernel)
+    np.testing.assert_array_equal(dynamic(x, True), x)
+    np.testing.assert_array_equal(unrolled(x, False), x)
+    d, u = dynamic.last_run.programs[0], unrolled.last_run.programs[0]
+    assert d.compiled_instructions == 1 + 3  # nl.zeros, then one body of three instructions
+    assert d.instructions == 1 + 3 * rows
+    assert d.ops["nisa.tensor_scalar"] == rows
+    assert u.compiled_instructions == u.instructions == 2 * rows
+
+
+def test_dynamic_range_loop_variable_is_opaque():
+    def index_with_it(x):
+        for i in nl.dynamic_range(2):
+            nl.load(x[i : i + 1, :])
+
+    def offset_with_it(x):
+        for i in nl.dynamic_range(2):
+            nisa.dma_copy(dst=nl.ndarray((1, 4), x.dtype, buffer=nl.sbuf),
+                          src=x.ap([[4, 1], [1, 4]], scalar_offset=i))  # fmt: skip
+
+    def register_step(x):
+        for _ in nl.dynamic_range(0, 4, nisa.register_alloc(2)):
+            pass
+
+    x = np.zeros((2, 4), np.float32)
+    _reject(index_with_it, x, error=NkiUnsupportedError, match="loop variable cannot be used")
+    _reject(offset_with_it, x, error=NkiUnsupportedError, match="loop variable cannot be used")
+    _reject(register_step, x, error=NkiUnsupportedError, match="step must be a compile-time")
+
+
+def test_registers_bound_dynamic_loops_and_offset_accesses(rng):
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+
+    def kernel(x, n):
+        out = nl.ndarray((1, 4), x.dtype, buffer=nl.shared_hbm)
+        bound = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.memset(bound, n)
+        trips = nisa.register_alloc()
+        nisa.register_load(trips, bound)
+        row = nisa.register_alloc(0)
+        nisa.register_move(row, 4)  # read row 4 through a register offset
+        acc = nl.zeros((1, 4), nl.float32)
+        for _ in nl.dynamic_range(trips):
+            tile = nl.ndarray((1, 4), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=x.ap([[4, 1], [1, 4]], scalar_offset=row))
+            nisa.tensor_tensor(dst=acc, data1=acc, data2=tile, op=nl.add)
+        stored = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.register_store(stored, trips)
+        nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=stored)
+        nl.store(out, value=acc)
+        return out
+
+    run = simulate(kernel)
+    got = run(x, 3)
+    np.testing.assert_allclose(as64(got[0]), 3 * as64(x[4]) + 3, **F32_TOL)
+    assert run.last_run.programs[0].compiled_instructions == run.last_run.programs[0].instructions - 4
+
+
+def test_scalar_offset_out_of_range_raises_or_skips():
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+    def kernel(x, mode):
+        out = nl.ndarray((1, 4), x.dtype, buffer=nl.shared_hbm)
+        tile = nl.full((1, 4), 7.0, nl.float32)
+        nisa.dma_copy(dst=tile, src=x.ap([[4, 1], [1, 4]], scalar_offset=nisa.register_alloc(2)),
+                      oob_mode=mode)  # fmt: skip
+        nl.store(out, value=tile)
+        return out
+
+    _reject(kernel, x, nisa.oob_mode.error, error=NkiOutOfBoundsError, match="out-of-range dynamic address")
+    np.testing.assert_array_equal(simulate(kernel)(x, nisa.oob_mode.skip), np.full((1, 4), 7.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# indirect DMA: out-of-bounds skip, generation rules, indirect dma_transpose
+
+
+def _gather_kernel(kv, idx, mode):
+    rows = nl.ndarray(idx.shape[:1] + kv.shape[1:], kv.dtype, buffer=nl.sbuf)
+    nisa.memset(rows, 0.0)
+    index = nl.load(idx)
+    nisa.dma_copy(dst=rows, src=kv.ap([[kv.shape[1], idx.shape[0]], [1, kv.shape[1]]],
+                                      vector_offset=index, indirect_dim=0), oob_mode=mode)  # fmt: skip
+    return copy_out(rows)
+
+
+def test_indirect_dma_oob_skip_leaves_the_destination_row(rng):
+    kv = rng.standard_normal((10, 4)).astype(np.float32)
+    idx = np.array([[3], [10], [0], [-1], [2**31 - 1], [9]], np.int32)
+    got = simulate(_gather_kernel)(kv, idx, nisa.oob_mode.skip)
+    expected = np.zeros((6, 4))
+    for p, r in enumerate(idx[:, 0]):
+        if 0 <= r < 10:
+            expected[p] = kv[r]
+    np.testing.assert_array_equal(as64(got), expected)
+    with pytest.raises(NkiOutOfBoundsError, match="oob_mode=error"):
+        simulate(_gather_kernel)(kv, idx, nisa.oob_mode.error)
+
+
+def test_trn1_rejects_neuroncore_v3_dma_forms():
+    kv = np.zeros((10, 4), np.float32)
+    idx = np.zeros((4, 1), np.int32)
+    _reject(_gather_kernel, kv, idx, nisa.oob_mode.error, error=NkiUnsupportedError,
+            match="not available on trn1: nisa.dma_copy with an indirect", target="trn1")  # fmt: skip
+
+    def hwdge(x):
+        dst = nl.ndarray((2, 4), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=dst, src=x, dge_mode=nisa.dge_mode.hwdge)
+        return copy_out(dst)
+
+    def transpose(x):
+        dst = nl.ndarray((4, 2), x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=dst, src=x)
+        return copy_out(dst)
+
+    _reject(hwdge, kv[:2], error=NkiUnsupportedError, match="not available on trn1.*hwdge", target="trn1")
+    _reject(transpose, np.zeros((2, 4), BF16), error=NkiUnsupportedError,
+            match="not available on trn1: nisa.dma_transpose", target="trn1")  # fmt: skip
+    simulate(hwdge, target="trn2")(kv[:2])
+    simulate(transpose, target="trn3")(np.zeros((2, 4), BF16))
+
+
+def _gather_transpose_kernel(kv, idx, rows, col0, width, mode, fill):
+    """dst[b, a] = kv[idx.T.flatten()[a], col0 + b] for a < rows, b < width."""
+    dst = nl.ndarray((width, rows), kv.dtype, buffer=nl.sbuf)
+    nisa.memset(dst, fill)
+    index = nl.ndarray(idx.shape, nl.uint32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=index, src=idx)
+    src = kv.ap([[kv.shape[1], rows], [1, width]], offset=col0, vector_offset=index, indirect_dim=0)
+    nisa.dma_transpose(dst=dst, src=src, oob_mode=mode)
+    return copy_out(dst)
+
+
+@pytest.mark.parametrize("idx_shape, rows", [((16, 1), 16), ((128, 1), 96), ((128, 3), 320)])
+def test_indirect_dma_transpose_gathers_and_transposes(idx_shape, rows, rng):
+    kv = rng.standard_normal((500, 160)).astype(BF16)
+    idx = rng.integers(0, 500, idx_shape).astype(np.uint32)
+    got = simulate(_gather_transpose_kernel)(kv, idx, rows, 32, 128, nisa.oob_mode.error, 0.0)
+    order = [int(idx[a % idx_shape[0], a // idx_shape[0]]) for a in range(rows)]
+    expected = np.array([[float(kv[r, 32 + b]) for r in order] for b in range(128)])
+    np.testing.assert_array_equal(as64(got), expected)
+
+
+def test_indirect_dma_transpose_oob_skip_keeps_destination_columns(rng):
+    kv = rng.standard_normal((40, 8)).astype(BF16)
+    idx = rng.integers(0, 40, (16, 1)).astype(np.uint32)
+    idx[[2, 7], 0] = [40, 2**32 - 1]
+    got = simulate(_gather_transpose_kernel)(kv, idx, 16, 0, 8, nisa.oob_mode.skip, -3.0)
+    for a in range(16):
+        col = np.full(8, -3.0) if a in (2, 7) else as64(kv[int(idx[a, 0])])
+        np.testing.assert_array_equal(as64(got[:, a]), col)
+    with pytest.raises(NkiOutOfBoundsError, match="out-of-range gather index"):
+        simulate(_gather_transpose_kernel)(kv, idx, 16, 0, 8, nisa.oob_mode.error, 0.0)
+
+
+@pytest.mark.parametrize(
+    "kv_dtype, idx_shape, idx_dtype, rows, width, error, match",
+    [
+        (np.float32, (16, 1), np.uint32, 16, 8, NkiDtypeError, "2-byte"),
+        (BF16, (16, 1), np.int32, 16, 8, NkiDtypeError, "must be uint32"),
+        (BF16, (16, 1), np.uint32, 16, 129, NkiLimitError, "free size over 128"),
+        (BF16, (24, 1), np.uint32, 16, 8, NkiShapeError, r"\[16, 128\] and a multiple of 16"),
+        (BF16, (64, 2), np.uint32, 64, 8, NkiShapeError, "exactly 128 partitions"),
+        (BF16, (16, 1), np.uint32, 24, 8, NkiShapeError, "multiple of 16"),
+        (BF16, (16, 1), np.uint32, 32, 8, NkiShapeError, "fewer than the 32"),
+    ],
+)
+def test_reject_indirect_dma_transpose_rules(kv_dtype, idx_shape, idx_dtype, rows, width, error, match):
+    kv = np.zeros((50, 140), kv_dtype)
+    idx = np.zeros(idx_shape, idx_dtype)
+
+    def kernel(kv, idx):
+        dst = nl.ndarray((min(width, 128), rows), kv.dtype, buffer=nl.sbuf)
+        index = nl.ndarray(idx.shape, idx.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=index, src=idx)
+        src = kv.ap([[140, rows], [1, width]], vector_offset=index, indirect_dim=0)
+        nisa.dma_transpose(dst=dst, src=src)
+
+    _reject(kernel, kv, idx, error=error, match=match)
+
+
+def test_reject_nl_rules_of_nki_0_3():
+    x = np.ones((4, 4), np.float32)
+
+    def broadcast_add(x):
+        t = nl.load(x)
+        nl.add(t, nl.max(t, axis=1, keepdims=True))
+
+    def divide(x):
+        t = nl.load(x)
+        nl.divide(t, t)
+
+    def true_divide(x):
+        t = nl.load(x)
+        return t / 2.0
+
+    def mod(x):
+        nl.mod(nl.load(x), 2.0)
+
+    def fmod(x):
+        nl.fmod(nl.load(x), 2.0)
+
+    def copy_psum(x):
+        acc = nl.ndarray((4, 4), nl.float32, buffer=nl.psum)
+        nisa.tensor_copy(dst=acc, src=nl.load(x))
+        nl.copy(acc)
+
+    def memset_float_into_int(x):
+        nisa.memset(nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf), 2.0)
+
+    _reject(broadcast_add, x, error=NkiShapeError, match="do not broadcast")
+    for kernel in (divide, true_divide, mod, fmod):
+        _reject(kernel, x, error=NkiUnsupportedError, match="no hardware instruction")
+    _reject(copy_psum, x, error=NkiMemorySpaceError, match="nl.copy x must be in sbuf")
+    _reject(memset_float_into_int, x, error=NkiDtypeError, match="matching types")
+
+
+def test_iota_against_its_formula():
+    def kernel(x):
+        t = nl.ndarray((4, 2, 3), nl.int32, buffer=nl.sbuf)
+        nisa.iota(t, [[10, 2], [1, 3]], offset=5, channel_multiplier=100)
+        return copy_out(t)
+
+    got = simulate(kernel)(np.zeros(1, np.float32))
+    c, w, x = np.meshgrid(np.arange(4), np.arange(2), np.arange(3), indexing="ij")
+    np.testing.assert_array_equal(got, 5 + 100 * c + 10 * w + x)

@@ -6,8 +6,13 @@ Two ways to run the same path, both traced with jnp inside ``mlir.lower_fun``:
   binds NKI's own JAX primitive (``nki_call``), which lowers to a StableHLO custom call
   (``jax_neuronx.nki_call`` is gone since Neuron 2.23);
 - ``implementation="nki_emulated"`` runs the kernel source under the project's NKI emulator on the
-  host through ``jax.pure_callback``, on any platform, so the whole data path is testable without
-  Trainium.
+  host through ``jax.pure_callback``, so the whole data path is testable without Trainium. JAX on
+  Neuron has no host callbacks, so on the ``"neuron"`` platform it raises a clear error instead.
+
+The kernel variant follows the NKI target (:func:`neuron_target`, docs/neuron-kernel.md): trn2 and
+trn3 gather inside the kernel, trn1 gathers with XLA and runs the kernel without
+``dma_transpose`` or indirect DMA. The ``*_lse`` functions also return the ``[T, H]`` f32
+log-sum-exp of each row.
 
 The ``"neuron"`` lowering rule is registered lazily: JAX only knows the platform once its PJRT
 plugin has been discovered (on first backend use), and registering a rule for an unknown platform
@@ -18,6 +23,7 @@ callbacks, which run right after plugin discovery (or at once when it already ha
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import jax
@@ -26,10 +32,10 @@ import numpy as np
 from jax.interpreters import mlir
 
 from .. import primitives
+from ..constants import DEFAULT_NEURON_TARGET, NEURON_TARGETS
 from .packing import (
     KernelLayout,
     PackedOperands,
-    check_fits_on_chip,
     empty_result,
     kernel_layout,
     pack_for_kernel,
@@ -46,19 +52,61 @@ NEURON_INSTALL_HINT = (
     "runs the kernel source on the host."
 )
 
-KernelCall = Callable[[PackedOperands, KernelLayout], jax.Array]
+KernelCall = Callable[[PackedOperands, KernelLayout], tuple[jax.Array, jax.Array]]
+
+# JAX on Neuron cannot call back into the host: nki_emulated cannot run on that platform.
+NO_HOST_CALLBACKS_ON_NEURON = (
+    "implementation='nki_emulated' runs the kernel under the project's NKI emulator through a host "
+    "callback (jax.pure_callback), and JAX on Neuron does not support host callbacks (JAX NeuronX "
+    "release notes, known issues). Run it on the CPU backend instead: put the inputs on "
+    "jax.devices('cpu')[0] (for example inside `with jax.default_device(jax.devices('cpu')[0]):`), "
+    "or use implementation=None / 'nki' for the NKI kernel on the Neuron device."
+)
 
 
-def _run_packed(call_kernels: KernelCall, q, slot_rows, sink, bias, scale, idx=None) -> jax.Array:
-    """pack -> ``call_kernels`` (returns ``[G, T*Hg, Dp]`` bf16) -> unpack."""
+def neuron_target() -> str:
+    """The NKI compile target on a Neuron host: ``NEURON_PLATFORM_TARGET_OVERRIDE`` (``trn1``/
+    ``gen2``, ``trn2``/``gen3``, ``trn3``/``gen4``: the variable NKI itself reads, nki.jit page),
+    or ``DEFAULT_NEURON_TARGET`` (trn2) when it is unset. Raises ``ValueError`` on another value."""
+    value = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").strip().lower()
+    if not value:
+        return DEFAULT_NEURON_TARGET
+    aliases = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}
+    value = aliases.get(value, value)
+    if value not in NEURON_TARGETS:
+        raise ValueError(
+            f"NEURON_PLATFORM_TARGET_OVERRIDE={value!r}: expected one of {', '.join(NEURON_TARGETS)} "
+            "(or gen2, gen3, gen4)"
+        )
+    return value
+
+
+def emulated_target() -> str:
+    """The target ``nki_emulated`` emulates: the emulator's ``current_target()`` (the same
+    variable, same default), or :func:`neuron_target` with an emulator that has none."""
+    from .. import nki_emulator
+
+    current_target = getattr(nki_emulator, "current_target", None)
+    return neuron_target() if current_target is None else current_target()
+
+
+def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None):
+    """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, D], lse [T, H] f32)``."""
+    from . import kernels
+
     T, H, D = q.shape
     layout = kernel_layout(T, H, D, bias.shape[1])
     if layout.is_empty or (idx is not None and slot_rows.shape[0] == 0):
-        return empty_result(q)
-    check_fits_on_chip(layout)
-    packed, layout = pack_for_kernel(q, slot_rows, sink, bias, scale, idx=idx)
-    out_groups = call_kernels(packed, layout)
-    return unpack_from_kernel(out_groups, layout, packed.row_has_slot, q.dtype)
+        return empty_result(q, sink)
+    kernel, gather_in_xla = kernels.kernel_for(target, idx is not None)
+    # Trace-time check that the shape can be planned (only an absurd head dim cannot).
+    kernels.plan_slots(layout.heads_per_group, layout.dim_padded, layout.slots_padded,
+                       q_on_pe=kernel is kernels.gathered_attn_trn1_kernel)  # fmt: skip
+    packed, layout = pack_for_kernel(
+        q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla
+    )
+    out_groups, lse_groups = call_kernels(kernel, target, packed, layout)
+    return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, sink, q.dtype)
 
 
 def _kernel_args(packed: PackedOperands, group: int) -> tuple:
@@ -69,74 +117,102 @@ def _kernel_args(packed: PackedOperands, group: int) -> tuple:
     return (packed.q_groups[group], packed.slot_rows, packed.bias, packed.sink_groups[group])
 
 
-def _raw_kernel(indexed: bool):
-    from . import kernels
-
-    return kernels.gathered_attn_idx_kernel if indexed else kernels.gathered_attn_kernel
-
-
 # --- on Neuron: nki.jit on traced arrays ------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_kernel(indexed: bool):
+def _jitted_kernel(kernel):
     from . import kernels
 
     if kernels.nki is None:
         raise RuntimeError(
             f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}"
         )
-    return kernels.nki.jit(_raw_kernel(indexed))
+    return kernels.nki.jit(kernel)
 
 
-def _call_nki_kernels(packed: PackedOperands, layout: KernelLayout) -> jax.Array:
-    kernel = _jitted_kernel(packed.idx is not None)
-    outs = [kernel(*_kernel_args(packed, g)) for g in range(layout.head_groups)]
-    return jnp.stack(outs)
+def _call_nki_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout):
+    del target  # nki.jit compiles for the target NEURON_PLATFORM_TARGET_OVERRIDE names
+    jitted = _jitted_kernel(kernel)
+    results = [jitted(*_kernel_args(packed, g)) for g in range(layout.head_groups)]
+    return jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results])
+
+
+def nki_gathered_attn_lse(q, g, sink, bias, scale):
+    """The Neuron path of ``gathered_attn_p`` with the lse: q ``[T, H, D]``, g ``[T, K, D]``, sink
+    ``[H]`` f32 (``-inf`` = none), bias ``[T, K]`` f32 (``-inf`` = empty slot), scale ``[T]`` f32
+    -> ``(out [T, H, D] in q's dtype, lse [T, H] f32)``."""
+    return _run_packed(_call_nki_kernels, neuron_target(), q, g, sink, bias, scale)
+
+
+def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale):
+    """The Neuron path of ``gathered_attn_idx_p`` with the lse: q ``[T, H, D]``, kv ``[R, D]``,
+    idx ``[T, K]`` int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32
+    -> ``(out [T, H, D], lse [T, H] f32)``."""
+    return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx)
 
 
 def nki_gathered_attn(q, g, sink, bias, scale):
-    """The Neuron path of ``gathered_attn_p``: q ``[T, H, D]``, g ``[T, K, D]``, sink ``[H]`` f32,
-    bias ``[T, K]`` f32 (``-inf`` = empty slot), scale ``[T]`` f32 -> ``[T, H, D]`` in q's dtype."""
-    return _run_packed(_call_nki_kernels, q, g, sink, bias, scale)
+    """The Neuron path of ``gathered_attn_p`` (:func:`nki_gathered_attn_lse` without the lse)."""
+    return nki_gathered_attn_lse(q, g, sink, bias, scale)[0]
 
 
 def nki_gathered_attn_idx(q, kv, idx, sink, bias, scale):
-    """The Neuron path of ``gathered_attn_idx_p``: q ``[T, H, D]``, kv ``[R, D]``, idx ``[T, K]``
-    int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32 -> ``[T, H, D]``."""
-    return _run_packed(_call_nki_kernels, q, kv, sink, bias, scale, idx=idx)
+    """The Neuron path of ``gathered_attn_idx_p`` (:func:`nki_gathered_attn_idx_lse` without the
+    lse)."""
+    return nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale)[0]
 
 
 # --- on the host: the kernel source under the emulator, through a host callback ---------------
 
 
-def _run_emulated_on_host(indexed: bool, *arrays):
+def _run_emulated_on_host(kernel, target, *arrays):
     """Host side of the callback: the kernel operands in the kernel's order, q and sink stacked
-    per head group (numpy); returns ``[G, T*Hg, Dp]`` bf16."""
+    per head group (numpy); returns ``[G, T*Hg, Dp]`` bf16 and ``[G, T*Hg, 1]`` f32."""
     from ..nki_emulator import simulate
 
-    kernel = simulate(_raw_kernel(indexed))
+    run = simulate(kernel, target=target)
     # The callback may receive jax.Arrays: slicing one would dispatch a computation to a device
     # that is busy waiting for this very callback (a deadlock once every device runs one).
     arrays = [np.asarray(a) for a in arrays]
     q_groups, shared, sink_groups = arrays[0], arrays[1:-1], arrays[-1]
-    outs = [kernel(q_groups[g], *shared, sink_groups[g]) for g in range(len(q_groups))]
-    return np.stack([np.asarray(o) for o in outs]).astype(jnp.bfloat16)
+    results = [run(q_groups[g], *shared, sink_groups[g]) for g in range(len(q_groups))]
+    outs = np.stack([np.asarray(r[0]) for r in results]).astype(jnp.bfloat16)
+    lses = np.stack([np.asarray(r[1]) for r in results]).astype(np.float32)
+    return outs, lses
 
 
-def _call_emulated_kernels(packed: PackedOperands, layout: KernelLayout) -> jax.Array:
-    indexed = packed.idx is not None
-    result = jax.ShapeDtypeStruct(
-        (layout.head_groups, layout.tokens * layout.heads_per_group, layout.dim_padded),
-        jnp.bfloat16,
+def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout):
+    rows = layout.tokens * layout.heads_per_group
+    result = (
+        jax.ShapeDtypeStruct((layout.head_groups, rows, layout.dim_padded), jnp.bfloat16),
+        jax.ShapeDtypeStruct((layout.head_groups, rows, 1), jnp.float32),
     )
     arrays = [packed.q_groups, packed.slot_rows, packed.bias, packed.sink_groups]
-    if indexed:
+    if packed.idx is not None:
         arrays.insert(2, packed.idx)
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
     return jax.pure_callback(
-        functools.partial(_run_emulated_on_host, indexed), result, *arrays, vmap_method="sequential"
+        functools.partial(_run_emulated_on_host, kernel, target), result, *arrays,
+        vmap_method="sequential",
+    )  # fmt: skip
+
+
+def emulated_gathered_attn_lse(q, g, sink, bias, scale):
+    """``implementation="nki_emulated"`` for ``gathered_attn_p``, with the lse: the Neuron data
+    path on the host, for the target ``NEURON_PLATFORM_TARGET_OVERRIDE`` names (default trn2).
+
+    Operands and result as :func:`nki_gathered_attn_lse`."""
+    return _run_packed(_call_emulated_kernels, emulated_target(), q, g, sink, bias, scale)
+
+
+def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale):
+    """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``, with the lse.
+
+    Operands and result as :func:`nki_gathered_attn_idx_lse`."""
+    return _run_packed(
+        _call_emulated_kernels, emulated_target(), q, kv, sink, bias, scale, idx=idx
     )
 
 
@@ -144,25 +220,28 @@ def emulated_gathered_attn(q, g, sink, bias, scale):
     """``implementation="nki_emulated"`` for ``gathered_attn_p``: the Neuron path on the host.
 
     Operands and result as :func:`nki_gathered_attn`."""
-    return _run_packed(_call_emulated_kernels, q, g, sink, bias, scale)
+    return emulated_gathered_attn_lse(q, g, sink, bias, scale)[0]
 
 
 def emulated_gathered_attn_idx(q, kv, idx, sink, bias, scale):
     """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``: Neuron path on the host.
 
     Operands and result as :func:`nki_gathered_attn_idx`."""
-    return _run_packed(_call_emulated_kernels, q, kv, sink, bias, scale, idx=idx)
+    return emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale)[0]
 
 
 # --- the "neuron" platform rule ---------------------------------------------------------------
 
 
 def _neuron_rule(indexed: bool):
-    kernel_path = nki_gathered_attn_idx if indexed else nki_gathered_attn
+    # The primitives return (out, lse): the kernels' own lse.
+    kernel_path = nki_gathered_attn_idx_lse if indexed else nki_gathered_attn_lse
 
     def rule(*args, implementation):
         if implementation is None or implementation == "nki":
             path_fn = kernel_path
+        elif implementation == "nki_emulated":
+            raise NotImplementedError(NO_HOST_CALLBACKS_ON_NEURON)
         else:
             path_fn = primitives.path(implementation, indexed)
         # Each device runs the kernel on its own tokens/heads: no gathers around the custom call.

@@ -1,23 +1,29 @@
 """Packing the primitives' operands into the NKI kernel interface, and unpacking the result (jnp).
 
-The kernels (:mod:`jax_sparse_attn.neuron.kernels`) accept bf16 only, ``D`` and ``K`` multiples of
-128, at most 128 heads per call, one ``[T, 16 + Kp]`` f32 tensor for scale and bias, and in-range
-indices. :func:`pack_for_kernel` turns the primitive operands into that form:
+The kernels (:mod:`jax_sparse_attn.neuron.kernels`, docs/neuron-kernel.md) accept bf16 only, ``D``
+and ``K`` multiples of 128, at most 128 heads per call, one ``[T, 16 + Kp]`` f32 tensor for scale
+and bias. :func:`pack_for_kernel` turns the primitive operands into that form:
 
 - q and the slot rows are cast to bf16 (the kernel is bf16-only, also for f32 / f16 inputs);
 - ``D`` is zero-padded to ``Dp``, a multiple of 128 (zero columns change no dot product and give
   zero output columns, cropped again);
 - ``K`` is padded to ``Kp``, a multiple of 128, with empty slots;
-- an empty slot (index outside ``[0, R)``, a ``-inf`` bias entry, or padding) is sent as index
-  ``EMPTY_SLOT_INDEX`` with bias ``EMPTY_LOGIT``: its logit is then exactly -1e30 and its
-  probability exactly 0 in every row that has a real slot;
+- an empty slot (index outside ``[0, R)``, a ``-inf`` bias entry, or padding) gets bias
+  ``EMPTY_LOGIT`` and never reads a cache row: the indexed kernel receives the out-of-range index
+  ``EMPTY_SLOT_INDEX`` (its DMA skips it into a zeroed tile), and pre-gathered rows of empty slots
+  are zeros (a select, never ``0 * row``), so a NaN, inf or huge value in an unselected row
+  cannot reach any output bit;
 - ``H > 128`` is split into ``G`` groups of ``Hg = ceil(H / G)`` heads (one kernel call each; the
   few padding heads get zero q and a ``-inf`` sink, and are cropped);
 - the per-token scale goes to column ``SCALE_COL`` of the bias tensor, the per-slot bias to
   columns ``BIAS_PREFIX_COLS:``.
 
-:func:`unpack_from_kernel` reassembles ``[T, H, D]``, zeroes the rows that have no valid slot (the
-kernel zeroes them only when a finite sink overflows its denominator) and casts to q's dtype.
+On trn1 (no indirect DMA) the indexed primitive's rows are gathered here, by XLA
+(``gather_in_xla=True``), and run through the pre-gathered kernel.
+
+:func:`unpack_from_kernel` reassembles ``[T, H, D]`` and the ``[T, H]`` lse, sets the rows that
+have no valid slot to exactly 0 (and their lse to the sink, ``-inf`` without one) and casts to
+q's dtype.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ from ..constants import (
     EMPTY_SLOT_INDEX,
     KERNEL_TILE,
     MAX_HEADS_PER_CALL,
-    SBUF_BYTES_PER_PARTITION,
     SCALE_COL,
 )
 
@@ -77,27 +82,14 @@ def kernel_layout(tokens: int, heads: int, dim: int, slots: int) -> KernelLayout
     )
 
 
-def check_fits_on_chip(layout: KernelLayout) -> None:
-    """Raises a clear ``ValueError`` when one token's working set would overflow SBUF."""
-    from .kernels import sbuf_bytes_per_partition
-
-    need = sbuf_bytes_per_partition(layout.heads_per_group, layout.dim_padded, layout.slots_padded)
-    if need > SBUF_BYTES_PER_PARTITION:
-        raise ValueError(
-            f"the NKI kernel cannot hold one token with K={layout.slots} slots of head dim "
-            f"D={layout.dim} (padded to Kp={layout.slots_padded}, Dp={layout.dim_padded}) and "
-            f"{layout.heads_per_group} heads per call: it needs {need} bytes of SBUF per "
-            f"partition, more than {SBUF_BYTES_PER_PARTITION}; use fewer slots per token or "
-            "implementation='reference'"
-        )
-
-
 class PackedOperands(NamedTuple):
     """Operands of the kernel calls (``G`` calls share everything but q and sink).
 
     q_groups:    ``[G, T*Hg, Dp]`` bf16, group g's row ``t*Hg + h`` is head ``g*Hg + h``.
-    slot_rows:   ``kv [R, Dp]`` bf16 (indexed) or ``g2 [T*Kp, Dp]`` bf16, row ``t*Kp + j``.
-    idx:         ``[T, Kp]`` int32, every entry in ``[0, R)`` (indexed), else ``None``.
+    slot_rows:   ``kv [R, Dp]`` bf16 (indexed) or ``g2 [T*Kp, Dp]`` bf16, row ``t*Kp + j``, the
+                 rows of empty slots zero.
+    idx:         ``[T, Kp]`` uint32, ``EMPTY_SLOT_INDEX`` for an empty slot (indexed), else
+                 ``None``.
     bias:        ``[T, 16 + Kp]`` f32: scale in column 0, per-slot bias (or -1e30) from column 16.
     sink_groups: ``[G, Hg, 1]`` f32.
     row_has_slot: ``[T]`` bool, whether the token has at least one valid slot.
@@ -118,7 +110,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 
 def pack_for_kernel(
-    q, slot_rows, sink, bias, scale, idx=None
+    q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False
 ) -> tuple[PackedOperands, KernelLayout]:
     """Packs normalised primitive operands for the NKI kernels.
 
@@ -126,6 +118,7 @@ def pack_for_kernel(
       q: ``[T, H, D]`` float. slot_rows: ``g [T, K, D]`` (``idx is None``) or ``kv [R, D]`` (R > 0).
       sink: ``[H]`` f32 (``-inf`` = none). bias: ``[T, K]`` f32 (``-inf`` = empty slot).
       scale: ``[T]`` f32. idx: ``[T, K]`` int32 or ``None``; outside ``[0, R)`` = empty slot.
+      gather_in_xla: with ``idx``, gather the rows here for the pre-gathered kernel (trn1).
     Returns the packed operands and the static layout. The layout must not be empty.
     """
     T, H, D = q.shape
@@ -147,15 +140,18 @@ def pack_for_kernel(
     prefix = jnp.zeros((T, BIAS_PREFIX_COLS), jnp.float32).at[:, SCALE_COL].set(scale)
     packed_bias = jnp.concatenate([prefix, slot_bias.astype(jnp.float32)], axis=1)
 
-    if idx is not None:
+    empty = jnp.uint32(EMPTY_SLOT_INDEX)
+    if idx is not None and not gather_in_xla:
         packed_idx = _pad_axis(
-            jnp.where(valid, idx, EMPTY_SLOT_INDEX).astype(jnp.int32), 1, Kp, EMPTY_SLOT_INDEX
+            jnp.where(valid, idx.astype(jnp.uint32), empty), 1, Kp, empty
         )
         packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
     else:
         packed_idx = None
-        g = _pad_axis(_pad_axis(slot_rows.astype(jnp.bfloat16), 2, Dp), 1, Kp)
-        packed_rows = g.reshape(T * Kp, Dp)
+        if idx is not None:  # trn1: XLA gathers (row 0 for an empty slot, replaced just below)
+            slot_rows = slot_rows[jnp.where(valid, idx, 0)]
+        g = jnp.where(valid[:, :, None], slot_rows.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
+        packed_rows = _pad_axis(_pad_axis(g, 2, Dp), 1, Kp).reshape(T * Kp, Dp)
 
     packed = PackedOperands(
         q_groups=q_groups,
@@ -168,15 +164,24 @@ def pack_for_kernel(
     return packed, layout
 
 
-def unpack_from_kernel(out_groups, layout: KernelLayout, row_has_slot, dtype) -> jax.Array:
-    """``[G, T*Hg, Dp]`` kernel outputs -> ``[T, H, D]`` in ``dtype``, empty rows exactly 0."""
+def unpack_from_kernel(
+    out_groups, lse_groups, layout: KernelLayout, row_has_slot, sink, dtype
+) -> tuple[jax.Array, jax.Array]:
+    """Kernel outputs ``[G, T*Hg, Dp]`` and lse ``[G, T*Hg, 1]`` -> ``out [T, H, D]`` in ``dtype``
+    and ``lse [T, H]`` f32. A row with no valid slot gets output exactly 0 and lse ``sink[h]``
+    (``-inf`` without a sink), whatever the kernel computed for it."""
     T, G, Hg, Dp = layout.tokens, layout.head_groups, layout.heads_per_group, layout.dim_padded
     out = out_groups.reshape(G, T, Hg, Dp).transpose(1, 0, 2, 3).reshape(T, G * Hg, Dp)
     out = out[:, : layout.heads, : layout.dim]
     out = jnp.where(row_has_slot[:, None, None], out, jnp.zeros((), out.dtype))
-    return out.astype(dtype)
+    lse = lse_groups.reshape(G, T, Hg).transpose(1, 0, 2).reshape(T, G * Hg)[:, : layout.heads]
+    lse = jnp.where(row_has_slot[:, None], lse, sink.astype(jnp.float32)[None, :])
+    return out.astype(dtype), lse
 
 
-def empty_result(q) -> jax.Array:
-    """The result when there is nothing to attend to (``T``, ``H`` or ``K`` is 0, or ``R`` is 0)."""
-    return jnp.zeros(q.shape, q.dtype)
+def empty_result(q, sink) -> tuple[jax.Array, jax.Array]:
+    """The result when there is nothing to attend to (``T``, ``H`` or ``K`` is 0, or ``R`` is 0):
+    zeros, and the sink as the lse of every row."""
+    T, H, _ = q.shape
+    lse = jnp.broadcast_to(sink.astype(jnp.float32)[None, :], (T, H))
+    return jnp.zeros(q.shape, q.dtype), lse

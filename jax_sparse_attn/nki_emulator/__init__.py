@@ -58,16 +58,19 @@ not listed above.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import threading
 import types
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from . import isa, language
 from ._blas import single_threaded_blas
-from ._core import SHARED_HBM, SBUF_BYTES_PER_PARTITION, Context, Tensor
+from ._core import SHARED_HBM, SBUF_BYTES_PER_PARTITION, Context, Launch, Tensor
 from .errors import (
     NkiCapacityError,
     NkiDtypeError,
@@ -79,9 +82,19 @@ from .errors import (
     NkiUninitializedReadError,
     NkiUnsupportedError,
 )
+from .targets import TARGET_ENV, TARGETS, Target, current_target, resolve_target
 
 __all__ = [
     "simulate",
+    "SimulatedKernel",
+    "recording",
+    "Recording",
+    "RunStats",
+    "ProgramStats",
+    "current_target",
+    "resolve_target",
+    "TARGETS",
+    "TARGET_ENV",
     "jit",
     "language",
     "isa",
@@ -177,47 +190,239 @@ def _to_numpy(result: Any) -> Any:
     return np.array(result._data, copy=True)
 
 
-def simulate(kernel: Callable, *, target: str = "trn1") -> Callable:
-    """Like ``nki.simulate(kernel)``: a callable running ``kernel`` on numpy arrays on the host.
+@dataclass
+class ProgramStats:
+    """What one program instance (one physical core) executed.
 
-    Args:
-      kernel: the NKI kernel function (or a wrapper exposing it as ``__wrapped__`` or ``.func``).
-      target: ``"trn1"`` (192 KiB SBUF per partition) or ``"trn2"`` (224 KiB).
-
-    The returned callable takes the kernel's arguments (numpy arrays become HBM tensors; other
-    values pass through) and returns the kernel's ``nl.shared_hbm`` outputs as numpy arrays: one
-    array, or a tuple if the kernel returns several. After a call, ``.last_stats`` holds the run's
-    instruction count and SBUF/PSUM peaks.
+    ``instructions``: every instruction executed. ``compiled_instructions``: the instructions of
+    the compiled program text: an ``nl.dynamic_range`` body (a hardware loop, never unrolled,
+    ``nki/deep-dives/nki-dynamic-loops.rst``) counts once however often it runs, while Python
+    loops and ``nl.static_range``/``affine_range``/``sequential_range`` (unrolled) count every
+    iteration. ``ops``: executed instructions by name (``"nisa.nc_matmul"``, ``"nl.load"``, ...).
+    ``cost``: the program's :class:`cost.CostRecord` when the run recorded costs, else None.
     """
-    if target not in SBUF_BYTES_PER_PARTITION:
-        raise ValueError(f"target must be one of {sorted(SBUF_BYTES_PER_PARTITION)}, got {target!r}")
-    func = _unwrap(kernel)
 
-    @functools.wraps(func)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        ctx = Context(target)
-        bound = _rebind(func, {})
+    program_id: int
+    instructions: int
+    compiled_instructions: int
+    ops: dict[str, int]
+    sbuf_peak_bytes_per_partition: int
+    psum_peak_banks: int
+    cost: Any = None
+
+
+@dataclass
+class RunStats:
+    """Statistics of one simulated launch: the target, the grid and each program's counts."""
+
+    target: str
+    grid: int
+    programs: list[ProgramStats] = field(default_factory=list)
+
+    @property
+    def instructions(self) -> int:
+        """Instructions executed by all programs together."""
+        return sum(p.instructions for p in self.programs)
+
+    @property
+    def compiled_instructions_per_program(self) -> int:
+        """The largest compiled program (instructions of one program's compiled text)."""
+        return max(p.compiled_instructions for p in self.programs)
+
+    @property
+    def sbuf_peak_bytes_per_partition(self) -> int:
+        return max(p.sbuf_peak_bytes_per_partition for p in self.programs)
+
+    @property
+    def psum_peak_banks(self) -> int:
+        return max(p.psum_peak_banks for p in self.programs)
+
+    def as_dict(self) -> dict:
+        """The legacy ``last_stats`` dictionary (totals over the programs)."""
+        return {
+            "instructions": self.instructions,
+            "compiled_instructions_per_program": self.compiled_instructions_per_program,
+            "sbuf_peak_bytes_per_partition": self.sbuf_peak_bytes_per_partition,
+            "psum_peak_banks": self.psum_peak_banks,
+            "target": self.target,
+            "grid": self.grid,
+        }
+
+
+def _check_grid(grid: Any, target: Target) -> int:
+    """The launch grid as a number of programs (nki/get-started/about/lnc.rst)."""
+    if isinstance(grid, tuple) and len(grid) == 1:
+        grid = grid[0]
+    if isinstance(grid, tuple):
+        # lnc.rst (NKI 0.3): "The bracket syntax must contain only one number, the number of
+        # cores to use." Multi-dimensional grids (nl.nc, nl.spmd_dim) are pre-0.3 API.
+        raise NkiUnsupportedError(
+            f"launch grid {grid}: NKI >= 0.3 launches kernel[n] with one number, the physical "
+            "cores per logical core (nki/get-started/about/lnc.rst); for a loop that is not "
+            "unrolled use nl.dynamic_range (nki/deep-dives/nki-dynamic-loops.rst)"
+        )
+    if isinstance(grid, bool) or not isinstance(grid, (int, np.integer)) or grid < 1:
+        raise NkiUnsupportedError(f"launch grid must be a positive int, got {grid!r}")
+    if grid > target.lnc_max:
+        # lnc.rst: a number too large for the architecture is an error; LNC is 1 or 2 and
+        # applies to trn2/trn3 only (about-neuron/arch/neuron-features/logical-neuroncore-config.rst).
+        raise NkiLimitError(
+            f"launch grid over the logical core size: kernel[{grid}] on {target.name}, whose "
+            f"logical cores have at most {target.lnc_max} physical core(s) "
+            "(logical-neuroncore-config.rst: LNC is 1 or 2, 2 only on trn2/trn3)"
+        )
+    return int(grid)
+
+
+class Recording:
+    """The launches simulated inside a ``with recording():`` block, in order (see :func:`recording`)."""
+
+    def __init__(self, cost: bool):
+        self.cost = cost
+        self.runs: list[RunStats] = []
+
+
+_RECORDINGS: list[Recording] = []
+_RECORDINGS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def recording(cost: bool = True):
+    """Collect the :class:`RunStats` of every simulated launch in the block (any thread).
+
+    With ``cost=True`` every launch records its modelled cost, even launches made deep inside
+    the library (for example ``implementation="nki_emulated"``, whose host callback may run on
+    another thread)::
+
+        with nki_emulator.recording() as rec:
+            jax_sparse_attn.gathered_attn_idx(q, kv, idx, implementation="nki_emulated")
+        rec.runs  # [RunStats, ...]
+    """
+    rec = Recording(cost)
+    with _RECORDINGS_LOCK:
+        _RECORDINGS.append(rec)
+    try:
+        yield rec
+    finally:
+        with _RECORDINGS_LOCK:
+            _RECORDINGS.remove(rec)
+
+
+class SimulatedKernel:
+    """``simulate(kernel)``: call it with numpy arrays; ``[n]`` sets the launch grid.
+
+    After a call, ``last_run`` holds the :class:`RunStats` and ``last_stats`` the same as a dict.
+    """
+
+    def __init__(self, func: types.FunctionType, target: Target, grid: int, stats: bool, cost: bool):
+        self._func = func
+        self.target = target
+        self.grid = grid
+        self._stats = stats
+        self._cost = cost
+        self.last_run: RunStats | None = None
+        self.last_stats: dict | None = None
+        functools.update_wrapper(self, func)
+
+    def __getitem__(self, grid: Any) -> SimulatedKernel:
+        """``simulate(kernel)[2]``: the same kernel launched on a grid of 2 programs (LNC=2)."""
+        return SimulatedKernel(
+            self._func, self.target, _check_grid(grid, self.target), self._stats, self._cost
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        launch = Launch(self.target, self.grid)
+        run_stats = RunStats(self.target.name, self.grid)
+        # Inputs live in HBM shared by all programs (lnc.rst: "the inputs and outputs of the
+        # kernel should be stored in the Shared HBM").
+        host = Context(self.target, 0, launch)
 
         def wrap(value: Any, position: str) -> Any:
             if isinstance(value, Tensor):
                 raise TypeError("pass numpy arrays to a simulated kernel, not emulator tensors")
             if isinstance(value, np.ndarray) or hasattr(value, "__array__"):
-                return ctx.wrap_input(np.asarray(value), position)
+                return host.wrap_input(np.asarray(value), position)
             return value
 
         call_args = [wrap(a, f"argument {i}") for i, a in enumerate(args)]
         call_kwargs = {k: wrap(v, k) for k, v in kwargs.items()}
-        with ctx, single_threaded_blas():
-            result = bound(*call_args, **call_kwargs)
-            ctx.check_capacity()
-            out = _to_numpy(result)
-        run.last_stats = {
-            "instructions": ctx.instructions,
-            "sbuf_peak_bytes_per_partition": ctx.sbuf_peak,
-            "psum_peak_banks": ctx.psum_peak,
-            "target": target,
-        }
+        with _RECORDINGS_LOCK:
+            recordings = list(_RECORDINGS)
+        record_cost = self._cost or any(r.cost for r in recordings)
+        out = None
+        first_result = None
+        with single_threaded_blas():
+            for pid in range(self.grid):
+                ctx = Context(self.target, pid, launch)
+                if record_cost:
+                    from . import cost as cost_model
+
+                    ctx.cost = cost_model.CostRecord(self.target.name)
+                bound = _rebind(self._func, {})
+                with ctx:
+                    result = bound(*call_args, **call_kwargs)
+                    ctx.check_capacity()
+                    del bound
+                if pid == 0:
+                    first_result = result
+                elif not _same_outputs(first_result, result):
+                    raise NkiUnsupportedError(
+                        f"program {pid} returned other tensors than program 0: SPMD programs "
+                        "return the same shared_hbm outputs (nki/get-started/about/lnc.rst)"
+                    )
+                run_stats.programs.append(
+                    ProgramStats(
+                        pid, ctx.instructions, ctx.compiled_instructions, dict(ctx.ops),
+                        ctx.sbuf_peak, ctx.psum_peak, ctx.cost,
+                    )
+                )
+                del result, ctx
+            out = _to_numpy(first_result)
+        self.last_run = run_stats
+        self.last_stats = run_stats.as_dict()
+        for rec in recordings:
+            rec.runs.append(run_stats)
+        if self._stats:
+            return out, run_stats
         return out
 
-    run.last_stats = None
-    return run
+
+def _same_outputs(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_outputs(x, y) for x, y in zip(a, b))
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a._st is b._st and a.shape == b.shape
+    return False
+
+
+def simulate(
+    kernel: Callable,
+    *,
+    target: str | None = None,
+    grid: Any = 1,
+    stats: bool = False,
+    cost: bool = False,
+) -> SimulatedKernel:
+    """Like ``nki.simulate(kernel)``: a callable running ``kernel`` on numpy arrays on the host.
+
+    Args:
+      kernel: the NKI kernel function (or a wrapper exposing it as ``__wrapped__`` or ``.func``).
+      target: ``"trn1"``, ``"trn2"`` or ``"trn3"``; default :func:`current_target` (NKI's
+        ``NEURON_PLATFORM_TARGET_OVERRIDE``, else ``"trn2"``).
+      grid: the SPMD launch grid, one number: the physical cores of the logical core (1, or 2 on
+        trn2/trn3). ``simulate(kernel)[2]`` is the same as ``simulate(kernel, grid=2)``. Each
+        program instance runs the kernel with its own ``nl.program_id(0)``;
+        ``nl.num_programs()`` is the grid. The programs share inputs and ``nl.shared_hbm``
+        outputs, and each has its own SBUF, PSUM and counters.
+      stats: if True, a call returns ``(outputs, RunStats)`` instead of the outputs alone.
+      cost: record each instruction's modelled cost (see :mod:`.cost`) in
+        ``RunStats.programs[i].cost``.
+
+    The returned callable takes the kernel's arguments (numpy arrays become HBM tensors; other
+    values pass through) and returns the kernel's ``nl.shared_hbm`` outputs as numpy arrays: one
+    array, or a tuple if the kernel returns several. After a call, ``.last_run`` holds the
+    :class:`RunStats` (per program: instructions executed, instructions of the compiled body,
+    instructions by name, SBUF/PSUM peaks) and ``.last_stats`` a dict summary.
+    """
+    info = resolve_target(target)
+    return SimulatedKernel(_unwrap(kernel), info, _check_grid(grid, info), stats, cost)

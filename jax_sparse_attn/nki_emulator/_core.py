@@ -27,7 +27,6 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .. import constants
 from ..constants import PARTITIONS, PSUM_BANK_FP32, PSUM_BANKS
 from .errors import (
     NkiCapacityError,
@@ -40,14 +39,12 @@ from .errors import (
     NkiUninitializedReadError,
     NkiUnsupportedError,
 )
+from .targets import TARGETS, Target, resolve_target
 
 PSUM_BANK_BYTES = PSUM_BANK_FP32 * 4
 
-# SBUF bytes per partition available to a kernel, by target (NKI_SUBSET.md).
-SBUF_BYTES_PER_PARTITION = {
-    "trn1": constants.SBUF_BYTES_PER_PARTITION,
-    "trn2": constants.SBUF_BYTES_PER_PARTITION_TRN2,
-}
+# SBUF bytes per partition available to a kernel, by target (sources in targets.py).
+SBUF_BYTES_PER_PARTITION = {name: t.sbuf_bytes_per_partition for name, t in TARGETS.items()}
 
 _PACKAGE = __name__.rsplit(".", 1)[0]
 
@@ -146,22 +143,46 @@ def _user_site() -> str:
     return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
 
 
-class Context:
-    """State of one simulated kernel run: live on-chip memory and the Scalar Engine reduce registers."""
+class Launch:
+    """What the program instances of one launch share: the target, the grid and shared HBM.
 
-    def __init__(self, target: str = "trn1"):
-        if target not in SBUF_BYTES_PER_PARTITION:
-            raise ValueError(
-                f"target must be one of {sorted(SBUF_BYTES_PER_PARTITION)}, got {target!r}"
-            )
+    SPMD programs run the same kernel text (``nki/get-started/about/lnc.rst``), so the i-th
+    ``nl.shared_hbm`` tensor each program allocates is one tensor, shared by all of them: program 0
+    allocates it, the others get the same storage back (same shape and dtype, or an error).
+    """
+
+    def __init__(self, target: Target, grid: int):
         self.target = target
-        self.sbuf_budget = SBUF_BYTES_PER_PARTITION[target]
+        self.grid = grid
+        self.shared: list[_Storage] = []
+
+
+class Context:
+    """State of one program instance of a simulated kernel (one physical core).
+
+    Live on-chip memory, the Scalar Engine reduce registers, the program id, and the instruction
+    record: ``instructions`` counts every instruction executed, ``compiled_instructions`` only those
+    of the compiled program text, i.e. the body of an ``nl.dynamic_range`` loop (a hardware loop,
+    not unrolled) counts once, however many times it runs.
+    """
+
+    def __init__(self, target: str | Target | None = None, program_id: int = 0, launch: Launch | None = None):
+        self.target_info = resolve_target(target)
+        self.target = self.target_info.name
+        self.launch = launch if launch is not None else Launch(self.target_info, 1)
+        self.program_id = program_id
+        self.sbuf_budget = self.target_info.sbuf_bytes_per_partition
         self.sbuf_used = 0
         self.psum_banks_used = 0
         self.live: dict[int, str] = {}  # id(storage) -> description, for capacity messages
         self.sbuf_peak = 0
         self.psum_peak = 0
         self.instructions = 0
+        self.compiled_instructions = 0
+        self.ops: dict[str, int] = {}  # executed instructions by name
+        self.repeat_depth = 0  # > 0 inside the second and later iterations of a dynamic loop
+        self.cost = None  # a cost.CostRecord when cost recording is on
+        self._shared_seen = 0  # shared_hbm allocations of this program so far
         # Scalar Engine accumulation registers, one fp32 per partition (nisa.activation reduce_cmd).
         self.reduce_regs = np.full(PARTITIONS, np.nan, np.float32)
         self.reduce_regs_valid = np.zeros(PARTITIONS, bool)
@@ -173,6 +194,14 @@ class Context:
 
     def __exit__(self, *exc: object) -> None:
         _ACTIVE.ctx = self._previous
+
+    def begin_instruction(self, instr: str) -> None:
+        """Count one instruction ``instr`` and check that live on-chip memory fits the chip."""
+        self.instructions += 1
+        if self.repeat_depth == 0:
+            self.compiled_instructions += 1
+        self.ops[instr] = self.ops.get(instr, 0) + 1
+        self.check_capacity()
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -194,7 +223,6 @@ class Context:
 
     def check_capacity(self) -> None:
         """Called at the start of every instruction: live on-chip memory must fit the chip."""
-        self.instructions += 1
         if self.sbuf_used > self.sbuf_peak:
             self.sbuf_peak = self.sbuf_used
         if self.psum_banks_used > self.psum_peak:
@@ -250,12 +278,18 @@ class Context:
                 psum_banks = 1
             else:
                 sbuf_bytes = per_partition
+        if buffer is SHARED_HBM:
+            shared = self._shared_storage(shape, dt, name)
+            if shared is not None:
+                return Tensor(shared, shared.data, shared.init, 0)
         data = np.empty(shape, dt)
         if dt in FLOAT_DTYPES:
             data.fill(np.nan)  # what the real simulator does; e5m2/e4m3 have NaN encodings too
         else:
             data.view(np.uint8).fill(0xA5)
         st = _Storage(data, np.zeros(shape, bool), buffer, name or "", None)
+        if buffer is SHARED_HBM:
+            self.launch.shared.append(st)
         if buffer.on_chip:
             st.ctx = self
             self._charge(
@@ -264,6 +298,27 @@ class Context:
                 f"({sbuf_bytes or PSUM_BANK_BYTES} B/partition) allocated at {_user_site()}",
             )
         return Tensor(st, data, st.init, 0)
+
+    def _shared_storage(self, shape: tuple, dt: np.dtype, name: str) -> _Storage | None:
+        """The shared-HBM storage program 0 allocated at this point, for programs 1.. (or None)."""
+        index = self._shared_seen
+        self._shared_seen += 1
+        if self.program_id == 0:
+            return None
+        if index >= len(self.launch.shared):
+            raise NkiUnsupportedError(
+                f"program {self.program_id} allocates shared_hbm tensor #{index} {shape}, which "
+                "program 0 did not: SPMD programs must allocate the same shared_hbm tensors in the "
+                "same order (nki/get-started/about/lnc.rst: the program on each core is the same)"
+            )
+        st = self.launch.shared[index]
+        if st.data.shape != shape or st.data.dtype != dt:
+            raise NkiShapeError(
+                f"program {self.program_id} allocates shared_hbm tensor #{index} as {shape} "
+                f"{dt.name}, program 0 as {st.data.shape} {st.data.dtype.name}: SPMD programs "
+                "share their shared_hbm outputs (nki/get-started/about/lnc.rst)"
+            )
+        return st
 
     def wrap_input(self, array: np.ndarray, position: str) -> Tensor:
         """A kernel argument: an HBM tensor holding a copy of ``array``, fully initialised."""
@@ -459,21 +514,26 @@ class Tensor:
         self,
         pattern: Any,
         offset: int = 0,
+        scalar_offset: Any = None,
         vector_offset: Tensor | None = None,
         indirect_dim: int = 0,
         **kwargs: Any,
     ) -> AccessPattern:
-        """A hardware access pattern over this (whole) tensor.
+        """A hardware access pattern over this (whole) tensor (``nki/deep-dives/nki-aps.rst``).
 
         ``pattern`` is ``[[stride, count], ...]``, outermost first, strides in elements of the
         row-major tensor; element ``(i0, i1, ...)`` reads flat index
-        ``offset + sum(i_k * stride_k)``. With ``vector_offset=idx_tile`` (an SBUF ``[count0, 1]``
-        integer tile) the access is a row gather: index ``i0`` is replaced by the row
-        ``idx_tile[i0]`` of the tensor (HBM tensors and ``indirect_dim=0`` only).
+        ``offset + sum(i_k * stride_k)``.
+
+        * ``scalar_offset``: a ``[1, 1]`` integer SBUF tile or a ``nisa.VirtualRegister`` holding
+          ``s``; the access starts ``s * prod(shape[indirect_dim + 1:])`` elements further.
+        * ``vector_offset=idx_tile``: a row gather (HBM tensors, ``indirect_dim=0`` only): index
+          ``i0`` is replaced by the row ``idx_tile[i0]`` (``dma_copy``: a ``[count0, 1]`` tile;
+          ``dma_transpose``: the 2-D uint32 index tile its page describes).
         """
         if kwargs:
             raise NkiUnsupportedError(f"tensor.ap arguments not emulated: {sorted(kwargs)}")
-        return AccessPattern(self, pattern, offset, vector_offset, indirect_dim)
+        return AccessPattern(self, pattern, offset, vector_offset, indirect_dim, scalar_offset)
 
     # -- arithmetic sugar: the nl functions -----------------------------------------------------
 
@@ -511,13 +571,20 @@ class Tensor:
 
 
 class AccessPattern:
-    """``tensor.ap(...)``: an explicit (possibly indirect) access pattern, a ``dma_copy`` operand."""
+    """``tensor.ap(...)``: an explicit (possibly indirect) access pattern, a DMA operand."""
 
-    __slots__ = ("base", "pattern", "offset", "vector_offset", "indirect_dim", "shape")
+    __slots__ = (
+        "base", "pattern", "offset", "vector_offset", "indirect_dim", "scalar_offset", "shape",
+    )  # fmt: skip
 
-    def __init__(self, base: Tensor, pattern: Any, offset: Any, vector_offset: Any, indirect_dim: Any):
+    def __init__(
+        self, base: Tensor, pattern: Any, offset: Any, vector_offset: Any, indirect_dim: Any,
+        scalar_offset: Any = None,
+    ):  # fmt: skip
         st = base._st
         if base._data.shape != st.data.shape or base._p0 != 0:
+            # NKI 0.3 (nki-aps.rst, "ap" on a tensor): .ap is a method of an nl.ndarray (an
+            # argument or an allocation), not of an already indexed view.
             raise NkiUnsupportedError(
                 f"tensor.ap on a view is not emulated: call it on the whole tensor "
                 f"({base.describe()}) and fold the view into offset/pattern"
@@ -533,20 +600,35 @@ class AccessPattern:
         if not _is_int(offset) or offset < 0:
             raise NkiOutOfBoundsError(f"access outside a tensor: ap offset {offset!r}")
         if st.buffer.on_chip and vector_offset is not None:
+            # dma_copy page: "The tensor being indexed (the one .ap() is called on) must be in HBM."
             raise NkiMemorySpaceError(
                 f"operand in the wrong memory: an indirect (vector_offset) access pattern gathers "
                 f"HBM rows, {base.describe()} is on chip"
             )
         if st.buffer.on_chip:
             # The kernels use access patterns on HBM only; the partition-step convention of
-            # on-chip patterns is not modelled, so refuse rather than guess.
+            # on-chip patterns is not modelled, so refuse rather than guess (inferred).
             raise NkiUnsupportedError(
                 f"tensor.ap on an on-chip tensor is not emulated ({base.describe()}); slice it"
             )
+        if vector_offset is not None and scalar_offset is not None:
+            # nki-aps.rst: "At most one of the scalar_offset and vector_offset can be specified."
+            raise NkiShapeError("tensor.ap: scalar_offset and vector_offset are mutually exclusive")
+        if not _is_int(indirect_dim) or not 0 <= indirect_dim < st.data.ndim:
+            raise NkiShapeError(
+                f"tensor.ap: indirect_dim={indirect_dim!r} is not an axis of {st.data.shape}"
+            )
+        if scalar_offset is not None:
+            _check_scalar_offset(scalar_offset)
         if vector_offset is not None:
             if indirect_dim != 0:
-                raise NkiUnsupportedError(f"indirect_dim={indirect_dim}: only indirect_dim=0 is emulated")
+                # nki-aps.rst: "Currently, only indirect_dim=0 is supported" for vector_offset.
+                raise NkiUnsupportedError(
+                    f"indirect_dim={indirect_dim}: vector_offset supports indirect_dim=0 only "
+                    "(nki/deep-dives/nki-aps.rst)"
+                )
             if not isinstance(vector_offset, Tensor) or vector_offset.buffer is not SBUF:
+                # dma_copy page: the index tensor is an SBUF tensor.
                 raise NkiMemorySpaceError(
                     "operand in the wrong memory: vector_offset must be an SBUF tile of row indices"
                 )
@@ -554,14 +636,10 @@ class AccessPattern:
                 raise NkiDtypeError(
                     f"vector_offset must hold integers, got {vector_offset.dtype.name}"
                 )
-            if vector_offset.shape != (pairs[0][1], 1):
-                raise NkiShapeError(
-                    f"vector_offset shape {vector_offset.shape} must be (count of the first "
-                    f"pattern pair, 1) = ({pairs[0][1]}, 1)"
-                )
             row = int(np.prod(st.data.shape[1:], dtype=np.int64))
             if pairs[0][0] != row:
-                # Stricter reading of "the leading stride comes from the base tensor".
+                # nki-aps.rst: "The stride on the leading dimension must be the total number of
+                # elements to the right of the leading dimension in the base tensor".
                 raise NkiShapeError(
                     f"indirect ap: the leading stride {pairs[0][0]} must equal the row stride "
                     f"{row} of the gathered tensor {st.data.shape}"
@@ -570,7 +648,8 @@ class AccessPattern:
         self.pattern = pairs
         self.offset = int(offset)
         self.vector_offset = vector_offset
-        self.indirect_dim = indirect_dim
+        self.scalar_offset = scalar_offset
+        self.indirect_dim = int(indirect_dim)
         self.shape = tuple(c for _, c in pairs)
 
     @property
@@ -581,12 +660,38 @@ class AccessPattern:
     def buffer(self) -> Buffer:
         return self.base.buffer
 
+    @property
+    def is_indirect(self) -> bool:
+        """A vector_offset gather (the form that needs the software DGE, NeuronCore-v3+)."""
+        return self.vector_offset is not None
+
     def describe(self) -> str:
-        kind = "indirect ap" if self.vector_offset is not None else "ap"
+        kind = (
+            "indirect ap" if self.vector_offset is not None
+            else "scalar-offset ap" if self.scalar_offset is not None
+            else "ap"
+        )  # fmt: skip
         return f"{kind} {self.pattern} offset {self.offset} over {self.base.describe()}"
 
-    def resolve(self, instr: str, skip_oob: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        """Flat element indices ``[*shape]`` into the base, and (gathers) the rows to transfer."""
+    def check_dma_copy_indices(self, instr: str) -> None:
+        """dma_copy's vector_offset is one row index per partition: a ``[count0, 1]`` tile."""
+        if self.vector_offset is not None and self.vector_offset.shape != (self.pattern[0][1], 1):
+            # dma_copy page: "an SBUF tensor of shape (P, 1) containing one row index per partition".
+            raise NkiShapeError(
+                f"{instr}: vector_offset shape {self.vector_offset.shape} must be (count of the "
+                f"first pattern pair, 1) = ({self.pattern[0][1]}, 1)"
+            )
+
+    def resolve(
+        self, instr: str, skip_oob: bool = False, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Flat element indices ``[*shape]`` into the base, and the rows/elements to transfer.
+
+        ``rows``: the gathered row of each index ``i0`` (default: the ``[count0, 1]``
+        vector_offset tile). The second result is None when everything transfers, else a boolean
+        mask over axis 0 (gathers) or over the whole access (scalar offsets) of what does;
+        out-of-range indices or addresses raise unless ``skip_oob`` (``oob_mode=skip``).
+        """
         n = len(self.pattern)
         size = self.base._st.data.size
         flat = np.full((1,) * n, self.offset, np.int64)
@@ -596,12 +701,16 @@ class AccessPattern:
             shape = [1] * n
             shape[axis] = count
             flat = flat + (np.arange(count, dtype=np.int64) * stride).reshape(shape)
-        rows_ok = None
+        ok = None
         if self.vector_offset is not None:
-            rows = read(self.vector_offset, instr, "vector_offset").astype(np.int64).reshape(-1)
+            if rows is None:
+                rows = read(self.vector_offset, instr, "vector_offset").astype(np.int64).reshape(-1)
             nrows = self.base._st.data.shape[0]
             bad = (rows < 0) | (rows >= nrows)
             if bad.any():
+                # dma_copy page: "By default a runtime error is raised (oob_mode=oob_mode.error)
+                # ... skip the DMA transfer for a given dynamic address or index when it is out
+                # of bound using oob_mode=oob_mode.skip."
                 if not skip_oob:
                     p = int(np.flatnonzero(bad)[0])
                     raise NkiOutOfBoundsError(
@@ -609,18 +718,61 @@ class AccessPattern:
                         f"is outside the {nrows} rows of {self.base.describe()} "
                         f"({int(bad.sum())} bad indices; oob_mode=error)"
                     )
-                rows_ok = ~bad
+                ok = ~bad
                 rows = np.where(bad, 0, rows)
             shape = [1] * n
             shape[0] = rows.size
             flat = flat + (rows * self.pattern[0][0]).reshape(shape)
+        elif self.scalar_offset is not None:
+            value = _scalar_offset_value(self.scalar_offset, instr)
+            step = int(np.prod(self.base._st.data.shape[self.indirect_dim + 1 :], dtype=np.int64))
+            # nki-aps.rst: the access starts at offset + scalar_offset * prod(shape[indirect_dim+1:]).
+            flat = flat + value * step
+            whole = np.broadcast_to(flat, self.shape)
+            if whole.size and (whole.min() < 0 or whole.max() >= size):
+                if not skip_oob:
+                    raise NkiOutOfBoundsError(
+                        f"out-of-range dynamic address: {instr} {self.describe()} with "
+                        f"scalar_offset {value} reaches flat index {int(whole.max())} of {size} "
+                        "(oob_mode=error)"
+                    )
+                # Inferred: the whole transfer of an out-of-range scalar address is skipped.
+                return np.zeros(self.shape, np.int64), np.zeros(self.shape, bool)
         flat = np.broadcast_to(flat, self.shape)
         if flat.size and (flat.min() < 0 or flat.max() >= size):
             raise NkiOutOfBoundsError(
                 f"access outside a tensor: {instr} {self.describe()} reaches flat index "
                 f"{int(flat.max())} of {size}"
             )
-        return flat, rows_ok
+        return flat, ok
+
+
+def _check_scalar_offset(value: Any) -> None:
+    from .isa import VirtualRegister
+    from .language import LoopIndex
+
+    if isinstance(value, LoopIndex):
+        value._refuse()
+    if isinstance(value, VirtualRegister):
+        return
+    # nki-aps.rst / dma_copy page: a (1, 1) SBUF tensor or a VirtualRegister.
+    if not isinstance(value, Tensor) or value.buffer is not SBUF:
+        raise NkiMemorySpaceError(
+            "operand in the wrong memory: scalar_offset must be a [1, 1] SBUF tile or a "
+            f"nisa.VirtualRegister, got {getattr(value, 'describe', lambda: type(value).__name__)()}"
+        )
+    if value.dtype.kind not in "iu" or value.shape not in ((1, 1), (1,)):
+        raise NkiShapeError(
+            f"scalar_offset must be a [1, 1] integer SBUF tile, got {value.describe()}"
+        )
+
+
+def _scalar_offset_value(value: Any, instr: str) -> int:
+    from .isa import VirtualRegister
+
+    if isinstance(value, VirtualRegister):
+        return value.read(f"{instr} scalar_offset")
+    return int(read(value, instr, "scalar_offset").reshape(-1)[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -646,26 +798,31 @@ def write(t: Tensor, values: np.ndarray) -> None:
     t._mask[...] = True
 
 
-def read_ap(ap: AccessPattern, instr: str, arg: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    flat, rows_ok = ap.resolve(instr, skip_oob)
+def read_ap(
+    ap: AccessPattern, instr: str, arg: str, skip_oob: bool, rows: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The values ``ap`` reads, and the mask of what transfers (None: everything)."""
+    flat, ok = ap.resolve(instr, skip_oob, rows)
     st = ap.base._st
     init = st.init.reshape(-1)[flat]
-    if rows_ok is not None:
-        init = init | ~rows_ok.reshape((-1,) + (1,) * (init.ndim - 1))
+    if ok is not None:
+        init = init | ~ok.reshape(ok.shape + (1,) * (init.ndim - ok.ndim))
     if not init.all():
         raise NkiUninitializedReadError(
             f"read of memory never written: {instr} reads {arg} = {ap.describe()}, "
             f"{int((~init).sum())} elements were never written"
         )
-    return st.data.reshape(-1)[flat], rows_ok
+    return st.data.reshape(-1)[flat], ok
 
 
-def write_ap(ap: AccessPattern, values: np.ndarray, instr: str) -> None:
+def write_ap(ap: AccessPattern, values: np.ndarray, instr: str, skip_oob: bool = False) -> None:
     if ap.vector_offset is not None:
         raise NkiUnsupportedError(
             f"{instr}: an indirect access pattern as destination (scatter) is not emulated"
         )
-    flat, _ = ap.resolve(instr)
+    flat, ok = ap.resolve(instr, skip_oob)
+    if ok is not None:
+        return  # an out-of-range scalar address with oob_mode=skip: nothing is written
     if np.unique(flat).size != flat.size:
         raise NkiShapeError(f"{instr}: destination {ap.describe()} writes some elements twice")
     st = ap.base._st

@@ -24,6 +24,7 @@ from ._core import (
     SBUF,
     AccessPattern,
     Tensor,
+    current_context,
     read,
     read_ap,
     write,
@@ -50,7 +51,8 @@ from .language import (
 )
 
 __all__ = [
-    "reduce_cmd", "oob_mode", "engine", "dge_mode", "dma_copy", "dma_transpose", "tensor_copy",
+    "VirtualRegister", "register_alloc", "register_load", "register_move", "register_store",
+    "iota", "reduce_cmd", "oob_mode", "engine", "dge_mode", "dma_copy", "dma_transpose", "tensor_copy",
     "nc_matmul", "nc_transpose", "activation", "activation_reduce", "tensor_scalar",
     "scalar_tensor_tensor", "tensor_tensor", "tensor_reduce", "reciprocal", "memset",
 ]  # fmt: skip
@@ -85,17 +87,25 @@ class engine(enum.Enum):
     vector = "vector"
     scalar = "scalar"
     gpsimd = "gpsimd"
+    dma = "dma"
     sync = "sync"
 
 
 class dge_mode(enum.Enum):
+    """Descriptor Generation Engine mode (``nki/deep-dives/nki-dge.rst``)."""
+
     unknown = "unknown"
     none = "none"
     swdge = "swdge"
     hwdge = "hwdge"
 
 
+_DGE = dge_mode
+
+
 # Operators, keyed by the nl function (and the numpy ufunc older NKI code passes).
+# The ALU operator table (nki-aluop) is not among the stored 0.3 pages; divide is accepted as an
+# engine ALU operator (inferred; only the nl.divide *function* is documented as unsupported).
 _BINARY_OPS = {
     nl.add: np.add, nl.subtract: np.subtract, nl.multiply: np.multiply, nl.divide: np.divide,
     nl.maximum: np.maximum, nl.minimum: np.minimum,
@@ -174,90 +184,196 @@ def _not_both_psum(instr: str, a: Tensor, b: Tensor, names: str) -> None:
 # data movement
 
 
+def _require_nc_version(instr: str, minimum: int, what: str, source: str) -> None:
+    """Reject ``what`` on targets older than NeuronCore-v``minimum`` (trn1 is v2)."""
+    target = current_context().target_info
+    if target.nc_version < minimum:
+        raise NkiUnsupportedError(
+            f"not available on {target.name}: {instr} {what} needs NeuronCore-v{minimum} or newer "
+            f"({target.name} is NeuronCore-v{target.nc_version}; {source})"
+        )
+
+
+def _mode_value(value: Any, enum_type: type, instr: str, arg: str) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, enum_type):
+        # NKI 0.3 release notes, breaking changes: "Raw integer enum constants no longer accepted."
+        raise NkiUnsupportedError(f"{instr}: {arg} must be a nisa.{enum_type.__name__} member, got {value!r}")
+    return value
+
+
+def _check_dma_target(instr: str, src: Any, dst: Any, dge: Any) -> None:
+    """The generation rules of DMA forms (trn1 is NeuronCore-v2)."""
+    if dge is _DGE.hwdge:
+        # dma_copy / dma_transpose pages: "Hardware based DGE is only supported for
+        # NeuronCore-v3 or newer."; nki/deep-dives/nki-dge.rst, mode table.
+        _require_nc_version(instr, 3, "dge_mode=hwdge", "dma_copy page, nki/deep-dives/nki-dge.rst")
+    for x in (src, dst):
+        if isinstance(x, AccessPattern) and x.is_indirect:
+            # nki/deep-dives/nki-dge.rst, mode table: swdge "Any (indirect: v3+)".
+            _require_nc_version(
+                instr, 3, "with an indirect (vector_offset) access pattern",
+                "nki/deep-dives/nki-dge.rst, DGE mode table",
+            )
+            if dge not in (None, _DGE.unknown, _DGE.swdge):
+                # nki-dge.rst, "How .ap() Affects DGE Mode": vector_offset needs unknown or swdge.
+                raise NkiUnsupportedError(
+                    f"{instr}: an indirect (vector_offset) access pattern needs dge_mode unknown "
+                    f"or swdge, got {dge.name} (nki/deep-dives/nki-dge.rst)"
+                )
+
+
+def _charge(ctx: Any, instr: str, engine: Any, dst: Any, inputs: list, **info: Any) -> None:
+    """Record the instruction's modelled cost when the run records costs (see cost.py)."""
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, engine, dst, inputs, **info)
+
+
+def _masked_write(dst: Tensor, values: np.ndarray, ok: np.ndarray | None) -> None:
+    """Write ``values`` into ``dst`` where ``ok`` (None: everywhere); the rest keeps its contents."""
+    if ok is None:
+        write(dst, values)
+        return
+    mask = np.broadcast_to(ok.reshape(ok.shape + (1,) * (values.ndim - ok.ndim)), values.shape)
+    dst._data[mask] = values[mask]
+    dst._mask[mask] = True
+
+
 def dma_copy(
     dst: Any,
     src: Any,
-    dst_rmw_op: Any = None,
     oob_mode: oob_mode = oob_mode.error,
     dge_mode: Any = None,
     engine: Any = None,
-    unique_indices: bool = True,
     **kwargs: Any,
 ) -> None:
     """``dst = src`` by DMA, between any memories except that PSUM cannot be read; converts dtype.
 
-    ``src`` may be a tensor, a view or an access pattern ``t.ap(...)``; with
-    ``vector_offset=idx_tile`` it gathers HBM rows (an index outside the rows raises, or with
-    ``oob_mode=nisa.oob_mode.skip`` leaves that destination row untouched). ``dst_rmw_op=nl.add``
-    adds into ``dst`` instead of overwriting it.
+    ``src``/``dst`` may be tensors, views or access patterns ``t.ap(...)``: with
+    ``scalar_offset`` the start moves by a runtime value; with ``vector_offset=idx_tile`` (src
+    only) it gathers HBM rows (trn2+). An out-of-range index or address raises (the default
+    ``oob_mode=nisa.oob_mode.error``); with ``oob_mode=nisa.oob_mode.skip`` that row (or that
+    whole scalar-offset transfer) is skipped and the destination keeps what it held.
     """
     instr = "nisa.dma_copy"
+    for removed in ("dst_rmw_op", "unique_indices"):
+        if removed in kwargs:
+            # NKI 0.3 release notes (breaking changes) and nki/migration/index.rst (0.3.0 update
+            # guide): "dst_rmw_op and unique_indices parameters removed. Use nisa.dma_compute".
+            raise NkiUnsupportedError(
+                f"{instr}: {removed} was removed in NKI 0.3 (release notes, breaking changes): "
+                "use nisa.dma_compute"
+            )
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     for arg, x in (("dst", dst), ("src", src)):
         if not isinstance(x, (Tensor, AccessPattern)):
             raise NkiUnsupportedError(f"{instr}: {arg} must be a tensor, view or ap, got {type(x).__name__}")
+    mode = _mode_value(oob_mode, _OOB, instr, "oob_mode")
+    dge = _mode_value(dge_mode, _DGE, instr, "dge_mode")
+    _check_dma_target(instr, src, dst, dge)
+    if engine is not None and dge is not _DGE.hwdge and getattr(engine, "name", "unknown") != "unknown":
+        # dma_copy page: engine "Only valid when dge_mode=nisa.dge_mode.hwdge".
+        raise NkiUnsupportedError(f"{instr}: engine= is only valid with dge_mode=hwdge")
     if src.buffer is PSUM:
+        # NKI 0.3 release notes, breaking changes: "nisa.dma_copy — No longer supports reading
+        # directly from PSUM."
         raise NkiMemorySpaceError(
             f"operand in the wrong memory: {instr} cannot read PSUM (src is {src.describe()}); "
             "copy it to SBUF with nisa.tensor_copy first"
         )
-    skip = oob_mode is _OOB.skip
+    if dst.buffer is PSUM:
+        # dma_copy page, memory types: "Both src and dst tiles can be in HBM or SBUF."
+        raise NkiMemorySpaceError(
+            f"operand in the wrong memory: {instr} writes HBM or SBUF, dst is {dst.describe()}"
+        )
+    skip = mode is _OOB.skip
     if isinstance(src, AccessPattern):
-        values, rows_ok = read_ap(src, instr, "src", skip)
+        src.check_dma_copy_indices(instr)
+        values, ok = read_ap(src, instr, "src", skip)
     else:
-        values, rows_ok = read(src, instr, "src"), None
+        values, ok = read(src, instr, "src"), None
+    # Inferred (stricter than the page, which asks for equal element counts): dst and src shapes
+    # must be equal.
     check_dst_shape(instr, dst, values.shape)
-    if dst_rmw_op is not None:
-        if dst_rmw_op not in (nl.add, np.add):
-            raise NkiUnsupportedError(f"{instr}: dst_rmw_op must be nl.add or None")
-        if isinstance(dst, AccessPattern):
-            raise NkiUnsupportedError(f"{instr}: dst_rmw_op with an access-pattern dst")
-        values = f32_values(dst, instr, "dst (dst_rmw_op reads it)") + values.astype(F32)
+    if dge is _DGE.hwdge and dst.dtype != src.dtype:
+        # NKI 0.3 release notes: dma_copy "Enforces matching source and destination element
+        # types when using dge_mode=dge_mode.hwdge".
+        raise NkiDtypeError(
+            f"{instr}: dge_mode=hwdge copies need equal dtypes, src {src.dtype.name} dst {dst.dtype.name}"
+        )
     if isinstance(dst, AccessPattern):
-        if rows_ok is not None:
+        if ok is not None:
             raise NkiUnsupportedError(f"{instr}: oob_mode=skip with an access-pattern dst")
-        write_ap(dst, values, instr)
-    elif rows_ok is None:
-        write(dst, values)
+        write_ap(dst, values, instr, skip)
     else:
-        dst._data[rows_ok] = values[rows_ok]
-        dst._mask[rows_ok] = True
+        _masked_write(dst, values, ok)
+    if ctx.cost is not None:
+        ctx.cost.dma(
+            instr, src, dst, values, ok, dge,
+            indirect_rows=src.shape[0] if isinstance(src, AccessPattern) and src.is_indirect else 0,
+            dynamic=any(isinstance(x, AccessPattern) and x.scalar_offset is not None for x in (src, dst)),
+            nc_version=ctx.target_info.nc_version,
+        )  # fmt: skip
 
 
 def dma_transpose(
     dst: Tensor,
-    src: Tensor,
+    src: Any,
     axes: Any = None,
     dge_mode: Any = None,
-    oob_mode: Any = None,
-    priority: Any = None,
+    oob_mode: Any = oob_mode.error,
     **kwargs: Any,
 ) -> None:
-    """``dst[B, A] = src[A, B].T`` by DMA, HBM -> SBUF, for 2-byte dtypes.
+    """``dst[B, A] = src[A, B].T`` by DMA into SBUF, for 2-byte dtypes (trn2+).
 
-    Rules: 2-byte dtypes only (no dtype conversion); the source free size ``B`` at most 128; the
-    destination view must start at a 32-byte aligned offset within its partition.
+    Direct form: ``src`` an HBM tensor or view ``[A, B]`` with ``B <= 128``; the destination view
+    must start at a 32-byte aligned offset within its partition.
+
+    Indirect form (gather + transpose in one DMA): ``src = kv.ap(pattern=[[row, A], [1, B]],
+    offset=col0, vector_offset=idx, indirect_dim=0)`` with ``idx`` a 2-D uint32 SBUF tile
+    ``[I0, I1]``: gathered row ``a`` is ``idx.T.flatten()[a]`` (i.e. ``idx[a % I0, a // I0]``),
+    and ``dst[b, a] = kv[row_a, col0 + b]``. The page's constraints are enforced: ``B <= 128``,
+    ``A % 16 == 0``, ``I0`` in ``[16, 128]`` and a multiple of 16, ``I0 == 128`` when ``I1 > 1``,
+    ``I0 * I1 >= A``. With ``oob_mode=nisa.oob_mode.skip`` an out-of-range index leaves its
+    destination column as it was (zero the tile first for zeros).
     """
     instr = "nisa.dma_transpose"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
+    # Trainium2 arch guide (nki/guides/architecture/trainium2_arch.rst, "DMA Transpose") describes
+    # DMA transpose as a Trainium2 feature; the indirect form is "TRN2+ only" (dma_transpose page).
+    _require_nc_version(instr, 3, "", "dma_transpose page; trainium2_arch.rst, DMA Transpose")
     if axes not in (None, (1, 0), [1, 0]):
         raise NkiUnsupportedError(f"{instr}: only the 2-D transpose axes=(1, 0) is emulated")
-    tensor_arg(src, instr, "src", HBM_BUFFERS)
-    tensor_arg(dst, instr, "dst", (SBUF,))
-    if src.ndim != 2 or dst.ndim != 2:
-        raise NkiShapeError(f"{instr}: 2-D src and dst only, got {src.shape} -> {dst.shape}")
+    mode = _mode_value(oob_mode, _OOB, instr, "oob_mode")
+    dge = _mode_value(dge_mode, _DGE, instr, "dge_mode")
+    tensor_arg(dst, instr, "dst", (SBUF,))  # dma_transpose page: dst "must be a tile in SBUF"
+    indirect = isinstance(src, AccessPattern) and src.is_indirect
+    if isinstance(src, AccessPattern) and not indirect:
+        raise NkiUnsupportedError(f"{instr}: a non-indirect access-pattern src is not emulated")
+    if not indirect:
+        # The emulator takes HBM sources only (the page also allows SBUF; not emulated).
+        tensor_arg(src, instr, "src", HBM_BUFFERS)
     if src.dtype.itemsize != 2:
+        # dma_transpose page / nki-dge.rst: the hwdge and indirect forms need 2-byte dtypes.
+        # trainium2_arch.rst allows 4-byte transposes, but the default dge_mode may lower to
+        # hwdge, so the emulator requires 2 bytes for every form (stricter reading).
         raise NkiDtypeError(
             f"dma_transpose of a {src.dtype.itemsize}-byte dtype ({src.dtype.name}): "
             "dma_transpose moves 2-byte dtypes only (bf16/fp16)"
         )
     if dst.dtype != src.dtype:
+        # dma_transpose page: "src.dtype == dst.dtype".
         raise NkiDtypeError(
             f"{instr} does not convert dtypes: src {src.dtype.name}, dst {dst.dtype.name}"
         )
+    if len(src.shape) != 2 or dst.ndim != 2:
+        raise NkiShapeError(f"{instr}: 2-D src and dst only, got {src.shape} -> {dst.shape}")
     if src.shape[1] > PARTITIONS:
+        # dma_transpose page (indirect constraints) and nki-dge.rst: src.shape[-1] <= 128; the
+        # transposed axis becomes dst's partition axis, so the direct form is bound too.
         raise NkiLimitError(
             f"dma_transpose source free size over {PARTITIONS}: src shape {src.shape}"
         )
@@ -266,22 +382,81 @@ def dma_transpose(
     row_bytes = st.data.dtype.itemsize * int(np.prod(st.data.shape[1:], dtype=np.int64))
     start = dst._data.__array_interface__["data"][0] - st.data.__array_interface__["data"][0]
     if (start % row_bytes) % 32:
+        # Inferred from trainium2_arch.rst (16 DMA engines write 16 contiguous 2-byte elements
+        # of each partition together): a 32-byte aligned destination start.
         raise NkiLimitError(
             f"dma_transpose destination offset not 32-byte aligned: dst view starts "
             f"{start % row_bytes} bytes into its partition ({dst.describe()})"
         )
-    write(dst, read(src, instr, "src").T)
+    if not indirect:
+        if mode is _OOB.skip:
+            # dma_transpose page: oob_mode.skip is "Only valid when src uses indirect indexing."
+            raise NkiUnsupportedError(f"{instr}: oob_mode=skip is only valid with an indirect src")
+        if dge not in (None, _DGE.unknown, _DGE.hwdge, _DGE.none):
+            # dma_transpose page: direct transposes take dge_mode unknown or hwdge (nki-dge.rst's
+            # table also lists none for static patterns).
+            raise NkiUnsupportedError(f"{instr}: a direct transpose takes dge_mode unknown/none/hwdge")
+        if dge is _DGE.hwdge and (src.shape[0] != 16 or src.shape[1] % 128):
+            # dma_transpose page, "DMA Direct Transpose Constraints" for hwdge.
+            raise NkiShapeError(
+                f"{instr}: a hwdge transpose needs src.shape[0] == 16 and src.shape[-1] % 128 == 0,"
+                f" got {src.shape}"
+            )
+        values = read(src, instr, "src")
+        write(dst, values.T)
+        if ctx.cost is not None:
+            ctx.cost.dma(instr, src, dst, values, None, dge, transpose=True)
+        return
+    _check_indirect_transpose(instr, src, dge)
+    idx = src.vector_offset
+    count = src.shape[0]
+    rows = read(idx, instr, "vector_offset").astype(np.int64).T.reshape(-1)[:count]
+    values, ok = read_ap(src, instr, "src", mode is _OOB.skip, rows=rows)
+    _masked_write(dst, values.T, None if ok is None else np.broadcast_to(ok, dst.shape))
+    if ctx.cost is not None:
+        ctx.cost.dma(instr, src, dst, values, ok, dge, transpose=True, indirect_rows=count)
+
+
+def _check_indirect_transpose(instr: str, src: AccessPattern, dge: Any) -> None:
+    """The "DMA Indirect Transpose Constraints" of the dma_transpose page (and nki-dge.rst)."""
+    idx = src.vector_offset
+    if dge not in (None, _DGE.unknown, _DGE.swdge):
+        raise NkiUnsupportedError(
+            f"{instr}: an indirect transpose takes dge_mode unknown or swdge, got {dge.name}"
+        )
+    if idx.ndim != 2:
+        raise NkiShapeError(f"{instr}: the index tile must be 2-D, got {idx.describe()}")
+    if idx.dtype != np.dtype(np.uint32):
+        raise NkiDtypeError(f"{instr}: the index tile must be uint32, got {idx.dtype.name}")
+    i0, i1 = idx.shape
+    if not (16 <= i0 <= PARTITIONS and i0 % 16 == 0):
+        raise NkiShapeError(
+            f"{instr}: index tile partitions must be in [16, 128] and a multiple of 16, got {i0}"
+        )
+    if i1 > 1 and i0 != PARTITIONS:
+        raise NkiShapeError(
+            f"{instr}: an index tile with {i1} columns needs exactly 128 partitions, got {i0}"
+        )
+    count = src.shape[0]
+    if count % 16:
+        raise NkiShapeError(f"{instr}: the gathered row count {count} must be a multiple of 16")
+    if i0 * i1 < count:
+        raise NkiShapeError(
+            f"{instr}: index tile {idx.shape} holds {i0 * i1} indices, fewer than the {count} "
+            "gathered rows"
+        )
 
 
 def tensor_copy(dst: Tensor, src: Tensor, engine: Any = None, **kwargs: Any) -> None:
     """``dst = src`` between SBUF/PSUM tiles, converting the dtype."""
     instr = "nisa.tensor_copy"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     tensor_arg(src, instr, "src", ON_CHIP)
     check_dst_shape(instr, dst, src.shape)
     write(dst, read(src, instr, "src"))
+    _charge(ctx, instr, engine, dst, [src])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,7 +486,7 @@ def nc_matmul(
     """
     instr = "nisa.nc_matmul"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     if is_transpose:
         raise NkiUnsupportedError(f"{instr}: is_transpose=True is not emulated; use nisa.nc_transpose")
     if tile_position or tile_size or perf_mode not in (None, "none"):
@@ -356,13 +531,14 @@ def nc_matmul(
     if accumulate:
         product = read(dst, instr, "dst (accumulate=True adds into it)") + product
     write(dst, product)
+    _charge(ctx, instr, None, dst, [stationary, moving], n_stationary=m, n_moving=n)
 
 
 def nc_transpose(dst: Tensor, data: Tensor, engine: Any = None, **kwargs: Any) -> None:
     """``dst[F, P] = data[P, F].T`` on the Tensor Engine: SBUF -> PSUM, at most 128 x 128, same dtype."""
     instr = "nisa.nc_transpose"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     if engine is not None and getattr(engine, "value", engine) not in ("unknown", "tensor"):
         raise NkiUnsupportedError(f"{instr}: only the Tensor Engine transpose is emulated")
     tensor_arg(data, instr, "data", (SBUF,))
@@ -379,6 +555,7 @@ def nc_transpose(dst: Tensor, data: Tensor, engine: Any = None, **kwargs: Any) -
         )
     check_dst_shape(instr, dst, data.shape[::-1])
     write(dst, read(data, instr, "data").T)
+    _charge(ctx, instr, engine, dst, [data])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,7 +587,7 @@ def activation(
     """
     instr = "nisa.activation"
     no_extra(kwargs, instr)
-    ctx = begin()
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     fn = _op(_ACTIVATIONS, op, instr, "op")
@@ -466,6 +643,7 @@ def activation(
                 )
             write(reduce_res, regs[lanes].reshape(p, 1))
     write(dst, result)
+    _charge(ctx, instr, None, dst, [data], reduce=accumulates)
 
 
 def activation_reduce(
@@ -505,7 +683,7 @@ def tensor_scalar(
     """
     instr = "nisa.tensor_scalar"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     if (op1 is None) != (operand1 is None):
@@ -524,6 +702,7 @@ def tensor_scalar(
         if f1 is not None:
             result = _apply(f1, result, v1, reverse1)
     write(dst, result)
+    _charge(ctx, instr, engine, dst, [data], ops=(op0,) if op1 is None else (op0, op1))
 
 
 def scalar_tensor_tensor(
@@ -544,7 +723,7 @@ def scalar_tensor_tensor(
     """
     instr = "nisa.scalar_tensor_tensor"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(operand1, instr, "operand1", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
@@ -563,13 +742,14 @@ def scalar_tensor_tensor(
         result = _apply(f0, f32_values(data, instr, "data"), v0, reverse0)
         result = _apply(f1, result, f32_values(operand1, instr, "operand1"), reverse1)
     write(dst, result)
+    _charge(ctx, instr, None, dst, [data, operand1], ops=(op0, op1))
 
 
 def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: Any = None, **kwargs: Any) -> None:
     """``dst = data1 op data2`` elementwise in fp32 (same shapes; not both in PSUM)."""
     instr = "nisa.tensor_tensor"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     tensor_arg(data1, instr, "data1", ON_CHIP)
     tensor_arg(data2, instr, "data2", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
@@ -582,6 +762,7 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: An
     with np.errstate(all="ignore"):
         result = fn(f32_values(data1, instr, "data1"), f32_values(data2, instr, "data2"))
     write(dst, result)
+    _charge(ctx, instr, engine, dst, [data1, data2], ops=(op,))
 
 
 def tensor_reduce(
@@ -596,7 +777,7 @@ def tensor_reduce(
     """``dst = op-reduce(data, axis)`` along free axes (never axis 0), fp32; ``negate`` negates it."""
     instr = "nisa.tensor_reduce"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     fn = _op(_REDUCE_OPS, op, instr, "op")
@@ -607,25 +788,173 @@ def tensor_reduce(
         result = -result
     check_dst_shape(instr, dst, result.shape)
     write(dst, result)
+    _charge(ctx, instr, None, dst, [data], ops=(op,))
 
 
 def reciprocal(dst: Tensor, data: Tensor, **kwargs: Any) -> None:
     """``dst = 1 / data`` in fp32."""
     instr = "nisa.reciprocal"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     check_dst_shape(instr, dst, data.shape)
     with np.errstate(all="ignore"):
         result = np.float32(1) / f32_values(data, instr, "data")
     write(dst, result)
+    _charge(ctx, instr, None, dst, [data])
 
 
 def memset(dst: Tensor, value: Any, engine: Any = None, **kwargs: Any) -> None:
-    """Fill the on-chip tile ``dst`` with ``value``."""
+    """Fill the on-chip tile ``dst`` with the compile-time constant ``value``."""
     instr = "nisa.memset"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
+    # memset page: Vector or GpSimd engine writes an SBUF/PSUM tile (on-chip; inferred for PSUM).
     tensor_arg(dst, instr, "dst", ON_CHIP)
-    write(dst, np.asarray(value, F32))
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise NkiUnsupportedError(f"{instr}: value must be a compile-time number, got {value!r}")
+    if dst.dtype.kind in "iu" and isinstance(value, (float, np.floating)):
+        # NKI 0.3 release notes, breaking changes: memset "Enforces strict type matching between
+        # value and destination dtype" (value=2.0 into an integer tile is a compile error).
+        raise NkiDtypeError(
+            f"{instr}: a float value {value!r} into the integer tile {dst.describe()} (NKI 0.3 "
+            "enforces matching types: pass an int)"
+        )
+    write(dst, np.full(dst.shape, value))
+    _charge(ctx, instr, engine, dst, [], value=value)
+
+
+# ----------------------------------------------------------------------------------------------
+# virtual registers (nki/api/nki/isa/__init__.py: VirtualRegister, register_alloc/_load/_move/
+# _store): 32-bit engine-sequencer registers for dynamic loop bounds and dynamic addressing.
+
+
+class VirtualRegister:
+    """A 32-bit register of an engine sequencer (``nisa.register_alloc``).
+
+    Usable as an ``nl.dynamic_range`` bound and as ``.ap(scalar_offset=...)``. Its value is a
+    device value: Python cannot branch on it (``while reg:`` loops are not emulated).
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: int | None):
+        self._value = value
+
+    def read(self, what: str) -> int:
+        if self._value is None:
+            raise NkiUninitializedReadError(
+                f"read of memory never written: {what} reads a VirtualRegister never set "
+                "(register_alloc(None) without register_load/register_move)"
+            )
+        return self._value
+
+    def __bool__(self):
+        raise NkiUnsupportedError("`while reg:` loops over a VirtualRegister are not emulated")
+
+    def __index__(self):
+        raise NkiUnsupportedError(
+            "a VirtualRegister holds a device value: it cannot be used as a Python int"
+        )
+
+    __int__ = __index__
+
+    def __repr__(self) -> str:
+        return "<nisa.VirtualRegister>"
+
+
+def _int32(value: Any, what: str) -> int:
+    v = int(value)
+    if not -(2**31) <= v < 2**32:
+        raise NkiLimitError(f"{what}: {v} does not fit a 32-bit register")
+    return v
+
+
+def register_alloc(x: Any = None) -> VirtualRegister:
+    """A new virtual register, uninitialised (``None``) or holding the int ``x``."""
+    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, np.integer))):
+        raise NkiUnsupportedError(f"nisa.register_alloc takes None or an int, got {x!r}")
+    return VirtualRegister(None if x is None else _int32(x, "nisa.register_alloc"))
+
+
+def _one_element(t: Any, instr: str, arg: str) -> Tensor:
+    # register_load / register_store pages: a tensor with exactly one element, HBM or SBUF.
+    tensor_arg(t, instr, arg, (SBUF,) + tuple(HBM_BUFFERS))
+    if t.shape not in ((1,), (1, 1)):
+        raise NkiShapeError(f"{instr}: {arg} must have shape [1] or [1, 1], got {t.describe()}")
+    return t
+
+
+def register_load(dst: VirtualRegister, src: Tensor) -> None:
+    """``dst = src[0]``: a 32-bit value from a one-element HBM/SBUF tensor into a register."""
+    instr = "nisa.register_load"
+    begin(instr)
+    if not isinstance(dst, VirtualRegister):
+        raise NkiUnsupportedError(f"{instr}: dst must be a VirtualRegister")
+    _one_element(src, instr, "src")
+    if src.dtype.itemsize > 4 or src.dtype.kind not in "iu":
+        raise NkiDtypeError(f"{instr}: src must hold a 32-bit (or narrower) integer, got {src.dtype.name}")
+    dst._value = _int32(read(src, instr, "src").reshape(-1)[0], instr)
+
+
+def register_move(dst: VirtualRegister, src: Any) -> None:
+    """``dst = src``: a compile-time int or another register's value."""
+    instr = "nisa.register_move"
+    begin(instr)
+    if not isinstance(dst, VirtualRegister):
+        raise NkiUnsupportedError(f"{instr}: dst must be a VirtualRegister")
+    if isinstance(src, VirtualRegister):
+        dst._value = src.read(instr)
+    elif isinstance(src, (int, np.integer)) and not isinstance(src, bool):
+        dst._value = _int32(src, instr)
+    else:
+        raise NkiUnsupportedError(f"{instr}: src must be an int or a VirtualRegister, got {src!r}")
+
+
+def register_store(dst: Tensor, src: VirtualRegister) -> None:
+    """``dst[0] = src``: a register's value into a one-element HBM/SBUF tensor."""
+    instr = "nisa.register_store"
+    begin(instr)
+    if not isinstance(src, VirtualRegister):
+        raise NkiUnsupportedError(f"{instr}: src must be a VirtualRegister")
+    _one_element(dst, instr, "dst")
+    write(dst, np.full(dst.shape, src.read(instr)))
+
+
+def iota(dst: Tensor, pattern: Any, offset: int = 0, channel_multiplier: int = 0, **kwargs: Any) -> None:
+    """``dst[c, i...] = offset + c * channel_multiplier + sum(i_k * step_k)`` (int32 arithmetic).
+
+    ``pattern`` is ``[[step, num], ...]`` (up to 4 pairs) whose counts multiply to the elements
+    per partition of ``dst`` (an SBUF tile); values are cast to ``dst.dtype``.
+    """
+    instr = "nisa.iota"
+    no_extra(kwargs, instr)
+    ctx = begin(instr)
+    tensor_arg(dst, instr, "dst", (SBUF,))  # iota page: "The output dst tile must be in SBUF."
+    try:
+        pairs = [(int(a), int(b)) for a, b in pattern]
+    except (TypeError, ValueError) as exc:
+        raise NkiShapeError(f"{instr}: pattern must be [[step, num], ...], got {pattern!r}") from exc
+    if not 1 <= len(pairs) <= 4:
+        raise NkiShapeError(f"{instr}: pattern needs 1 to 4 [step, num] pairs, got {len(pairs)}")
+    per_partition = int(np.prod(dst.shape[1:], dtype=np.int64))
+    counts = int(np.prod([n for _, n in pairs], dtype=np.int64))
+    if counts != per_partition:
+        # iota page: "The total number of elements in pattern must match the number of elements
+        # per partition in the dst tile."
+        raise NkiShapeError(
+            f"{instr}: pattern {pairs} has {counts} elements, dst {dst.describe()} has "
+            f"{per_partition} per partition"
+        )
+    values = np.zeros([n for _, n in pairs], np.int64) + int(offset)
+    for axis, (step, n) in enumerate(pairs):
+        shape = [1] * len(pairs)
+        shape[axis] = n
+        values = values + (np.arange(n, dtype=np.int64) * step).reshape(shape)
+    channels = np.arange(dst.shape[0], dtype=np.int64) * int(channel_multiplier)
+    full = channels.reshape(-1, 1) + values.reshape(1, -1)
+    # iota page: computed in 32-bit integer arithmetic (wraps), then cast to dst.dtype.
+    full = full.astype(np.int32).reshape(dst.shape)
+    write(dst, full)
+    _charge(ctx, instr, None, dst, [])

@@ -8,7 +8,6 @@ result dtype (round-to-nearest-even for bf16).
 
 from __future__ import annotations
 
-import builtins
 from typing import Any
 
 import ml_dtypes
@@ -77,27 +76,165 @@ class tile_size:
     gemm_moving_fmax = PSUM_BANK_FP32
 
 
-# Loops: in NKI >= 0.3 these are plain Python ranges, unrolled by tracing.
-def affine_range(*args: int, **kwargs: Any) -> range:
-    return range(*args)
+# Loops. nki/deep-dives/nki-dynamic-loops.rst: static_range, affine_range and sequential_range take
+# compile-time bounds and are fully unrolled (affine_range and sequential_range are deprecated,
+# nki/api/nki/language/__init__.py), so here they are plain Python ranges: every iteration's
+# instructions are part of the compiled program. dynamic_range is a hardware loop whose body is
+# compiled once (see DynamicRange).
+def _check_bounds(kind: str, args: tuple) -> None:
+    for a in args:
+        if isinstance(a, (LoopIndex,)) or not isinstance(a, (int, np.integer)):
+            # nki-dynamic-loops.rst: "The other NKI range iterators ... all require compile-time
+            # constant bounds."
+            raise NkiUnsupportedError(
+                f"nl.{kind} needs compile-time int bounds, got {type(a).__name__} "
+                "(nki/deep-dives/nki-dynamic-loops.rst; runtime bounds need nl.dynamic_range)"
+            )
 
 
 def static_range(*args: int, **kwargs: Any) -> range:
+    """Fully unrolled loop over compile-time ints (the preferred NKI >= 0.3 range)."""
+    _check_bounds("static_range", args)
+    return range(*args)
+
+
+def affine_range(*args: int, **kwargs: Any) -> range:
+    """Fully unrolled loop (deprecated in NKI 0.3 in favour of ``static_range``)."""
+    _check_bounds("affine_range", args)
     return range(*args)
 
 
 def sequential_range(*args: int, **kwargs: Any) -> range:
+    """Fully unrolled loop (deprecated in NKI 0.3 in favour of ``static_range``)."""
+    _check_bounds("sequential_range", args)
     return range(*args)
+
+
+class LoopIndex:
+    """The induction variable of an ``nl.dynamic_range`` loop: a device value, opaque to Python.
+
+    ``nki-dynamic-loops.rst``: "The loop variable is a device register, not a Python int. You
+    cannot use it in host-side Python expressions". The NKI 0.3 release notes (known issues) add:
+    it "cannot be used as a scalar_offset in access patterns or in arithmetic expressions for
+    computing tile offsets". (The deep dive's last example passes it as ``scalar_offset``; the
+    emulator takes the stricter known-issues reading.) So any use of it raises; per-iteration
+    offsets come from a counter in SBUF (a ``[1, 1]`` int32 tile updated by an instruction) or
+    a ``VirtualRegister``, passed as ``.ap(scalar_offset=...)``.
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: int):
+        self._value = value
+
+    def _refuse(self, *args: Any, **kwargs: Any):
+        raise NkiUnsupportedError(
+            "the nl.dynamic_range loop variable cannot be used in Python expressions, index "
+            "arithmetic or as a scalar_offset (NKI 0.3 release notes, known issues; "
+            "nki/deep-dives/nki-dynamic-loops.rst): keep a [1, 1] int32 SBUF counter (or a "
+            "VirtualRegister) and pass it as .ap(scalar_offset=...)"
+        )
+
+    __index__ = __int__ = __float__ = __bool__ = __hash__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __truediv__ = __eq__ = __ne__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
+    def __repr__(self) -> str:
+        return "<nl.dynamic_range loop variable>"
+
+
+class DynamicRange:
+    """``nl.dynamic_range``: a hardware loop; the body is compiled once, run ``trip`` times.
+
+    The emulator runs the body once per iteration (so values and costs are those of every
+    iteration) but counts its instructions in ``compiled_instructions`` only on the first
+    iteration. A loop with zero trips runs nothing and so counts nothing (a limitation: its body
+    is still compiled on hardware).
+    """
+
+    def __init__(self, start: Any, stop: Any = None, step: Any = 1):
+        if stop is None:
+            start, stop = 0, start
+        # nki-dynamic-loops.rst: "step: Must be a compile-time positive int (not a VirtualRegister)".
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step <= 0:
+            raise NkiUnsupportedError(
+                f"nl.dynamic_range step must be a compile-time positive int, got {step!r} "
+                "(nki/deep-dives/nki-dynamic-loops.rst)"
+            )
+        self.start, self.stop, self.step = start, stop, int(step)
+
+    @staticmethod
+    def _bound(value: Any) -> int:
+        from .isa import VirtualRegister
+
+        if isinstance(value, VirtualRegister):
+            return value.read("nl.dynamic_range bound")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            # nki-dynamic-loops.rst: start/stop are Python ints or VirtualRegisters.
+            raise NkiUnsupportedError(
+                f"nl.dynamic_range bounds are ints or VirtualRegisters, got {type(value).__name__}"
+            )
+        return int(value)
+
+    def __iter__(self):
+        ctx = current_context()
+        lo, hi = self._bound(self.start), self._bound(self.stop)
+        for n, value in enumerate(range(lo, hi, self.step)):
+            repeat = 1 if n > 0 else 0
+            ctx.repeat_depth += repeat
+            try:
+                yield LoopIndex(value)
+            finally:
+                ctx.repeat_depth -= repeat
+
+
+def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> DynamicRange:
+    """A loop the hardware runs (``nki/deep-dives/nki-dynamic-loops.rst``): never unrolled.
+
+    ``start``/``stop`` are ints or ``nisa.VirtualRegister``; ``step`` a positive int. The loop
+    variable is opaque (see :class:`LoopIndex`).
+    """
+    return DynamicRange(start, stop, step)
+
+
+# SPMD launch (nki/get-started/about/lnc.rst; nki/api/nki/language/__init__.py).
+def program_id(axis: int = 0) -> int:
+    """Index of this program in the launch grid (0 without a grid); ``axis`` must be 0."""
+    ctx = current_context()
+    if axis != 0:
+        raise NkiUnsupportedError(
+            f"nl.program_id({axis}): the NKI >= 0.3 launch grid has one axis "
+            "(nki/get-started/about/lnc.rst)"
+        )
+    return ctx.program_id
+
+
+def num_programs(axes: int = 0) -> int:
+    """Number of programs in the launch grid (1 without a grid); ``axes`` must be 0."""
+    ctx = current_context()
+    if axes not in (0, None):
+        raise NkiUnsupportedError(
+            f"nl.num_programs({axes}): the NKI >= 0.3 launch grid has one axis "
+            "(nki/get-started/about/lnc.rst)"
+        )
+    return ctx.launch.grid
+
+
+def program_ndim() -> int:
+    """Number of launch-grid dimensions: 0 without a grid, else 1."""
+    return 1 if current_context().launch.grid > 1 else 0
 
 
 # ----------------------------------------------------------------------------------------------
 # helpers shared with isa.py
 
 
-def begin():
-    """Start an instruction: the live on-chip memory must fit (see _core.Context.check_capacity)."""
+def begin(instr: str):
+    """Start the instruction ``instr``: count it; the live on-chip memory must fit (see
+    _core.Context.begin_instruction). Returns the running program's context."""
     ctx = current_context()
-    ctx.check_capacity()
+    ctx.begin_instruction(instr)
     return ctx
 
 
@@ -190,10 +327,13 @@ def ndarray(shape: Any, dtype: Any, buffer: Any = SBUF, name: str = "", **kwargs
 
 def full(shape: Any, fill_value: Any, dtype: Any, buffer: Any = SBUF, name: str = "", **kwargs: Any) -> Tensor:
     """``nl.ndarray`` filled with ``fill_value`` (one memset instruction)."""
-    no_extra(kwargs, "nl.full")
-    ctx = begin()
+    instr = "nl.full"
+    no_extra(kwargs, instr)
+    ctx = begin(instr)
     t = ctx.allocate(shape, dtype, buffer, name or "nl.full")
     write(t, np.asarray(fill_value, F32))
+    if ctx.cost is not None and buffer.on_chip:
+        ctx.cost.compute(instr, None, t, [], value=fill_value)
     return t
 
 
@@ -206,11 +346,13 @@ def load(src: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
     """A new SBUF tile holding ``src`` (an HBM tensor or view; axis 0 becomes the partition axis)."""
     instr = "nl.load"
     no_extra(kwargs, instr)
-    ctx = begin()
+    ctx = begin(instr)
     tensor_arg(src, instr, "src", HBM_BUFFERS)
     values = read(src, instr, "src")
     tile = ctx.allocate(src.shape, src.dtype if dtype is None else dtype, SBUF, "nl.load")
     write(tile, values)
+    if ctx.cost is not None:
+        ctx.cost.dma(instr, src, tile, values, None, None)
     return tile
 
 
@@ -218,22 +360,29 @@ def store(dst: Tensor, value: Tensor, **kwargs: Any) -> None:
     """Write the SBUF tile ``value`` into the HBM tensor (or view) ``dst``, converting the dtype."""
     instr = "nl.store"
     no_extra(kwargs, instr)
-    begin()
+    ctx = begin(instr)
     tensor_arg(dst, instr, "dst", HBM_BUFFERS)
     tensor_arg(value, instr, "value", (SBUF,))  # a DMA cannot read PSUM
     check_dst_shape(instr, dst, value.shape)
-    write(dst, read(value, instr, "value"))
+    values = read(value, instr, "value")
+    write(dst, values)
+    if ctx.cost is not None:
+        ctx.cost.dma(instr, value, dst, values, None, None)
 
 
 def copy(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    """A new SBUF tile copied (and cast) from the SBUF or PSUM tile ``x``."""
+    """A new SBUF tile copied (and cast) from the SBUF tile ``x`` (PSUM: use nisa.tensor_copy)."""
     instr = "nl.copy"
     no_extra(kwargs, instr)
-    ctx = begin()
-    tensor_arg(x, instr, "x", ON_CHIP)
+    ctx = begin(instr)
+    # NKI 0.3 release notes, known issues (Data Movement): nl.copy "cross-buffer copies (e.g.,
+    # PSUM to SBUF) are not supported"; the result is an SBUF tile, so x must be in SBUF.
+    tensor_arg(x, instr, "x", (SBUF,))
     values = read(x, instr, "x")
     tile = ctx.allocate(x.shape, x.dtype if dtype is None else dtype, SBUF, "nl.copy")
     write(tile, values)
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, tile, [x])
     return tile
 
 
@@ -246,7 +395,7 @@ def broadcast_to(src: Tensor, shape: Any = None, **kwargs: Any) -> Tensor:
     no_extra(kwargs, instr)
     if shape is None:
         raise NkiShapeError(f"{instr} needs shape=")
-    ctx = begin()
+    ctx = begin(instr)
     tensor_arg(src, instr, "src", ON_CHIP)
     shape = tuple(int(s) for s in shape)
     if len(shape) != src.ndim or any(s != d and d != 1 for s, d in zip(shape, src.shape)):
@@ -256,6 +405,8 @@ def broadcast_to(src: Tensor, shape: Any = None, **kwargs: Any) -> Tensor:
     values = read(src, instr, "src")
     tile = ctx.allocate(shape, src.dtype, SBUF, "nl.broadcast_to")
     write(tile, np.broadcast_to(values, shape))
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, tile, [])
     return tile
 
 
@@ -265,7 +416,7 @@ def broadcast_to(src: Tensor, shape: Any = None, **kwargs: Any) -> Tensor:
 
 def _elementwise(name: str, fn, operands: tuple, dtype: Any) -> Tensor:
     instr = f"nl.{name}"
-    ctx = begin()
+    ctx = begin(instr)
     tiles = [o for o in operands if isinstance(o, Tensor)]
     if not tiles:
         raise NkiUnsupportedError(f"{instr} needs at least one tile operand")
@@ -281,25 +432,24 @@ def _elementwise(name: str, fn, operands: tuple, dtype: Any) -> Tensor:
         else:
             raise NkiUnsupportedError(f"{instr}: operand {i} of type {type(o).__name__}")
     shapes = [t.shape for t in tiles]
-    ndim = len(shapes[0])
-    if any(len(s) != ndim for s in shapes):
-        raise NkiShapeError(f"{instr}: operands of different rank {shapes}")
-    out_shape = []
-    for axis in range(ndim):
-        sizes = {s[axis] for s in shapes}
-        big = sizes - {1}
-        if len(big) > 1 or (axis == 0 and len(sizes) > 1):
-            raise NkiShapeError(
-                f"{instr}: operand shapes {shapes} do not line up (the partition axis must match; "
-                "free axes may broadcast from 1; use nl.broadcast_to for the partition axis)"
-            )
-        out_shape.append(builtins.max(sizes))
+    if any(s != shapes[0] for s in shapes):
+        # NKI 0.3 release notes, known issues (Broadcasting): "Binary operations do not support
+        # broadcasting — Operations like nl.add(a, b) require both operands to have the same
+        # shape." Python scalars are accepted (inferred: a scalar is an immediate operand).
+        raise NkiShapeError(
+            f"{instr}: operand shapes {shapes} differ: nl binary operations do not broadcast in "
+            "NKI 0.3 (release notes, known issues); use nisa.tensor_scalar with a [P, 1] column "
+            "or nl.broadcast_to first"
+        )
+    out_shape = list(shapes[0])
     same_base_partition(instr, *tiles)
     with np.errstate(all="ignore"):
         result = fn(*values)
     out_dtype = default_dtype(tiles) if dtype is None else as_dtype(dtype, instr)
     tile = ctx.allocate(tuple(out_shape), out_dtype, SBUF, instr)
     write(tile, np.broadcast_to(result, tuple(out_shape)))
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, tile, tiles, ops=(name,))
     return tile
 
 
@@ -310,8 +460,8 @@ def _binary(name: str, fn: Any) -> Any:
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = (
-        f"``nl.{name}(x, y, dtype=None)``: elementwise in fp32 on SBUF/PSUM tiles (or scalars), "
-        "broadcasting like NKI; returns a new SBUF tile."
+        f"``nl.{name}(x, y, dtype=None)``: elementwise in fp32 on SBUF/PSUM tiles of one shape "
+        "(or a tile and a scalar; no broadcasting, as in NKI 0.3); returns a new SBUF tile."
     )
     return op
 
@@ -340,7 +490,25 @@ def _reciprocal(v: np.ndarray) -> np.ndarray:
 add = _binary("add", np.add)
 subtract = _binary("subtract", np.subtract)
 multiply = _binary("multiply", np.multiply)
-divide = _binary("divide", np.divide)
+
+
+def _no_instruction(name: str) -> Any:
+    def op(*args: Any, **kwargs: Any) -> Tensor:
+        # NKI 0.3 release notes, known issues (Math Operations): nl.divide, nl.fmod and nl.mod
+        # are not available as hardware instructions.
+        raise NkiUnsupportedError(
+            f"nl.{name} has no hardware instruction (NKI 0.3 release notes, known issues): "
+            "multiply by nl.reciprocal / nisa.reciprocal instead"
+        )
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``nl.{name}``: rejected, no hardware instruction in NKI 0.3 (known issues)."
+    return op
+
+
+divide = _no_instruction("divide")
+mod = _no_instruction("mod")
+fmod = _no_instruction("fmod")
 maximum = _binary("maximum", np.maximum)
 minimum = _binary("minimum", np.minimum)
 negative = _unary("negative", np.negative)
@@ -362,7 +530,7 @@ def reduce_values(ufunc, values: np.ndarray, axes: tuple[int, ...], keepdims: bo
 
 def _reduction(name: str, ufunc, x: Tensor, axis: Any, dtype: Any, keepdims: bool) -> Tensor:
     instr = f"nl.{name}"
-    ctx = begin()
+    ctx = begin(instr)
     tensor_arg(x, instr, "x", ON_CHIP)
     axes = check_free_axes(instr, axis, x.ndim)
     with np.errstate(all="ignore"):
@@ -370,6 +538,8 @@ def _reduction(name: str, ufunc, x: Tensor, axis: Any, dtype: Any, keepdims: boo
     out_dtype = x.dtype if dtype is None else as_dtype(dtype, instr)
     tile = ctx.allocate(result.shape, out_dtype, SBUF, instr)
     write(tile, result)
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, tile, [x], ops=(name,))
     return tile
 
 

@@ -1,0 +1,260 @@
+"""Modelled Trainium time of the project's NKI kernel: ``python -m jax_sparse_attn.bench --model trn2``.
+
+A MODEL, NOT A MEASUREMENT. Each shape runs ``gathered_attn_idx(..., implementation="nki_emulated")``
+(the whole Neuron data path, with the kernel source run by the project's NKI emulator) with
+``NEURON_PLATFORM_TARGET_OVERRIDE`` set to the target, and every kernel launch records its
+instructions and their modelled cost (:mod:`jax_sparse_attn.nki_emulator.cost`: the ISA
+reference's per-instruction formulas, DMA bytes over the documented bandwidth; the busiest engine
+of each program is its time, programs of a launch run in parallel, launches one after another).
+
+Emulating a long prefill instruction by instruction is far too slow on a host, so a shape with more
+than ``2 * probe`` tokens is modelled from two runs of ``probe`` and ``2 * probe`` tokens and scaled
+linearly in T: ``cost(T) = cost(P) + (T - P) * (cost(2P) - cost(P)) / P``. That is exact when the
+kernel's cost is affine in T, i.e. when every block of tokens (and every program of the grid) costs
+the same, which holds for kernels whose blocks are identical and whose block size divides ``probe``;
+the output says which shapes were scaled and from which token counts.
+
+Per shape it reports ``modelled_us``, the bounds ``hbm_bound_us`` / ``pe_bound_us`` (per logical
+core; see :func:`jax_sparse_attn.nki_emulator.cost.attention_bounds`), ``instructions`` (the
+compiled instructions of the largest program: an ``nl.dynamic_range`` body counts once),
+``instructions_executed``, ``busiest_engine`` and ``per_engine_us``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+TARGETS = ("trn1", "trn2", "trn3")
+LABEL = "MODEL (not a measurement): NKI emulator cost model, see docs/nki-emulator.md"
+DEFAULT_PROBE_TOKENS = 16
+
+
+def default_shapes() -> list[tuple[str, int, int, int, int, int]]:
+    """``(name, T, H, D, K, R)``: decode T=16/128 x H=64/128 x D=512/576, prefill T=4096."""
+    shapes = []
+    for T in (16, 128):
+        for H in (64, 128):
+            for D in (512, 576):
+                shapes.append((f"decode-T{T}", T, H, D, 2048, 65536))
+    for H in (16, 128):
+        shapes.append(("prefill", 4096, H, 512, 2048, 65536))
+    return shapes
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _inputs(T: int, H: int, D: int, K: int, R: int, seed: int = 0):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((T, H, D), np.float32), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((R, D), np.float32), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(0, R, (T, K)), jnp.int32)
+    sink = jnp.asarray(rng.standard_normal(H, np.float32))
+    return q, kv, idx, sink
+
+
+def _model_call(target: str, T: int, H: int, D: int, K: int, R: int) -> dict:
+    """Run one call under the emulator with cost recording; the launches' combined figures."""
+    import jax
+
+    from . import gathered_attn_idx, nki_emulator
+    from .nki_emulator.cost import ENGINES
+
+    q, kv, idx, sink = _inputs(T, H, D, K, R)
+    previous = os.environ.get(nki_emulator.TARGET_ENV)
+    os.environ[nki_emulator.TARGET_ENV] = target
+    jax.clear_caches()  # a trace made for another target must not be reused
+    try:
+        with nki_emulator.recording(cost=True) as rec:
+            np.asarray(gathered_attn_idx(q, kv, idx, sink, implementation="nki_emulated"))
+    finally:
+        if previous is None:
+            os.environ.pop(nki_emulator.TARGET_ENV, None)
+        else:
+            os.environ[nki_emulator.TARGET_ENV] = previous
+        jax.clear_caches()
+    if not rec.runs:
+        raise RuntimeError("the call launched no kernel under the emulator")
+    per_engine = dict.fromkeys(ENGINES, 0.0)
+    modelled = 0.0
+    dma_bytes = 0
+    for run in rec.runs:  # launches run one after another; programs of one launch in parallel
+        costs = [p.cost for p in run.programs]
+        modelled += max(c.modelled_us for c in costs)
+        for e in ENGINES:
+            per_engine[e] += max(c.engine_us[e] for c in costs)
+        dma_bytes += sum(c.dma_bytes for c in costs)
+    return {
+        "modelled_us": modelled,
+        "per_engine_us": per_engine,
+        "instructions": max(r.compiled_instructions_per_program for r in rec.runs),
+        "instructions_executed": sum(r.instructions for r in rec.runs),
+        "dma_bytes": dma_bytes,
+        "launches": len(rec.runs),
+        "grid": max(r.grid for r in rec.runs),
+    }
+
+
+def _scale(small: dict, large: dict, p: int, T: int) -> dict:
+    """Affine extrapolation in T from runs at p and 2p tokens."""
+
+    def lin(a: float, b: float) -> float:
+        return a + (T - p) * (b - a) / p
+
+    out = dict(large)
+    out["modelled_us"] = lin(small["modelled_us"], large["modelled_us"])
+    out["per_engine_us"] = {
+        e: lin(small["per_engine_us"][e], large["per_engine_us"][e]) for e in small["per_engine_us"]
+    }
+    for key in ("instructions", "instructions_executed", "dma_bytes", "launches"):
+        out[key] = int(round(lin(small[key], large[key])))
+    return out
+
+
+def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int = DEFAULT_PROBE_TOKENS) -> dict:
+    """The modelled figures of one call at ``[T, H, D]`` queries, K slots, R cache rows."""
+    from .nki_emulator.cost import attention_bounds
+
+    start = time.perf_counter()
+    if T <= 2 * probe:
+        fig = _model_call(target, T, H, D, K, R)
+        scaled_from = None
+    else:
+        small = _model_call(target, probe, H, D, K, R)
+        large = _model_call(target, 2 * probe, H, D, K, R)
+        fig = _scale(small, large, probe, T)
+        scaled_from = [probe, 2 * probe]
+    bounds = attention_bounds(target, T, H, D, K)
+    busiest = max(fig["per_engine_us"], key=fig["per_engine_us"].get)
+    bound = max(bounds["hbm_bound_us"], bounds["pe_bound_us"])
+    return {
+        "target": target,
+        "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
+        "modelled_us": fig["modelled_us"],
+        "hbm_bound_us": bounds["hbm_bound_us"],
+        "pe_bound_us": bounds["pe_bound_us"],
+        "modelled_over_bound": fig["modelled_us"] / bound,
+        "instructions": fig["instructions"],
+        "instructions_executed": fig["instructions_executed"],
+        "busiest_engine": busiest,
+        "per_engine_us": fig["per_engine_us"],
+        "dma_bytes": fig["dma_bytes"],
+        "launches": fig["launches"],
+        "grid": fig["grid"],
+        "scaled_from_tokens": scaled_from,
+        "host_seconds": time.perf_counter() - start,
+    }
+
+
+def _row(r: dict) -> str:
+    s = r["shape"]
+    shape = f"T={s['T']} H={s['H']} D={s['D']} K={s['K']} R={s['R']}"
+    if "error" in r:
+        return f"{r['target']:<5} {shape:<36} error: {r['error']}"
+    scaled = f" (scaled from T={r['scaled_from_tokens']})" if r["scaled_from_tokens"] else ""
+    engines = " ".join(f"{e}={v:.1f}" for e, v in r["per_engine_us"].items())
+    return (
+        f"{r['target']:<5} {shape:<36} {r['modelled_us']:10.1f} {r['hbm_bound_us']:9.1f} "
+        f"{r['pe_bound_us']:9.1f} {r['modelled_over_bound']:6.2f}x {r['instructions']:8d} "
+        f"{r['busiest_engine']:<7} [{engines}]{scaled}"
+    )
+
+
+def run_model(
+    target: str,
+    shapes: Optional[Iterable[Any]] = None,
+    json_path: Optional[str] = None,
+    probe: int = DEFAULT_PROBE_TOKENS,
+) -> int:
+    """Model every shape on ``target``, print a table and optionally write JSON; 0 if all ran.
+
+    ``shapes``: objects with ``T, H, D, K, R`` attributes or ``(name, T, H, D, K, R)`` tuples
+    (default :func:`default_shapes`).
+    """
+    if target not in TARGETS:
+        raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
+    cases = []
+    for s in shapes or default_shapes():
+        if isinstance(s, tuple):
+            cases.append(tuple(s[1:]))
+        else:
+            cases.append((s.T, s.H, s.D, s.K, s.R))
+    print(f"# {LABEL}; target {target}; host CPU: {_cpu()}", flush=True)
+    print(f"# {'tgt':<5} {'shape':<36} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>7} "
+          f"{'instrs':>8} busiest [per engine us]", flush=True)  # fmt: skip
+    records = []
+    ok = True
+    for T, H, D, K, R in cases:
+        try:
+            rec = model_shape(target, T, H, D, K, R, probe)
+        except Exception as err:  # noqa: BLE001 - a kernel the emulator rejects is a result too
+            ok = False
+            rec = {"target": target, "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
+                   "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}  # fmt: skip
+        records.append(rec)
+        print(_row(rec), flush=True)
+    if json_path:
+        result = {
+            "kind": LABEL,
+            "target": target,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host_cpu": _cpu(),
+            "probe_tokens": probe,
+            "notes": [
+                "modelled_us: busiest engine of each program (perfect overlap), programs of a "
+                "launch in parallel, launches in sequence",
+                "hbm_bound_us / pe_bound_us: per logical core (LNC physical cores); bytes = q, "
+                "gathered slot rows, output (bf16) and the f32 bias; flops = 4*T*H*K*D",
+                "instructions: compiled instructions of the largest program (a dynamic_range "
+                "body counts once); instructions_executed: all programs, all launches",
+                "scaled_from_tokens: modelled from two emulated runs and scaled linearly in T "
+                "(exact when every block of tokens costs the same)",
+            ],
+            "records": records,
+        }
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"# wrote {json_path}", flush=True)
+    return 0 if ok else 1
+
+
+def _parse_shape(text: str) -> tuple:
+    try:
+        T, H, D, K, R = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape wants T,H,D,K,R (five integers); got {text!r}")
+    return ("custom", T, H, D, K, R)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.bench_model", description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=TARGETS, default="trn2", help="target to model")
+    p.add_argument("--shape", type=_parse_shape, action="append", help="T,H,D,K,R (repeatable)")
+    p.add_argument("--json", metavar="PATH", help="also write the records as JSON")
+    p.add_argument("--probe-tokens", type=int, default=DEFAULT_PROBE_TOKENS,
+                   help="shapes with T > 2*P are scaled from runs at P and 2P tokens")  # fmt: skip
+    a = p.parse_args(argv)
+    return run_model(a.model, a.shape, a.json, a.probe_tokens)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
