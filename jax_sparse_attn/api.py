@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import primitives
-from .constants import BIAS_FLOOR, MAX_ROWS
+from .constants import BIAS_FLOOR, FLT_MAX, MAX_ROWS
 
 ArrayLike = jax.typing.ArrayLike
 Scale = Union[float, ArrayLike, None]
@@ -21,6 +21,26 @@ def _shape(x) -> tuple:
 
 def _dtype(x):
     return jax.dtypes.result_type(x) if not hasattr(x, "dtype") else np.dtype(x.dtype)
+
+
+def _as_array(name: str, x):
+    """Python lists and tuples become arrays (numpy, so that integer indices keep their full width
+    until ``_normalise_idx``); anything that cannot become a numeric array raises a TypeError that
+    names the argument. Arrays and scalars pass through unchanged."""
+    if not isinstance(x, (list, tuple)):
+        return x
+    try:
+        arr = np.asarray(x)
+    except Exception:  # e.g. a list of traced arrays, or a ragged list
+        try:
+            arr = jnp.asarray(x)
+        except Exception as err:
+            raise TypeError(f"{name} must be an array; got a {type(x).__name__} that is not one: {err}")
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} must be an array of numbers; got a {type(x).__name__} of dtype {arr.dtype}"
+        )
+    return arr
 
 
 def _check_rank(name: str, x, rank: int, layout: str) -> None:
@@ -63,16 +83,24 @@ def _sink_bias_scale(q_shape, k: int, sink, bias, scale):
         if _shape(bias) != (T, k):
             raise ValueError(f"bias must have shape [T, K] = ({T}, {k}); got {_shape(bias)}")
         bias = jnp.asarray(bias, jnp.float32)
-        bias = jnp.where(bias == -jnp.inf, bias, jnp.maximum(bias, jnp.float32(BIAS_FLOOR)))
+        # -inf stays (empty slot); finite values below BIAS_FLOOR rise to it; +inf becomes FLT_MAX
+        # (the logit saturation rule, docs/contract.md); NaN stays NaN.
+        bias = jnp.where(
+            bias == -jnp.inf, bias, jnp.clip(bias, jnp.float32(BIAS_FLOOR), jnp.float32(FLT_MAX))
+        )
     if scale is None:
         scale = D**-0.5
+    if isinstance(scale, (str, bytes)) or not (
+        isinstance(scale, (int, float, np.number))
+        or (hasattr(scale, "dtype") and np.dtype(scale.dtype).kind in "biuf")
+    ):
+        kind = getattr(scale, "dtype", type(scale).__name__)
+        raise TypeError(f"scale must be a real number (cast to f32); got {kind!s}: {scale!r:.40}")
     if _shape(scale) != ():
         raise ValueError(f"scale must be a scalar; got shape {_shape(scale)}")
-    if not isinstance(scale, (int, float)) and not (
-        jnp.issubdtype(_dtype(scale), jnp.floating) or jnp.issubdtype(_dtype(scale), jnp.integer)
-    ):
-        raise TypeError(f"scale must be a real number (cast to f32); got dtype {_dtype(scale)}")
-    scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (T,))
+    # An infinite scale saturates like an overflowed logit (FLT_MAX), so 0 * scale stays 0.
+    scale = jnp.clip(jnp.asarray(scale, jnp.float32), -FLT_MAX, FLT_MAX)
+    scale = jnp.broadcast_to(scale, (T,))
     return sink, bias, scale
 
 
@@ -126,6 +154,7 @@ def gathered_attn(
       Partial results over disjoint slot sets combine exactly with :func:`merge_attention`.
     """
     _check_implementation(implementation)
+    q, g, sink, bias = (_as_array(n, a) for n, a in (("q", q), ("g", g), ("sink", sink), ("bias", bias)))
     _check_q(q)
     _check_rank("g", g, 3, "[T, K, D]")
     _check_float("g", g)
@@ -204,6 +233,10 @@ def gathered_attn_idx(
       Partial results over disjoint slot sets combine exactly with :func:`merge_attention`.
     """
     _check_implementation(implementation)
+    q, kv, idx, sink, bias = (
+        _as_array(n, a)
+        for n, a in (("q", q), ("kv", kv), ("idx", idx), ("sink", sink), ("bias", bias))
+    )
     _check_q(q)
     _check_rank("kv", kv, 2, "[R, D]")
     _check_float("kv", kv)

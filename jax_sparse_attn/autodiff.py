@@ -25,10 +25,20 @@ softmax itself: ``dlse = sum_j p_j ds_j + p_sink dsink`` (the ``weight`` of the 
 an lse cotangent ``g`` adds ``p_j g`` to ``dS_j`` and ``p_sink g`` to the sink's. For a token with
 no valid slot the lse is the sink alone (derivative 1 with respect to a finite sink, else 0).
 
+The logits are recomputed with the forward's saturation rule (``reference.saturated_logits``, the
+dot products pre-scaled so that they cannot overflow); the clamps are treated as the identity in
+the derivative. Empty, masked and padding slots never read a row (their rows are zeros), so NaN or
+inf in rows that no valid slot selects reaches no gradient; their ``dkv`` rows are exactly 0.
+
 Every coefficient is finite by construction: the softmax is taken against
 ``m = max(max_j s_j, sink)`` with empty slots masked to probability 0 *before* any division, a
 ``+inf`` sink (output 0) and a row with no valid slot (output 0) get all-zero probabilities, and the
-denominator is guarded where it can be 0. So the gradients are finite wherever the forward is.
+denominator is guarded where it can be 0. The products of the backward are not guarded against
+overflow: the gradients are finite (no NaN, no inf) for finite inputs whenever
+``4 (T + K) H D**2 max(1,|scale|) max(1,|ct|) max(1,|q|) max(1,|x|)**2 <= FLT_MAX`` (``|.|`` the
+largest magnitude of the scale, the output cotangent, q and the selected rows), a bound on every
+intermediate sum (docs/contract.md, "NaN and overflow"); beyond it the exact gradients may
+themselves exceed f32.
 They are the derivatives of the exact (f32) function: the bf16 rounding of the probabilities in the
 forward's value product is treated as the identity, as every attention backward does.
 
@@ -46,7 +56,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
 
 from . import primitives, reference, sharding
-from .constants import EMPTY_LOGIT
 
 # Operands that have a gradient, and the layout of each cotangent the backward primitive returns.
 # The sink's cotangent is returned per token and summed over tokens outside the primitive, so
@@ -76,9 +85,9 @@ def _softmax_parts(q, x, valid, sink, bias, scale):
     bias ``[c, K]``, scale ``[c]``.
     Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, o ``[c, H, D]``.
     """
-    z = _einsum("thd,tkd->thk", q, x)
-    s = z * scale[:, None, None] + jnp.where(valid, bias, 0.0)[:, None, :]
-    s = jnp.where(valid[:, None, :], s, EMPTY_LOGIT)
+    q_scaled, up = reference.prescale_queries(q)
+    z = reference.scale_up(_einsum("thd,tkd->thk", q_scaled, x), up)
+    s = reference.saturated_logits(z, valid[:, None, :], bias[:, None, :], scale[:, None, None])
     sink_wins = sink == jnp.inf  # that head's output is exactly 0
     sink_finite = jnp.where(sink_wins, 0.0, sink)  # -inf stays: exp(-inf - m) = 0
     m = jnp.maximum(jnp.max(s, axis=-1), sink_finite[None, :])
@@ -101,13 +110,28 @@ def _lse_sink_weight(valid, sink, p_sink, live):
 
 
 def _slots(indexed, src, idx, bias, live):
-    """Slot rows (f32) and validity for a chunk; ``live`` is False for padding tokens."""
+    """Slot rows (f32) and validity for a chunk; ``live`` is False for padding tokens.
+
+    Empty, masked and padding slots never read a row: their rows are zeros (a gather that fills
+    out-of-range rows, or a select on the pre-gathered slots), so whatever the unselected rows
+    hold cannot reach a gradient. ``rows`` is ``R`` (out of range) for such slots.
+    """
     valid = (bias != -jnp.inf) & live[:, None]
     if not indexed:
-        return src.astype(jnp.float32), valid, None
+        return _zero_unselected(src, valid).astype(jnp.float32), valid, None
     valid = valid & (idx >= 0) & (idx < src.shape[0])
-    rows = jnp.where(valid, idx, 0)
-    return src[rows].astype(jnp.float32), valid, rows
+    rows = jnp.where(valid, idx, src.shape[0])
+    return _gather_slots(src, rows).astype(jnp.float32), valid, rows
+
+
+def _gather_slots(src, rows):
+    """``src[rows]`` with zeros for out-of-range rows (never reads an unselected row)."""
+    return src.at[rows].get(mode="fill", fill_value=0)
+
+
+def _zero_unselected(g, valid):
+    """Pre-gathered slots ``[c, K, D]`` with the rows of invalid slots set to zero."""
+    return jnp.where(valid[..., None], g, jnp.zeros((), g.dtype))
 
 
 def _recompute(indexed, primal, live):
@@ -130,7 +154,8 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
     dx = None
     if src_name in active:
         dsrc = tangent[src_name]
-        dx = (dsrc[rows] if indexed else dsrc).astype(jnp.float32)
+        dx = (_gather_slots(dsrc, rows) if indexed else _zero_unselected(dsrc, valid))
+        dx = dx.astype(jnp.float32)
     ds = jnp.zeros_like(z)
     if "q" in active:
         ds = ds + _einsum("thd,tkd->thk", tangent["q"].astype(jnp.float32), x)
@@ -169,8 +194,8 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live):
         dx = _einsum("thk,thd->tkd", p, ct)
         dx = dx + scale[:, None, None] * _einsum("thk,thd->tkd", dS, q)
         if indexed:
-            # Empty slots are sent out of range and dropped by the scatter.
-            out["kv"] = (jnp.where(valid, rows, primal["kv"].shape[0]), dx)
+            # Empty slots are out of range (rows == R) and dropped by the scatter.
+            out["kv"] = (rows, dx)
         else:
             out["g"] = dx
     if "sink" in wanted:

@@ -23,8 +23,10 @@ compiled instructions of the largest program: an ``nl.dynamic_range`` body count
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import logging
 import os
 import platform
 import sys
@@ -84,7 +86,7 @@ def _model_call(target: str, T: int, H: int, D: int, K: int, R: int) -> dict:
     os.environ[nki_emulator.TARGET_ENV] = target
     jax.clear_caches()  # a trace made for another target must not be reused
     try:
-        with nki_emulator.recording(cost=True) as rec:
+        with _quiet_callback_errors(), nki_emulator.recording(cost=True) as rec:
             np.asarray(gathered_attn_idx(q, kv, idx, sink, implementation="nki_emulated"))
     finally:
         if previous is None:
@@ -112,6 +114,27 @@ def _model_call(target: str, T: int, H: int, D: int, K: int, R: int) -> dict:
         "launches": len(rec.runs),
         "grid": max(r.grid for r in rec.runs),
     }
+
+
+@contextlib.contextmanager
+def _quiet_callback_errors():
+    """JAX logs a host callback's traceback before re-raising it; the error is reported anyway."""
+    logger = logging.getLogger("jax._src.callback")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _error_message(err: Exception) -> str:
+    """The emulator's own message when the kernel was rejected inside the host callback."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Nki" in line and "Error: " in line:
+            return line.split("nki_emulator.errors.", 1)[-1]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
 def _scale(small: dict, large: dict, p: int, T: int) -> dict:
@@ -209,7 +232,7 @@ def run_model(
         except Exception as err:  # noqa: BLE001 - a kernel the emulator rejects is a result too
             ok = False
             rec = {"target": target, "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
-                   "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}  # fmt: skip
+                   "error": _error_message(err)}  # fmt: skip
         records.append(rec)
         print(_row(rec), flush=True)
     if json_path:

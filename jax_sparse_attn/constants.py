@@ -20,10 +20,40 @@ PSUM_BANKS = 8
 BIAS_PREFIX_COLS = 16
 SCALE_COL = 0
 
+# The logit saturation rule (docs/contract.md, "Overflow and NaN"): a slot's scaled dot product is
+# clamped to [-LOGIT_LIMIT, LOGIT_LIMIT] before the bias is added, so a real slot's logit always lies
+# in [-2 * LOGIT_LIMIT, FLT_MAX] (bias in [BIAS_FLOOR, FLT_MAX]), strictly above EMPTY_LOGIT, and is
+# never +-inf or NaN for finite inputs. At this magnitude a logit's own value is lost in fp32 anyway.
+LOGIT_LIMIT = 1e29
+
 # Finite biases below this are raised to it, so that a real slot's logit always stays above an empty
 # slot's EMPTY_LOGIT (a bias of -1e30 or finfo.min used as a mask would otherwise tie with the empty
-# slots and let them into the softmax). At this magnitude a logit's own value is lost in fp32 anyway.
-BIAS_FLOOR = -1e29
+# slots and let them into the softmax). A ``+inf`` bias is lowered to FLT_MAX (see ``FLT_MAX``).
+BIAS_FLOOR = -LOGIT_LIMIT
+
+# Largest finite float32: the saturation bound of the dot products, of a ``+inf`` bias and of an
+# infinite scale (the API lowers both to it).
+FLT_MAX = 3.4028234663852886e38
+
+
+def value_shift(num_slots: int, dtype="bfloat16") -> int:
+    """Power-of-two exponent ``c`` of the value product's guard against f32 overflow.
+
+    The value product runs on probabilities scaled by ``2**-c`` and the result is scaled back by
+    ``2**c`` after the division by the denominator: ``o = (sum_j bf16(e_j 2**-c) x_j / den) 2**c``.
+    With ``e_j <= 1`` and ``2**c >= 2 K`` no partial sum can exceed ``FLT_MAX / 2`` whatever the
+    rows hold, and scaling by a power of two changes no bit unless a scaled probability falls
+    below f32's smallest normal (``e_j < 2**(c - 126)``, a slot at least ``(126 - c) ln 2`` below the
+    row's best logit, whose term is then below the output's resolution). ``num_slots`` is the
+    user's ``K`` (before any padding). For a dtype whose rows cannot reach the bound (f16: ``K``
+    times 65504 stays far below FLT_MAX) the shift is 0: no guard is needed, and f16's narrow
+    exponent range would lose small probabilities to it.
+    """
+    import ml_dtypes  # local: keeps this module free of imports for the kernel source
+
+    if float(ml_dtypes.finfo(dtype).max) * max(int(num_slots), 1) <= FLT_MAX / 2:
+        return 0
+    return max(int(num_slots) - 1, 0).bit_length() + 1
 
 # The logit saturation rule (docs/contract.md): an fp32 dot product that overflowed is clamped to
 # +-FLT_MAX, then ``a * scale`` is clamped to +-LOGIT_LIMIT before the bias is added. A real slot's

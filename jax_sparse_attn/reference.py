@@ -3,13 +3,18 @@
 This is the default lowering of both primitives on every platform. It reproduces the Neuron
 kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
 
-1. logits ``s = q . x`` with operands in the input dtype and an fp32 accumulator;
-2. ``s = s * scale + b`` in fp32 (the scale multiplies logits, never ``q``); ``b`` is the user bias,
-   or ``EMPTY_LOGIT`` for an empty slot;
+1. dot products ``z = q . x`` with operands in the input dtype and an fp32 accumulator that
+   cannot overflow (q pre-scaled by a power of two, ``prescale_queries``), clamped to
+   ``+-FLT_MAX``;
+2. the logit saturation rule: ``s = clamp(z * scale, +-LOGIT_LIMIT) + b`` in
+   fp32 (the scale multiplies logits, never ``q``); ``b`` is the user bias, or ``EMPTY_LOGIT`` for
+   an empty slot (whose row is never read: it is zero);
 3. ``m = max_j s`` over the slots only (the sink never enters the max);
 4. ``e = exp(s - m)`` and ``den = sum_j e + exp(sink - m)`` in fp32;
 5. ``o = sum_j cast(e_j) x_j / den``: probabilities rounded to the input dtype for the value
-   product (fp32 accumulator), the denominator from the fp32 ones; one final rounding.
+   product (fp32 accumulator), the denominator from the fp32 ones; one final rounding. The
+   product runs on probabilities scaled by a power of two so that it cannot overflow
+   (``constants.value_shift``; no bit changes in the normal range).
 
 For f32 inputs step 5's cast is the identity, so everything stays in f32.
 
@@ -30,11 +35,13 @@ when there is more than one chunk.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .constants import EMPTY_LOGIT
+from .constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
 
 # Target working set of one token chunk (gathered slots + fp32 logits/probabilities). Small on
 # purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM, which
@@ -71,40 +78,109 @@ def _from_bits(bits, dtype):
 
 
 def _gather_rows(kv_bits, rows):
-    """``kv[rows]`` on bit patterns: kv_bits ``[R, D]`` unsigned, rows ``[..., K]`` int32, all in
-    range -> ``[..., K, D]`` unsigned.
+    """``kv[rows]`` on bit patterns, zeros for an out-of-range row: kv_bits ``[R, D]`` unsigned,
+    rows ``[..., K]`` int32 (``R`` for a slot that selects nothing) -> ``[..., K, D]`` unsigned.
+
+    An empty, masked or padding slot never reads a cache row: its row is all-zero bits (+0.0), so
+    NaN, inf or garbage in rows that no valid slot selects cannot reach the output.
 
     XLA:CPU widens a bf16 gather to f32; inside the token loop it hoists that conversion of the whole
     cache out of the loop (an f32 copy of ``kv``, twice its size, on every call). Raw bits move as
     they are.
     """
-    return kv_bits.at[rows].get(mode="promise_in_bounds")
+    return kv_bits.at[rows].get(mode="fill", fill_value=0)
 
 
-def _attend_one_token(q, x, valid, sink, bias, scale):
-    """One token. q [H, D], x [K, D] (q's dtype), valid [K] bool, sink [H] f32, bias [K] f32,
-    scale [] f32 -> (out [H, D] in q's dtype, lse [H] f32)."""
-    s = jnp.einsum("hd,kd->hk", q, x, preferred_element_type=jnp.float32, precision=_EXACT)
-    s = s * scale + jnp.where(valid, bias, jnp.float32(EMPTY_LOGIT))[None, :]
-    m = jnp.max(s, axis=-1, keepdims=True)
-    e = jnp.exp(s - m)
-    sum_e = jnp.sum(e, axis=-1)
-    den = sum_e + jnp.exp(sink - m[:, 0])
-    num = jnp.einsum(
-        "hk,kd->hd", e.astype(q.dtype), x, preferred_element_type=jnp.float32, precision=_EXACT
-    )
-    o = num / den[:, None]
-    any_valid = jnp.any(valid)
-    out = jnp.where(any_valid, o, jnp.float32(0)).astype(q.dtype)
-    return out, _lse(any_valid, m[:, 0], sum_e, sink)
+def prescale_queries(q):
+    """The dot products' guard against f32 overflow: q ``[..., H, D]`` -> ``(q_scaled, up)``.
+
+    ``q_scaled = q * 2**-k`` per token (the leading axes; exact: a power of two) with
+    ``k = max(0, e + ceil(log2 D) + 1)`` where ``max_{h,d} |q| = f * 2**e``, ``0.5 <= f < 1``. Then
+    ``max |q_scaled| < 1 / (2 D)``, so no partial sum of ``q_scaled . x`` can exceed ``FLT_MAX / 2``
+    (times rounding) whatever the rows hold: the fp32 accumulator never overflows, and never
+    meets ``inf - inf``. ``scale_up(z, up)`` multiplies the products back by ``2**k``, saturating.
+    No bit changes unless an element of ``q`` or a product lies more than ``2**(126 - k)`` below
+    the smallest normal f32 once scaled (elements over ``2**100`` times smaller than q's largest).
+    ``up`` is a pair of f32 powers of two (each at most ``2**80``) with product ``2**k``; shape
+    ``q.shape[:-2]``. For f16 (whose products cannot overflow f32) ``k = 0``.
+    """
+    one = jnp.float32(1)
+    top = float(jnp.finfo(q.dtype).max)
+    if top * top * q.shape[-1] <= FLT_MAX / 2:
+        # f16: no product of its values can overflow f32 (nor would its narrow exponent range
+        # survive the scaling). The guard is the identity.
+        return q, (jnp.ones(q.shape[:-2], jnp.float32), jnp.ones(q.shape[:-2], jnp.float32))
+    qmax = jnp.max(jnp.abs(q.astype(jnp.float32)), axis=(-2, -1))
+    _, e = jnp.frexp(qmax)
+    k = jnp.clip(e + (max(q.shape[-1] - 1, 0).bit_length() + 1), 0, 2 * 80)
+    k1 = k // 2
+    k2 = k - k1
+    down1, down2 = jnp.ldexp(one, -k1), jnp.ldexp(one, -k2)
+    q_scaled = q * down1[..., None, None].astype(q.dtype) * down2[..., None, None].astype(q.dtype)
+    return q_scaled, (jnp.ldexp(one, k1), jnp.ldexp(one, k2))
 
 
-def _lse(any_valid, m, sum_e, sink):
-    """log(exp(sink) + sum_j exp(s_j)) from the softmax statistics: ``sum_e = sum_j exp(s_j - m)``
-    is at least 1, so ``m + log(sum_e)`` is exact and finite; the sink joins by ``logaddexp``, which
-    stays exact when ``sink - m`` would overflow ``exp`` in the denominator. No valid slot: the
-    sink alone (``-inf`` without one)."""
-    return jnp.where(any_valid, jnp.logaddexp(m + jnp.log(sum_e), sink), sink)
+def scale_up(z, up):
+    """``clamp(z * 2**k, +-FLT_MAX)`` for the ``up`` of ``prescale_queries`` (broadcast over the
+    trailing ``[H, K]`` of z); an overflow saturates, NaN stays NaN."""
+    up1, up2 = up
+    return jnp.clip(z * up1[..., None, None] * up2[..., None, None], -FLT_MAX, FLT_MAX)
+
+
+def saturated_logits(z, valid, bias, scale):
+    """The logit saturation rule (docs/contract.md), f32: a ``[..., K]`` dot products already
+    clamped to ``+-FLT_MAX`` (``scale_up``), valid and bias broadcastable to a, scale
+    broadcastable to a.
+
+    ``s = clamp(a * scale, +-LOGIT_LIMIT) + bias`` for a valid slot, ``EMPTY_LOGIT`` for an empty
+    one. For finite inputs ``s`` is finite, and a real slot's logit (>= -2 LOGIT_LIMIT) always
+    outranks an empty slot's. NaN stays NaN (min/max propagate it).
+    """
+    s = jnp.clip(z * scale, -LOGIT_LIMIT, LOGIT_LIMIT) + bias
+    return jnp.where(valid, s, jnp.float32(EMPTY_LOGIT))
+
+
+class TokenAttention(NamedTuple):
+    """One token's result and the softmax statistics behind it (all heads)."""
+
+    out: jax.Array  # [H, D] f32, before the final rounding; 0 for a token with no valid slot
+    max: jax.Array  # [H] f32: max_j s_j over the slots (the sink excluded)
+    den: jax.Array  # [H] f32: sum_j exp(s_j - max) + exp(sink - max)
+
+
+def attend_token(q, x, valid, sink, bias, scale) -> TokenAttention:
+    """The contract for one token. q [H, D], x [K, D] (q's dtype; rows of empty slots are zero),
+    valid [K] bool, sink [H] f32, bias [K] f32, scale [] f32.
+
+    Neither product can overflow f32 however large the inputs are, and neither guard changes a bit
+    in the normal range: the dot products run on ``q`` scaled by a power of two and are scaled
+    back with saturation (``prescale_queries``), and the value product runs on probabilities
+    scaled by ``2**-value_shift(K)`` with its result scaled back after the division
+    (``constants.value_shift``).
+    """
+    K = x.shape[0]
+    q_scaled, up = prescale_queries(q)
+    z = jnp.einsum("hd,kd->hk", q_scaled, x, preferred_element_type=jnp.float32, precision=_EXACT)
+    s = saturated_logits(scale_up(z, up), valid[None, :], bias[None, :], scale)
+    m = jnp.max(s, axis=-1)
+    e = jnp.exp(s - m[:, None])
+    den = jnp.sum(e, axis=-1) + jnp.exp(sink - m)
+    shift = value_shift(K, q.dtype)
+    p = (e * jnp.float32(2.0**-shift)).astype(q.dtype)
+    num = jnp.einsum("hk,kd->hd", p, x, preferred_element_type=jnp.float32, precision=_EXACT)
+    o = (num / den[:, None]) * jnp.float32(2.0**shift)
+    o = jnp.where(jnp.any(valid), o, jnp.float32(0))
+    return TokenAttention(o, m, den)
+
+
+def _lse(any_valid, m, den, sink):
+    """``log(exp(sink) + sum_j exp(s_j))`` from one token's softmax statistics (``m`` the max over
+    the slots, ``den`` the denominator with the sink): ``m + log(den)``. ``den`` is ``+inf`` only
+    when ``exp(sink - m)`` overflows (the slots' sum is at most K), and then the lse is the sink
+    to f32 precision (a ``+inf`` sink gives ``+inf``). No valid slot: the sink alone (``-inf``
+    without one)."""
+    lse = jnp.where(den == jnp.inf, sink, m + jnp.log(den))
+    return jnp.where(any_valid, lse, sink)
 
 
 def _map_tokens(fn, token_args, shared_args, chunk):
@@ -132,8 +208,8 @@ def _attend_bits(dtype):
 
     def one(q_bits, x_bits, valid, bias_t, scale_t, sink):
         q_t, x = _from_bits(q_bits, dtype), _from_bits(x_bits, dtype)
-        out, lse = _attend_one_token(q_t, x, valid, sink, bias_t, scale_t)
-        return _to_bits(out), lse
+        token = attend_token(q_t, x, valid, sink, bias_t, scale_t)
+        return _to_bits(token.out.astype(dtype)), _lse(jnp.any(valid), token.max, token.den, sink)
 
     return one
 
@@ -161,7 +237,9 @@ def gathered_attn_reference(q, g, sink, bias, scale):
     if T == 0 or K == 0 or H == 0:
         return _empty_result(q, sink)
     valid = bias != -jnp.inf
-    return _gathered_chunks(q, _to_bits(g.astype(q.dtype)), valid, sink, bias, scale)
+    # A masked slot's row is never read: its bits become zero (one select, fused with the cast).
+    g_bits = jnp.where(valid[:, :, None], _to_bits(g.astype(q.dtype)), 0)
+    return _gathered_chunks(q, g_bits, valid, sink, bias, scale)
 
 
 def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
@@ -185,7 +263,7 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
     itemsize = np.dtype(dtype).itemsize
     kv_bits = _to_bits(kv.astype(dtype))
     valid = (idx >= 0) & (idx < R) & (bias != -jnp.inf)
-    rows = jnp.where(valid, idx, 0)
+    rows = jnp.where(valid, idx, R)  # out of range: the gather fills the slot with zeros
 
     slot_bytes = T * K * D * itemsize
     if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:

@@ -50,3 +50,42 @@ def test_errors_are_raised_at_trace_time():
         jax.jit(jsa.gathered_attn_idx).lower(q, kv, idx, jnp.zeros(5))
     with pytest.raises(ValueError, match="kv must have shape"):
         jax.eval_shape(jsa.gathered_attn_idx, q, jnp.zeros((10, 3), jnp.bfloat16), idx)
+
+
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda: jsa.gathered_attn_idx(q, kv, idx, scale="0.1"), r"scale must be a real number.*str"),
+        (lambda: jsa.gathered_attn_idx(q, kv, idx, scale=b"1"), r"scale must be a real number"),
+        (lambda: jsa.gathered_attn_idx(q, kv, idx, scale=[0.1]), r"scale must be a real number.*list"),
+        (lambda: jsa.gathered_attn_idx(q, kv, idx, scale=jnp.ones((), jnp.complex64)), r"scale must be a real number.*complex64"),
+        (lambda: jsa.gathered_attn_idx([[["a"]]], kv, idx), r"q must be an array of numbers.*list"),
+        (lambda: jsa.gathered_attn_idx(q, [[1.0, 2.0], [3.0]], idx), r"kv must be an array"),
+        (lambda: jsa.gathered_attn_idx(q, kv, [[0, 1], "ab"]), r"idx must be an array"),
+        (lambda: jsa.gathered_attn_idx(q, kv, idx, ("a", "b")), r"sink must be an array of numbers"),
+        (lambda: jsa.gathered_attn_idx(q, kv, idx, bias=[[None]]), r"bias must be an array of numbers"),
+        (lambda: jsa.gathered_attn([[[1.0]]], [["x"]]), r"g must be an array of numbers"),
+    ],
+)
+def test_bad_python_values_name_the_argument(call, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        call()
+
+
+def test_python_lists_and_tuples_are_accepted_as_arrays():
+    rng = np.random.default_rng(0)
+    qn = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    kvn = rng.standard_normal((5, 4)).astype(np.float32)
+    idxn = np.array([[0, 4, -1], [2, 2, 7]])
+    sinkn = np.array([0.0, -1.0, 0.5], np.float32)
+    biasn = np.array([[0.0, -np.inf, 1.0], [0.5, 0.0, 0.0]], np.float32)
+    want = jsa.gathered_attn_idx(qn, kvn, idxn, sinkn, bias=biasn)
+    got = jsa.gathered_attn_idx(qn.tolist(), kvn.tolist(), idxn.tolist(), tuple(sinkn.tolist()), bias=biasn.tolist())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    gn = kvn[np.clip(idxn, 0, 4)]
+    want_g = jsa.gathered_attn(qn, gn, sinkn)
+    got_g = jsa.gathered_attn(qn.tolist(), gn.tolist(), sinkn.tolist())
+    np.testing.assert_array_equal(np.asarray(got_g), np.asarray(want_g))
+    # a list index beyond int32 is an empty slot, as a numpy int64 index is
+    wide = jsa.gathered_attn_idx(qn, kvn, [[0, 2**32 + 4, -1], [2, 2, 7]])
+    np.testing.assert_array_equal(np.asarray(wide), np.asarray(jsa.gathered_attn_idx(qn, kvn, [[0, -1, -1], [2, 2, -1]])))

@@ -245,3 +245,58 @@ def test_bench_model_scaling_is_affine_in_tokens():
     assert got["instructions"] == 100  # a compiled body that does not grow stays as it is
     assert got["instructions_executed"] == 300 + 4088 * 25
     assert got["dma_bytes"] == 1000 + 4088 * 100
+
+
+def test_integer_tensor_tensor_defaults_to_gpsimd():
+    def kernel(x):
+        a = nl.ndarray((128, 100), nl.int32, buffer=nl.sbuf)
+        nisa.memset(a, 3)
+        b = nl.ndarray((128, 100), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=b, data1=a, data2=a, op=nl.add)  # int32: GpSimd, 2N = 200
+        out = nl.ndarray((1, 1), nl.int32, buffer=nl.shared_hbm)
+        nl.store(out, value=b[0:1, 0:1])
+        return out
+
+    record = _costed(kernel, np.zeros(1, np.float32))
+    assert record.engine_us["gpsimd"] == pytest.approx(200 / 1.2e3)
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+def test_runtime_address_dma_costs_its_descriptor_generation(target):
+    x = np.zeros((4, 256), np.float32)
+
+    def kernel(x):
+        tile = nl.ndarray((1, 256), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=x.ap([[256, 1], [1, 256]], scalar_offset=nisa.register_alloc(2)))
+        out = nl.ndarray((1, 256), nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, value=tile)
+        return out
+
+    record = _costed(kernel, x, target=target)
+    gbps = {"trn1": 272, "trn2": 368}[target]
+    transfer_ns = 1024 / gbps + 1 * 20 / 16
+    count, us = record.by_instruction["nisa.dma_copy"]
+    if target == "trn2":  # hardware DGE: 600 ns over two DGE instances, on the DMA queues
+        assert us == pytest.approx((transfer_ns + 300) / 1e3)
+        assert "nisa.dma_copy (swdge)" not in record.by_instruction
+    else:  # no hardware DGE on trn1: GpSimd generates the one descriptor, 150 + 1 cycles
+        assert us == pytest.approx(transfer_ns / 1e3)
+        assert record.by_instruction["nisa.dma_copy (swdge)"][1] == pytest.approx(151 / 1.4e3)
+
+
+def test_recording_collects_costed_runs_of_any_launch():
+    from jax_sparse_attn import nki_emulator
+
+    def kernel(x):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.load(x))
+        return out
+
+    x = np.ones((128, 64), np.float32)
+    with nki_emulator.recording() as rec:
+        simulate(kernel, target="trn2")(x)
+        simulate(kernel, target="trn3")[2](x)
+    simulate(kernel)(x)  # outside the block: not recorded
+    assert [(r.target, r.grid) for r in rec.runs] == [("trn2", 1), ("trn3", 2)]
+    assert all(p.cost is not None and p.cost.dma_bytes == 2 * 128 * 64 * 4
+               for r in rec.runs for p in r.programs)  # fmt: skip

@@ -1121,3 +1121,25 @@ def test_iota_against_its_formula():
     got = simulate(kernel)(np.zeros(1, np.float32))
     c, w, x = np.meshgrid(np.arange(4), np.arange(2), np.arange(3), indexing="ij")
     np.testing.assert_array_equal(got, 5 + 100 * c + 10 * w + x)
+
+
+def test_nested_dynamic_loops_compile_their_bodies_once():
+    def kernel(x, outer, inner):
+        out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
+        acc = nl.zeros((1, 1), nl.float32)
+        for _ in nl.dynamic_range(outer):
+            nisa.tensor_scalar(dst=acc, data=acc, op0=nl.add, operand0=1.0)
+            for _ in nl.dynamic_range(inner):
+                nisa.tensor_scalar(dst=acc, data=acc, op0=nl.multiply, operand0=2.0)
+        nl.store(out, value=acc)
+        return out
+
+    for outer, inner in ((1, 1), (3, 2), (5, 4)):
+        out, stats = simulate(kernel, stats=True)(np.zeros(1, np.float32), outer, inner)
+        expected = 0.0
+        for _ in range(outer):
+            expected = (expected + 1) * 2**inner
+        assert out[0, 0] == expected
+        (p,) = stats.programs
+        assert p.compiled_instructions == 4  # zeros, two tensor_scalar, store
+        assert p.instructions == 2 + outer * (1 + inner)

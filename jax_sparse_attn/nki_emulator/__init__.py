@@ -1,12 +1,16 @@
 """A strict host (numpy) emulator of the NKI subset the project's kernels use.
 
-The Neuron SDK (and with it ``nki.simulate``) cannot be installed here, so this package runs the
-project's NKI kernel source on the host, for CI and debugging. It mirrors the real simulator's entry
-point::
+The Neuron SDK (and with it ``nki.simulate``) cannot be installed off a Trainium host, so this
+package runs the project's NKI kernel source on the host, for CI, debugging and the cost model.
+It mirrors the real simulator's entry point::
 
     from jax_sparse_attn import nki_emulator
     out = nki_emulator.simulate(kernel)(q_np, kv_np, ...)          # numpy in, numpy out
-    out = nki_emulator.simulate(kernel, target="trn2")(...)        # 224 KiB SBUF budget
+    out = nki_emulator.simulate(kernel, target="trn2")[2](...)     # LNC=2 launch grid
+    out, stats = nki_emulator.simulate(kernel, stats=True, cost=True)(...)
+
+The rules it enforces, each with the NKI documentation page it comes from, the targets, and the
+cost model are described in ``docs/nki-emulator.md`` (in this repository).
 
 ``simulate`` runs ``kernel`` with the names ``nki``, ``nl`` and ``nisa`` bound to this package,
 :mod:`.language` and :mod:`.isa`, whatever the kernel's module imported (kernel modules guard
@@ -15,35 +19,35 @@ other modules it refers to that use those names) are rebound too, so helpers cal
 see the emulator. Kernel arguments that are arrays become HBM tensors holding a copy; the kernel
 returns tensors it allocated in ``nl.shared_hbm``, which come back as numpy arrays (one, or a tuple).
 
-What is emulated (see /work/shared/spec/NKI_SUBSET.md for the rules):
+What is emulated:
 
+* Targets ``trn1``/``trn2``/``trn3`` (:mod:`.targets`; default from NKI's
+  ``NEURON_PLATFORM_TARGET_OVERRIDE``): SBUF size, the NeuronCore-v3-only DMA forms, the launch grid.
+* Launch: ``simulate(kernel)[n]`` with ``nl.program_id`` / ``nl.num_programs``; per-program
+  instruction counts, with ``nl.dynamic_range`` bodies counted once per compiled body.
 * ``nl``: dtypes (``bfloat16`` is ``ml_dtypes.bfloat16``, rounded to nearest even), buffers
   (``sbuf``, ``psum``, ``hbm``, ``shared_hbm``), ``ndarray``, ``zeros``, ``full``, ``load``,
-  ``store``, ``copy``, ``broadcast_to``, elementwise ``add``/``subtract``/``multiply``/``divide``/
+  ``store``, ``copy``, ``broadcast_to``, elementwise ``add``/``subtract``/``multiply``/
   ``maximum``/``minimum``/``negative``/``exp``/..., free-axis reductions ``max``/``min``/``sum``,
-  ``affine_range``/``static_range`` (plain ranges).
-* ``nisa``: ``dma_copy`` (with ``tensor.ap(...)`` patterns, including the indirect row gather),
-  ``dma_transpose``, ``tensor_copy``, ``nc_matmul``, ``nc_transpose``, ``activation`` (and
-  ``activation_reduce``), ``tensor_scalar``, ``scalar_tensor_tensor``, ``tensor_tensor``,
-  ``tensor_reduce``, ``reciprocal``, ``memset``.
+  ``static_range``/``affine_range``/``sequential_range`` (unrolled), ``dynamic_range`` (not).
+* ``nisa``: ``dma_copy`` (``tensor.ap(...)`` patterns with ``scalar_offset`` or an indirect
+  ``vector_offset`` row gather, ``oob_mode``), ``dma_transpose`` (direct and indirect),
+  ``tensor_copy``, ``nc_matmul``, ``nc_transpose``, ``activation`` (and ``activation_reduce``),
+  ``tensor_scalar``, ``scalar_tensor_tensor``, ``tensor_tensor``, ``tensor_reduce``,
+  ``reciprocal``, ``memset``, ``iota``, virtual registers (``register_alloc/load/move/store``).
 
 Memory model. Every allocation is a numpy array plus an *initialised* mask; fresh memory holds
 garbage (NaN for floats) and reading any element never written raises. Tensors are views (python
 ints and slices) that write through. On-chip memory is charged while the Python object that owns it
 is alive (CPython frees a tile when its last reference goes, e.g. when a loop rebinds the name) and
-capacity is checked at the start of every instruction: SBUF bytes per partition against the target's
-budget (192 KiB trn1, 224 KiB trn2; a tile costs ``prod(shape[1:]) * itemsize`` whatever its
-partition count) and PSUM tiles against its 8 banks (one bank per tile). The Scalar Engine reduce
-registers of ``nisa.activation`` are emulated per run.
+capacity is checked at the start of every instruction: SBUF bytes per partition against the
+target's budget (a tile costs ``prod(shape[1:]) * itemsize`` whatever its partition count) and PSUM
+tiles against its 8 banks (one bank per tile). The Scalar Engine reduce registers of
+``nisa.activation`` are emulated per program.
 
 Strictness. Anything the compiler or hardware would reject raises an :class:`NkiEmulatorError`
-subclass whose message starts with the rule: partition axis > 128, PSUM tile over 2 KiB per
-partition, SBUF over its budget / more PSUM live than 8 banks, matmul K/M/N over 128/128/512,
-operands in the wrong memory, transpose over 128 x 128, dma_transpose of a 4-byte dtype (and its
-size/alignment rules), reductions over the partition axis, shape mismatches between dst and the
-computed value, out-of-range gather indices, reads of memory never written, accesses outside a
-tensor, and inputs of one instruction at different base partitions (compiler error NCC_IBIR297).
-Where the NKI docs are ambiguous the stricter reading is taken and written next to the code.
+subclass whose message starts with the rule. Where the NKI docs are ambiguous the stricter
+reading is taken and written next to the code ("inferred").
 
 Numerics. Compute instructions read fp32, compute in fp32 and round once to the destination dtype;
 matmuls accumulate in fp32 (numpy's summation order, not the PE array's: expect last-bit fp32
@@ -52,8 +56,8 @@ Float-to-integer conversions truncate toward zero (numpy's cast); the hardware's
 for such casts is not modelled.
 
 Not emulated (raises :class:`NkiUnsupportedError`): masks, ``tensor.ap`` on on-chip tensors or
-on views, scatter (indirect destinations), ``t[...] = value`` assignment, and the NKI functions
-not listed above.
+on views, scatter (indirect destinations), ``t[...] = value`` assignment, ``while`` loops over
+registers, and the NKI functions not listed above.
 """
 
 from __future__ import annotations

@@ -82,6 +82,7 @@ FLOAT_DTYPES = frozenset(
 
 def as_dtype(dtype: Any, where: str) -> np.dtype:
     """``dtype`` as a numpy dtype, rejecting what NKI has no storage type for."""
+    # NKI's storage types are those of nki/api/nki/language/__init__.py (no 64-bit types).
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:
@@ -228,12 +229,15 @@ class Context:
         if self.psum_banks_used > self.psum_peak:
             self.psum_peak = self.psum_banks_used
         if self.sbuf_used > self.sbuf_budget:
+            # SBUF per partition per target: the architecture guides (see targets.py).
             raise NkiCapacityError(
                 f"SBUF over its budget: {self.sbuf_used} bytes per partition live, "
                 f"{self.target} has {self.sbuf_budget}. Drop references to tiles no longer needed "
                 f"(or `del` them).\n" + self._live_listing("sbuf")
             )
         if self.psum_banks_used > PSUM_BANKS:
+            # trainium_inferentia2_arch.rst: PSUM is 2 MiB = 16 KiB per partition, i.e. 8 banks of
+            # 2 KiB (512 fp32, nc_matmul page); one tile per bank is the stricter reading (inferred).
             raise NkiCapacityError(
                 f"more PSUM live than {PSUM_BANKS} banks: {self.psum_banks_used} PSUM tiles live "
                 f"(each takes one {PSUM_BANK_BYTES}-byte bank per partition).\n"
@@ -244,6 +248,7 @@ class Context:
 
     def allocate(self, shape: Any, dtype: Any, buffer: Buffer, name: str = "") -> Tensor:
         if not isinstance(buffer, Buffer):
+            # NKI 0.3 release notes: "String buffer names no longer accepted. Use buffer objects".
             raise NkiMemorySpaceError(
                 f"unknown buffer {buffer!r}: use nl.sbuf, nl.psum, nl.hbm or nl.shared_hbm"
             )
@@ -251,19 +256,21 @@ class Context:
             shape = (shape,)
         try:
             shape = tuple(int(s) for s in shape)
-        except TypeError as exc:
+        except TypeError as exc:  # inferred: shapes are compile-time ints
             raise NkiShapeError(f"shape must be a tuple of ints, got {shape!r}") from exc
         dt = as_dtype(dtype, f"nl.ndarray({shape}, buffer={buffer!r})")
-        if any(s < 0 for s in shape):
+        if any(s < 0 for s in shape):  # inferred
             raise NkiShapeError(f"negative dimension in shape {shape}")
         sbuf_bytes = 0
         psum_banks = 0
         if buffer.on_chip:
-            if not shape or any(s == 0 for s in shape):
+            if not shape or any(s == 0 for s in shape):  # inferred: a tile has a partition axis
                 raise NkiShapeError(
                     f"on-chip tiles need a partition axis and non-empty dims, got shape {shape}"
                 )
             if shape[0] > PARTITIONS:
+                # The architecture guides: SBUF and PSUM have 128 partitions; ISA pages: "partition
+                # axis <= 128".
                 raise NkiLimitError(
                     f"partition axis > {PARTITIONS}: {buffer.name} tile of shape {shape} puts "
                     f"{shape[0]} on axis 0 (the partition axis)"
@@ -271,6 +278,8 @@ class Context:
             per_partition = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize
             if buffer is PSUM:
                 if per_partition > PSUM_BANK_BYTES:
+                    # nc_matmul page: 512 fp32 "per PSUM bank"; a tile in one bank (inferred for
+                    # non-matmul PSUM tiles; NeuronCore-v4 matmuls may span banks, not emulated).
                     raise NkiLimitError(
                         f"PSUM tile over 2 KiB per partition: shape {shape} {dt.name} needs "
                         f"{per_partition} bytes per partition, one bank holds {PSUM_BANK_BYTES}"
@@ -306,6 +315,7 @@ class Context:
         if self.program_id == 0:
             return None
         if index >= len(self.launch.shared):
+            # lnc.rst: the program on each core is "the same"; outputs live in shared HBM.
             raise NkiUnsupportedError(
                 f"program {self.program_id} allocates shared_hbm tensor #{index} {shape}, which "
                 "program 0 did not: SPMD programs must allocate the same shared_hbm tensors in the "
@@ -441,13 +451,14 @@ class Tensor:
             key = (key,)
         shape = self._data.shape
         n_ellipsis = sum(1 for k in key if k is Ellipsis)
-        if n_ellipsis > 1:
+        if n_ellipsis > 1:  # inferred (numpy indexing)
             raise NkiShapeError("at most one Ellipsis in an index")
         if n_ellipsis:
             pos = next(i for i, k in enumerate(key) if k is Ellipsis)
             fill = len(shape) - (len(key) - 1)
             key = key[:pos] + (slice(None),) * fill + key[pos + 1 :]
         if len(key) > len(shape):
+            # Inferred: an access outside a tensor is an error (the docs leave it undefined).
             raise NkiOutOfBoundsError(
                 f"access outside a tensor: {len(key)} indices for {self.describe()}"
             )
@@ -457,12 +468,13 @@ class Tensor:
         for axis, (k, dim) in enumerate(zip(key, shape)):
             if _is_int(k):
                 k = int(k)
-                if not 0 <= k < dim:
+                if not 0 <= k < dim:  # inferred: no wrap-around of negative indices
                     raise NkiOutOfBoundsError(
                         f"access outside a tensor: index {k} on axis {axis} of size {dim} "
                         f"({self.describe()}; negative indices are not accepted)"
                     )
                 if axis == 0 and on_chip:
+                    # Inferred: on-chip tiles keep axis 0 as the partition axis (tiling guide).
                     raise NkiShapeError(
                         f"an integer index would drop the partition axis of {self.describe()}: "
                         f"slice it instead (t[{k}:{k + 1}, ...])"
@@ -477,7 +489,7 @@ class Tensor:
                 start, stop, step = int(start), int(stop), int(step)
                 if step <= 0:
                     raise NkiUnsupportedError(f"slice step must be positive, got {k!r}")
-                if start < 0 or stop > dim or start >= stop:
+                if start < 0 or stop > dim or start >= stop:  # inferred, as above
                     raise NkiOutOfBoundsError(
                         f"access outside a tensor: slice {start}:{stop} on axis {axis} of size "
                         f"{dim} ({self.describe()}; negative or empty slices are not accepted)"
@@ -506,7 +518,7 @@ class Tensor:
             raise NkiUnsupportedError("reshape of on-chip tiles is not emulated")
         if not self._data.flags.c_contiguous:
             raise NkiUnsupportedError(f"reshape of a non-contiguous view ({self.describe()})")
-        if int(np.prod(shape, dtype=np.int64)) != self._data.size:
+        if int(np.prod(shape, dtype=np.int64)) != self._data.size:  # inferred (numpy reshape)
             raise NkiShapeError(f"cannot reshape {self.shape} into {shape}")
         return Tensor(self._st, self._data.reshape(shape), self._mask.reshape(shape), 0)
 
@@ -589,6 +601,8 @@ class AccessPattern:
                 f"tensor.ap on a view is not emulated: call it on the whole tensor "
                 f"({base.describe()}) and fold the view into offset/pattern"
             )
+        # nki-aps.rst: pattern is a list of [step, num] pairs, offset an element count >= 0; the
+        # 5-pair limit, positive counts and non-negative steps are inferred.
         try:
             pairs = [(int(s), int(c)) for s, c in pattern]
         except (TypeError, ValueError) as exc:
@@ -614,7 +628,7 @@ class AccessPattern:
         if vector_offset is not None and scalar_offset is not None:
             # nki-aps.rst: "At most one of the scalar_offset and vector_offset can be specified."
             raise NkiShapeError("tensor.ap: scalar_offset and vector_offset are mutually exclusive")
-        if not _is_int(indirect_dim) or not 0 <= indirect_dim < st.data.ndim:
+        if not _is_int(indirect_dim) or not 0 <= indirect_dim < st.data.ndim:  # nki-aps.rst
             raise NkiShapeError(
                 f"tensor.ap: indirect_dim={indirect_dim!r} is not an axis of {st.data.shape}"
             )
@@ -632,7 +646,7 @@ class AccessPattern:
                 raise NkiMemorySpaceError(
                     "operand in the wrong memory: vector_offset must be an SBUF tile of row indices"
                 )
-            if vector_offset.dtype.kind not in "iu":
+            if vector_offset.dtype.kind not in "iu":  # dma_copy page: row indices
                 raise NkiDtypeError(
                     f"vector_offset must hold integers, got {vector_offset.dtype.name}"
                 )
@@ -761,7 +775,7 @@ def _check_scalar_offset(value: Any) -> None:
             "operand in the wrong memory: scalar_offset must be a [1, 1] SBUF tile or a "
             f"nisa.VirtualRegister, got {getattr(value, 'describe', lambda: type(value).__name__)()}"
         )
-    if value.dtype.kind not in "iu" or value.shape not in ((1, 1), (1,)):
+    if value.dtype.kind not in "iu" or value.shape not in ((1, 1), (1,)):  # nki-aps.rst: (1, 1)
         raise NkiShapeError(
             f"scalar_offset must be a [1, 1] integer SBUF tile, got {value.describe()}"
         )
@@ -783,6 +797,8 @@ def read(t: Tensor, instr: str, arg: str) -> np.ndarray:
     """The values of ``t`` (a view, do not mutate); raises on any element never written."""
     mask = t._mask
     if not mask.all():
+        # Inferred: allocation does not zero memory (fresh tiles hold garbage, NaN in the
+        # emulator), so reading what was never written is an error, never a silent zero.
         missing = np.argwhere(~mask)
         raise NkiUninitializedReadError(
             f"read of memory never written: {instr} reads {arg} = {t.describe()}, "
@@ -807,7 +823,7 @@ def read_ap(
     init = st.init.reshape(-1)[flat]
     if ok is not None:
         init = init | ~ok.reshape(ok.shape + (1,) * (init.ndim - ok.ndim))
-    if not init.all():
+    if not init.all():  # inferred, as in read(): allocation does not zero memory
         raise NkiUninitializedReadError(
             f"read of memory never written: {instr} reads {arg} = {ap.describe()}, "
             f"{int((~init).sum())} elements were never written"
@@ -823,7 +839,7 @@ def write_ap(ap: AccessPattern, values: np.ndarray, instr: str, skip_oob: bool =
     flat, ok = ap.resolve(instr, skip_oob)
     if ok is not None:
         return  # an out-of-range scalar address with oob_mode=skip: nothing is written
-    if np.unique(flat).size != flat.size:
+    if np.unique(flat).size != flat.size:  # inferred: a DMA writes each element once
         raise NkiShapeError(f"{instr}: destination {ap.describe()} writes some elements twice")
     st = ap.base._st
     st.data.reshape(-1)[flat] = values

@@ -308,6 +308,13 @@ class CostRecord:
         chosen = getattr(engine, "value", engine)
         if chosen in (None, "unknown") or not cost.engines:
             chosen = cost.engine
+            if (
+                instr == "nisa.tensor_tensor" and not any(op.in_psum)
+                and all(d in ("int32", "uint32") for d in op.in_dtypes + (op.out_dtype,))
+            ):  # fmt: skip
+                # tensor_tensor page (0.3): all-int32/uint32 operands default to the GpSimd
+                # Engine unless one is in PSUM (same cycle formula assumed there).
+                chosen = "gpsimd"
         if chosen not in ("tensor", "vector", "scalar", "gpsimd"):
             chosen = cost.engine
         cycles = float(cost.cycles(op))

@@ -41,4 +41,4 @@ class NkiUninitializedReadError(NkiEmulatorError):
 
 
 class NkiUnsupportedError(NkiEmulatorError):
-    """Valid NKI perhaps, but outside the subset this emulator models (see NKI_SUBSET.md)."""
+    """Valid NKI perhaps, but outside the subset this emulator models (see docs/nki-emulator.md)."""

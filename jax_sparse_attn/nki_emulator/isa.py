@@ -158,6 +158,8 @@ def _scalar_or_column(value: Any, data: Tensor, instr: str, arg: str, inputs: li
     if isinstance(value, Tensor):
         tensor_arg(value, instr, arg, ON_CHIP)
         if value.shape != (data.shape[0], 1):
+            # tensor_scalar / activation pages: "a scalar constant or a tile of shape
+            # (data.shape[0], 1)".
             raise NkiShapeError(
                 f"{instr}: {arg} must be a scalar or a [{data.shape[0]}, 1] column "
                 f"(one value per partition of data), got {value.describe()}"
@@ -175,6 +177,8 @@ def _apply(fn, a, b, reverse: bool):
 
 def _not_both_psum(instr: str, a: Tensor, b: Tensor, names: str) -> None:
     if a.buffer is PSUM and b.buffer is PSUM:
+        # tensor_tensor page: "data1 and data2 cannot both reside in PSUM"; scalar_tensor_tensor
+        # page: "data and operand1 cannot both reside in PSUM".
         raise NkiMemorySpaceError(
             f"operand in the wrong memory: {instr} {names} may not both be in PSUM"
         )
@@ -189,7 +193,8 @@ def _require_nc_version(instr: str, minimum: int, what: str, source: str) -> Non
     target = current_context().target_info
     if target.nc_version < minimum:
         raise NkiUnsupportedError(
-            f"not available on {target.name}: {instr} {what} needs NeuronCore-v{minimum} or newer "
+            f"not available on {target.name}: {' '.join(filter(None, (instr, what)))} needs "
+            f"NeuronCore-v{minimum} or newer "
             f"({target.name} is NeuronCore-v{target.nc_version}; {source})"
         )
 
@@ -369,7 +374,7 @@ def dma_transpose(
         raise NkiDtypeError(
             f"{instr} does not convert dtypes: src {src.dtype.name}, dst {dst.dtype.name}"
         )
-    if len(src.shape) != 2 or dst.ndim != 2:
+    if len(src.shape) != 2 or dst.ndim != 2:  # coverage: the 3-D/4-D forms are not emulated
         raise NkiShapeError(f"{instr}: 2-D src and dst only, got {src.shape} -> {dst.shape}")
     if src.shape[1] > PARTITIONS:
         # dma_transpose page (indirect constraints) and nki-dge.rst: src.shape[-1] <= 128; the
@@ -420,6 +425,7 @@ def dma_transpose(
 def _check_indirect_transpose(instr: str, src: AccessPattern, dge: Any) -> None:
     """The "DMA Indirect Transpose Constraints" of the dma_transpose page (and nki-dge.rst)."""
     idx = src.vector_offset
+    # Each check below is one line of that list (dma_transpose page; nki-dge.rst, swdge).
     if dge not in (None, _DGE.unknown, _DGE.swdge):
         raise NkiUnsupportedError(
             f"{instr}: an indirect transpose takes dge_mode unknown or swdge, got {dge.name}"
@@ -487,15 +493,18 @@ def nc_matmul(
     instr = "nisa.nc_matmul"
     no_extra(kwargs, instr)
     ctx = begin(instr)
-    if is_transpose:
+    if is_transpose:  # coverage: use nisa.nc_transpose
         raise NkiUnsupportedError(f"{instr}: is_transpose=True is not emulated; use nisa.nc_transpose")
     if tile_position or tile_size or perf_mode not in (None, "none"):
         raise NkiUnsupportedError(f"{instr}: tile_position/tile_size/perf_mode are not emulated")
     if not isinstance(accumulate, bool):
+        # nc_matmul page: accumulate=None "auto-detects"; the emulator asks for an explicit bool
+        # (stricter reading, inferred).
         raise NkiUnsupportedError(
             f"{instr}: pass accumulate=True (add into dst) or accumulate=False (overwrite dst) "
             f"explicitly, got {accumulate!r}"
         )
+    # nc_matmul page / trainium_inferentia2_arch.rst: TensorE reads SBUF, writes PSUM.
     tensor_arg(stationary, instr, "stationary", (SBUF,))
     tensor_arg(moving, instr, "moving", (SBUF,))
     tensor_arg(dst, instr, "dst", (PSUM,))
@@ -506,24 +515,30 @@ def nc_matmul(
     k, m = stationary.shape
     k2, n = moving.shape
     if k > PARTITIONS or m > PARTITIONS or n > PSUM_BANK_FP32:
+        # nc_matmul page, tile size: partitions <= 128, stationary free <= 128, moving free <= 512
+        # on NeuronCore-v2/v3 (v4 allows more; the emulator keeps 512 on every target: stricter).
         raise NkiLimitError(
             f"matmul K/M/N over {PARTITIONS}/{PARTITIONS}/{PSUM_BANK_FP32}: K={k}, M={m}, N={n} "
             f"(stationary {stationary.shape}, moving {moving.shape})"
         )
-    if k != k2:
+    if k != k2:  # nc_matmul page: "partition dimension sizes ... must be identical"
         raise NkiShapeError(
             f"{instr}: stationary and moving must share the contraction (partition) size K, "
             f"got {stationary.shape} and {moving.shape}"
         )
     for arg, t in (("stationary", stationary), ("moving", moving)):
-        if t.dtype not in _MATMUL_INPUT_DTYPES:
+        if t.dtype not in _MATMUL_INPUT_DTYPES:  # nc_matmul page, data types
             raise NkiDtypeError(f"{instr}: {arg} dtype {t.dtype.name} is not a matmul input dtype")
     if (stationary.dtype == F32) != (moving.dtype == F32):
+        # nc_matmul page: "if one of the input tiles is tfloat32/float32, the other tile must
+        # also be tfloat32/float32".
         raise NkiDtypeError(
             f"{instr}: an fp32 matmul needs both inputs fp32, got {stationary.dtype.name} and "
             f"{moving.dtype.name}"
         )
     if dst.dtype != F32:
+        # nc_matmul page: dst "must be a float32 tile in NeuronCore-v2 and NeuronCore-v3" (v4 also
+        # allows bf16; the emulator requires fp32 everywhere: stricter).
         raise NkiDtypeError(f"{instr}: the PSUM dst accumulates in fp32, got {dst.dtype.name}")
     check_dst_shape(instr, dst, (m, n))
     same_base_partition(instr, stationary, moving)
@@ -540,16 +555,22 @@ def nc_transpose(dst: Tensor, data: Tensor, engine: Any = None, **kwargs: Any) -
     no_extra(kwargs, instr)
     ctx = begin(instr)
     if engine is not None and getattr(engine, "value", engine) not in ("unknown", "tensor"):
+        # coverage: the Vector Engine transpose is not emulated
         raise NkiUnsupportedError(f"{instr}: only the Tensor Engine transpose is emulated")
+    # nc_transpose page: "Tensor Engine nc_transpose must read the input tile from SBUF and write
+    # the transposed result to PSUM".
     tensor_arg(data, instr, "data", (SBUF,))
     tensor_arg(dst, instr, "dst", (PSUM,))
-    if data.ndim != 2:
+    if data.ndim != 2:  # coverage (the page flattens free axes; not emulated)
         raise NkiShapeError(f"{instr}: 2-D data only, got {data.shape}")
     if data.shape[0] > PARTITIONS or data.shape[1] > PARTITIONS:
+        # nc_transpose is a matmul with data as the stationary tile (nc_transpose page): both
+        # sizes bound by the stationary limits, 128 x 128.
         raise NkiLimitError(
             f"transpose over {PARTITIONS} x {PARTITIONS}: data shape {data.shape}"
         )
     if dst.dtype != data.dtype:
+        # nc_transpose page: "The output dst tile must have the same data type as that of data."
         raise NkiDtypeError(
             f"{instr}: dst dtype {dst.dtype.name} must equal data dtype {data.dtype.name}"
         )
@@ -604,9 +625,11 @@ def activation(
     accumulates = cmd in (_RC.reduce, _RC.reset_reduce)
     if reduce_op is not None and reduce_op not in (nl.add, np.add):
         raise NkiUnsupportedError(f"{instr}: reduce_op must be nl.add (the only Scalar Engine reduction)")
-    if accumulates and reduce_op is None:
+    if accumulates and reduce_op is None:  # activation page: the reduction needs reduce_op
         raise NkiShapeError(f"{instr}: reduce_cmd={cmd.name} needs reduce_op=nl.add")
     if reduce_op is not None and not accumulates:
+        # activation page (0.3): reduce_cmd=idle "Not using the accumulator registers"; a reduce_op
+        # without reduce/reset_reduce would reduce nothing (stricter reading, inferred).
         raise NkiEmulatorError(
             f"activation reduce_op=nl.add with reduce_cmd={cmd.name} reduces nothing: in NKI >= 0.3 "
             "pass reduce_cmd=nisa.reduce_cmd.reset_reduce to sum this activation into reduce_res"
@@ -621,7 +644,7 @@ def activation(
             regs[lanes] = 0.0
             valid[lanes] = True
         if accumulates:
-            if not valid[lanes].all():
+            if not valid[lanes].all():  # inferred: registers hold garbage until reset
                 raise NkiUninitializedReadError(
                     f"read of memory never written: {instr} reduce_cmd=reduce adds into Scalar "
                     "Engine reduce registers never reset (use reset_reduce first)"
@@ -631,12 +654,12 @@ def activation(
                 regs[lanes] = regs[lanes] + row_sums
         if reduce_res is not None:
             tensor_arg(reduce_res, instr, "reduce_res", ON_CHIP)
-            if reduce_res.shape != (p, 1):
+            if reduce_res.shape != (p, 1):  # activation page: "(data.shape[0], 1)"
                 raise NkiShapeError(
                     f"shape mismatch between dst and the computed value: {instr} reduce_res must "
                     f"be [{p}, 1], got {reduce_res.describe()}"
                 )
-            if not valid[lanes].all():
+            if not valid[lanes].all():  # inferred, as above
                 raise NkiUninitializedReadError(
                     f"read of memory never written: {instr} reduce_res reads Scalar Engine reduce "
                     f"registers never reset (reduce_cmd={cmd.name}; use reset_reduce)"
@@ -686,7 +709,7 @@ def tensor_scalar(
     ctx = begin(instr)
     tensor_arg(data, instr, "data", ON_CHIP)
     tensor_arg(dst, instr, "dst", ON_CHIP)
-    if (op1 is None) != (operand1 is None):
+    if (op1 is None) != (operand1 is None):  # tensor_scalar page: op1 uses operand1
         raise NkiShapeError(f"{instr}: op1 and operand1 go together (both set or both None)")
     inputs: list = [data]
     f0 = _op(_BINARY_OPS, op0, instr, "op0")
@@ -729,6 +752,8 @@ def scalar_tensor_tensor(
     tensor_arg(dst, instr, "dst", ON_CHIP)
     _not_both_psum(instr, data, operand1, "data and operand1")
     if operand1.shape != data.shape:
+        # scalar_tensor_tensor page: data, operand1 and dst have the same partitions and elements
+        # per partition (the emulator asks for equal shapes: stricter).
         raise NkiShapeError(
             f"{instr}: operand1 must have data's shape {data.shape}, got {operand1.describe()}"
         )
@@ -755,6 +780,8 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: An
     tensor_arg(dst, instr, "dst", ON_CHIP)
     _not_both_psum(instr, data1, data2, "data1 and data2")
     if data1.shape != data2.shape:
+        # tensor_tensor page: "The two tiles must have the same partition axis size and the same
+        # number of elements per partition" (equal shapes here: stricter).
         raise NkiShapeError(f"{instr}: data1 {data1.shape} and data2 {data2.shape} differ")
     fn = _op(_BINARY_OPS, op, instr, "op")
     check_dst_shape(instr, dst, data1.shape)
@@ -843,7 +870,7 @@ class VirtualRegister:
         self._value = value
 
     def read(self, what: str) -> int:
-        if self._value is None:
+        if self._value is None:  # inferred: register_alloc(None) is uninitialized
             raise NkiUninitializedReadError(
                 f"read of memory never written: {what} reads a VirtualRegister never set "
                 "(register_alloc(None) without register_load/register_move)"
@@ -866,7 +893,7 @@ class VirtualRegister:
 
 def _int32(value: Any, what: str) -> int:
     v = int(value)
-    if not -(2**31) <= v < 2**32:
+    if not -(2**31) <= v < 2**32:  # register_alloc page: 32-bit registers
         raise NkiLimitError(f"{what}: {v} does not fit a 32-bit register")
     return v
 
@@ -881,7 +908,7 @@ def register_alloc(x: Any = None) -> VirtualRegister:
 def _one_element(t: Any, instr: str, arg: str) -> Tensor:
     # register_load / register_store pages: a tensor with exactly one element, HBM or SBUF.
     tensor_arg(t, instr, arg, (SBUF,) + tuple(HBM_BUFFERS))
-    if t.shape not in ((1,), (1, 1)):
+    if t.shape not in ((1,), (1, 1)):  # register_load/_store pages: exactly one element
         raise NkiShapeError(f"{instr}: {arg} must have shape [1] or [1, 1], got {t.describe()}")
     return t
 
@@ -893,7 +920,7 @@ def register_load(dst: VirtualRegister, src: Tensor) -> None:
     if not isinstance(dst, VirtualRegister):
         raise NkiUnsupportedError(f"{instr}: dst must be a VirtualRegister")
     _one_element(src, instr, "src")
-    if src.dtype.itemsize > 4 or src.dtype.kind not in "iu":
+    if src.dtype.itemsize > 4 or src.dtype.kind not in "iu":  # register_load: "up to 32-bit"
         raise NkiDtypeError(f"{instr}: src must hold a 32-bit (or narrower) integer, got {src.dtype.name}")
     dst._value = _int32(read(src, instr, "src").reshape(-1)[0], instr)
 
@@ -936,7 +963,7 @@ def iota(dst: Tensor, pattern: Any, offset: int = 0, channel_multiplier: int = 0
         pairs = [(int(a), int(b)) for a, b in pattern]
     except (TypeError, ValueError) as exc:
         raise NkiShapeError(f"{instr}: pattern must be [[step, num], ...], got {pattern!r}") from exc
-    if not 1 <= len(pairs) <= 4:
+    if not 1 <= len(pairs) <= 4:  # iota page: "up to 4D pattern"
         raise NkiShapeError(f"{instr}: pattern needs 1 to 4 [step, num] pairs, got {len(pairs)}")
     per_partition = int(np.prod(dst.shape[1:], dtype=np.int64))
     counts = int(np.prod([n for _, n in pairs], dtype=np.int64))

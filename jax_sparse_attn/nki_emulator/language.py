@@ -250,6 +250,7 @@ def tensor_arg(x: Any, instr: str, arg: str, buffers: tuple = ()) -> Tensor:
             f"{instr}: {arg} must be a kernel tensor (tile or view), got {type(x).__name__}"
         )
     if buffers and x.buffer not in buffers:
+        # Each caller passes the memories its instruction's page allows.
         names = " or ".join(b.name for b in buffers)
         raise NkiMemorySpaceError(
             f"operand in the wrong memory: {instr} {arg} must be in {names}, got {x.describe()}"
@@ -261,7 +262,8 @@ def same_base_partition(instr: str, *tiles: Any) -> None:
     """On-chip inputs of one instruction must start at the same partition.
 
     The compiler rejects two SBUF inputs of one instruction at different base partitions
-    (NCC_IBIR297, CONTRACT.md section 4); applied here to every on-chip input, the stricter reading.
+    (NCC_IBIR297, recorded in jax_sparse_attn/constants.py and docs/nki-emulator.md: a project
+    observation, not a documented rule); applied here to every on-chip input, the stricter reading.
     """
     starts = {t._p0 for t in tiles if isinstance(t, Tensor) and t.buffer.on_chip}
     if len(starts) > 1:
@@ -273,6 +275,8 @@ def same_base_partition(instr: str, *tiles: Any) -> None:
 
 def check_dst_shape(instr: str, dst: Tensor, shape: tuple) -> None:
     if tuple(dst.shape) != tuple(shape):
+        # Inferred (stricter than pages asking for equal partitions and elements per partition):
+        # dst has exactly the computed value's shape; there is no implicit broadcast into dst.
         raise NkiShapeError(
             f"shape mismatch between dst and the computed value: {instr} computes shape "
             f"{tuple(shape)}, dst is {dst.describe()}"
@@ -284,15 +288,16 @@ def check_free_axes(instr: str, axis: Any, ndim: int) -> tuple[int, ...]:
     norm = []
     for a in axes:
         a = int(a)
-        if not -ndim <= a < ndim:
+        if not -ndim <= a < ndim:  # inferred
             raise NkiShapeError(f"{instr}: axis {a} out of range for a rank-{ndim} tile")
         norm.append(a % ndim)
     if 0 in norm:
+        # tensor_reduce page: "Axis 0 (partition axis) cannot be reduced."
         raise NkiShapeError(
             f"reduction over the partition axis: {instr} axis={axis} includes axis 0; engines "
             "reduce along free axes only (transpose first, or use a matmul against ones)"
         )
-    if not norm:
+    if not norm:  # inferred
         raise NkiShapeError(f"{instr}: empty reduction axis")
     return tuple(sorted(set(norm)))
 
@@ -347,7 +352,7 @@ def load(src: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
     instr = "nl.load"
     no_extra(kwargs, instr)
     ctx = begin(instr)
-    tensor_arg(src, instr, "src", HBM_BUFFERS)
+    tensor_arg(src, instr, "src", HBM_BUFFERS)  # nl.load page: from device memory (HBM)
     values = read(src, instr, "src")
     tile = ctx.allocate(src.shape, src.dtype if dtype is None else dtype, SBUF, "nl.load")
     write(tile, values)
@@ -361,8 +366,9 @@ def store(dst: Tensor, value: Tensor, **kwargs: Any) -> None:
     instr = "nl.store"
     no_extra(kwargs, instr)
     ctx = begin(instr)
-    tensor_arg(dst, instr, "dst", HBM_BUFFERS)
-    tensor_arg(value, instr, "value", (SBUF,))  # a DMA cannot read PSUM
+    tensor_arg(dst, instr, "dst", HBM_BUFFERS)  # nl.store page: to device memory (HBM)
+    # NKI 0.3 release notes (known issues): "nki.language.store does not support PSUM tiles".
+    tensor_arg(value, instr, "value", (SBUF,))
     check_dst_shape(instr, dst, value.shape)
     values = read(value, instr, "value")
     write(dst, values)
@@ -393,12 +399,13 @@ def broadcast_to(src: Tensor, shape: Any = None, **kwargs: Any) -> Tensor:
     """
     instr = "nl.broadcast_to"
     no_extra(kwargs, instr)
-    if shape is None:
+    if shape is None:  # nki.language.broadcast_to page: shape is required
         raise NkiShapeError(f"{instr} needs shape=")
     ctx = begin(instr)
     tensor_arg(src, instr, "src", ON_CHIP)
     shape = tuple(int(s) for s in shape)
     if len(shape) != src.ndim or any(s != d and d != 1 for s, d in zip(shape, src.shape)):
+        # nki.language.broadcast_to page (numpy's rule, same rank: each axis equal or from 1).
         raise NkiShapeError(
             f"{instr}: cannot broadcast {src.shape} to {shape} (same rank; each axis equal or from 1)"
         )
@@ -423,7 +430,7 @@ def _elementwise(name: str, fn, operands: tuple, dtype: Any) -> Tensor:
     values = []
     for i, o in enumerate(operands):
         if isinstance(o, Tensor):
-            tensor_arg(o, instr, f"operand {i}", ON_CHIP)
+            tensor_arg(o, instr, f"operand {i}", ON_CHIP)  # engines read SBUF/PSUM (arch guides)
             values.append(f32_values(o, instr, f"operand {i}"))
         elif isinstance(o, (int, float, np.integer, np.floating)) and not isinstance(o, bool):
             values.append(np.float32(o))
