@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import primitives
+from . import fp8, primitives
 from .constants import BIAS_FLOOR, FLT_MAX, MAX_ROWS
 
 ArrayLike = jax.typing.ArrayLike
@@ -201,6 +201,7 @@ def gathered_attn_idx(
     scale: Scale = None,
     implementation: Optional[str] = None,
     return_lse: bool = False,
+    kv_scale: Optional[ArrayLike] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """DeepSeek-style top-k sparse attention that gathers rows of a shared KV cache by index.
 
@@ -211,6 +212,7 @@ def gathered_attn_idx(
     Args:
       q: ``[T, H, D]`` queries, bf16 (f16 and f32 accepted).
       kv: ``[R, D]`` cache; each row is key and value (one KV head); computed in ``q``'s dtype.
+        An FP8 cache (``float8_e4m3fn`` or ``float8_e5m2``) needs ``kv_scale``.
       idx: ``[T, K]`` any integer dtype: the cache row of each slot. ``idx < 0`` or ``idx >= R``
         is an empty slot. (With x64 disabled, JAX itself narrows 64-bit arrays to int32 when they
         enter ``jax.jit`` as arguments; numpy arrays passed to this function directly are checked
@@ -224,6 +226,11 @@ def gathered_attn_idx(
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
       return_lse: also return the log-sum-exp of the logits (see Returns).
+      kv_scale: for an FP8 ``kv`` only: ``[R]`` f32 (one scale per row) or ``[R, D // G]`` f32
+        (one per group of G consecutive columns; G = 128 is FlashMLA's layout). The op then
+        computes on ``kv_dequant = (kv.astype(f32) * scale).astype(q.dtype)``, dequantising only
+        the gathered slots (see ``jax_sparse_attn/fp8.py``). The cache and its scales carry no
+        gradient.
 
     Returns:
       ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
@@ -252,9 +259,19 @@ def gathered_attn_idx(
     if R > MAX_ROWS:
         raise ValueError(f"kv has {R} rows; at most {MAX_ROWS} can be indexed with int32")
     q = jnp.asarray(q)
-    kv = jnp.asarray(kv, q.dtype)
     idx = _normalise_idx(idx, R)
     sink, bias, scale = _sink_bias_scale(_shape(q), _shape(idx)[1], sink, bias, scale)
+    if kv_scale is not None or fp8.is_fp8(_dtype(kv)):
+        # FP8 cache: the slots are gathered and dequantised here, then the pre-gathered op runs
+        # with the empty slots masked (fp8.py).
+        kv_scale = jax.lax.stop_gradient(fp8.check_kv_scale(_shape(kv), _dtype(kv), kv_scale))
+        g = fp8.gather_dequantized(jax.lax.stop_gradient(jnp.asarray(kv)), kv_scale, idx, q.dtype)
+        bias = jnp.where(idx >= 0, bias, -jnp.inf)
+        out, lse = primitives.gathered_attn_p.bind(
+            q, g, sink, bias, scale, implementation=implementation
+        )
+        return (out, lse) if return_lse else out
+    kv = jnp.asarray(kv, q.dtype)
     out, lse = primitives.gathered_attn_idx_p.bind(
         q, kv, idx, sink, bias, scale, implementation=implementation
     )
