@@ -96,6 +96,11 @@ SBUF_BYTES_PER_PARTITION_TRN3 = 256 * 1024
 # when the variable is unset (an assumption of this project: the trn2 instance family).
 NEURON_TARGETS = ("trn1", "trn2", "trn3")
 DEFAULT_NEURON_TARGET = "trn2"
+# Physical cores per logical core on trn2/trn3 unless NEURON_LOGICAL_NC_CONFIG says otherwise: LNC=2
+# is the runtime's default on Trainium2 (about-neuron/arch/neuron-features/
+# logical-neuroncore-config.rst); trn3 is assumed the same. The kernels launch one SPMD program per
+# physical core (kernel[2], nki/get-started/about/lnc.rst).
+LOGICAL_CORE_DEFAULT = 2
 # Targets whose NeuronCore (v3 and later) has dma_transpose and indirect DMA (nki.isa.dma_transpose
 # page: "TRN2+ only"; hardware DGE "only supported for NeuronCore-v3 or newer", nki.isa.dma_copy).
 TARGETS_WITH_DGE = ("trn2", "trn3")

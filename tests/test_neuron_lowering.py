@@ -144,48 +144,46 @@ def test_neuron_target_rejects_an_unknown_value(monkeypatch):
 
 
 def test_kernel_variant_per_target():
-    """trn1 (NeuronCore-v2) has neither dma_transpose nor indirect DMA: both ops run the
-    pre-gathered kernel with q transposed on the PE, the indexed op's rows gathered by XLA."""
+    """trn1 (NeuronCore-v2) has no indirect DMA: both ops run the pre-gathered kernel there, the
+    indexed op's rows gathered by XLA; trn2 and trn3 gather inside the kernel."""
     from jax_sparse_attn.neuron import kernels
 
-    assert kernels.kernel_for("trn1", True) == (kernels.gathered_attn_trn1_kernel, True)
-    assert kernels.kernel_for("trn1", False) == (kernels.gathered_attn_trn1_kernel, False)
+    assert kernels.kernel_for("trn1", True) == (kernels.gathered_attn_kernel, True)
+    assert kernels.kernel_for("trn1", False) == (kernels.gathered_attn_kernel, False)
     for target in ("trn2", "trn3"):
         assert kernels.kernel_for(target, True) == (kernels.gathered_attn_idx_kernel, False)
         assert kernels.kernel_for(target, False) == (kernels.gathered_attn_kernel, False)
 
 
-def test_trn1_kernel_source_uses_no_dma_transpose_or_indirect_dma():
-    """The trn1 kernel's run under the emulator issues no dma_transpose and no indirect DMA."""
+@pytest.mark.parametrize("value, programs", [(None, 2), ("1", 1), ("2", 2)])
+def test_launch_grid_matches_the_logical_core(monkeypatch, value, programs):
+    """kernel[n] with n the physical cores of a logical core: 2 on trn2/trn3 by default (LNC=2),
+    NEURON_LOGICAL_NC_CONFIG when set; trn1 has no logical cores."""
+    if value is None:
+        monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", value)
+    assert lowering.launch_programs("trn2") == programs
+    assert lowering.launch_programs("trn3") == programs
+    assert lowering.launch_programs("trn1") == 1
+
+
+def test_trn1_runs_only_the_kernel_without_indirect_dma():
+    """Under the emulator's trn1 target (which rejects indirect DMA and dma_transpose) the
+    pre-gathered kernel runs and the indexed one is refused."""
     from jax_sparse_attn.neuron import kernels
-    from jax_sparse_attn.nki_emulator import isa
-
-    calls = []
-    original = (isa.dma_transpose, isa.dma_copy)
-
-    def dma_transpose(*a, **k):
-        calls.append("dma_transpose")
-        return original[0](*a, **k)
-
-    def dma_copy(dst, src, **k):
-        if getattr(src, "vector_offset", None) is not None:
-            calls.append("indirect dma_copy")
-        return original[1](dst, src, **k)
+    from jax_sparse_attn.nki_emulator import NkiEmulatorError, simulate
 
     rng = np.random.default_rng(1)
-    T, H, D, Kp = 2, 8, 128, 128
+    T, H, D, Kp, R = 2, 8, 128, 128, 50
     bias = np.zeros((T, 16 + Kp), np.float32)
     bias[:, 0] = 0.1
-    args = (rng.standard_normal((T * H, D)).astype(jnp.bfloat16),
-            rng.standard_normal((T * Kp, D)).astype(jnp.bfloat16), bias,
-            np.zeros((H, 1), np.float32))  # fmt: skip
-    from jax_sparse_attn.nki_emulator import simulate
-
-    try:
-        isa.dma_transpose, isa.dma_copy = dma_transpose, dma_copy
-        simulate(kernels.gathered_attn_trn1_kernel, target="trn1")(*args)
-        assert calls == []
-        simulate(kernels.gathered_attn_kernel, target="trn2")(*args)
-        assert "dma_transpose" in calls  # the check does see them
-    finally:
-        isa.dma_transpose, isa.dma_copy = original
+    q = rng.standard_normal((T, H, D)).astype(jnp.bfloat16)
+    sink = np.zeros((H, 1), np.float32)
+    g = rng.standard_normal((T, Kp, D)).astype(jnp.bfloat16)
+    out, lse = simulate(kernels.gathered_attn_kernel, target="trn1")(q, g, bias, sink)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    kv = rng.standard_normal((R, D)).astype(jnp.bfloat16)
+    idx = rng.integers(0, R, (T, 128, Kp // 128)).astype(np.uint32)
+    with pytest.raises(NkiEmulatorError):
+        simulate(kernels.gathered_attn_idx_kernel, target="trn1")(q, kv, idx, bias, sink)

@@ -34,11 +34,16 @@ def test_head_groups_have_at_most_128_heads(H, groups, per_group):
     assert layout.head_groups * layout.heads_per_group - H < layout.head_groups
 
 
-@pytest.mark.parametrize("D, Dp", [(1, 128), (64, 128), (128, 128), (576, 640), (1024, 1024)])
+@pytest.mark.parametrize("D, Dp", [(0, 1), (1, 1), (64, 64), (576, 576), (1024, 1024)])
 @pytest.mark.parametrize("K, Kp", [(1, 128), (100, 128), (128, 128), (129, 256), (2048, 2048)])
-def test_dim_and_slots_padded_to_tiles(D, Dp, K, Kp):
+def test_slots_padded_to_tiles_and_dim_kept(D, Dp, K, Kp):
     layout = packing.kernel_layout(2, 4, D, K)
     assert (layout.dim_padded, layout.slots_padded) == (Dp, Kp)
+
+
+@pytest.mark.parametrize("T, programs, Tp", [(1, 1, 1), (1, 2, 2), (3, 2, 4), (16, 2, 16)])
+def test_tokens_padded_to_the_launch_grid(T, programs, Tp):
+    assert packing.kernel_layout(T, 4, 64, 10, programs).tokens_padded == Tp
 
 
 def _inputs(rng, T, H, D, K):
@@ -55,15 +60,17 @@ def _check_common(packed, layout, q, sink, bias, scale, valid):
     K = bias.shape[1]
     G, Hg = layout.head_groups, layout.heads_per_group
     Dp, Kp = layout.dim_padded, layout.slots_padded
+    Tp = layout.tokens_padded
     q_groups = np.asarray(packed.q_groups)
-    assert q_groups.shape == (G, T * Hg, Dp) and q_groups.dtype == BF16
+    assert q_groups.shape == (G, Tp, Hg, Dp) and q_groups.dtype == BF16
+    np.testing.assert_array_equal(q_groups[:, T:].astype(np.float32), 0)  # padding tokens
     sink_groups = np.asarray(packed.sink_groups)
     assert sink_groups.shape == (G, Hg, 1) and sink_groups.dtype == np.float32
     for g in range(G):
         for h in range(Hg):
             head = g * Hg + h
             for t in range(T):
-                row = q_groups[g, t * Hg + h].astype(np.float32)
+                row = q_groups[g, t, h].astype(np.float32)
                 if head < H:
                     np.testing.assert_array_equal(row[:D], to_bf16(q[t, head]).astype(np.float32))
                 else:
@@ -73,7 +80,8 @@ def _check_common(packed, layout, q, sink, bias, scale, valid):
             assert sink_groups[g, h, 0] == expected_sink
 
     packed_bias = np.asarray(packed.bias)
-    assert packed_bias.shape == (T, BIAS_PREFIX_COLS + Kp) and packed_bias.dtype == np.float32
+    assert packed_bias.shape == (Tp, BIAS_PREFIX_COLS + Kp) and packed_bias.dtype == np.float32
+    np.testing.assert_array_equal(packed_bias[T:, BIAS_PREFIX_COLS:], np.float32(EMPTY_LOGIT))
     for t in range(T):
         assert packed_bias[t, SCALE_COL] == scale[t]
         others = [c for c in range(BIAS_PREFIX_COLS) if c != SCALE_COL]
@@ -84,8 +92,10 @@ def _check_common(packed, layout, q, sink, bias, scale, valid):
     np.testing.assert_array_equal(np.asarray(packed.row_has_slot), valid.any(axis=1))
 
 
-@pytest.mark.parametrize("T, H, D, K", [(2, 130, 64, 100), (3, 1, 576, 1), (1, 200, 128, 129)])
-def test_pack_gathered(T, H, D, K):
+@pytest.mark.parametrize(
+    "T, H, D, K, programs", [(2, 130, 64, 100, 1), (3, 1, 576, 1, 2), (1, 200, 128, 129, 2)]
+)
+def test_pack_gathered(T, H, D, K, programs):
     rng = np.random.default_rng(0)
     q, sink, bias, scale = _inputs(rng, T, H, D, K)
     g = rng.standard_normal((T, K, D)).astype(np.float32)
@@ -93,22 +103,23 @@ def test_pack_gathered(T, H, D, K):
     bias[T - 1, :] = -np.inf  # a token with no valid slot
     g[np.isneginf(bias)] = np.nan  # rows of empty slots: never reach the kernel
     packed, layout = packing.pack_for_kernel(
-        jnp.asarray(q), jnp.asarray(g), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale)
+        jnp.asarray(q), jnp.asarray(g), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale),
+        programs=programs,
     )
     valid = bias != -np.inf
     _check_common(packed, layout, q, sink, bias, scale, valid)
     assert packed.idx is None
-    Kp, Dp = layout.slots_padded, layout.dim_padded
+    Kp, Dp, Tp = layout.slots_padded, layout.dim_padded, layout.tokens_padded
+    assert Tp % programs == 0 and Tp - T < programs
     rows = np.asarray(packed.slot_rows)
-    assert rows.shape == (T * Kp, Dp) and rows.dtype == BF16
-    for t in range(T):
+    assert rows.shape == (Tp, Kp, Dp) and rows.dtype == BF16
+    for t in range(Tp):
         for j in range(Kp):
-            row = rows[t * Kp + j].astype(np.float32)
-            if j < K and valid[t, j]:
-                np.testing.assert_array_equal(row[:D], to_bf16(g[t, j]).astype(np.float32))
+            row = rows[t, j].astype(np.float32)
+            if t < T and j < K and valid[t, j]:
+                np.testing.assert_array_equal(row, to_bf16(g[t, j]).astype(np.float32))
             else:
-                np.testing.assert_array_equal(row[:D], 0)  # empty or padding slot: zeros
-            np.testing.assert_array_equal(row[D:], 0)
+                np.testing.assert_array_equal(row, 0)  # empty, padding slot or token: zeros
 
 
 def _idx_case(rng, T, H, D, K, R):
@@ -143,14 +154,14 @@ def test_pack_idx_gathered_by_xla_for_trn1_zeroes_empty_slots(T, H, D, K, R):
     _check_common(packed, layout, q, sink, bias, scale, valid)
     assert packed.idx is None
     Kp, Dp = layout.slots_padded, layout.dim_padded
-    rows = np.asarray(packed.slot_rows).astype(np.float32).reshape(T, Kp, Dp)
+    rows = np.asarray(packed.slot_rows).astype(np.float32)
+    assert rows.shape == (T, Kp, Dp)
     for t in range(T):
         for j in range(Kp):
             if j < K and valid[t, j]:
-                np.testing.assert_array_equal(rows[t, j, :D], to_bf16(kv[idx[t, j]]).astype(np.float32))
+                np.testing.assert_array_equal(rows[t, j], to_bf16(kv[idx[t, j]]).astype(np.float32))
             else:
                 np.testing.assert_array_equal(rows[t, j], 0)
-    np.testing.assert_array_equal(rows[:, :, D:], 0)
 
 
 @pytest.mark.parametrize("T, H, D, K, R", [(2, 130, 64, 100, 37), (4, 64, 576, 7, 5)])
@@ -166,27 +177,28 @@ def test_pack_idx_sends_every_empty_slot_as_an_out_of_range_index(T, H, D, K, R)
 
     Kp, Dp = layout.slots_padded, layout.dim_padded
     packed_idx = np.asarray(packed.idx)
-    assert packed_idx.shape == (T, Kp) and packed_idx.dtype == np.uint32
+    assert packed_idx.shape == (T, 128, Kp // 128) and packed_idx.dtype == np.uint32
     for t in range(T):
         for j in range(Kp):
             expected = idx[t, j] if j < K and valid[t, j] else EMPTY_SLOT_INDEX
-            assert packed_idx[t, j] == expected
+            # Slot j = kc*128 + p sits at [t, p, kc]: one DMA per token reads a partition's slots.
+            assert packed_idx[t, j % 128, j // 128] == expected
     # Out of range of any cache the uint32 indices can address (at most 2**31 - 1 rows).
     assert EMPTY_SLOT_INDEX >= 2**31
     rows = np.asarray(packed.slot_rows)
-    assert rows.shape == (R, Dp) and rows.dtype == BF16
-    np.testing.assert_array_equal(rows[:, :D].astype(np.float32), to_bf16(kv).astype(np.float32))
-    np.testing.assert_array_equal(rows[:, D:].astype(np.float32), 0)
+    # The cache itself, never copied to pad its head dim.
+    assert rows.shape == (R, D) and rows.dtype == BF16
+    np.testing.assert_array_equal(rows.astype(np.float32), to_bf16(kv).astype(np.float32))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
-@pytest.mark.parametrize("T, H, D", [(3, 200, 576), (2, 1, 64), (1, 128, 128)])
-def test_unpack_reassembles_heads_crops_and_zeroes_empty_rows(T, H, D, dtype):
+@pytest.mark.parametrize("T, H, D, programs", [(3, 200, 576, 2), (2, 1, 64, 1), (1, 128, 128, 2)])
+def test_unpack_reassembles_heads_crops_and_zeroes_empty_rows(T, H, D, programs, dtype):
     rng = np.random.default_rng(2)
-    layout = packing.kernel_layout(T, H, D, 10)
-    G, Hg, Dp = layout.head_groups, layout.heads_per_group, layout.dim_padded
-    out_groups = to_bf16(rng.standard_normal((G, T * Hg, Dp)))
-    lse_groups = rng.standard_normal((G, T * Hg, 1)).astype(np.float32)
+    layout = packing.kernel_layout(T, H, D, 10, programs)
+    G, Hg, Dp, Tp = layout.head_groups, layout.heads_per_group, layout.dim_padded, layout.tokens_padded
+    out_groups = to_bf16(rng.standard_normal((G, Tp, Hg, Dp)))
+    lse_groups = rng.standard_normal((G, Tp, Hg, 1)).astype(np.float32)
     has_slot = np.arange(T) % 2 == 0
     sink = rng.standard_normal(H).astype(np.float32)
     sink[0] = -np.inf
@@ -198,11 +210,11 @@ def test_unpack_reassembles_heads_crops_and_zeroes_empty_rows(T, H, D, dtype):
     for t in range(T):
         for head in range(H):
             g, h = divmod(head, Hg)
-            kernel_row = out_groups[g, t * Hg + h, :D] if has_slot[t] else np.zeros(D, BF16)
+            kernel_row = out_groups[g, t, h, :D] if has_slot[t] else np.zeros(D, BF16)
             # One cast from the kernel's bf16 to q's dtype.
             np.testing.assert_array_equal(out[t, head], kernel_row.astype(np.dtype(dtype)))
             # A row with no valid slot has the sink as its lse (-inf without one).
-            expected_lse = lse_groups[g, t * Hg + h, 0] if has_slot[t] else sink[head]
+            expected_lse = lse_groups[g, t, h, 0] if has_slot[t] else sink[head]
             assert lse[t, head] == expected_lse
 
 
@@ -216,7 +228,7 @@ def test_pack_then_unpack_of_q_is_the_bf16_query():
     @jax.jit
     def round_trip(q, g, sink, bias, scale):
         packed, layout = packing.pack_for_kernel(q, g, sink, bias, scale)
-        lse = jnp.zeros(packed.q_groups.shape[:2] + (1,), jnp.float32)
+        lse = jnp.zeros(packed.q_groups.shape[:3] + (1,), jnp.float32)
         return packing.unpack_from_kernel(
             packed.q_groups, lse, layout, packed.row_has_slot, sink, q.dtype
         )[0]

@@ -94,29 +94,35 @@ def assert_matches_contract(out, expected, *, min_fraction=0.999):
 
 RUNNERS = ["emulator", "nki.simulate"]
 
-# The NKI targets and the kernels that run on each (docs/neuron-kernel.md, "Variants").
+# The NKI targets and the kernels that run on each (docs/neuron-kernel.md, "Variants"); trn3 runs
+# the trn2 kernels with a larger SBUF, so it is only in the slow run.
 TARGET_KERNELS = {
-    "trn1": ("trn1",),
+    "trn1": ("gathered",),
     "trn2": ("idx", "gathered"),
+    "trn3": ("idx", "gathered"),
 }
+TARGETS = ["trn1", "trn2", pytest.param("trn3", marks=pytest.mark.slow)]
+# The launch grid on each target: one program per physical core of the logical core.
+PROGRAMS = {"trn1": 1, "trn2": 2, "trn3": 2}
 
 
-def simulate_with_emulator(kernel, *arrays, target="trn2", **options):
+def simulate_with_emulator(kernel, *arrays, target="trn2", programs=1, **options):
     from jax_sparse_attn.nki_emulator import simulate
 
-    out, lse = simulate(kernel, target=target)(*arrays, **options)
+    out, lse = simulate(kernel, target=target)[programs](*arrays, **options)
     return np.asarray(out).astype(np.float32), np.asarray(lse, np.float64)
 
 
-def run_kernel(runner, kernel, *arrays, target="trn2", **options):
-    """Runs ``kernel`` on numpy arrays with the emulator, or with the real ``nki.simulate``.
+def run_kernel(runner, kernel, *arrays, target="trn2", programs=1, **options):
+    """Runs ``kernel`` on numpy arrays with the emulator, or with the real ``nki.simulate``,
+    launched as ``kernel[programs]``.
 
     Returns ``(out as float32, lse as float64)``. Under ``nki.simulate`` the result is also
     compared with the emulator's, so a divergence of the emulator from the Neuron SDK shows up
     wherever the SDK is installed.
     """
     if runner == "emulator":
-        return simulate_with_emulator(kernel, *arrays, target=target, **options)
+        return simulate_with_emulator(kernel, *arrays, target=target, programs=programs, **options)
     nki = pytest.importorskip(
         "nki",
         reason="the Neuron SDK (nki >= 0.3) is only installable on a Trainium host from the Neuron "
@@ -125,9 +131,9 @@ def run_kernel(runner, kernel, *arrays, target="trn2", **options):
     import os
 
     os.environ["NEURON_PLATFORM_TARGET_OVERRIDE"] = target
-    real_out, real_lse = nki.simulate(kernel)(*arrays, **options)
+    real_out, real_lse = nki.simulate(nki.jit(kernel)[programs])(*arrays, **options)
     real = np.asarray(real_out).astype(np.float32), np.asarray(real_lse, np.float64)
-    emulated = simulate_with_emulator(kernel, *arrays, target=target, **options)
+    emulated = simulate_with_emulator(kernel, *arrays, target=target, programs=programs, **options)
     assert_matches_contract(emulated[0], real[0])
     return real
 
@@ -159,31 +165,35 @@ def kernel_inputs(rng, T, H, D, Kp, R, empty_fraction=0.25, sink=None, poison=No
     bias[:, BIAS_PREFIX_COLS:] = np.where(valid, slot_bias, EMPTY_LOGIT)
     x = np.where(valid[:, :, None], kv[np.where(valid, idx, 0)], 0).astype(np.float32)
     case = dict(q=q, x=x, valid=valid, sink=sink, bias=slot_bias, scale=scale)
+    sent_idx = np.where(valid, idx, EMPTY_SLOT_INDEX).astype(np.uint32)
     operands = dict(
-        q2=q.reshape(T * H, D).astype(BF16),
+        q=q.astype(BF16),
         kv=kv.astype(BF16),
-        idx=np.where(valid, idx, EMPTY_SLOT_INDEX).astype(np.uint32),
+        # [T, 128, Kp/128]: slot kc*128 + p at [t, p, kc].
+        idx=np.ascontiguousarray(sent_idx.reshape(T, Kp // 128, 128).transpose(0, 2, 1)),
         bias=bias,
         sink=sink.reshape(H, 1).astype(np.float32),
-        g2=x.reshape(T * Kp, D).astype(BF16),
+        g=x.astype(BF16),
     )
     return operands, case
 
 
-def run_kernels(runner, ops, target, **options):
-    """Every kernel of ``target`` on the same operands: ``{name: (out, lse)}``."""
+def run_kernels(runner, ops, target, programs=None, **options):
+    """Every kernel of ``target`` on the same operands, launched on the target's logical core
+    when the tokens split evenly: ``{name: (out [T*H, D], lse)}``."""
+    T = ops["q"].shape[0]
+    if programs is None:
+        programs = PROGRAMS[target] if T % PROGRAMS[target] == 0 else 1
     calls = {
         "idx": lambda: run_kernel(
-            runner, kernels.gathered_attn_idx_kernel, ops["q2"], ops["kv"], ops["idx"],
-            ops["bias"], ops["sink"], target=target, **options),
+            runner, kernels.gathered_attn_idx_kernel, ops["q"], ops["kv"], ops["idx"],
+            ops["bias"], ops["sink"], target=target, programs=programs, **options),
         "gathered": lambda: run_kernel(
-            runner, kernels.gathered_attn_kernel, ops["q2"], ops["g2"], ops["bias"], ops["sink"],
-            target=target, **options),
-        "trn1": lambda: run_kernel(
-            runner, kernels.gathered_attn_trn1_kernel, ops["q2"], ops["g2"], ops["bias"],
-            ops["sink"], target=target, **options),
+            runner, kernels.gathered_attn_kernel, ops["q"], ops["g"], ops["bias"], ops["sink"],
+            target=target, programs=programs, **options),
     }  # fmt: skip
-    return {name: calls[name]() for name in TARGET_KERNELS[target]}
+    results = {name: calls[name]() for name in TARGET_KERNELS[target]}
+    return {name: (out.reshape(-1, out.shape[-1]), lse) for name, (out, lse) in results.items()}
 
 
 def assert_lse_matches(lse, expected, valid):
@@ -196,17 +206,19 @@ def assert_lse_matches(lse, expected, valid):
 
 # (T, H, D, Kp, R): between them every kernel-level limit is exercised: one and many 128-slot
 # tiles, score matmuls split at 512 slots (Kp 2048), the value accumulator split across PSUM banks
-# (D 640, 1024), H from 1 to 128, a cache smaller than K (duplicated indices).
+# (D 576, 1024), head dims that are not multiples of 128 (576, 100), H from 1 to 128, a cache
+# smaller than K (duplicated indices), a token count the two programs of trn2 cannot split (3).
 KERNEL_SHAPES = [
     pytest.param(2, 64, 128, 128, 300, id="H64-D128-K128"),
-    pytest.param(1, 128, 512, 2048, 4096, id="H128-D512-K2048"),
+    pytest.param(2, 128, 512, 2048, 4096, id="H128-D512-K2048"),
     pytest.param(2, 16, 1024, 256, 64, id="H16-D1024-K256-dup"),
-    pytest.param(3, 1, 640, 128, 1000, id="H1-D640-K128"),
+    pytest.param(3, 1, 576, 128, 1000, id="H1-D576-K128"),
+    pytest.param(4, 8, 100, 256, 500, id="H8-D100-K256"),
 ]
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize("target", sorted(TARGET_KERNELS))
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("T, H, D, Kp, R", KERNEL_SHAPES)
 def test_kernels_meet_the_bf16_contract(runner, target, T, H, D, Kp, R):
     rng = np.random.default_rng(T * 1000 + H + D + Kp)
@@ -223,7 +235,7 @@ def test_kernels_meet_the_bf16_contract(runner, target, T, H, D, Kp, R):
         np.testing.assert_array_equal(lse, first[1])
 
 
-@pytest.mark.parametrize("target", sorted(TARGET_KERNELS))
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf, 3e38])
 def test_unselected_cache_rows_never_reach_the_output(target, poison):
     """NaN, inf or a huge finite value in every row that no valid slot selects (row 0 among them,
@@ -256,7 +268,7 @@ def overflowing_rows(rng, rows, dim):
     return bf16(np.where(magnitude > 0, sign * magnitude, ordinary) * np.ones((rows, dim)))
 
 
-@pytest.mark.parametrize("target", sorted(TARGET_KERNELS))
+@pytest.mark.parametrize("target", TARGETS)
 def test_logits_that_overflow_fp32_saturate(target):
     """q . x beyond FLT_MAX gives an fp32 accumulator of +-inf, q . x * scale beyond 1e29 a logit
     that would outrank everything: both saturate (docs/contract.md), so no NaN, ties between the
@@ -265,13 +277,13 @@ def test_logits_that_overflow_fp32_saturate(target):
     T, H, D, Kp, R = 2, 8, 128, 128, 50
     ops, case = kernel_inputs(rng, T, H, D, Kp, R)
     case["q"] = bf16(np.full((T, H, D), 1e19))
-    ops["q2"] = case["q"].reshape(T * H, D).astype(BF16)
+    ops["q"] = case["q"].astype(BF16)
     kv = overflowing_rows(rng, R, D)
-    idx = ops["idx"].astype(np.int64)
+    idx = ops["idx"].transpose(0, 2, 1).reshape(T, Kp).astype(np.int64)
     valid = case["valid"]
     ops["kv"] = kv.astype(BF16)
     case["x"] = np.where(valid[:, :, None], kv[np.where(valid, idx, 0)], 0).astype(np.float32)
-    ops["g2"] = case["x"].reshape(T * Kp, D).astype(BF16)
+    ops["g"] = case["x"].astype(BF16)
     expected, expected_lse = contract_model(**case, with_lse=True)
     assert np.abs(expected).max() > 1e18  # the saturated slots carry the weight
     for out, lse in run_kernels("emulator", ops, target).values():
@@ -280,7 +292,7 @@ def test_logits_that_overflow_fp32_saturate(target):
         assert_lse_matches(lse, expected_lse, case["valid"])
 
 
-@pytest.mark.parametrize("target", sorted(TARGET_KERNELS))
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(
     "T, H, D, Kp, max_chunk",
     [
@@ -302,7 +314,7 @@ def test_slots_in_chunks_keep_the_contract(target, T, H, D, Kp, max_chunk):
         assert_lse_matches(lse, expected_lse, case["valid"])
 
 
-@pytest.mark.parametrize("target", sorted(TARGET_KERNELS))
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(
     "H, D, Kp",
     [
@@ -311,17 +323,38 @@ def test_slots_in_chunks_keep_the_contract(target, T, H, D, Kp, max_chunk):
     ],
 )
 def test_large_shapes_run_in_chunks(target, H, D, Kp):
-    """Shapes whose slots do not fit in SBUF at once: FlashMLA's K=8192 with D=576 (padded to 640),
-    and K=65536, whose fp32 logits alone exceed SBUF and wait in HBM between the passes."""
+    """Shapes whose slots do not fit in SBUF at once: FlashMLA's K=8192 with D=576, and K=65536,
+    whose fp32 logits alone exceed SBUF and wait in HBM between the passes."""
     rng = np.random.default_rng(H + Kp)
     ops, case = kernel_inputs(rng, 1, H, D, Kp, 2 * Kp)
-    plan = kernels.plan_slots(H, D, Kp, q_on_pe=target == "trn1")
+    plan = kernels.plan_slots(H, D, Kp, indexed=target != "trn1")
     assert plan.chunks > 1
     assert plan.scores_in_sbuf == (Kp < 65536)
     expected, expected_lse = contract_model(**case, with_lse=True)
     for out, lse in run_kernels("emulator", ops, target).values():
         assert_matches_contract(out, expected.reshape(H, D))
         assert_lse_matches(lse, expected_lse, case["valid"])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_compiled_instructions_do_not_grow_with_tokens(target):
+    """Tokens run in a hardware loop (nl.dynamic_range): the compiled program of each core holds
+    one token's instructions whatever T is, while the executed count grows with T."""
+    from jax_sparse_attn.nki_emulator import simulate
+
+    compiled, executed = [], []
+    for T in (2, 4, 16):
+        ops, _ = kernel_inputs(np.random.default_rng(T), T, 16, 128, 256, 300)
+        kernel, rows = ((kernels.gathered_attn_kernel, ops["g"]) if target == "trn1"
+                        else (kernels.gathered_attn_idx_kernel, ops["kv"]))  # fmt: skip
+        args = (ops["q"], rows) + ((ops["idx"],) if target != "trn1" else ()) + (
+            ops["bias"], ops["sink"])  # fmt: skip
+        _, stats = simulate(kernel, target=target, stats=True)[PROGRAMS[target]](*args)
+        assert stats.grid == PROGRAMS[target]
+        compiled.append(stats.compiled_instructions_per_program)
+        executed.append(stats.instructions)
+    assert compiled[0] == compiled[1] == compiled[2]
+    assert executed[2] > 6 * executed[0]
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
@@ -352,8 +385,8 @@ def test_kernel_zeroes_an_empty_row_when_a_finite_sink_overflows(runner):
     T, H, D, Kp = 2, 8, 128, 128
     ops, _ = kernel_inputs(rng, T, H, D, Kp, 40)
     ops["bias"][1, BIAS_PREFIX_COLS:] = EMPTY_LOGIT
-    ops["idx"][1, :] = EMPTY_SLOT_INDEX
-    out, _ = run_kernel(runner, kernels.gathered_attn_idx_kernel, ops["q2"], ops["kv"], ops["idx"],
+    ops["idx"][1] = EMPTY_SLOT_INDEX
+    out, _ = run_kernel(runner, kernels.gathered_attn_idx_kernel, ops["q"], ops["kv"], ops["idx"],
                         ops["bias"], ops["sink"])  # fmt: skip
     out = out.reshape(T, H, D)
     np.testing.assert_array_equal(out[1], 0)
@@ -361,27 +394,27 @@ def test_kernel_zeroes_an_empty_row_when_a_finite_sink_overflows(runner):
 
 
 @pytest.mark.parametrize(
-    "H, D, Kp, max_chunk, q_on_pe",
-    [(128, 640, 2048, None, False), (1, 128, 128, None, True), (16, 1024, 1024, 256, False),
-     (64, 512, 1024, 512, True)],
+    "H, D, Kp, max_chunk, indexed",
+    [(128, 576, 2048, None, True), (1, 128, 128, None, False), (16, 1024, 1024, 256, True),
+     (64, 512, 1024, 512, False)],
 )  # fmt: skip
-def test_sbuf_estimate_bounds_the_emulated_peak(H, D, Kp, max_chunk, q_on_pe):
+def test_sbuf_estimate_bounds_the_emulated_peak(H, D, Kp, max_chunk, indexed):
     """The slot chunks are sized by ``kernels.sbuf_bytes_per_partition``: it must not be below
     what the kernel really keeps live (as the emulator counts it), nor far above."""
     from jax_sparse_attn.nki_emulator import simulate
 
     rng = np.random.default_rng(8)
     ops, _ = kernel_inputs(rng, 2, H, D, Kp, 300)
-    if q_on_pe:
-        run = simulate(kernels.gathered_attn_trn1_kernel, target="trn1")
-        run(ops["q2"], ops["g2"], ops["bias"], ops["sink"], max_chunk=max_chunk)
+    if indexed:
+        run = simulate(kernels.gathered_attn_idx_kernel, target="trn2")
+        run(ops["q"], ops["kv"], ops["idx"], ops["bias"], ops["sink"], max_chunk=max_chunk)
     else:
-        run = simulate(kernels.gathered_attn_idx_kernel)
-        run(ops["q2"], ops["kv"], ops["idx"], ops["bias"], ops["sink"], max_chunk=max_chunk)
+        run = simulate(kernels.gathered_attn_kernel, target="trn1")
+        run(ops["q"], ops["g"], ops["bias"], ops["sink"], max_chunk=max_chunk)
     peak = run.last_stats["sbuf_peak_bytes_per_partition"]
-    plan = kernels.plan_slots(H, D, Kp, max_chunk=max_chunk, q_on_pe=q_on_pe)
+    plan = kernels.plan_slots(H, D, Kp, max_chunk=max_chunk, indexed=indexed)
     estimate = kernels.sbuf_bytes_per_partition(H, D, Kp, plan.chunk, plan.scores_in_sbuf,
-                                                q_on_pe=q_on_pe)  # fmt: skip
+                                                indexed=indexed)  # fmt: skip
     assert peak <= estimate <= 1.1 * peak
 
 
@@ -403,9 +436,12 @@ def test_every_shape_gets_a_plan_that_fits_the_smallest_sbuf():
 
 @pytest.fixture(params=["trn1", "trn2"])
 def target(request, monkeypatch):
-    """Runs the test with ``NEURON_PLATFORM_TARGET_OVERRIDE`` naming each target in turn."""
+    """Runs the test with ``NEURON_PLATFORM_TARGET_OVERRIDE`` naming each target in turn. The
+    variant is chosen when a call is compiled, so JAX's caches are cleared around the test."""
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", request.param)
-    return request.param
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
 
 
 def flashmla_invalid(R):

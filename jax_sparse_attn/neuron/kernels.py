@@ -53,7 +53,6 @@ import dataclasses
 
 from ..constants import (
     BIAS_PREFIX_COLS,
-    DMA_TRANSPOSE_ALIGN_ELEMS,
     FLT_MAX,
     KERNEL_TILE,
     LOGIT_LIMIT,
@@ -75,11 +74,6 @@ except ImportError:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def aligned_heads(heads: int) -> int:
-    """Head axis of the transposed q tile: ``dma_transpose`` needs 32-byte aligned destinations."""
-    return _ceil_div(heads, DMA_TRANSPOSE_ALIGN_ELEMS) * DMA_TRANSPOSE_ALIGN_ELEMS
 
 
 # PSUM banks the value accumulators of one pass may hold: the others hold the logits tile and the
@@ -104,36 +98,37 @@ class SlotPlan:
 
 def sbuf_bytes_per_partition(
     heads: int, dim: int, slots: int, chunk: int | None = None, scores_in_sbuf: bool = True,
-    *, q_on_pe: bool = False,
+    *, indexed: bool = True,
 ) -> int:
     """SBUF bytes per partition that one token's live tiles occupy at their peak.
 
     ``dim`` and ``slots`` are the padded kernel sizes (multiples of 128); ``chunk`` the slots per
-    chunk (default: all). The token keeps its transposed q, scale and (if ``scores_in_sbuf``) its
-    fp32 logits (``4 * Kp``) throughout; on top of that the first pass holds a chunk's rows and
-    their transpose (about ``4 * C * D / 128``) and its bias (``8 * C``), the second pass the
-    rows, the probabilities in fp32, bf16 and transposed (about ``8 * C`` with 128 heads) and the
-    output row. 67 KiB at Kp = C = 2048, D = 640, H = 128.
+    chunk (default: all). The token keeps its transposed q, scale, indices and (if
+    ``scores_in_sbuf``) its fp32 logits (``4 * Kp``) throughout; on top of that the first pass
+    holds a chunk's rows and their transpose (about ``4 * C * D / 128``) and its bias
+    (``4 * C``), the second pass the rows, the bf16 probabilities and their transpose (about
+    ``4 * C`` with 128 heads) and the output row. 67 KiB at Kp = C = 2048, D = 640, H = 128.
     """
     chunk = slots if chunk is None else chunk
     chunks = _ceil_div(slots, chunk)
-    k_tiles, d_tiles = chunk // KERNEL_TILE, dim // KERNEL_TILE
-    q_transposed = d_tiles * aligned_heads(heads) * 2
-    prefix = 2 * BIAS_PREFIX_COLS * 4  # the loaded scale row and its broadcast to H heads
-    columns = 4 * (2 + 2 * chunks)  # sink, -max; chunk maxima and sums
-    token = q_transposed + prefix + columns + (slots * 4 if scores_in_sbuf else 0)
-    rows = k_tiles * dim * 2 + 2 * 4  # bf16 rows + the uint32 index columns in flight
+    k_tiles, d_tiles = chunk // KERNEL_TILE, _ceil_div(dim, KERNEL_TILE)
+    q_transposed = d_tiles * heads * 2
+    indices = 4 * (slots // KERNEL_TILE) if indexed else 0
+    columns = 4 * (3 + chunks)  # sink, token counter, -max; chunk maxima
+    token = q_transposed + BIAS_PREFIX_COLS * 4 + indices + columns
+    token += slots * 4 if scores_in_sbuf else 0
+    rows = k_tiles * dim * 2
     spilled_chunk = 0 if scores_in_sbuf else chunk * 4
-    first_pass = rows + d_tiles * chunk * 2 + 2 * chunk * 4 + MATMUL_MAX_N * 4 + spilled_chunk
+    first_pass = rows + d_tiles * chunk * 2 + chunk * 4 + MATMUL_MAX_N * 4 + spilled_chunk
     second_pass = (
-        rows + spilled_chunk + chunk * 4 + chunk * 2 + k_tiles * heads * 2 + dim * 2 + 6 * 4
+        rows + spilled_chunk + chunk * 2 + k_tiles * heads * 2 + dim * 2 + 4 * (chunks + 4)
     )
-    q_on_the_pe = dim * 2 if q_on_pe else 0  # the [H, D] q rows, before the first pass
-    return token + max(first_pass, second_pass, q_on_the_pe)
+    q_rows = dim * 2  # the [H, D] q rows, before the first pass
+    return token + max(first_pass, second_pass, q_rows)
 
 
 def plan_slots(
-    heads: int, dim: int, slots: int, *, max_chunk: int | None = None, q_on_pe: bool = False,
+    heads: int, dim: int, slots: int, *, max_chunk: int | None = None, indexed: bool = True,
     budget: int = SBUF_BYTES_PER_PARTITION,
 ) -> SlotPlan:
     """The largest slot chunk whose working set fits ``budget`` SBUF bytes per partition.
@@ -148,163 +143,217 @@ def plan_slots(
     candidates += [c for c in (384, 256, 128) if c < min(cap, MATMUL_MAX_N)]
     for scores_in_sbuf in (True, False):
         for chunk in candidates:
-            need = sbuf_bytes_per_partition(
-                heads, dim, slots, chunk, scores_in_sbuf, q_on_pe=q_on_pe
-            )
+            need = sbuf_bytes_per_partition(heads, dim, slots, chunk, scores_in_sbuf,
+                                            indexed=indexed)  # fmt: skip
             if need <= budget:
                 return SlotPlan(slots=slots, chunk=chunk, scores_in_sbuf=scores_in_sbuf)
+    smallest = sbuf_bytes_per_partition(heads, dim, slots, KERNEL_TILE, False, indexed=indexed)
     raise ValueError(
         f"head dim D={dim} is too large for the NKI kernel: one 128-slot chunk of rows and its "
-        f"transpose with {heads} heads need "
-        f"{sbuf_bytes_per_partition(heads, dim, slots, KERNEL_TILE, False, q_on_pe=q_on_pe)} bytes "
-        f"of SBUF per partition, more than {budget}; use implementation='reference'"
+        f"transpose with {heads} heads need {smallest} bytes of SBUF per partition, more than "
+        f"{budget}; use implementation='reference'"
     )
 
 
-def _check_interface(q2, slot_rows, bias, sink, tokens: int, slots: int):
-    """Trace-time checks of the kernel interface; returns (heads, dim)."""
-    rows, dim = q2.shape
-    assert tokens > 0 and rows % tokens == 0, f"q2 {q2.shape} is not [T*H, D] for T={tokens}"
-    heads = rows // tokens
+def _check_interface(q, slot_rows, bias, sink, indexed: bool):
+    """Trace-time checks of the kernel interface; returns (tokens, heads, dim, slots)."""
+    tokens, heads, dim = q.shape
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    assert tokens > 0, f"q {q.shape} must be [T > 0, H, D]"
     assert 0 < heads <= MAX_HEADS_PER_CALL, f"H={heads} must be in [1, {MAX_HEADS_PER_CALL}]"
-    assert dim % KERNEL_TILE == 0, f"D={dim} must be a multiple of {KERNEL_TILE}"
+    assert dim > 0, f"D={dim} must be positive"
     assert slots > 0 and slots % KERNEL_TILE == 0, f"Kp={slots} must be a multiple of {KERNEL_TILE}"
-    assert slot_rows.shape[0] > 0 and slot_rows.shape[1] == dim, (
-        f"slot rows {slot_rows.shape} must be [R > 0, D={dim}]"
-    )
     assert tuple(bias.shape) == (tokens, BIAS_PREFIX_COLS + slots), (
-        f"bias {bias.shape} must be [T, {BIAS_PREFIX_COLS} + Kp] = ({tokens}, "
-        f"{BIAS_PREFIX_COLS + slots})"
+        f"bias {bias.shape} must be [T, {BIAS_PREFIX_COLS} + Kp] with T={tokens}"
     )
     assert tuple(sink.shape) == (heads, 1), f"sink {sink.shape} must be [H, 1] = ({heads}, 1)"
-    return heads, dim
+    if indexed:
+        assert slot_rows.ndim == 2 and slot_rows.shape[0] > 0 and slot_rows.shape[1] == dim, (
+            f"kv {slot_rows.shape} must be [R > 0, D={dim}]"
+        )
+    else:
+        assert tuple(slot_rows.shape) == (tokens, slots, dim), (
+            f"g {slot_rows.shape} must be [T, Kp, D] = ({tokens}, {slots}, {dim})"
+        )
+    return tokens, heads, dim, slots
 
 
-@dataclasses.dataclass(frozen=True)
+class _Engines:
+    """Round-robin choice of the engine for copies and elementwise work that any of several
+    engines can do (the compiler would pick one; the kernel spreads them so that no engine's
+    queue is the bottleneck: docs/neuron-kernel.md, "Engines")."""
+
+    def __init__(self, names):
+        self.names = names
+        self.next = 0
+
+    def __call__(self) -> str:
+        name = self.names[self.next % len(self.names)]
+        self.next += 1
+        return name
+
+
+@dataclasses.dataclass
 class _Source:
-    """Where the kernel reads from: its HBM operands and its variant."""
+    """The kernel's HBM operands, sizes and the per-program token counter."""
 
-    q2: object
-    slot_rows: object  # kv [R, D] (indexed) or g2 [T*Kp, D]
-    idx: object  # [T, Kp] uint32 (indexed) or None
-    bias: object
+    q: object  # [T, H, D]
+    slot_rows: object  # kv [R, D] (indexed) or g [T, Kp, D]
+    idx: object  # [T, 128, Kp/128] uint32 (indexed) or None
+    bias: object  # [T, 16 + Kp]
     heads: int
     dim: int
     slots: int
-    q_on_pe: bool  # transpose q on the TensorEngine (trn1) instead of dma_transpose
+    token: object  # [1, 1] int32 SBUF: the token this iteration computes
+    copy_engine: object
 
     @property
     def indexed(self) -> bool:
         return self.idx is not None
 
+    def token_rows(self, tensor, rows: int, cols: int, offset: int = 0, row_stride: int | None = None):
+        """``tensor[token]``'s ``rows x cols`` block at ``offset`` (a runtime address: the
+        access pattern's ``scalar_offset`` moves it by ``token * prod(tensor.shape[1:])``,
+        nki/deep-dives/nki-aps.rst). ``row_stride=0`` broadcasts one row to every partition."""
+        stride = cols if row_stride is None else row_stride
+        return tensor.ap(
+            pattern=[[stride, rows], [1, cols]], offset=offset, scalar_offset=self.token,
+            indirect_dim=0,
+        )  # fmt: skip
 
-def _transposed_q(src: _Source, t: int):
-    """q rows of token t as ``[128 (d), D/128, Ha]`` bf16: the contraction dim on the partitions."""
-    heads, d_tiles = src.heads, src.dim // KERNEL_TILE
-    first = t * heads
-    q_t = nl.ndarray((KERNEL_TILE, d_tiles, aligned_heads(heads)), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if src.q_on_pe:
-        # NeuronCore-v2 has no dma_transpose: load the [H, D] rows and transpose each 128-column
-        # block through PSUM on the TensorEngine.
-        q_rows = nl.load(src.q2[first : first + heads, :])
-        q_psum = nl.ndarray((KERNEL_TILE, heads), dtype=nl.bfloat16, buffer=nl.psum)
-        for dc in nl.static_range(d_tiles):
-            nisa.nc_transpose(dst=q_psum, data=q_rows[:, dc * KERNEL_TILE : (dc + 1) * KERNEL_TILE])
-            nisa.tensor_copy(dst=q_t[:, dc, 0:heads], src=q_psum)
-    else:
-        for dc in nl.static_range(d_tiles):
-            nisa.dma_transpose(
-                dst=q_t[:, dc, 0:heads],
-                src=src.q2[first : first + heads, dc * KERNEL_TILE : (dc + 1) * KERNEL_TILE],
-            )
+
+def _d_chunks(dim: int):
+    """``(dc, d0, width)`` of the head dim's chunks of at most 128 columns (the last may be
+    narrower: D needs no padding; a narrower contraction costs the same matmul cycles)."""
+    return [(dc, dc * KERNEL_TILE, min(KERNEL_TILE, dim - dc * KERNEL_TILE))
+            for dc in range(_ceil_div(dim, KERNEL_TILE))]  # fmt: skip
+
+
+def _transposed_q(src: _Source):
+    """The token's q as ``[128 (d), D/128, H]`` bf16: the contraction dim on the partitions.
+
+    q arrives by one DMA at a runtime address (the token counter) and is transposed on the
+    TensorEngine: NKI's ``dma_transpose`` takes no runtime address and does not exist on trn1.
+    """
+    heads, d_tiles = src.heads, _ceil_div(src.dim, KERNEL_TILE)
+    q_rows = nl.ndarray((heads, src.dim), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_rows, src=src.token_rows(src.q, heads, src.dim))
+    q_t = nl.ndarray((KERNEL_TILE, d_tiles, heads), dtype=nl.bfloat16, buffer=nl.sbuf)
+    q_psum = nl.ndarray((KERNEL_TILE, heads), dtype=nl.bfloat16, buffer=nl.psum)
+    for dc, d0, dw in _d_chunks(src.dim):
+        nisa.nc_transpose(dst=q_psum[0:dw, :], data=q_rows[:, d0 : d0 + dw])
+        nisa.tensor_copy(dst=q_t[0:dw, dc, :], src=q_psum[0:dw, :],
+                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
     return q_t
 
 
-def _fetch_slot_rows(src: _Source, t: int, c0: int, width: int):
-    """Slots ``c0 .. c0 + width`` of token t as ``[128 (slot), width/128, D]`` bf16 in SBUF.
+def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
+    """Slots ``c0 .. c0 + width`` of the token as ``[128 (slot), width/128, D]`` bf16 in SBUF.
 
-    Indexed: each 128-slot tile is one indirect DMA whose partition p reads row
-    ``idx[t, c0 + kc*128 + p]`` of the cache. An empty or padding slot's index is out of range
-    (``EMPTY_SLOT_INDEX``): ``oob_mode=skip`` leaves its row as the zeros written just before,
-    so no unselected cache row is ever read (nki.isa.dma_copy page, "oob_mode"; the same page's
-    gather example takes uint32 indices). Pre-gathered: the contiguous block of rows
-    ``t*Kp + c0 ..`` of ``g2``, whose unselected rows the packing zeroed.
+    Indexed: each 128-slot tile is one indirect DMA whose partition p reads cache row
+    ``row_index[p, kc]``. An empty or padding slot's index is out of range
+    (``EMPTY_SLOT_INDEX``): ``oob_mode=skip`` leaves its row as the zeros written just before, so
+    no unselected cache row is ever read (nki.isa.dma_copy page, "oob_mode"; the same page's
+    gather example takes uint32 indices). Pre-gathered: one DMA of the chunk's rows of ``g``,
+    whose unselected rows the packing zeroed.
     """
     k_tiles, dim = width // KERNEL_TILE, src.dim
     rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
-    if src.indexed:
-        nisa.memset(dst=rows, value=0.0)
+    if not src.indexed:
+        # Slot c0 + kc*128 + p of the token lands on partition p, tile kc.
+        nisa.dma_copy(
+            dst=rows,
+            src=src.slot_rows.ap(
+                pattern=[[dim, KERNEL_TILE], [KERNEL_TILE * dim, k_tiles], [1, dim]],
+                offset=c0 * dim, scalar_offset=src.token, indirect_dim=0,
+            ),
+        )  # fmt: skip
+        return rows
+    # GpSimd: the VectorEngine carries more of the elementwise work.
+    nisa.memset(dst=rows, value=0.0, engine=nisa.engine.gpsimd)
+    first_tile = c0 // KERNEL_TILE
     for kc in nl.static_range(k_tiles):
-        first = t * src.slots + c0 + kc * KERNEL_TILE
-        if src.indexed:
-            # One index per partition: 128 consecutive uint32 of idx, partition stride 1.
-            row_index = nl.ndarray((KERNEL_TILE, 1), dtype=nl.uint32, buffer=nl.sbuf)
-            nisa.dma_copy(
-                dst=row_index, src=src.idx.ap(pattern=[[1, KERNEL_TILE], [1, 1]], offset=first)
-            )
-            nisa.dma_copy(
-                dst=rows[:, kc, :],
-                src=src.slot_rows.ap(
-                    pattern=[[dim, KERNEL_TILE], [1, dim]],
-                    offset=0,
-                    vector_offset=row_index,
-                    indirect_dim=0,
-                ),
-                oob_mode=nisa.oob_mode.skip,
-            )
-        else:
-            nisa.dma_copy(dst=rows[:, kc, :], src=src.slot_rows[first : first + KERNEL_TILE, :])
+        nisa.dma_copy(
+            dst=rows[:, kc, :],
+            src=src.slot_rows.ap(
+                pattern=[[dim, KERNEL_TILE], [1, dim]],
+                offset=0,
+                vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
+                indirect_dim=0,
+            ),
+            oob_mode=nisa.oob_mode.skip,
+        )
     return rows
+
+
+# Transposes of 128 x 128 bf16 blocks gathered in one PSUM tile before one copy to SBUF: four
+# blocks are 1 KiB per partition, within one 2 KiB bank.
+TRANSPOSES_PER_COPY = 4
 
 
 def _transposed_rows(src: _Source, rows, width: int):
     """``[128 (slot), width/128, D]`` rows -> ``[128 (d), D/128, width]`` through the PE."""
-    k_tiles, d_tiles = width // KERNEL_TILE, src.dim // KERNEL_TILE
+    k_tiles, d_tiles = width // KERNEL_TILE, _ceil_div(src.dim, KERNEL_TILE)
     rows_t = nl.ndarray((KERNEL_TILE, d_tiles, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-    transpose_psum = nl.ndarray((KERNEL_TILE, KERNEL_TILE), dtype=nl.bfloat16, buffer=nl.psum)
-    for kc in nl.static_range(k_tiles):
-        for dc in nl.static_range(d_tiles):
-            nisa.nc_transpose(
-                dst=transpose_psum, data=rows[:, kc, dc * KERNEL_TILE : (dc + 1) * KERNEL_TILE]
-            )
+    group = min(TRANSPOSES_PER_COPY, k_tiles)
+    psum = nl.ndarray((KERNEL_TILE, group * KERNEL_TILE), dtype=nl.bfloat16, buffer=nl.psum)
+    for dc, d0, dw in _d_chunks(src.dim):
+        for k0 in nl.static_range(0, k_tiles, group):
+            n = min(group, k_tiles - k0)
+            for i in nl.static_range(n):
+                nisa.nc_transpose(
+                    dst=psum[0:dw, i * KERNEL_TILE : (i + 1) * KERNEL_TILE],
+                    data=rows[:, k0 + i, d0 : d0 + dw],
+                )
             nisa.tensor_copy(
-                dst=rows_t[:, dc, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE], src=transpose_psum
+                dst=rows_t[0:dw, dc, k0 * KERNEL_TILE : (k0 + n) * KERNEL_TILE],
+                src=psum[0:dw, 0 : n * KERNEL_TILE],
+                engine=getattr(nisa.engine, src.copy_engine()),
             )
     return rows_t
 
 
-def _chunk_logits(src: _Source, q_t, rows_t, scale_col, t: int, c0: int, width: int, dst):
-    """Logits of slots ``c0 .. c0 + width`` of token t into ``dst [H, width]`` f32 (SBUF).
+def _bias_row(src: _Source, c0: int, width: int, with_prefix: bool):
+    """The token's bias columns for slots ``c0 .. c0 + width`` as one ``[1, n]`` f32 row (one DMA
+    at the token's runtime address); with ``with_prefix`` the 16 prefix columns (the scale) lead."""
+    first = 0 if with_prefix else BIAS_PREFIX_COLS + c0
+    n = BIAS_PREFIX_COLS + c0 + width - first
+    row = nl.ndarray((1, n), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=src.token_rows(src.bias, 1, n, first))
+    return row
+
+
+def _chunk_logits(src: _Source, q_t, rows_t, scale_col, bias_heads, width: int, dst):
+    """Logits of a chunk of ``width`` slots into ``dst [H, width]`` f32 (SBUF).
 
     ``q . x`` accumulates in fp32 PSUM over the D/128 chunks, at most 512 slots per matmul (one
     PSUM bank). Then the saturation rule of docs/contract.md, in fp32: ``a`` clamped to
     ``+-FLT_MAX`` (an overflowed accumulator is +-inf), ``a * scale`` clamped to
-    ``+-LOGIT_LIMIT``, plus the bias. The scale never touches bf16 q.
+    ``+-LOGIT_LIMIT``, plus the bias (``bias_heads [H, width]``). The scale never touches bf16 q.
+    The three steps run on the Scalar, GpSimd and Vector engines, which share the load.
     """
-    heads, d_tiles = src.heads, src.dim // KERNEL_TILE
-    bias_row = nl.load(
-        src.bias[t : t + 1, BIAS_PREFIX_COLS + c0 : BIAS_PREFIX_COLS + c0 + width]
-    )
-    bias_heads = nl.broadcast_to(bias_row, shape=(heads, width))
+    heads = src.heads
     score_psum = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.psum)
     saturated = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.sbuf)
     for nb in nl.static_range(_ceil_div(width, MATMUL_MAX_N)):
         n0 = nb * MATMUL_MAX_N
         n = min(MATMUL_MAX_N, width - n0)
-        for dc in nl.static_range(d_tiles):
+        for dc, _, dw in _d_chunks(src.dim):
             nisa.nc_matmul(
                 dst=score_psum[:, 0:n],
-                stationary=q_t[:, dc, 0:heads],
-                moving=rows_t[:, dc, n0 : n0 + n],
+                stationary=q_t[0:dw, dc, :],
+                moving=rows_t[0:dw, dc, n0 : n0 + n],
                 accumulate=dc > 0,
             )
         nisa.tensor_scalar(
             dst=saturated[:, 0:n], data=score_psum[:, 0:n],
             op0=nl.maximum, operand0=-FLT_MAX, op1=nl.minimum, operand1=FLT_MAX,
+            engine=nisa.engine.scalar,
         )  # fmt: skip
         nisa.tensor_scalar(
             dst=saturated[:, 0:n], data=saturated[:, 0:n],
             op0=nl.multiply, operand0=scale_col, op1=nl.maximum, operand1=-LOGIT_LIMIT,
+            engine=nisa.engine.gpsimd,
         )  # fmt: skip
         nisa.scalar_tensor_tensor(
             dst=dst[:, n0 : n0 + n], data=saturated[:, 0:n],
@@ -312,31 +361,37 @@ def _chunk_logits(src: _Source, q_t, rows_t, scale_col, t: int, c0: int, width: 
         )  # fmt: skip
 
 
-def _transposed_probs(heads: int, probs_bf16, width: int):
+def _transposed_probs(src: _Source, probs_bf16, width: int):
     """``[H, width]`` bf16 probabilities -> ``[128 (slot), width/128, H]`` through the PE."""
-    k_tiles = width // KERNEL_TILE
+    heads, k_tiles = src.heads, width // KERNEL_TILE
     probs_t = nl.ndarray((KERNEL_TILE, k_tiles, heads), dtype=nl.bfloat16, buffer=nl.sbuf)
-    probs_psum = nl.ndarray((KERNEL_TILE, heads), dtype=nl.bfloat16, buffer=nl.psum)
-    for kc in nl.static_range(k_tiles):
-        nisa.nc_transpose(
-            dst=probs_psum, data=probs_bf16[:, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE]
-        )
-        nisa.tensor_copy(dst=probs_t[:, kc, :], src=probs_psum)
+    group = min(TRANSPOSES_PER_COPY, k_tiles)
+    psum = nl.ndarray((KERNEL_TILE, group, heads), dtype=nl.bfloat16, buffer=nl.psum)
+    for k0 in nl.static_range(0, k_tiles, group):
+        n = min(group, k_tiles - k0)
+        for i in nl.static_range(n):
+            kc = k0 + i
+            nisa.nc_transpose(
+                dst=psum[:, i, :], data=probs_bf16[:, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE]
+            )
+        nisa.tensor_copy(dst=probs_t[:, k0 : k0 + n, :], src=psum[:, 0:n, :],
+                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
     return probs_t
 
 
-def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch, t: int):
-    """Computes ``out[t*H : (t+1)*H, :]`` and ``lse[t*H : (t+1)*H]`` (module docstring, 1-4)."""
+def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch):
+    """Computes ``out[token]`` and ``lse[token]`` (module docstring, steps 1-4)."""
     heads, dim = src.heads, src.dim
     chunks = plan.chunks
     bounds = [(c * plan.chunk, min(plan.chunk, plan.slots - c * plan.chunk)) for c in range(chunks)]
 
-    q_t = _transposed_q(src, t)
-    # The token's scale (column SCALE_COL), broadcast to the H head partitions.
-    prefix = nl.broadcast_to(
-        nl.load(src.bias[t : t + 1, 0:BIAS_PREFIX_COLS]), shape=(heads, BIAS_PREFIX_COLS)
-    )
-    scale_col = prefix[:, SCALE_COL : SCALE_COL + 1]
+    q_t = _transposed_q(src)
+    row_index = None
+    if src.indexed:
+        # All the token's indices in one DMA: partition p holds slots p, 128 + p, 256 + p, ...
+        k_all = plan.slots // KERNEL_TILE
+        row_index = nl.ndarray((KERNEL_TILE, k_all), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row_index, src=src.token_rows(src.idx, KERNEL_TILE, k_all))
 
     # Pass 1: logits and their max (the max runs over the slots only, never the sink).
     scores = None
@@ -344,14 +399,26 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch,
         scores = nl.ndarray((heads, plan.slots), dtype=nl.float32, buffer=nl.sbuf)
     chunk_max = nl.ndarray((heads, chunks), dtype=nl.float32, buffer=nl.sbuf)
     rows = None
+    scale_col = None
     for c, (c0, width) in enumerate(bounds):
-        rows = _fetch_slot_rows(src, t, c0, width)
+        # The bias row (with the scale in front for the first chunk), broadcast to the H head
+        # partitions: both operands of an instruction then start at partition 0 (two SBUF
+        # inputs at different base partitions are compiler error NCC_IBIR297).
+        bias_row = _bias_row(src, c0, width, with_prefix=c == 0)
+        if c == 0:
+            prefix = nl.broadcast_to(bias_row[:, 0:BIAS_PREFIX_COLS], shape=(heads, BIAS_PREFIX_COLS))
+            scale_col = prefix[:, SCALE_COL : SCALE_COL + 1]
+        first = BIAS_PREFIX_COLS if c == 0 else 0
+        bias_heads = nl.broadcast_to(bias_row[:, first : first + width], shape=(heads, width))
+        del bias_row
+        rows = _fetch_slot_rows(src, row_index, c0, width)
         rows_t = _transposed_rows(src, rows, width)
         if plan.scores_in_sbuf:
             chunk_scores = scores[:, c0 : c0 + width]
         else:
             chunk_scores = nl.ndarray((heads, width), dtype=nl.float32, buffer=nl.sbuf)
-        _chunk_logits(src, q_t, rows_t, scale_col, t, c0, width, chunk_scores)
+        _chunk_logits(src, q_t, rows_t, scale_col, bias_heads, width, chunk_scores)
+        del bias_heads
         nisa.tensor_reduce(
             dst=chunk_max[:, c : c + 1], op=nl.max, data=chunk_scores, axis=1, keepdims=True
         )
@@ -377,26 +444,25 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch,
         ]
         for c, (c0, width) in enumerate(bounds):
             if chunks > 1:
-                rows = _fetch_slot_rows(src, t, c0, width)
+                rows = _fetch_slot_rows(src, row_index, c0, width)
             if plan.scores_in_sbuf:
                 chunk_scores = scores[:, c0 : c0 + width]
             else:
                 chunk_scores = nl.load(scratch[:, c0 : c0 + width])
-            probs = nl.ndarray((heads, width), dtype=nl.float32, buffer=nl.sbuf)
+            # exp in fp32, written as bf16 probabilities; the reduction sums the fp32 values
+            # before that rounding (nki.isa.activation page: reduce_cmd=reset_reduce zeroes the
+            # accumulator registers and sums this instruction's output; since NKI 0.3 the
+            # default, idle, leaves them alone).
+            probs_bf16 = nl.ndarray((heads, width), dtype=nl.bfloat16, buffer=nl.sbuf)
             if g0 == 0:
-                # reduce_cmd=reset_reduce: since NKI 0.3 the default (idle) leaves the Scalar
-                # Engine's accumulator registers alone; reset_reduce zeroes them and sums this
-                # instruction's output (nki.isa.activation page).
                 nisa.activation(
-                    dst=probs, op=nl.exp, data=chunk_scores, bias=neg_max, scale=1.0,
+                    dst=probs_bf16, op=nl.exp, data=chunk_scores, bias=neg_max, scale=1.0,
                     reduce_op=nl.add, reduce_res=chunk_sum[:, c : c + 1],
                     reduce_cmd=nisa.reduce_cmd.reset_reduce,
                 )  # fmt: skip
             else:
-                nisa.activation(dst=probs, op=nl.exp, data=chunk_scores, bias=neg_max, scale=1.0)
-            probs_bf16 = nl.ndarray((heads, width), dtype=nl.bfloat16, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=probs_bf16, src=probs)
-            probs_t = _transposed_probs(heads, probs_bf16, width)
+                nisa.activation(dst=probs_bf16, op=nl.exp, data=chunk_scores, bias=neg_max)
+            probs_t = _transposed_probs(src, probs_bf16, width)
             for i, vb in enumerate(group):
                 v0 = vb * MATMUL_MAX_N
                 n = min(MATMUL_MAX_N, dim - v0)
@@ -407,7 +473,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch,
                         moving=rows[:, kc, v0 : v0 + n],
                         accumulate=c > 0 or kc > 0,
                     )
-            del probs, probs_bf16, probs_t, chunk_scores
+            del probs_bf16, probs_t, chunk_scores
             if chunks > 1:
                 del rows
         if g0 == 0:
@@ -426,88 +492,94 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch,
                 op0=nl.multiply, operand0=inv_denominator,
             )  # fmt: skip
         del value_psum
-    first = t * heads
-    nl.store(out[first : first + heads, :], value=out_rows)
+    nisa.dma_copy(dst=src.token_rows(out, heads, dim), src=out_rows)
 
     # lse = max + log(den) = log(den) - (-max).
     log_den = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=log_den, op=nl.log, data=denominator)
     lse_col = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=lse_col, data=log_den, op0=nl.subtract, operand0=neg_max)
-    nl.store(lse[first : first + heads, :], value=lse_col)
+    nisa.dma_copy(dst=src.token_rows(lse, heads, 1), src=lse_col)
 
 
-def _sparse_attn_kernel_body(q2, slot_rows, idx, bias, sink, slots, q_on_pe, max_chunk):
-    tokens = bias.shape[0]
-    heads, dim = _check_interface(q2, slot_rows, bias, sink, tokens, slots)
-    src = _Source(q2, slot_rows, idx, bias, heads, dim, slots, q_on_pe)
-    plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, q_on_pe=q_on_pe)
-    out = nl.ndarray((tokens * heads, dim), dtype=nl.bfloat16, buffer=nl.shared_hbm)
-    lse = nl.ndarray((tokens * heads, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+# Engines that copy PSUM tiles to SBUF, in turn (the nki.isa.tensor_copy page lists Vector,
+# Scalar and GpSimd).
+COPY_ENGINES = ("scalar", "scalar", "vector", "scalar", "scalar", "gpsimd")
+
+
+def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, max_chunk):
+    indexed = idx is not None
+    tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
+    # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
+    # of the logical core (n = 2 on trn2/trn3 by default, LNC=2); program p takes the p-th share
+    # of the tokens. The form of AWS's nki-library kernels (nl.num_programs / nl.program_id).
+    programs, program = nl.num_programs(), nl.program_id(0)
+    assert tokens % programs == 0, f"T={tokens} must be a multiple of the {programs} programs"
+    per_program = tokens // programs
+    plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, indexed=indexed)
+    out = nl.ndarray((tokens, heads, dim), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    lse = nl.ndarray((tokens, heads, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     scratch = None
     if not plan.scores_in_sbuf:
-        # The token's logits between the passes, when even they do not fit in SBUF.
-        scratch = nl.ndarray((heads, slots), dtype=nl.float32, buffer=nl.hbm)
+        # The token's logits between the passes, when even they do not fit in SBUF; one slice
+        # per program.
+        scratch = nl.ndarray((programs, heads, slots), dtype=nl.float32, buffer=nl.hbm)
+        scratch = scratch[program]
     sink_col = nl.load(sink)
-    for t in nl.static_range(tokens):
-        _attend_one_token(src, plan, sink_col, out, lse, scratch, t)
+    token = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.memset(dst=token, value=program * per_program)
+    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES))
+    # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
+    # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
+    # release notes, known issues), so every access to a token's data goes through the counter
+    # `token`, a [1, 1] SBUF tile, as the access pattern's scalar_offset.
+    for _ in nl.dynamic_range(per_program):
+        _attend_one_token(src, plan, sink_col, out, lse, scratch)
+        nisa.tensor_scalar(dst=token, data=token, op0=nl.add, operand0=1)
     return out, lse
 
 
-def gathered_attn_idx_kernel(q2, kv, idx, bias, sink, max_chunk=None):
+def gathered_attn_idx_kernel(q, kv, idx, bias, sink, max_chunk=None):
     """Sparse attention gathering the slot rows of ``kv`` inside the kernel (trn2, trn3).
 
     Args:
-      q2: ``[T*H, D]`` bf16, row ``t*H + h``. kv: ``[R, D]`` bf16 cache (R > 0).
-      idx: ``[T, Kp]`` uint32; an index ``>= R`` (``EMPTY_SLOT_INDEX``) is an empty slot whose
-        row is never read.
+      q: ``[T, H, D]`` bf16. kv: ``[R, D]`` bf16 cache (R > 0).
+      idx: ``[T, 128, Kp/128]`` uint32, ``idx[t, p, kc]`` the row of slot ``kc*128 + p``; an
+        index ``>= R`` (``EMPTY_SLOT_INDEX``) is an empty slot whose row is never read.
       bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 16.. the per-slot bias.
       sink: ``[H, 1]`` f32.
       max_chunk: optional cap on the slots per chunk (a compile-time constant; tests).
-    Returns ``(out [T*H, D] bf16, lse [T*H, 1] f32)`` in shared HBM.
+    Returns ``(out [T, H, D] bf16, lse [T, H, 1] f32)`` in shared HBM. Launch it as
+    ``kernel[n]`` with ``n`` the physical cores per logical core (T a multiple of n).
     """
-    assert tuple(idx.shape) == (bias.shape[0], bias.shape[1] - BIAS_PREFIX_COLS), (
-        f"idx {idx.shape} must be [T, Kp] to match bias {bias.shape}"
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
+        f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
     )
-    return _sparse_attn_kernel_body(q2, kv, idx, bias, sink, idx.shape[1], False, max_chunk)
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, max_chunk)
 
 
-def _pre_gathered(q2, g2, bias, sink, q_on_pe, max_chunk):
-    tokens, slots = bias.shape[0], bias.shape[1] - BIAS_PREFIX_COLS
-    assert g2.shape[0] == tokens * slots, f"g2 {g2.shape} must be [T*Kp, D] = [{tokens * slots}, D]"
-    return _sparse_attn_kernel_body(q2, g2, None, bias, sink, slots, q_on_pe, max_chunk)
-
-
-def gathered_attn_kernel(q2, g2, bias, sink, max_chunk=None):
-    """Sparse attention over pre-gathered slot rows (trn2, trn3: q by ``dma_transpose``).
+def gathered_attn_kernel(q, g, bias, sink, max_chunk=None):
+    """Sparse attention over pre-gathered slot rows; runs on every target (trn1 included: it
+    uses neither ``dma_transpose`` nor indirect DMA).
 
     Args:
-      q2: ``[T*H, D]`` bf16, row ``t*H + h``. g2: ``[T*Kp, D]`` bf16, row ``t*Kp + j``; the rows
-        of empty and padding slots hold zeros.
-      bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 16.. the per-slot bias.
+      q: ``[T, H, D]`` bf16. g: ``[T, Kp, D]`` bf16; the rows of empty and padding slots hold
+        zeros. bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 16.. the per-slot bias.
       sink: ``[H, 1]`` f32. max_chunk: as :func:`gathered_attn_idx_kernel`.
-    Returns ``(out [T*H, D] bf16, lse [T*H, 1] f32)`` in shared HBM.
+    Returns ``(out [T, H, D] bf16, lse [T, H, 1] f32)`` in shared HBM; launch as
+    :func:`gathered_attn_idx_kernel`.
     """
-    return _pre_gathered(q2, g2, bias, sink, False, max_chunk)
-
-
-def gathered_attn_trn1_kernel(q2, g2, bias, sink, max_chunk=None):
-    """:func:`gathered_attn_kernel` without ``dma_transpose`` and indirect DMA (any target, trn1).
-
-    q is transposed on the TensorEngine; operands and result as :func:`gathered_attn_kernel`.
-    """
-    return _pre_gathered(q2, g2, bias, sink, True, max_chunk)
+    return _sparse_attn_kernel_body(q, g, None, bias, sink, max_chunk)
 
 
 def kernel_for(target: str, indexed: bool):
     """The raw kernel for an NKI target and primitive, and whether XLA gathers the rows first.
 
-    On trn2 and trn3 the indexed primitive gathers inside the kernel; on trn1 (no indirect DMA,
-    no ``dma_transpose``) both primitives run :func:`gathered_attn_trn1_kernel` on rows gathered
-    by XLA. Returns ``(kernel, gathers_in_xla)``.
+    On trn2 and trn3 the indexed primitive gathers inside the kernel (indirect DMA); on trn1
+    (NeuronCore-v2: no indirect DMA) its rows are gathered by XLA and both primitives run
+    :func:`gathered_attn_kernel`. Returns ``(kernel, gathers_in_xla)``.
     """
-    if target in TARGETS_WITH_DGE:
-        if indexed:
-            return gathered_attn_idx_kernel, False
-        return gathered_attn_kernel, False
-    return gathered_attn_trn1_kernel, indexed
+    if indexed and target in TARGETS_WITH_DGE:
+        return gathered_attn_idx_kernel, False
+    return gathered_attn_kernel, indexed

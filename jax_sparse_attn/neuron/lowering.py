@@ -32,7 +32,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from .. import primitives
-from ..constants import DEFAULT_NEURON_TARGET, NEURON_TARGETS
+from ..constants import DEFAULT_NEURON_TARGET, LOGICAL_CORE_DEFAULT, NEURON_TARGETS
 from .packing import (
     KernelLayout,
     PackedOperands,
@@ -81,6 +81,21 @@ def neuron_target() -> str:
     return value
 
 
+def launch_programs(target: str) -> int:
+    """The kernel's SPMD launch grid: the physical cores of one logical core, ``kernel[n]``
+    (nki/get-started/about/lnc.rst). trn1 has no logical cores (1); on trn2 and trn3 it is
+    ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2), by default 2, the runtime's default on Trainium2
+    (about-neuron/arch/neuron-features/logical-neuroncore-config.rst; trn3 assumed the same)."""
+    if target == "trn1":
+        return 1
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
+    if value in ("1", "2"):
+        return int(value)
+    if value:
+        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={value!r}: LNC is 1 or 2")
+    return LOGICAL_CORE_DEFAULT
+
+
 def emulated_target() -> str:
     """The target ``nki_emulated`` emulates: the emulator's ``current_target()`` (the same
     variable, same default), or :func:`neuron_target` with an emulator that has none."""
@@ -101,10 +116,11 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     kernel, gather_in_xla = kernels.kernel_for(target, idx is not None)
     # Trace-time check that the shape can be planned (only an absurd head dim cannot).
     kernels.plan_slots(layout.heads_per_group, layout.dim_padded, layout.slots_padded,
-                       q_on_pe=kernel is kernels.gathered_attn_trn1_kernel)  # fmt: skip
+                       indexed=idx is not None and not gather_in_xla)  # fmt: skip
     packed, layout = pack_for_kernel(
-        q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla
-    )
+        q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla,
+        programs=launch_programs(target),
+    )  # fmt: skip
     out_groups, lse_groups = call_kernels(kernel, target, packed, layout)
     return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, sink, q.dtype)
 
@@ -134,6 +150,8 @@ def _jitted_kernel(kernel):
 def _call_nki_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout):
     del target  # nki.jit compiles for the target NEURON_PLATFORM_TARGET_OVERRIDE names
     jitted = _jitted_kernel(kernel)
+    if layout.programs > 1:
+        jitted = jitted[layout.programs]  # kernel[2]: one program per physical core (LNC=2)
     results = [jitted(*_kernel_args(packed, g)) for g in range(layout.head_groups)]
     return jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results])
 
@@ -166,12 +184,12 @@ def nki_gathered_attn_idx(q, kv, idx, sink, bias, scale):
 # --- on the host: the kernel source under the emulator, through a host callback ---------------
 
 
-def _run_emulated_on_host(kernel, target, *arrays):
+def _run_emulated_on_host(kernel, target, programs, *arrays):
     """Host side of the callback: the kernel operands in the kernel's order, q and sink stacked
-    per head group (numpy); returns ``[G, T*Hg, Dp]`` bf16 and ``[G, T*Hg, 1]`` f32."""
+    per head group (numpy); returns ``[G, Tp, Hg, Dp]`` bf16 and ``[G, Tp, Hg, 1]`` f32."""
     from ..nki_emulator import simulate
 
-    run = simulate(kernel, target=target)
+    run = simulate(kernel, target=target)[programs]
     # The callback may receive jax.Arrays: slicing one would dispatch a computation to a device
     # that is busy waiting for this very callback (a deadlock once every device runs one).
     arrays = [np.asarray(a) for a in arrays]
@@ -183,10 +201,10 @@ def _run_emulated_on_host(kernel, target, *arrays):
 
 
 def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout):
-    rows = layout.tokens * layout.heads_per_group
+    shape = (layout.head_groups, layout.tokens_padded, layout.heads_per_group)
     result = (
-        jax.ShapeDtypeStruct((layout.head_groups, rows, layout.dim_padded), jnp.bfloat16),
-        jax.ShapeDtypeStruct((layout.head_groups, rows, 1), jnp.float32),
+        jax.ShapeDtypeStruct(shape + (layout.dim_padded,), jnp.bfloat16),
+        jax.ShapeDtypeStruct(shape + (1,), jnp.float32),
     )
     arrays = [packed.q_groups, packed.slot_rows, packed.bias, packed.sink_groups]
     if packed.idx is not None:
@@ -194,7 +212,7 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
     return jax.pure_callback(
-        functools.partial(_run_emulated_on_host, kernel, target), result, *arrays,
+        functools.partial(_run_emulated_on_host, kernel, target, layout.programs), result, *arrays,
         vmap_method="sequential",
     )  # fmt: skip
 

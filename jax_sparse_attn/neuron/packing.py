@@ -1,12 +1,12 @@
 """Packing the primitives' operands into the NKI kernel interface, and unpacking the result (jnp).
 
-The kernels (:mod:`jax_sparse_attn.neuron.kernels`, docs/neuron-kernel.md) accept bf16 only, ``D``
-and ``K`` multiples of 128, at most 128 heads per call, one ``[T, 16 + Kp]`` f32 tensor for scale
+The kernels (:mod:`jax_sparse_attn.neuron.kernels`, docs/neuron-kernel.md) accept bf16 only, ``K``
+a multiple of 128, at most 128 heads per call, one ``[T, 16 + Kp]`` f32 tensor for scale
 and bias. :func:`pack_for_kernel` turns the primitive operands into that form:
 
 - q and the slot rows are cast to bf16 (the kernel is bf16-only, also for f32 / f16 inputs);
-- ``D`` is zero-padded to ``Dp``, a multiple of 128 (zero columns change no dot product and give
-  zero output columns, cropped again);
+- ``D`` is passed as it is (the kernel takes any head dim, so the cache is never copied to pad
+  it; only ``D = 0`` becomes one zero column);
 - ``K`` is padded to ``Kp``, a multiple of 128, with empty slots;
 - an empty slot (index outside ``[0, R)``, a ``-inf`` bias entry, or padding) gets bias
   ``EMPTY_LOGIT`` and never reads a cache row: the indexed kernel receives the out-of-range index
@@ -58,8 +58,10 @@ class KernelLayout:
     slots: int
     head_groups: int  # G kernel calls
     heads_per_group: int  # Hg <= 128
-    dim_padded: int  # Dp, multiple of 128
+    dim_padded: int  # Dp = D (1 when D = 0: the kernel takes any D)
     slots_padded: int  # Kp, multiple of 128
+    programs: int = 1  # the kernel's launch grid (physical cores of the logical core)
+    tokens_padded: int = 0  # Tp, a multiple of programs (padding tokens have no valid slot)
 
     @property
     def is_empty(self) -> bool:
@@ -67,8 +69,11 @@ class KernelLayout:
         return self.tokens == 0 or self.heads == 0 or self.slots == 0
 
 
-def kernel_layout(tokens: int, heads: int, dim: int, slots: int) -> KernelLayout:
-    """Chooses the padding and head grouping for ``q [T, H, D]`` with ``K`` slots per token."""
+def kernel_layout(
+    tokens: int, heads: int, dim: int, slots: int, programs: int = 1
+) -> KernelLayout:
+    """Chooses the padding and head grouping for ``q [T, H, D]`` with ``K`` slots per token, for
+    a kernel launched as ``programs`` SPMD programs (each takes ``Tp / programs`` tokens)."""
     groups = max(1, -(-heads // MAX_HEADS_PER_CALL))
     return KernelLayout(
         tokens=tokens,
@@ -77,20 +82,23 @@ def kernel_layout(tokens: int, heads: int, dim: int, slots: int) -> KernelLayout
         slots=slots,
         head_groups=groups,
         heads_per_group=max(1, -(-heads // groups)),
-        dim_padded=_round_up(max(dim, 1), KERNEL_TILE),
+        dim_padded=max(dim, 1),
         slots_padded=_round_up(max(slots, 1), KERNEL_TILE),
+        programs=programs,
+        tokens_padded=_round_up(tokens, programs),
     )
 
 
 class PackedOperands(NamedTuple):
     """Operands of the kernel calls (``G`` calls share everything but q and sink).
 
-    q_groups:    ``[G, T*Hg, Dp]`` bf16, group g's row ``t*Hg + h`` is head ``g*Hg + h``.
-    slot_rows:   ``kv [R, Dp]`` bf16 (indexed) or ``g2 [T*Kp, Dp]`` bf16, row ``t*Kp + j``, the
-                 rows of empty slots zero.
-    idx:         ``[T, Kp]`` uint32, ``EMPTY_SLOT_INDEX`` for an empty slot (indexed), else
-                 ``None``.
-    bias:        ``[T, 16 + Kp]`` f32: scale in column 0, per-slot bias (or -1e30) from column 16.
+    q_groups:    ``[G, Tp, Hg, Dp]`` bf16, group g's head h is head ``g*Hg + h``.
+    slot_rows:   ``kv [R, Dp]`` bf16 (indexed) or ``g [Tp, Kp, Dp]`` bf16, the rows of empty
+                 slots zero.
+    idx:         ``[Tp, 128, Kp/128]`` uint32, ``idx[t, p, kc]`` the row of slot ``kc*128 + p``,
+                 ``EMPTY_SLOT_INDEX`` for an empty slot (indexed), else ``None``.
+    bias:        ``[Tp, 16 + Kp]`` f32: scale in column 0, per-slot bias (or -1e30) from
+                 column 16.
     sink_groups: ``[G, Hg, 1]`` f32.
     row_has_slot: ``[T]`` bool, whether the token has at least one valid slot.
     """
@@ -110,7 +118,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 
 def pack_for_kernel(
-    q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False
+    q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False, programs: int = 1
 ) -> tuple[PackedOperands, KernelLayout]:
     """Packs normalised primitive operands for the NKI kernels.
 
@@ -119,39 +127,48 @@ def pack_for_kernel(
       sink: ``[H]`` f32 (``-inf`` = none). bias: ``[T, K]`` f32 (``-inf`` = empty slot).
       scale: ``[T]`` f32. idx: ``[T, K]`` int32 or ``None``; outside ``[0, R)`` = empty slot.
       gather_in_xla: with ``idx``, gather the rows here for the pre-gathered kernel (trn1).
+      programs: the kernel's launch grid; the tokens are padded to a multiple of it.
     Returns the packed operands and the static layout. The layout must not be empty.
     """
     T, H, D = q.shape
     K = bias.shape[1]
-    layout = kernel_layout(T, H, D, K)
+    layout = kernel_layout(T, H, D, K, programs)
     G, Hg = layout.head_groups, layout.heads_per_group
-    Dp, Kp = layout.dim_padded, layout.slots_padded
+    Dp, Kp, Tp = layout.dim_padded, layout.slots_padded, layout.tokens_padded
 
     valid = bias != -jnp.inf
     if idx is not None:
         rows = slot_rows.shape[0]
         valid = valid & (idx >= 0) & (idx < rows)
+    row_has_slot = jnp.any(valid, axis=1)
+    # Padding tokens: zero q, every slot empty, scale 0; their results are cropped.
+    valid = _pad_axis(valid, 0, Tp, False)
+    bias, scale = _pad_axis(bias, 0, Tp), _pad_axis(scale, 0, Tp)
+    if idx is not None:
+        idx = _pad_axis(idx, 0, Tp)
+    elif Tp > T:
+        slot_rows = _pad_axis(slot_rows, 0, Tp)
 
-    q_bf16 = _pad_axis(_pad_axis(q.astype(jnp.bfloat16), 2, Dp), 1, G * Hg)
-    q_groups = q_bf16.reshape(T, G, Hg, Dp).transpose(1, 0, 2, 3).reshape(G, T * Hg, Dp)
+    q_bf16 = _pad_axis(_pad_axis(_pad_axis(q.astype(jnp.bfloat16), 2, Dp), 1, G * Hg), 0, Tp)
+    q_groups = q_bf16.reshape(Tp, G, Hg, Dp).transpose(1, 0, 2, 3)
     sink_groups = _pad_axis(sink.astype(jnp.float32), 0, G * Hg, -jnp.inf).reshape(G, Hg, 1)
 
     slot_bias = _pad_axis(jnp.where(valid, bias, jnp.float32(EMPTY_LOGIT)), 1, Kp, EMPTY_LOGIT)
-    prefix = jnp.zeros((T, BIAS_PREFIX_COLS), jnp.float32).at[:, SCALE_COL].set(scale)
+    prefix = jnp.zeros((Tp, BIAS_PREFIX_COLS), jnp.float32).at[:, SCALE_COL].set(scale)
     packed_bias = jnp.concatenate([prefix, slot_bias.astype(jnp.float32)], axis=1)
 
     empty = jnp.uint32(EMPTY_SLOT_INDEX)
     if idx is not None and not gather_in_xla:
-        packed_idx = _pad_axis(
-            jnp.where(valid, idx.astype(jnp.uint32), empty), 1, Kp, empty
-        )
+        packed_idx = _pad_axis(jnp.where(valid, idx.astype(jnp.uint32), empty), 1, Kp, empty)
+        # Slot kc*128 + p at [t, p, kc]: partition p's indices are contiguous (one DMA per token).
+        packed_idx = packed_idx.reshape(Tp, Kp // KERNEL_TILE, KERNEL_TILE).transpose(0, 2, 1)
         packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
     else:
         packed_idx = None
         if idx is not None:  # trn1: XLA gathers (row 0 for an empty slot, replaced just below)
             slot_rows = slot_rows[jnp.where(valid, idx, 0)]
         g = jnp.where(valid[:, :, None], slot_rows.astype(jnp.bfloat16), jnp.zeros((), jnp.bfloat16))
-        packed_rows = _pad_axis(_pad_axis(g, 2, Dp), 1, Kp).reshape(T * Kp, Dp)
+        packed_rows = _pad_axis(_pad_axis(g, 2, Dp), 1, Kp)
 
     packed = PackedOperands(
         q_groups=q_groups,
@@ -159,7 +176,7 @@ def pack_for_kernel(
         idx=packed_idx,
         bias=packed_bias,
         sink_groups=sink_groups,
-        row_has_slot=jnp.any(valid, axis=1),
+        row_has_slot=row_has_slot,
     )
     return packed, layout
 
@@ -167,14 +184,15 @@ def pack_for_kernel(
 def unpack_from_kernel(
     out_groups, lse_groups, layout: KernelLayout, row_has_slot, sink, dtype
 ) -> tuple[jax.Array, jax.Array]:
-    """Kernel outputs ``[G, T*Hg, Dp]`` and lse ``[G, T*Hg, 1]`` -> ``out [T, H, D]`` in ``dtype``
-    and ``lse [T, H]`` f32. A row with no valid slot gets output exactly 0 and lse ``sink[h]``
-    (``-inf`` without a sink), whatever the kernel computed for it."""
+    """Kernel outputs ``[G, Tp, Hg, Dp]`` and lse ``[G, Tp, Hg, 1]`` -> ``out [T, H, D]`` in
+    ``dtype`` and ``lse [T, H]`` f32. A row with no valid slot gets output exactly 0 and lse
+    ``sink[h]`` (``-inf`` without a sink), whatever the kernel computed for it."""
     T, G, Hg, Dp = layout.tokens, layout.head_groups, layout.heads_per_group, layout.dim_padded
-    out = out_groups.reshape(G, T, Hg, Dp).transpose(1, 0, 2, 3).reshape(T, G * Hg, Dp)
-    out = out[:, : layout.heads, : layout.dim]
+    Tp = out_groups.shape[1]
+    out = out_groups.transpose(1, 0, 2, 3).reshape(Tp, G * Hg, Dp)
+    out = out[:T, : layout.heads, : layout.dim]
     out = jnp.where(row_has_slot[:, None, None], out, jnp.zeros((), out.dtype))
-    lse = lse_groups.reshape(G, T, Hg).transpose(1, 0, 2).reshape(T, G * Hg)[:, : layout.heads]
+    lse = lse_groups.reshape(G, Tp, Hg).transpose(1, 0, 2).reshape(Tp, G * Hg)[:T, : layout.heads]
     lse = jnp.where(row_has_slot[:, None], lse, sink.astype(jnp.float32)[None, :])
     return out.astype(dtype), lse
 
