@@ -49,7 +49,7 @@ def run(code: str, as_written: bool = True) -> dict:
 def test_every_snippet_is_covered_below():
     markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", 'put(q, P("x"))',
                "from jax_sparse_attn.flax import SparseAttention", "merge_attention(",
-               'P("rows")']
+               'P("rows")', 'jax.default_device(jax.devices("cpu")[0])']
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -88,6 +88,12 @@ def test_sharding_snippet(as_written):
     out = ns["out"]
     assert out.shape == ns["q"].shape
     assert _follows_the_contract(ns, out)
+
+
+def test_emulated_on_the_host_snippet():
+    ns = run(snippet('jax.default_device(jax.devices("cpu")[0])'))
+    # All rows equal ones: every valid slot's value is ones, so the output is ones.
+    np.testing.assert_array_equal(np.asarray(ns["out"], np.float32), np.ones((2, 4, 64)))
 
 
 @pytest.mark.parametrize("as_written", AS_WRITTEN)
