@@ -15,6 +15,7 @@ import tomllib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -49,7 +50,7 @@ def run(code: str, as_written: bool = True) -> dict:
 def test_every_snippet_is_covered_below():
     markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", 'put(q, P("x"))',
                "from jax_sparse_attn.flax import SparseAttention", "merge_attention(",
-               'P("rows")', 'jax.default_device(jax.devices("cpu")[0])']
+               'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale"]
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -94,6 +95,17 @@ def test_emulated_on_the_host_snippet():
     ns = run(snippet('jax.default_device(jax.devices("cpu")[0])'))
     # All rows equal ones: every valid slot's value is ones, so the output is ones.
     np.testing.assert_array_equal(np.asarray(ns["out"], np.float32), np.ones((2, 4, 64)))
+
+
+@pytest.mark.parametrize("as_written", AS_WRITTEN)
+def test_fp8_snippet(as_written):
+    ns = run(snippet("kv_scale=kv_scale"), as_written)
+    kv, kv_scale = np.asarray(ns["kv"]), np.asarray(ns["kv_scale"])
+    R, D = kv.shape
+    groups = kv_scale.shape[1]
+    dequant = (kv.astype(np.float32).reshape(R, groups, -1) * kv_scale[:, :, None]).reshape(R, D)
+    ns = dict(ns, kv=dequant.astype(ml_dtypes.bfloat16))
+    assert ns["out"].dtype == jnp.bfloat16 and _follows_the_contract(ns, ns["out"])
 
 
 @pytest.mark.parametrize("as_written", AS_WRITTEN)
