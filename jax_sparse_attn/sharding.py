@@ -368,8 +368,15 @@ def shard_local(
                 return _run_under_shard_map(
                     fn, operands, operand_layouts, result_layouts, explicit_axes, mesh, used
                 )
-            # q is not split over an explicit axis: the op runs whole (replicated) on each device.
-            operands = [_replicated(x) for x in operands]
+            # q is not split over an explicit axis: the op runs whole on each device, under
+            # shard_map with every operand replicated (outside a manual region JAX 0.7 has no
+            # explicit-sharding rule for the backward's scatter-add).
+            mesh = jax.typeof(operands[0]).sharding.mesh
+            axes = sorted(_explicit_axis_names(jax.typeof(operands[0])))
+            return _run_under_shard_map(
+                fn, operands, operand_layouts, result_layouts,
+                {f: () for f in SHARDABLE_FACTORS}, mesh, axes,
+            )
         # Trace fn once here; the partition callback traces it again on the per-device shapes.
         avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands]
         closed = jax.make_jaxpr(fn)(*avals)

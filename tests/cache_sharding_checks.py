@@ -70,6 +70,12 @@ def errors(got, inputs):
             "lse_inf_exact": lse_ok, "finite": bool(np.all(np.isfinite(out)))}
 
 
+def spec_names(x):
+    """The mesh axis of each dimension of ``x`` ("" when replicated)."""
+    spec = tuple(x.sharding.spec) + (None,) * x.ndim
+    return [str(e or "") for e in spec[: x.ndim]]
+
+
 def check(records, name, mesh, specs, implementation=None):
     inputs = make_inputs()
     fn = jax.jit(attention(implementation))
@@ -78,7 +84,7 @@ def check(records, name, mesh, specs, implementation=None):
     got = fn(*placed)
     record = {"check": name, "collectives": collectives(fn, *placed),
               "single": errors(single, inputs), "sharded": errors(got, inputs),
-              "out_sharding": str(got[0].sharding.spec), "lse_sharding": str(got[1].sharding.spec)}
+              "out_sharding": spec_names(got[0]), "lse_sharding": spec_names(got[1])}
     print(json.dumps(record), flush=True)
     records.append(record)
 
