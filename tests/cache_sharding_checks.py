@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_sparse_attn as jsa
-from oracle import attention_f64, gather, lse_f64
+from oracle import attention_f64, gather, lse_f64, within_one_ulp
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 T, H, D, R, K = 16, 8, 64, 4096, 96
@@ -82,7 +82,13 @@ def check(records, name, mesh, specs, implementation=None):
     single = fn(*(jax.device_put(v, jax.devices()[0]) for v in inputs.values()))
     placed = [jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in inputs.items()]
     got = fn(*placed)
+    lse, lse_single = np.asarray(got[1], np.float64), np.asarray(single[1], np.float64)
+    finite = np.isfinite(lse_single)
     record = {"check": name, "collectives": collectives(fn, *placed),
+              "out_within_one_ulp": within_one_ulp(np.asarray(got[0]), np.asarray(single[0])),
+              "lse_rel_diff": float(np.max(np.abs(lse[finite] - lse_single[finite])
+                                           / np.maximum(np.abs(lse_single[finite]), 1))),
+              "lse_inf_same": bool(np.array_equal(lse[~finite], lse_single[~finite])),
               "single": errors(single, inputs), "sharded": errors(got, inputs),
               "out_sharding": spec_names(got[0]), "lse_sharding": spec_names(got[1])}
     print(json.dumps(record), flush=True)
@@ -118,6 +124,12 @@ def run():
               {"q": P("x"), "kv": P("y"), "idx": P("x"), "sink": P(), "bias": P("x")})
         check(records, f"heads+rows/{axis_type}", mesh,
               {"q": P(None, "x"), "kv": P("y"), "idx": P(), "sink": P("x"), "bias": P()})
+        # The lse with a replicated cache, tokens or heads split: local, like the output.
+        mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
+        check(records, f"lse/tokens/{axis_type}", mesh,
+              {"q": P("x"), "kv": P(), "idx": P("x"), "sink": P(), "bias": P("x")})
+        check(records, f"lse/heads/{axis_type}", mesh,
+              {"q": P(None, "x"), "kv": P(), "idx": P(), "sink": P("x"), "bias": P()})
         # Gradients (the backward pass runs with the cache replicated): same as on one device.
         mesh = jax.make_mesh((8,), ("y",), axis_types=(kind,))
         check_grad(records, f"grad/rows/{axis_type}", mesh, rows)

@@ -82,3 +82,14 @@ def test_gradients_with_a_row_split_cache(records, axis_type):
     # The backward pass replicates the cache; its values are the single-device ones.
     r = records[f"grad/rows/{axis_type}"]
     assert r["finite"] and r["max_abs_diff"] < 1e-5, r
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("layout, spec", [("tokens", ["x", ""]), ("heads", ["", "x"])])
+def test_lse_of_a_token_or_head_split_stays_local(records, axis_type, layout, spec):
+    # A replicated cache: no communication at all; the single-device output and lse up to the
+    # last place (XLA blocks the products and vectorises the log differently for other shapes).
+    r = records[f"lse/{layout}/{axis_type}"]
+    assert r["collectives"] == [] and r["out_within_one_ulp"] == 1.0 and r["lse_inf_same"], r
+    assert r["lse_rel_diff"] <= 1e-6, r
+    assert r["lse_sharding"] == spec, r

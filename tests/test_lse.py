@@ -229,3 +229,17 @@ def test_emulated_path_returns_the_lse(rng):
     x, valid = gather(inputs["src"], inputs["idx"])
     want = attention_f64(inputs["q"], x, valid, inputs["sink"], inputs["bias"], SCALE)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-2)
+
+
+def test_vmap_with_a_sink_per_sequence(rng):
+    # A batched sink runs one call per batch element (primitives.py); the lse comes back batched.
+    B = 2
+    q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+    kv = rng.standard_normal((R, D)).astype(np.float32)
+    idx = rng.integers(-2, R + 2, (B, T, K)).astype(np.int32)
+    sink = rng.standard_normal((B, H)).astype(np.float32)
+    f = jax.vmap(lambda q, idx, s: jsa.gathered_attn_idx(q, kv, idx, s, return_lse=True))
+    out, lse = jax.jit(f)(q, idx, sink)
+    for b in range(B):
+        x, valid = gather(kv, idx[b])
+        assert_lse_close(lse[b], lse_f64(q[b], x, valid, sink[b]))
