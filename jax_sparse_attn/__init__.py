@@ -7,6 +7,7 @@ Trainium and a bf16-exact pure-jnp reference everywhere else.
 
 from . import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)
 from .api import gathered_attn, gathered_attn_idx
+from .merge import merge_attention
 from .primitives import gathered_attn_idx_p, gathered_attn_p
 
 # Registers implementation="nki_emulated" and the lazy "neuron" platform lowerings. Imports no
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "gathered_attn",
     "gathered_attn_idx",
+    "merge_attention",
     "gathered_attn_p",
     "gathered_attn_idx_p",
     "__version__",

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import primitives
+from . import fp8, primitives
 from .constants import BIAS_FLOOR, FLT_MAX, MAX_ROWS
 
 ArrayLike = jax.typing.ArrayLike
@@ -119,7 +119,8 @@ def gathered_attn(
     bias: Optional[ArrayLike] = None,
     scale: Scale = None,
     implementation: Optional[str] = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """Sparse attention over pre-gathered slots, with an optional per-head attention sink.
 
     For every token ``t`` and head ``h``::
@@ -143,9 +144,14 @@ def gathered_attn(
         ``D ** -0.5``.
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
+      return_lse: also return the log-sum-exp of the logits (see Returns).
 
     Returns:
-      ``[T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      With ``return_lse=True``, ``(out, lse)`` where ``lse [T, H]`` f32 is
+      ``log(exp(sink[h]) + sum over valid slots j of exp(s[t, h, j]))``, ``s`` the scaled and
+      biased fp32 logit: ``sink[h]`` for a token with no valid slot (``-inf`` without a sink).
+      Partial results over disjoint slot sets combine exactly with :func:`merge_attention`.
     """
     _check_implementation(implementation)
     q, g, sink, bias = (_as_array(n, a) for n, a in (("q", q), ("g", g), ("sink", sink), ("bias", bias)))
@@ -160,7 +166,10 @@ def gathered_attn(
     q = jnp.asarray(q)
     g = jnp.asarray(g, q.dtype)
     sink, bias, scale = _sink_bias_scale(_shape(q), _shape(g)[1], sink, bias, scale)
-    return primitives.gathered_attn_p.bind(q, g, sink, bias, scale, implementation=implementation)
+    out, lse = primitives.gathered_attn_p.bind(
+        q, g, sink, bias, scale, implementation=implementation
+    )
+    return (out, lse) if return_lse else out
 
 
 def _normalise_idx(idx, rows: int):
@@ -191,7 +200,9 @@ def gathered_attn_idx(
     bias: Optional[ArrayLike] = None,
     scale: Scale = None,
     implementation: Optional[str] = None,
-) -> jax.Array:
+    return_lse: bool = False,
+    kv_scale: Optional[ArrayLike] = None,
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """DeepSeek-style top-k sparse attention that gathers rows of a shared KV cache by index.
 
     Equivalent to ``gathered_attn(q, kv[idx], sink, ...)`` without materialising ``kv[idx]``,
@@ -201,6 +212,7 @@ def gathered_attn_idx(
     Args:
       q: ``[T, H, D]`` queries, bf16 (f16 and f32 accepted).
       kv: ``[R, D]`` cache; each row is key and value (one KV head); computed in ``q``'s dtype.
+        An FP8 cache (``float8_e4m3fn`` or ``float8_e5m2``) needs ``kv_scale``.
       idx: ``[T, K]`` any integer dtype: the cache row of each slot. ``idx < 0`` or ``idx >= R``
         is an empty slot. (With x64 disabled, JAX itself narrows 64-bit arrays to int32 when they
         enter ``jax.jit`` as arguments; numpy arrays passed to this function directly are checked
@@ -213,9 +225,19 @@ def gathered_attn_idx(
         ``D ** -0.5``.
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
+      return_lse: also return the log-sum-exp of the logits (see Returns).
+      kv_scale: for an FP8 ``kv`` only: ``[R]`` f32 (one scale per row) or ``[R, D // G]`` f32
+        (one per group of G consecutive columns; G = 128 is FlashMLA's layout). The op then
+        computes on ``kv_dequant = (kv.astype(f32) * scale).astype(q.dtype)``, dequantising only
+        the gathered slots (see ``jax_sparse_attn/fp8.py``). The cache and its scales carry no
+        gradient.
 
     Returns:
-      ``[T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      With ``return_lse=True``, ``(out, lse)`` where ``lse [T, H]`` f32 is
+      ``log(exp(sink[h]) + sum over valid slots j of exp(s[t, h, j]))``, ``s`` the scaled and
+      biased fp32 logit: ``sink[h]`` for a token with no valid slot (``-inf`` without a sink).
+      Partial results over disjoint slot sets combine exactly with :func:`merge_attention`.
     """
     _check_implementation(implementation)
     q, kv, idx, sink, bias = (
@@ -237,9 +259,20 @@ def gathered_attn_idx(
     if R > MAX_ROWS:
         raise ValueError(f"kv has {R} rows; at most {MAX_ROWS} can be indexed with int32")
     q = jnp.asarray(q)
-    kv = jnp.asarray(kv, q.dtype)
     idx = _normalise_idx(idx, R)
     sink, bias, scale = _sink_bias_scale(_shape(q), _shape(idx)[1], sink, bias, scale)
-    return primitives.gathered_attn_idx_p.bind(
+    if kv_scale is not None or fp8.is_fp8(_dtype(kv)):
+        # FP8 cache: the slots are gathered and dequantised here, then the pre-gathered op runs
+        # with the empty slots masked (fp8.py).
+        kv_scale = jax.lax.stop_gradient(fp8.check_kv_scale(_shape(kv), _dtype(kv), kv_scale))
+        g = fp8.gather_dequantized(jax.lax.stop_gradient(jnp.asarray(kv)), kv_scale, idx, q.dtype)
+        bias = jnp.where(idx >= 0, bias, -jnp.inf)
+        out, lse = primitives.gathered_attn_p.bind(
+            q, g, sink, bias, scale, implementation=implementation
+        )
+        return (out, lse) if return_lse else out
+    kv = jnp.asarray(kv, q.dtype)
+    out, lse = primitives.gathered_attn_idx_p.bind(
         q, kv, idx, sink, bias, scale, implementation=implementation
     )
+    return (out, lse) if return_lse else out

@@ -20,6 +20,11 @@ Math, per token and head (``x_j`` the slot rows, ``c`` the scale, ``b_j`` the bi
                dq = c sum_j dS_j x_j      dx_j = sum_h (p_j do + c dS_j q)      db_j = sum_h dS_j
                dc = sum_{h,j} dS_j z_j    dsink = -sum_t p_sink delta
 
+The primitives also return ``lse = log(sum_j exp(s_j) + exp(sink))``, whose derivative is the
+softmax itself: ``dlse = sum_j p_j ds_j + p_sink dsink`` (the ``weight`` of the tangent above), and
+an lse cotangent ``g`` adds ``p_j g`` to ``dS_j`` and ``p_sink g`` to the sink's. For a token with
+no valid slot the lse is the sink alone (derivative 1 with respect to a finite sink, else 0).
+
 The logits are recomputed with the forward's saturation rule (``reference.saturated_logits``, the
 dot products pre-scaled so that they cannot overflow); the clamps are treated as the identity in
 the derivative. Empty, masked and padding slots never read a row (their rows are zeros), so NaN or
@@ -97,6 +102,13 @@ def _softmax_parts(q, x, valid, sink, bias, scale):
     return z, p, p_sink, o
 
 
+def _lse_sink_weight(valid, sink, p_sink, live):
+    """d lse / d sink ``[c, H]``: ``p_sink`` where the token has a valid slot; where it has none,
+    the lse is the sink itself (1 for a finite sink, 0 for +-inf). ``live``: non-padding tokens."""
+    alone = (~jnp.any(valid, axis=-1) & live)[:, None] & jnp.isfinite(sink)[None, :]
+    return jnp.where(alone, 1.0, p_sink)
+
+
 def _slots(indexed, src, idx, bias, live):
     """Slot rows (f32) and validity for a chunk; ``live`` is False for padding tokens.
 
@@ -134,7 +146,8 @@ def _recompute(indexed, primal, live):
 
 
 def _tangent_chunk(indexed, active, primal, tangent, live):
-    """Output tangent ``[c, H, D]`` (f32) for a chunk. ``primal``/``tangent``: dicts by name."""
+    """Tangents of the output ``[c, H, D]`` and of the lse ``[c, H]`` (f32) for a chunk.
+    ``primal``/``tangent``: dicts by name."""
     q, x, valid, rows, scale, z, p, p_sink, o = _recompute(indexed, primal, live)
 
     src_name = "kv" if indexed else "g"
@@ -155,21 +168,25 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
         ds = ds + jnp.where(valid, tangent["bias"], 0.0)[:, None, :]
     pds = p * ds
     weight = jnp.sum(pds, axis=-1)
+    dlse = weight
     if "sink" in active:
         weight = weight + p_sink * tangent["sink"][None, :]
+        sink_weight = _lse_sink_weight(valid, primal["sink"], p_sink, live)
+        dlse = dlse + sink_weight * tangent["sink"][None, :]
     do = _einsum("thk,tkd->thd", pds, x) - weight[..., None] * o
     if dx is not None:
         do = do + _einsum("thk,tkd->thd", p, dx)
-    return do
+    return do, dlse
 
 
 def _cotangent_chunk(indexed, wanted, primal, ct, live):
-    """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input."""
+    """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input.
+    ``ct``: the cotangents of the output ``[c, H, D]`` and of the lse ``[c, H]``."""
     q, x, valid, rows, scale, z, p, p_sink, o = _recompute(indexed, primal, live)
-    ct = ct.astype(jnp.float32)
+    ct, ct_lse = ct[0].astype(jnp.float32), ct[1].astype(jnp.float32)
     u = _einsum("thd,tkd->thk", ct, x)
     delta = jnp.sum(ct * o, axis=-1)
-    dS = p * (u - delta[..., None])
+    dS = p * (u - delta[..., None] + ct_lse[..., None])
     out = {}
     if "q" in wanted:
         out["q"] = scale[:, None, None] * _einsum("thk,tkd->thd", dS, x)
@@ -182,7 +199,8 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live):
         else:
             out["g"] = dx
     if "sink" in wanted:
-        out["sink"] = -p_sink * delta
+        sink_weight = _lse_sink_weight(valid, primal["sink"], p_sink, live)
+        out["sink"] = -p_sink * delta + sink_weight * ct_lse
     if "bias" in wanted:
         out["bias"] = jnp.sum(dS, axis=1)
     if "scale" in wanted:
@@ -237,13 +255,14 @@ def _is_empty(primal) -> bool:
 
 
 def _tangent(indexed, active, *operands):
-    """Output tangent (q's dtype). Operands: the primal operands, then the active tangents."""
+    """Tangents of the output (q's dtype) and of the lse (f32). Operands: the primal operands,
+    then the active tangents."""
     names = primitives.OPERANDS[indexed]
     primal = dict(zip(names, operands[: len(names)]))
     tangent = dict(zip(active, operands[len(names):]))
     q = primal["q"]
     if _is_empty(primal):
-        return (jnp.zeros(q.shape, q.dtype),)
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:2], jnp.float32)
     primal_token, primal_shared = _by_role(primal)
     tangent_token, tangent_shared = _by_role(tangent)
 
@@ -253,16 +272,17 @@ def _tangent(indexed, active, *operands):
         return carry, do
 
     size = _chunk_size(q, primal["bias"].shape[1])
-    _, do = _over_token_chunks(step, (primal_token, tangent_token), size, ())
-    return (do.astype(q.dtype),)
+    _, (do, dlse) = _over_token_chunks(step, (primal_token, tangent_token), size, ())
+    return do.astype(q.dtype), dlse
 
 
 def _cotangent(indexed, wanted, *operands):
     """Cotangents of the ``wanted`` operands, all f32. Operands: the primal operands, then the
-    output cotangent. The sink's is per token ``[T, H]``; the cache's is summed into ``[R, D]``."""
+    cotangents of the output and of the lse. The sink's is per token ``[T, H]``; the cache's is
+    summed into ``[R, D]``."""
     names = primitives.OPERANDS[indexed]
     primal = dict(zip(names, operands[: len(names)]))
-    ct = operands[len(names)]
+    ct = tuple(operands[len(names):])
     if _is_empty(primal):
         return tuple(jnp.zeros(_cotangent_shape(indexed, n, operands)[0]) for n in wanted)
     primal_token, primal_shared = _by_role(primal)
@@ -292,14 +312,17 @@ cotangent_p = {
     False: Primitive("gathered_attn_cotangent"),
     True: Primitive("gathered_attn_idx_cotangent"),
 }
-for _p in cotangent_p.values():
+for _p in (*tangent_p.values(), *cotangent_p.values()):
     _p.multiple_results = True
 sharding.register_device_aware(*tangent_p.values(), *cotangent_p.values())
 
 
 def _tangent_abstract_eval(*avals, active):
     q = avals[0]
-    return sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"])
+    return [
+        sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"]),
+        sharding.result_aval(q, q.shape[:2], jnp.float32, sharding.LAYOUTS["lse"]),
+    ]
 
 
 def _cotangent_shape(indexed, name, operands):
@@ -326,14 +349,15 @@ def _tangent_lowering(indexed):
         names = primitives.OPERANDS[indexed] + active
         layouts = [sharding.LAYOUTS[n] for n in names]
         fn = functools.partial(_tangent, indexed, active)
-        return sharding.shard_local(fn, layouts, [sharding.LAYOUTS["out"]])(*operands)[0]
+        results = [sharding.LAYOUTS[n] for n in primitives.RESULTS]
+        return sharding.shard_local(fn, layouts, results)(*operands)
 
     return rule
 
 
 def _cotangent_lowering(indexed):
     def rule(*operands, wanted):
-        names = primitives.OPERANDS[indexed] + ("out",)
+        names = primitives.OPERANDS[indexed] + primitives.RESULTS
         layouts = [sharding.LAYOUTS[n] for n in names]
         fn = functools.partial(_cotangent, indexed, wanted)
         results = [COTANGENT_LAYOUTS[n] for n in wanted]
@@ -350,7 +374,7 @@ for _indexed in (False, True):
     tangent_p[_indexed].def_abstract_eval(_tangent_abstract_eval)
     cotangent_p[_indexed].def_abstract_eval(_cotangent_abstract_eval(_indexed))
     mlir.register_lowering(
-        tangent_p[_indexed], mlir.lower_fun(_tangent_lowering(_indexed), multiple_results=False)
+        tangent_p[_indexed], mlir.lower_fun(_tangent_lowering(_indexed), multiple_results=True)
     )
     mlir.register_lowering(
         cotangent_p[_indexed], mlir.lower_fun(_cotangent_lowering(_indexed), multiple_results=True)
@@ -369,7 +393,7 @@ for _indexed in (False, True):
     )
     batching.primitive_batchers[cotangent_p[_indexed]] = primitives.make_batcher(
         cotangent_p[_indexed], _indexed,
-        lambda params, _n=_names: _n + ("out",),
+        lambda params, _n=_names: _n + primitives.RESULTS,
         # Per-example cache gradients need one cache per batch element.
         lambda params: "kv" in params["wanted"],
     )
@@ -383,17 +407,17 @@ def _forward_jvp(indexed):
     names = primitives.OPERANDS[indexed]
 
     def rule(primals, tangents, *, implementation):
-        out = prim.bind(*primals, implementation=implementation)
+        outs = prim.bind(*primals, implementation=implementation)
         active = tuple(
             n for n, t in zip(names, tangents) if n in DIFFERENTIABLE and type(t) is not ad.Zero
         )
         if not active:
-            return out, ad.Zero(jax.typeof(primals[0]).to_tangent_aval())
+            return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
         by_name = dict(zip(names, tangents))
-        tangent_out = tangent_p[indexed].bind(
+        tangent_outs = tangent_p[indexed].bind(
             *primals, *(by_name[n] for n in active), active=active
         )
-        return out, tangent_out
+        return outs, tangent_outs
 
     return rule
 
@@ -410,12 +434,17 @@ def _tangent_transpose(indexed):
             )
         undefined = [ad.is_undefined_primal(t) for t in tangents]
         wanted = tuple(n for n, u in zip(active, undefined) if u)
-        if type(ct) is ad.Zero or not wanted:
+        if all(type(c) is ad.Zero for c in ct) or not wanted:
             zeros = [ad.Zero(t.aval) if u else None for t, u in zip(tangents, undefined)]
             return [None] * len(primals) + zeros
-        cts = dict(zip(wanted, cotangent_p[indexed].bind(*primals, ct, wanted=wanted)))
+        # ct = (output's, lse's); a missing one (only out or only lse used) is zeros.
+        ct = [ad.instantiate_zeros(c) for c in ct]
+        cts = dict(zip(wanted, cotangent_p[indexed].bind(*primals, *ct, wanted=wanted)))
         if "sink" in cts:
             cts["sink"] = jnp.sum(cts["sink"], axis=0)
+        by_name = dict(zip(active, tangents))
+        for n in cts:  # e.g. a cache split over its rows on an explicit axis: same type back
+            cts[n] = sharding.like_aval(cts[n], by_name[n].aval)
         return [None] * len(primals) + [cts[n] if u else None for n, u in zip(active, undefined)]
 
     return rule

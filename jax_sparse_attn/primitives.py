@@ -6,6 +6,14 @@ Operands are already normalised by :mod:`jax_sparse_attn.api` (which owns argume
 ``gathered_attn_idx_p``:  q [T, H, D], kv [R, D], idx [T, K] int32, sink [H] f32, bias [T, K] f32,
                           scale [T] f32
 
+Both primitives return two results, ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` f32 (the
+log-sum-exp of each token and head's logits with the sink). They always do, and the public
+functions drop ``lse`` unless ``return_lse=True``: one signature keeps a single vmap rule, a single
+sharding layout list and a single pair of autodiff primitives (the lse's tangent and cotangent are
+one extra term of the output's, see autodiff.py), where a static ``return_lse`` parameter would
+double each. The lse costs ``T * H`` values from statistics the softmax computes anyway, and an
+unused one is dead code that XLA removes.
+
 ``sink = -inf`` means no sink and ``bias = -inf`` marks an empty slot, so ``None`` needs no special
 case here. The scale travels per token so that a vmapped scale folds into the token axis like
 everything else. The single parameter ``implementation`` is the user's choice (``None``,
@@ -25,7 +33,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir, xla
 
-from . import reference, sharding
+from . import cache_sharding, reference, sharding
 from .constants import MAX_ROWS
 
 gathered_attn_p = Primitive("gathered_attn")
@@ -41,7 +49,7 @@ OPERANDS = {
 }
 
 # Host-runnable data paths by implementation name: (gathered_fn, gathered_idx_fn), each taking the
-# primitive's operands and returning the output. The Neuron package registers "nki_emulated".
+# primitive's operands and returning ``(out, lse)``. The Neuron package registers "nki_emulated".
 _PATHS: dict[str, tuple[Callable, Callable]] = {
     "reference": (reference.gathered_attn_reference, reference.gathered_attn_idx_reference),
 }
@@ -63,7 +71,14 @@ def path(name: str, indexed: bool) -> Callable:
 def _abstract_eval(q, *_, implementation):
     del implementation
     # Keeps q's token/head sharding in the type under explicit mesh axes (see sharding.py).
-    return sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"])
+    return [
+        sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"]),
+        sharding.result_aval(q, q.shape[:2], jnp.float32, sharding.LAYOUTS["lse"]),
+    ]
+
+
+gathered_attn_p.multiple_results = True
+gathered_attn_idx_p.multiple_results = True
 
 
 gathered_attn_p.def_abstract_eval(_abstract_eval)
@@ -75,12 +90,18 @@ gathered_attn_idx_p.def_impl(functools.partial(xla.apply_primitive, gathered_att
 # --- default lowering (every platform) ----------------------------------------------------------
 
 
+RESULTS = ("out", "lse")
+
+
 def run_shard_local(path_fn: Callable, indexed: bool, *args):
     """Calls a path on the primitive's operands, on each device's block of tokens and heads under
-    a multi-device jit (see sharding.py). Every lowering rule of the primitives goes through it."""
+    a multi-device jit (see sharding.py). Every lowering rule of the primitives goes through it.
+    Returns ``(out, lse)``. With a cache split over its rows, gathered_attn_idx runs on each
+    device's rows and merges the partial results (cache_sharding.py)."""
     layouts = [sharding.LAYOUTS[n] for n in OPERANDS[indexed]]
-    run = sharding.shard_local(lambda *a: (path_fn(*a),), layouts, [sharding.LAYOUTS["out"]])
-    return run(*args)[0]
+    local = cache_sharding.shard_local_rows if indexed else sharding.shard_local
+    run = local(lambda *a: tuple(path_fn(*a)), layouts, [sharding.LAYOUTS[n] for n in RESULTS])
+    return tuple(run(*args))
 
 
 def _default_rule(indexed: bool):
@@ -97,9 +118,9 @@ def _default_rule(indexed: bool):
 
 
 sharding.register_device_aware(gathered_attn_p, gathered_attn_idx_p)
-mlir.register_lowering(gathered_attn_p, mlir.lower_fun(_default_rule(False), multiple_results=False))
+mlir.register_lowering(gathered_attn_p, mlir.lower_fun(_default_rule(False), multiple_results=True))
 mlir.register_lowering(
-    gathered_attn_idx_p, mlir.lower_fun(_default_rule(True), multiple_results=False)
+    gathered_attn_idx_p, mlir.lower_fun(_default_rule(True), multiple_results=True)
 )
 
 

@@ -18,6 +18,9 @@ kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
 
 For f32 inputs step 5's cast is the identity, so everything stays in f32.
 
+Both functions also return the log-sum-exp ``lse [T, H]`` f32 of each token and head,
+``log(exp(sink) + sum over valid slots of exp(s))``, from the same logits (``_lse``).
+
 Rows with no valid slot are exactly 0. Work runs in token chunks (``lax.map``) whose gathered
 slots and logits stay within ``CHUNK_BYTES``: small enough to stay in the CPU caches, and a bound
 on memory however many tokens there are. Chunking does not change a single bit, since every token
@@ -170,6 +173,16 @@ def attend_token(q, x, valid, sink, bias, scale) -> TokenAttention:
     return TokenAttention(o, m, den)
 
 
+def _lse(any_valid, m, den, sink):
+    """``log(exp(sink) + sum_j exp(s_j))`` from one token's softmax statistics (``m`` the max over
+    the slots, ``den`` the denominator with the sink): ``m + log(den)``. ``den`` is ``+inf`` only
+    when ``exp(sink - m)`` overflows (the slots' sum is at most K), and then the lse is the sink
+    to f32 precision (a ``+inf`` sink gives ``+inf``). No valid slot: the sink alone (``-inf``
+    without one)."""
+    lse = jnp.where(den == jnp.inf, sink, m + jnp.log(den))
+    return jnp.where(any_valid, lse, sink)
+
+
 def _map_tokens(fn, token_args, shared_args, chunk):
     """Applies per-token ``fn(*token_slices, *shared)`` over the leading token axis, ``chunk``
     tokens at a time (``lax.map``); one ``vmap`` when a single chunk covers every token.
@@ -183,17 +196,20 @@ def _map_tokens(fn, token_args, shared_args, chunk):
     return jax.lax.map(lambda a: fn(*a, *shared_args), token_args, batch_size=chunk)
 
 
-def _empty_result(q):
-    return jnp.zeros(q.shape, q.dtype)
+def _empty_result(q, sink):
+    """No slot at all: output 0, and the lse is the sink alone."""
+    T, H, _ = q.shape
+    return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(sink, (T, H)).astype(jnp.float32)
 
 
 def _attend_bits(dtype):
     """Per-token attention on bit patterns: (q bits [H, D], slot bits [K, D], valid [K], bias [K],
-    scale [], sink [H]) -> output bits [H, D]."""
+    scale [], sink [H]) -> (output bits [H, D], lse [H] f32)."""
 
     def one(q_bits, x_bits, valid, bias_t, scale_t, sink):
         q_t, x = _from_bits(q_bits, dtype), _from_bits(x_bits, dtype)
-        return _to_bits(attend_token(q_t, x, valid, sink, bias_t, scale_t).out.astype(dtype))
+        token = attend_token(q_t, x, valid, sink, bias_t, scale_t)
+        return _to_bits(token.out.astype(dtype)), _lse(jnp.any(valid), token.max, token.den, sink)
 
     return one
 
@@ -204,8 +220,8 @@ def _gathered_chunks(q, g_bits, valid, sink, bias, scale):
     K = g_bits.shape[1]
     one = _attend_bits(q.dtype)
     chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize)
-    out_bits = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
-    return _from_bits(out_bits, q.dtype)
+    out_bits, lse = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
+    return _from_bits(out_bits, q.dtype), lse
 
 
 def gathered_attn_reference(q, g, sink, bias, scale):
@@ -214,12 +230,12 @@ def gathered_attn_reference(q, g, sink, bias, scale):
     Args:
       q: ``[T, H, D]`` float. g: ``[T, K, D]`` in q's dtype. sink: ``[H]`` f32 (``-inf`` = none).
       bias: ``[T, K]`` f32 (``-inf`` = empty slot). scale: ``[T]`` f32.
-    Returns ``[T, H, D]`` in q's dtype.
+    Returns ``(out [T, H, D] in q's dtype, lse [T, H] f32)``.
     """
     T, H, D = q.shape
     K = g.shape[1]
     if T == 0 or K == 0 or H == 0:
-        return _empty_result(q)
+        return _empty_result(q, sink)
     valid = bias != -jnp.inf
     # A masked slot's row is never read: its bits become zero (one select, fused with the cast).
     g_bits = jnp.where(valid[:, :, None], _to_bits(g.astype(q.dtype)), 0)
@@ -236,13 +252,13 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
     Args:
       q: ``[T, H, D]`` float. kv: ``[R, D]`` in q's dtype. idx: ``[T, K]`` int32; a slot is empty when
       ``idx < 0`` or ``idx >= R``. sink: ``[H]`` f32. bias: ``[T, K]`` f32. scale: ``[T]`` f32.
-    Returns ``[T, H, D]`` in q's dtype.
+    Returns ``(out [T, H, D] in q's dtype, lse [T, H] f32)``.
     """
     T, H, D = q.shape
     R = kv.shape[0]
     K = idx.shape[1]
     if T == 0 or K == 0 or H == 0 or R == 0:
-        return _empty_result(q)
+        return _empty_result(q, sink)
     dtype = q.dtype
     itemsize = np.dtype(dtype).itemsize
     kv_bits = _to_bits(kv.astype(dtype))
@@ -259,5 +275,7 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
         return attend(q_bits, _gather_rows(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
 
     chunk = token_chunk_size(T, H, K, D, itemsize)
-    out_bits = _map_tokens(one, (_to_bits(q), rows, valid, bias, scale), (kv_bits, sink), chunk)
-    return _from_bits(out_bits, dtype)
+    out_bits, lse = _map_tokens(
+        one, (_to_bits(q), rows, valid, bias, scale), (kv_bits, sink), chunk
+    )
+    return _from_bits(out_bits, dtype), lse

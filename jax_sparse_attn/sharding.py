@@ -59,6 +59,7 @@ LAYOUTS = {
     "bias": "t k",
     "scale": "t",
     "out": "t h d",
+    "lse": "t h",
     "sink_per_token": "t h",
 }
 
@@ -134,6 +135,16 @@ def result_aval(q_aval, shape, dtype, layout: str):
     by_factor = {"t": spec[0], "h": spec[1]}
     out = NamedSharding(sharding.mesh, PartitionSpec(*(by_factor.get(f) for f in layout.split())))
     return q_aval.update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False, sharding=out)
+
+
+def like_aval(x, aval):
+    """``x`` resharded to ``aval``'s explicit sharding when its own differs (a cotangent must have
+    its primal's type); unchanged elsewhere."""
+    want = getattr(aval, "sharding", None)
+    have = getattr(jax.typeof(x), "sharding", None)
+    if not _explicit_axis_names(aval) or want is None or have is None or want.spec == have.spec:
+        return x
+    return jax.sharding.reshard(x, want)
 
 
 # --- host callbacks cannot live in a custom_partitioning body -----------------------------------
@@ -325,7 +336,8 @@ class _Partitioner:
 
 
 def shard_local(
-    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str]
+    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str],
+    partitioner_type: type = _Partitioner,
 ) -> Callable:
     """Wraps ``fn`` so that, under multi-device ``jit``, it runs on each device's block.
 
@@ -336,6 +348,8 @@ def shard_local(
       operand_layouts: one factor string per operand, e.g. ``"t h d"``; operand 0 must be ``q``.
       result_layouts: one factor string per result. A result missing ``t`` or ``h`` is summed
         over the devices that split that factor.
+      partitioner_type: the custom_partitioning callbacks for automatic mesh axes (a subclass of
+        ``_Partitioner``; cache_sharding.py keeps the cache's rows split with its own).
 
     Returns:
       A function of the operands returning the tuple of results, meant to be called while
@@ -354,8 +368,15 @@ def shard_local(
                 return _run_under_shard_map(
                     fn, operands, operand_layouts, result_layouts, explicit_axes, mesh, used
                 )
-            # q is not split over an explicit axis: the op runs whole (replicated) on each device.
-            operands = [_replicated(x) for x in operands]
+            # q is not split over an explicit axis: the op runs whole on each device, under
+            # shard_map with every operand replicated (outside a manual region JAX 0.7 has no
+            # explicit-sharding rule for the backward's scatter-add).
+            mesh = jax.typeof(operands[0]).sharding.mesh
+            axes = sorted(_explicit_axis_names(jax.typeof(operands[0])))
+            return _run_under_shard_map(
+                fn, operands, operand_layouts, result_layouts,
+                {f: () for f in SHARDABLE_FACTORS}, mesh, axes,
+            )
         # Trace fn once here; the partition callback traces it again on the per-device shapes.
         avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands]
         closed = jax.make_jaxpr(fn)(*avals)
@@ -379,7 +400,7 @@ def shard_local(
             consts = [c.reshape(shape) for c, shape in zip(args[count:], shapes)]
             return tuple(jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, consts))(*args[:count]))
 
-        partitioner = _Partitioner(
+        partitioner = partitioner_type(
             lambda *args: fn(*args[:count]),
             list(operand_layouts) + [f"c{i}" for i in range(len(flat_consts))],
             result_layouts,

@@ -97,3 +97,30 @@ def within_one_ulp(actual, expected, dtype=BF16):
     if a.size == 0:
         return 1.0
     return float(np.mean(np.abs(a - e) <= 1))
+
+
+def lse_f64(q, x, valid, sink=None, bias=None, scale=None):
+    """float64 ``log(exp(sink[h]) + sum over valid slots j of exp(s[t, h, j]))``, ``[T, H]``.
+
+    Same arguments as ``attention_f64``. No valid slot: the sink alone (``-inf`` without one).
+    """
+    q = np.asarray(q, np.float64)
+    x = np.asarray(x, np.float64)
+    T, H, D = q.shape
+    K = x.shape[1]
+    valid = np.asarray(valid, bool).copy()
+    bias = np.zeros((T, K)) if bias is None else np.asarray(bias, np.float64)
+    valid &= ~np.isneginf(bias)
+    sink = np.full(H, -np.inf) if sink is None else np.asarray(sink, np.float64)
+    scale = D**-0.5 if scale is None else float(scale)
+    out = np.zeros((T, H))
+    for t in range(T):
+        logits = (q[t] @ x[t][valid[t]].T) * scale + bias[t][valid[t]][None, :]  # [H, k]
+        terms = np.concatenate([logits, sink[:, None]], axis=1)
+        top = terms.max(axis=1)
+        for h in range(H):
+            if not np.isfinite(top[h]):
+                out[t, h] = top[h]  # -inf: nothing at all; +inf: a +inf sink
+            else:
+                out[t, h] = top[h] + np.log(np.sum(np.exp(terms[h] - top[h])))
+    return out

@@ -40,8 +40,8 @@ def test_nki_without_the_sdk_is_a_clear_error_at_trace_time(indexed):
 
 
 def test_nki_emulated_is_a_registered_path():
-    assert primitives.path("nki_emulated", False) is lowering.emulated_gathered_attn
-    assert primitives.path("nki_emulated", True) is lowering.emulated_gathered_attn_idx
+    assert primitives.path("nki_emulated", False) is lowering.emulated_gathered_attn_lse
+    assert primitives.path("nki_emulated", True) is lowering.emulated_gathered_attn_idx_lse
 
 
 def test_emulated_path_runs_through_a_host_callback():
@@ -91,7 +91,8 @@ def test_on_this_machine_no_neuron_rule_is_registered():
 def test_neuron_rule_dispatch(monkeypatch):
     """On the "neuron" platform: None and "nki" take the kernel path, the others their own path."""
     seen = []
-    monkeypatch.setattr(lowering, "nki_gathered_attn_idx", lambda *a: seen.append("kernel") or a[0])
+    monkeypatch.setattr(lowering, "nki_gathered_attn_idx_lse",
+                        lambda *a: seen.append("kernel") or (a[0], a[3]))
     rule = lowering._neuron_rule(True)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
@@ -105,10 +106,10 @@ def test_neuron_rule_dispatch(monkeypatch):
     rule(*args, implementation=None)
     rule(*args, implementation="nki")
     assert seen == ["kernel", "kernel"]
-    np.testing.assert_array_equal(
-        np.asarray(rule(*args, implementation="reference"), np.float32),
-        np.asarray(primitives.path("reference", True)(*args), np.float32),
-    )
+    # Every rule returns (out, lse).
+    for got, want in zip(rule(*args, implementation="reference"),
+                         primitives.path("reference", True)(*args)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert seen == ["kernel", "kernel"]
 
 

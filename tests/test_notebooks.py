@@ -57,6 +57,7 @@ def test_there_are_notebooks():
         "02_flax_model.ipynb",
         "03_neuron_path.ipynb",
         "04_performance.ipynb",
+        "05_long_context.ipynb",
     ]
 
 

@@ -15,10 +15,11 @@ import tomllib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
-from oracle import attention_bf16_contract, gather, within_one_ulp
+from oracle import attention_bf16_contract, attention_f64, gather, within_one_ulp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -47,8 +48,9 @@ def run(code: str, as_written: bool = True) -> dict:
 
 
 def test_every_snippet_is_covered_below():
-    markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", "NamedSharding",
-               "from jax_sparse_attn.flax import SparseAttention", 'implementation="nki_emulated"']
+    markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", 'put(q, P("x"))',
+               "from jax_sparse_attn.flax import SparseAttention", "merge_attention(",
+               'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale"]
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -70,14 +72,6 @@ def test_usage_snippet(as_written):
     assert _follows_the_contract(ns, out)
 
 
-def test_nki_emulated_on_the_cpu_backend_snippet():
-    ns = run(snippet('implementation="nki_emulated"'))
-    out = ns["out"]
-    assert out.shape == (2, 4, 64) and list(out.devices())[0].platform == "cpu"
-    # Every cache row is ones, so every output row (a convex combination of them) is exactly 1.
-    np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)
-
-
 @pytest.mark.parametrize("as_written", AS_WRITTEN)
 def test_gradient_snippet(as_written):
     ns = run(snippet("def loss(q, kv, sink)"), as_written)
@@ -90,11 +84,55 @@ def test_gradient_snippet(as_written):
 
 @pytest.mark.parametrize("as_written", AS_WRITTEN)
 def test_sharding_snippet(as_written):
-    ns = run(snippet("NamedSharding"), as_written)
+    ns = run(snippet('put(q, P("x"))'), as_written)
     # The snippet's last call is the heads split; on one device it is the plain result.
     out = ns["out"]
     assert out.shape == ns["q"].shape
     assert _follows_the_contract(ns, out)
+
+
+def test_emulated_on_the_host_snippet():
+    ns = run(snippet('jax.default_device(jax.devices("cpu")[0])'))
+    # All rows equal ones: every valid slot's value is ones, so the output is ones.
+    np.testing.assert_array_equal(np.asarray(ns["out"], np.float32), np.ones((2, 4, 64)))
+
+
+@pytest.mark.parametrize("as_written", AS_WRITTEN)
+def test_fp8_snippet(as_written):
+    ns = run(snippet("kv_scale=kv_scale"), as_written)
+    kv, kv_scale = np.asarray(ns["kv"]), np.asarray(ns["kv_scale"])
+    R, D = kv.shape
+    groups = kv_scale.shape[1]
+    dequant = (kv.astype(np.float32).reshape(R, groups, -1) * kv_scale[:, :, None]).reshape(R, D)
+    ns = dict(ns, kv=dequant.astype(ml_dtypes.bfloat16))
+    assert ns["out"].dtype == jnp.bfloat16 and _follows_the_contract(ns, ns["out"])
+
+
+@pytest.mark.parametrize("as_written", AS_WRITTEN)
+def test_merge_snippet(as_written):
+    ns = run(snippet("merge_attention("), as_written)
+    out, lse, merged, merged_lse = (ns[k] for k in ("out", "lse", "merged", "merged_lse"))
+    assert lse.shape == (ns["T"], ns["H"]) and lse.dtype == jnp.float32
+    assert merged.dtype == jnp.bfloat16 and _follows_the_contract(ns, out)
+    np.testing.assert_allclose(np.asarray(merged_lse), np.asarray(lse), rtol=1e-5, atol=1e-6)
+    # Against float64: within twice the single call's error.
+    q, kv, idx, sink = (np.asarray(ns[k]) for k in ("q", "kv", "idx", "sink"))
+    x, valid = gather(kv, idx)
+    want = attention_f64(q, x, valid, sink)
+    single = np.abs(np.asarray(out, np.float64) - want).max()
+    assert np.abs(np.asarray(merged, np.float64) - want).max() <= 2 * single
+
+
+@pytest.mark.parametrize("as_written", AS_WRITTEN)
+def test_cache_sharding_snippet(as_written):
+    ns = run(snippet('P("rows")'), as_written)
+    assert ns["rows_here"] * jax.device_count() == ns["R"]
+    # Merged over devices: within twice the error of the contract's numpy model (float64 oracle).
+    q, kv, idx, sink = (np.asarray(ns[k]) for k in ("q", "kv", "idx", "sink"))
+    x, valid = gather(kv, idx)
+    want = attention_f64(q, x, valid, sink)
+    model = np.abs(attention_bf16_contract(q, x, valid, sink).astype(np.float64) - want).max()
+    assert np.abs(np.asarray(ns["out"], np.float64) - want).max() <= 2 * model
 
 
 @pytest.mark.slow  # three Flax programs to compile: about 5 s

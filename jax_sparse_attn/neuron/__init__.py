@@ -16,12 +16,13 @@ from __future__ import annotations
 from .. import primitives
 from .lowering import (
     NEURON_INSTALL_HINT,
-    emulated_gathered_attn,
-    emulated_gathered_attn_idx,
+    emulated_gathered_attn_idx_lse,
+    emulated_gathered_attn_lse,
     install_neuron_lowerings,
 )
 
-primitives.register_path("nki_emulated", emulated_gathered_attn, emulated_gathered_attn_idx)
+# The primitives' paths return (out, lse): the emulated kernels' own lse.
+primitives.register_path("nki_emulated", emulated_gathered_attn_lse, emulated_gathered_attn_idx_lse)
 install_neuron_lowerings()
 
 

@@ -188,7 +188,8 @@ def nki_gathered_attn_idx(q, kv, idx, sink, bias, scale):
 
 def _run_emulated_on_host(kernel, target, programs, options, *arrays):
     """Host side of the callback: the kernel operands in the kernel's order, q and sink stacked
-    per head group (numpy); returns ``[G, Tp, Hg, Dp]`` bf16 and ``[G, Tp, Hg, 1]`` f32."""
+    per head group (numpy); returns one ``[G, Tp, Hg, Dp + 1]`` f32 array: the bf16 output (exact
+    in f32) next to the lse (see ``_call_emulated_kernels``)."""
     from ..nki_emulator import simulate
 
     run = simulate(kernel, target=target)[programs]
@@ -199,25 +200,26 @@ def _run_emulated_on_host(kernel, target, programs, options, *arrays):
     results = [run(q_groups[g], *shared, sink_groups[g], **options) for g in range(len(q_groups))]
     outs = np.stack([np.asarray(r[0]) for r in results]).astype(jnp.bfloat16)
     lses = np.stack([np.asarray(r[1]) for r in results]).astype(np.float32)
-    return outs, lses
+    return np.concatenate([outs.astype(np.float32), lses], axis=-1)
 
 
 def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout, options):
     shape = (layout.head_groups, layout.tokens_padded, layout.heads_per_group)
-    result = (
-        jax.ShapeDtypeStruct(shape + (layout.dim_padded,), jnp.bfloat16),
-        jax.ShapeDtypeStruct(shape + (1,), jnp.float32),
-    )
+    # One result array, not two: JAX 0.7 cannot lower a pure_callback with two results inside
+    # shard_map ("result shardings don't match number of values"), which is where the sharded
+    # paths run it. The bf16 output travels exactly as f32, the lse in the last column.
+    result = jax.ShapeDtypeStruct(shape + (layout.dim_padded + 1,), jnp.float32)
     arrays = [packed.q_groups, packed.slot_rows, packed.bias, packed.sink_groups]
     if packed.idx is not None:
         arrays.insert(2, packed.idx)
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
-    return jax.pure_callback(
+    packed_result = jax.pure_callback(
         functools.partial(_run_emulated_on_host, kernel, target, layout.programs, options), result,
         *arrays,
         vmap_method="sequential",
     )  # fmt: skip
+    return packed_result[..., :-1].astype(jnp.bfloat16), packed_result[..., -1:]
 
 
 def emulated_gathered_attn_lse(q, g, sink, bias, scale):
@@ -255,7 +257,8 @@ def emulated_gathered_attn_idx(q, kv, idx, sink, bias, scale):
 
 
 def _neuron_rule(indexed: bool):
-    kernel_path = nki_gathered_attn_idx if indexed else nki_gathered_attn
+    # The primitives return (out, lse): the kernels' own lse.
+    kernel_path = nki_gathered_attn_idx_lse if indexed else nki_gathered_attn_lse
 
     def rule(*args, implementation):
         if implementation is None or implementation == "nki":
@@ -284,12 +287,12 @@ def register_neuron_lowerings(**_plugin_info) -> bool:
     try:
         mlir.register_lowering(
             primitives.gathered_attn_p,
-            mlir.lower_fun(_neuron_rule(False), multiple_results=False),
+            mlir.lower_fun(_neuron_rule(False), multiple_results=True),
             platform=NEURON_PLATFORM,
         )
         mlir.register_lowering(
             primitives.gathered_attn_idx_p,
-            mlir.lower_fun(_neuron_rule(True), multiple_results=False),
+            mlir.lower_fun(_neuron_rule(True), multiple_results=True),
             platform=NEURON_PLATFORM,
         )
     except NotImplementedError:

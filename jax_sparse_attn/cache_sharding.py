@@ -1,0 +1,158 @@
+"""A KV cache sharded over its rows: each device attends to the rows it holds, then a merge by lse.
+
+When ``kv [R, D]`` is split over its row axis across some mesh axes (``PartitionSpec("y")``), the
+forward ``gathered_attn_idx`` runs on each device with its own block of ``R / n`` rows:
+
+1. a slot whose row lies in this device's block keeps its index, moved into the block; every
+   other slot is empty here (it is some other device's);
+2. the sink joins on the first row shard only (it must enter the softmax once);
+3. the op runs on the block (the jnp reference, or the NKI kernel on Neuron) and returns its
+   partial ``(out, lse)``, each partial the exact attention over the slots held there;
+4. one ``all_gather`` over the row axes of ``[T, H, D + 1]`` f32 per device (the partial output
+   next to its lse) and :func:`jax_sparse_attn.merge_attention` give every device the attention
+   over all the slots, rounded once to q's dtype.
+
+The cache itself never moves: no collective has R rows. Token and head splits of ``q`` on other
+mesh axes compose (the row axes must differ from them; a mesh axis that splits both ``q`` and the
+cache's rows leaves the cache replicated, as without this module). Works with Explicit mesh axes
+(``jax.shard_map`` while lowering) and Auto ones (``custom_partitioning``, whose partition
+callback sees the cache's sharding). Only the forward pass is row-local: the backward pass (the
+cache's gradient, ``autodiff.py``) runs with the cache replicated. With Auto axes, a path with a
+host callback (``"nki_emulated"``) also runs with the cache replicated (see sharding.py).
+
+Rounding: the partial outputs come back in q's dtype (as the kernel writes them), so a bf16 result
+carries at most one more bf16 rounding per partial than the single-device call, weighted by each
+partial's share of the softmax (tests/test_cache_sharding.py bounds the error at 2x).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import sharding
+from .merge import merge_attention
+
+# Operand positions of gathered_attn_idx_p: q, kv, idx, sink, bias, scale.
+_KV, _IDX, _SINK = 1, 2, 3
+
+
+def row_axes(kv_spec, rows: int, mesh_shape: dict, taken: Sequence[str] = ()) -> tuple:
+    """The mesh axes that split the cache's rows (PartitionSpec entry 0 of ``kv``), or ``()``
+    when there are none, when they do not divide ``rows``, or when one of them is ``taken`` (it
+    already splits q's tokens or heads)."""
+    spec = tuple(kv_spec or ()) + (None,)
+    axes = sharding._mesh_axes(spec[0])
+    if not axes or any(a in taken for a in axes):
+        return ()
+    if rows % math.prod(mesh_shape[a] for a in axes) != 0:
+        return ()
+    return axes
+
+
+def _shard_index(axes: tuple, mesh_shape: dict):
+    """This device's position along ``axes`` (major to minor, as a PartitionSpec orders them)."""
+    index = jnp.int32(0)
+    for a in axes:
+        index = index * mesh_shape[a] + jax.lax.axis_index(a)
+    return index
+
+
+def row_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
+    """``fn`` (the op on the operands, returning ``(out, lse)``) run on one row block of the cache
+    and merged over ``axes``; extra operands after the six of the primitive pass through."""
+
+    def local(*operands):
+        operands = list(operands)
+        q, kv, idx, sink = operands[0], operands[_KV], operands[_IDX], operands[_SINK]
+        shard = _shard_index(axes, mesh_shape)
+        block = kv.shape[0]
+        first = shard * block
+        mine = (idx >= first) & (idx < first + block)
+        operands[_IDX] = jnp.where(mine, idx - first, jnp.int32(-1))
+        operands[_SINK] = jnp.where(shard == 0, sink, -jnp.inf)
+        out, lse = fn(*operands)[:2]
+        packed = jnp.concatenate([out.astype(jnp.float32), lse[..., None]], axis=-1)
+        parts = jax.lax.all_gather(packed, axes, axis=0)  # [n, t, h, D + 1]
+        merged, merged_lse = merge_attention(parts[..., :-1], parts[..., -1])
+        return merged.astype(q.dtype), merged_lse
+
+    return local
+
+
+class _RowPartitioner(sharding._Partitioner):
+    """Automatic mesh axes: the partition callback keeps the cache split over its rows."""
+
+    def partition(self, mesh, arg_shapes, result_shape):
+        mesh = self._mesh(mesh, arg_shapes)
+        axes = self._factor_axes(mesh, arg_shapes)
+        kv = arg_shapes[_KV]
+        taken = [a for f in sharding.SHARDABLE_FACTORS for a in axes[f]]
+        rows = ()
+        if isinstance(kv.sharding, NamedSharding):
+            rows = row_axes(kv.sharding.spec, kv.shape[0], dict(mesh.shape), taken)
+        if not rows:
+            return super().partition(mesh, arg_shapes, result_shape)
+        arg_shardings = list(self._shardings(mesh, self.operand_layouts, axes))
+        arg_shardings[_KV] = NamedSharding(mesh, PartitionSpec(sharding._spec_entry(rows), None))
+        result_shardings = self._shardings(mesh, self.result_layouts, axes)
+        lower_fn = row_local(self.fn, rows, dict(mesh.shape))
+        return mesh, lower_fn, result_shardings, tuple(arg_shardings)
+
+    def sharding_rule(self):
+        rule, kinds = super().sharding_rule()
+        # The rows may stay split: this partitioner handles them (a pass-through factor).
+        if "need_replication_factors" in kinds:
+            kept = tuple(f for f in kinds["need_replication_factors"] if f != "r")
+            kinds = dict(kinds, need_replication_factors=kept) if kept else {}
+        return rule, kinds
+
+
+def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, rows, mesh):
+    """Explicit axes: ``fn`` per device under ``jax.shard_map``, the cache split over ``rows``."""
+    in_specs = [sharding._spec(lay, factor_axes) for lay in operand_layouts]
+    in_specs[_KV] = PartitionSpec(sharding._spec_entry(rows), None)
+    out_specs = tuple(sharding._spec(lay, factor_axes) for lay in result_layouts)
+    placed = []
+    for x, spec in zip(operands, in_specs):
+        current = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+        if current[: x.ndim] != tuple(spec) + (None,) * (x.ndim - len(spec)):
+            x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
+        placed.append(x)
+    used = [a for axes in factor_axes.values() for a in axes] + list(rows)
+    local = row_local(fn, rows, dict(mesh.shape))
+    return tuple(jax.shard_map(
+        lambda *ops: tuple(local(*ops)), mesh=mesh, in_specs=tuple(in_specs),
+        out_specs=out_specs, axis_names=set(used), check_vma=False,
+    )(*placed))
+
+
+def shard_local_rows(
+    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str]
+) -> Callable:
+    """:func:`sharding.shard_local` for the forward ``gathered_attn_idx``, which may also leave
+    the cache split over its rows (see the module docstring). ``fn`` returns ``(out, lse)``."""
+    plain = sharding.shard_local(fn, operand_layouts, result_layouts, _RowPartitioner)
+
+    def wrapped(*operands):
+        q, kv = jax.typeof(operands[0]), jax.typeof(operands[_KV])
+        if sharding._in_manual_region(q):
+            return tuple(fn(*operands))  # inside a user's shard_map: the blocks are given
+        explicit = sharding._explicit_axis_names(kv) | sharding._explicit_axis_names(q)
+        if explicit:
+            mesh = kv.sharding.mesh
+            factor_axes = sharding._explicit_factor_axes(q) if sharding._has_explicit_axes(q) \
+                else {f: () for f in sharding.SHARDABLE_FACTORS}
+            taken = [a for axes in factor_axes.values() for a in axes]
+            rows = row_axes(kv.sharding.spec, kv.shape[0], dict(mesh.shape), taken)
+            rows = rows if all(a in explicit for a in rows) else ()
+            if rows:
+                return _run_explicit(fn, operands, operand_layouts, result_layouts,
+                                     factor_axes, rows, mesh)
+        return plain(*operands)
+
+    return wrapped
