@@ -76,12 +76,14 @@ _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 def _softmax_parts(q, x, valid, sink, bias, scale):
     """Recomputes the forward's probabilities for a chunk of tokens, in f32.
 
-    Args: q ``[c, H, D]`` f32, x ``[c, K, D]`` f32 slot rows, valid ``[c, K]`` bool, sink ``[H]``,
-    bias ``[c, K]``, scale ``[c]``.
-    Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, o ``[c, H, D]``.
+    Args: q ``[c, H, D]`` and x ``[c, K, D]`` slot rows, both in the input dtype (16-bit products
+    are exact in the f32 accumulator, so the logits are those of an f32 product), valid ``[c, K]``
+    bool, sink ``[H]``, bias ``[c, K]``, scale ``[c]``.
+    Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, all f32.
     """
     q_scaled, up = reference.prescale_queries(q)
-    z = reference.scale_up(_einsum("thd,tkd->thk", q_scaled, x), up)
+    z = _einsum("thd,tkd->thk", q_scaled, x, preferred_element_type=jnp.float32)
+    z = reference.scale_up(z, up)
     s = reference.saturated_logits(z, valid[:, None, :], bias[:, None, :], scale[:, None, None])
     sink_wins = sink == jnp.inf  # that head's output is exactly 0
     sink_finite = jnp.where(sink_wins, 0.0, sink)  # -inf stays: exp(-inf - m) = 0
@@ -93,12 +95,11 @@ def _softmax_parts(q, x, valid, sink, bias, scale):
     live = jnp.any(valid, axis=-1)[:, None] & ~sink_wins[None, :]
     p = jnp.where(live[..., None], e / den[..., None], 0.0)
     p_sink = jnp.where(live, e_sink / den, 0.0)
-    o = _einsum("thk,tkd->thd", p, x)
-    return z, p, p_sink, o
+    return z, p, p_sink
 
 
 def _slots(indexed, src, idx, bias, live):
-    """Slot rows (f32) and validity for a chunk; ``live`` is False for padding tokens.
+    """Slot rows (in src's dtype) and validity for a chunk; ``live`` is False for padding tokens.
 
     Empty, masked and padding slots never read a row: their rows are zeros (a gather that fills
     out-of-range rows, or a select on the pre-gathered slots), so whatever the unselected rows
@@ -106,10 +107,10 @@ def _slots(indexed, src, idx, bias, live):
     """
     valid = (bias != -jnp.inf) & live[:, None]
     if not indexed:
-        return _zero_unselected(src, valid).astype(jnp.float32), valid, None
+        return _zero_unselected(src, valid), valid, None
     valid = valid & (idx >= 0) & (idx < src.shape[0])
     rows = jnp.where(valid, idx, src.shape[0])
-    return _gather_slots(src, rows).astype(jnp.float32), valid, rows
+    return _gather_slots(src, rows), valid, rows
 
 
 def _gather_slots(src, rows):
@@ -124,18 +125,20 @@ def _zero_unselected(g, valid):
 
 def _recompute(indexed, primal, live):
     """The forward's intermediates for a chunk (f32): q, slot rows x, validity, gather rows,
-    scale, and ``_softmax_parts``'s z, p, p_sink, o. ``primal``: the operands by name."""
-    q = primal["q"].astype(jnp.float32)
+    scale, and ``_softmax_parts``'s z, p, p_sink. ``primal``: the operands by name."""
+    q = primal["q"]
     x, valid, rows = _slots(indexed, primal["kv" if indexed else "g"], primal.get("idx"),
                             primal["bias"], live)
+    x = x.astype(q.dtype)
     scale = primal["scale"]
-    z, p, p_sink, o = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
-    return q, x, valid, rows, scale, z, p, p_sink, o
+    z, p, p_sink = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
+    return q.astype(jnp.float32), x.astype(jnp.float32), valid, rows, scale, z, p, p_sink
 
 
 def _tangent_chunk(indexed, active, primal, tangent, live):
     """Output tangent ``[c, H, D]`` (f32) for a chunk. ``primal``/``tangent``: dicts by name."""
-    q, x, valid, rows, scale, z, p, p_sink, o = _recompute(indexed, primal, live)
+    q, x, valid, rows, scale, z, p, p_sink = _recompute(indexed, primal, live)
+    o = _einsum("thk,tkd->thd", p, x)
 
     src_name = "kv" if indexed else "g"
     dx = None
@@ -165,17 +168,19 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
 
 def _cotangent_chunk(indexed, wanted, primal, ct, live):
     """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input."""
-    q, x, valid, rows, scale, z, p, p_sink, o = _recompute(indexed, primal, live)
+    q, x, valid, rows, scale, z, p, p_sink = _recompute(indexed, primal, live)
     ct = ct.astype(jnp.float32)
     u = _einsum("thd,tkd->thk", ct, x)
-    delta = jnp.sum(ct * o, axis=-1)
+    # delta = do . o = sum_j p_j (do . x_j): from u, without recomputing o (one product fewer)
+    delta = jnp.sum(p * u, axis=-1)
     dS = p * (u - delta[..., None])
     out = {}
     if "q" in wanted:
         out["q"] = scale[:, None, None] * _einsum("thk,tkd->thd", dS, x)
     if "g" in wanted or "kv" in wanted:
-        dx = _einsum("thk,thd->tkd", p, ct)
-        dx = dx + scale[:, None, None] * _einsum("thk,thd->tkd", dS, q)
+        # sum_h (p do + c dS q) as one product over 2H rows: [p | c dS]^T [do | q]
+        weights = jnp.concatenate([p, scale[:, None, None] * dS], axis=1)
+        dx = _einsum("thk,thd->tkd", weights, jnp.concatenate([ct, q], axis=1))
         if indexed:
             # Empty slots are out of range (rows == R) and dropped by the scatter.
             out["kv"] = (rows, dx)
