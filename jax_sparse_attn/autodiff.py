@@ -198,11 +198,26 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live):
 # --- chunking over tokens -----------------------------------------------------------------------
 
 
-def _chunk_size(q, num_slots):
+def _chunk_size(q, num_slots, budget=None):
+    """Tokens per chunk of the backward: its working set near ``budget`` bytes (default: the CPU's
+    ``reference.CHUNK_BYTES``)."""
     T, H, D = q.shape
     # f32 slot rows and their tangent/cotangent, four [H, K] f32 maps, four [H, D] f32 rows.
     per_token = 2 * num_slots * D * 4 + 4 * H * num_slots * 4 + 4 * H * D * 4
-    return int(max(1, min(T, reference.CHUNK_BYTES // max(per_token, 1))))
+    budget = reference.CHUNK_BYTES if budget is None else budget
+    return int(max(1, min(T, budget // max(per_token, 1))))
+
+
+def _over_chunks_per_platform(step, token_arrays, q, num_slots, carry):
+    """``_over_token_chunks`` with the CPU's chunk when lowering for CPU and one that follows the
+    device's memory on GPU / TPU (``reference.per_platform``)."""
+    cpu_chunk = _chunk_size(q, num_slots)
+    accelerator_chunk = _chunk_size(q, num_slots, reference.accelerator_chunk_bytes())
+    return reference.per_platform(
+        lambda a, c: _over_token_chunks(step, a, cpu_chunk, c),
+        lambda a, c: _over_token_chunks(step, a, accelerator_chunk, c),
+        token_arrays, carry,
+    )
 
 
 def _over_token_chunks(step, token_arrays, chunk: int, carry):
@@ -257,8 +272,7 @@ def _tangent(indexed, active, *operands):
         do = _tangent_chunk(indexed, active, {**p, **primal_shared}, {**t, **tangent_shared}, live)
         return carry, do
 
-    size = _chunk_size(q, primal["bias"].shape[1])
-    _, do = _over_token_chunks(step, (primal_token, tangent_token), size, ())
+    _, do = _over_chunks_per_platform(step, (primal_token, tangent_token), q, primal["bias"].shape[1], ())
     return (do.astype(q.dtype),)
 
 
@@ -281,8 +295,9 @@ def _cotangent(indexed, wanted, *operands):
         return dkv, out
 
     dkv = jnp.zeros(primal["kv"].shape, jnp.float32) if "kv" in wanted else ()
-    size = _chunk_size(primal["q"], primal["bias"].shape[1])
-    dkv, results = _over_token_chunks(step, (primal_token, ct), size, dkv)
+    dkv, results = _over_chunks_per_platform(
+        step, (primal_token, ct), primal["q"], primal["bias"].shape[1], dkv
+    )
     results = dict(results, kv=dkv)
     return tuple(results[n] for n in wanted)
 
