@@ -10,12 +10,16 @@ top-2048 of an 8192-row cache), and prints:
 - its accuracy: against an exact float64 attention with FlashMLA's acceptance bound, and against a
   float64 model of the bf16 arithmetic contract (``docs/contract.md``) in bf16 ulps.
 
-The demo exits with status 1 when an element falls outside FlashMLA's bound.
+The demo exits with status 1 when fewer than 99.9% of the elements are within one ulp of the
+contract's model (the project's own tolerance, ``docs/contract.md#tolerances``). FlashMLA's
+bound is reported, not enforced: at small K an output element near zero can exceed its 8e-4
+absolute part while still matching the contract.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -24,19 +28,25 @@ import numpy as np
 
 from . import bench, gathered_attn_idx
 
-# The cases of the README's performance table (the benchmark's default shapes).
+# The cases of the README's performance table (the benchmark's default shapes), by the demo's names.
 SHAPES = {
-    "decode": bench.SHAPES["decode"][0],
-    "decode-large-cache": bench.SHAPES["decode"][1],
-    "prefill": bench.SHAPES["prefill"][0],
+    name: dataclasses.replace(shape, name=name)
+    for name, shape in (("decode", bench.SHAPES["decode"][0]),
+                        ("decode-large-cache", bench.SHAPES["decode"][1]),
+                        ("prefill", bench.SHAPES["prefill"][0]))
 }
-DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
 IMPLEMENTATIONS = {"auto": None, "reference": "reference", "nki": "nki", "nki_emulated": "nki_emulated"}
 
 # FlashMLA's acceptance bound for a bf16 attention output against an fp32 reference (its sparse
 # tests): |out - exact| <= FLASHMLA_ABS_TOL + FLASHMLA_REL_TOL * |exact|. See docs/contract.md#tolerances.
 FLASHMLA_ABS_TOL = 8e-4
 FLASHMLA_REL_TOL = 3.01 / 128
+
+# The project's tolerance against the float64 model of the contract (docs/contract.md#tolerances):
+# 16-bit outputs within one ulp on at least this share of elements; f32 outputs within this relative
+# error of the largest output.
+MIN_WITHIN_ONE_ULP = 0.999
+MAX_REL_ERROR_F32 = 1e-5
 
 # Tokens checked against the float64 computations (evenly spaced; all of them when T is smaller).
 CHECKED_TOKENS = 16
@@ -62,14 +72,22 @@ def float64_attention(q, kv, idx, sink, scale):
     return out
 
 
+# What each path is called in the report.
+PATH_DESCRIPTIONS = {
+    "nki": "the NKI kernel on a NeuronCore",
+    "nki_emulated": "nki_emulated: the Neuron data path with the kernel run by the host NKI emulator",
+    "reference": "the jnp reference (jax_sparse_attn/reference.py)",
+}
+
+
 def implementation_that_ran(compiled_text: str, requested) -> str:
-    """Names the path in a compiled program: the NKI kernel's custom call, the emulator's host
-    callback, or neither (the jnp reference)."""
+    """The path in a compiled program: ``"nki"`` (the NKI kernel's custom call), ``"nki_emulated"``
+    (asked for, and the emulator's host callback is there) or ``"reference"`` (neither)."""
     if "AwsNeuronCustomNativeKernel" in compiled_text:
-        return "the NKI kernel on a NeuronCore"
+        return "nki"
     if requested == "nki_emulated" and "callback" in compiled_text:
-        return "nki_emulated: the Neuron data path with the kernel run by the host NKI emulator"
-    return "the jnp reference (jax_sparse_attn/reference.py)"
+        return "nki_emulated"
+    return "reference"
 
 
 def _parse_shape(text: str) -> bench.Shape:
@@ -83,19 +101,6 @@ def _parse_shape(text: str) -> bench.Shape:
     if min(T, H, D, K, R) < 1:
         raise argparse.ArgumentTypeError(f"--shape: every size must be at least 1; got {text!r}")
     return bench.Shape("custom", T, H, D, K, R)
-
-
-def make_inputs(shape: bench.Shape, dtype, seed: int = 0):
-    """Random operands: normal q, cache and sinks; uniform indices with the last eighth of each
-    token's slots empty (-1), as a context shorter than K would leave them."""
-    rng = np.random.default_rng(seed)
-    T, H, D, K, R = shape.T, shape.H, shape.D, shape.K, shape.R
-    q = rng.standard_normal((T, H, D), np.float32).astype(dtype)
-    kv = rng.standard_normal((R, D), np.float32).astype(dtype)
-    idx = rng.integers(0, R, (T, K)).astype(np.int32)
-    idx[:, K - K // 8 :] = -1
-    sink = rng.standard_normal(H).astype(np.float32)
-    return q, kv, idx, sink
 
 
 def main(argv=None) -> int:
@@ -113,21 +118,23 @@ def main(argv=None) -> int:
     p.add_argument("--shape", type=_parse_shape, default=SHAPES["decode"], metavar="NAME|T,H,D,K,R",
                    help=f"a case of the README's table ({', '.join(SHAPES)}) or five integers; "
                    "default: decode")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+    p.add_argument("--dtype", choices=list(bench.DTYPES), default="bf16",
                    help="dtype of q and the cache (the output has q's dtype); default: bf16")
-    p.add_argument("--rounds", type=int, default=10,
+    p.add_argument("--rounds", type=lambda v: max(1, int(v)), default=10,
                    help="timed rounds, each calling the op and the naive version once; default: 10")
     a = p.parse_args(argv)
-    shape, dtype = a.shape, DTYPES[a.dtype]
+    shape = a.shape
     implementation = IMPLEMENTATIONS[a.implementation]
     T, H, D, K, R = shape.T, shape.H, shape.D, shape.K, shape.R
 
-    q, kv, idx, sink = make_inputs(shape, dtype)
+    # The benchmark's operands: normal q, cache and sinks, uniform indices, the last few of each
+    # token's slots empty (-1).
+    args = bench._inputs(shape, bench.DTYPES[a.dtype])
+    q, kv, idx, sink = (np.asarray(x) for x in args)
     scale = D**-0.5
     op = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
         q, kv, idx, sink, scale=scale, implementation=implementation))
     naive = jax.jit(lambda q, kv, idx, sink: bench.naive_attention(q, kv, idx, sink, scale))
-    args = [jax.device_put(x) for x in (q, kv, idx, sink)]
     compiled = op.lower(*args).compile()
     ran = implementation_that_ran(compiled.as_text(), implementation)
     out = jax.block_until_ready(compiled(*args))
@@ -142,22 +149,23 @@ def main(argv=None) -> int:
 
     # The Neuron data path is bf16-only: it rounds f32 / f16 inputs to bf16 (docs/contract.md#arithmetic),
     # so its accuracy is judged against the exact attention of the rounded inputs.
-    on_neuron_path = "NKI" in ran or "nki_emulated" in ran
-    rounded = on_neuron_path and dtype is not ml_dtypes.bfloat16
+    rounded = ran in ("nki", "nki_emulated") and a.dtype != "bf16"
     q_seen, kv_seen = (x.astype(ml_dtypes.bfloat16) for x in (q, kv)) if rounded else (q, kv)
     pick = np.unique(np.linspace(0, T - 1, min(CHECKED_TOKENS, T)).astype(int))
     want = float64_attention(q_seen[pick], kv_seen, idx[pick], sink, scale)
     got = np.asarray(out, np.float64)[pick]
     err = np.abs(got - want)
     within = err <= FLASHMLA_ABS_TOL + FLASHMLA_REL_TOL * np.abs(want)
-    contract = bench.check_contract(out, q_seen, kv_seen, idx, sink, scale, tokens=CHECKED_TOKENS)
+    # On that path the result is bf16 cast to q's dtype: compared as the bf16 it was.
+    out_seen = np.asarray(out).astype(ml_dtypes.bfloat16) if rounded else out
+    contract = bench.check_contract(out_seen, q_seen, kv_seen, idx, sink, scale, tokens=CHECKED_TOKENS)
 
     print(f"jax-sparse-attn demo (jax {jax.__version__}, backend {jax.default_backend()}: "
           f"{jax.devices()[0].device_kind})")
     print(f"shape          : {shape.name}: q [{T}, {H}, {D}] "
-          f"{a.dtype}, kv [{R}, {D}] {a.dtype}, idx [{T}, {K}] int32 (1/8 of the slots empty), "
+          f"{a.dtype}, kv [{R}, {D}] {a.dtype}, idx [{T}, {K}] int32 ({int((idx < 0).sum(1).max())} of each token's slots empty), "
           f"sink [{H}] f32")
-    print(f"implementation : {ran}"
+    print(f"implementation : {PATH_DESCRIPTIONS[ran]}"
           + ("" if implementation is None else f" (asked for implementation={implementation!r})"))
     print(f"time           : {op_s * 1e3:.2f} ms per call (median of {a.rounds} rounds, jitted, "
           f"after warm-up); {shape.flops / op_s / 1e9:.1f} GFLOP/s")
@@ -173,13 +181,14 @@ def main(argv=None) -> int:
         print(f"                 ({a.dtype} inputs rounded to bf16 by the Neuron data path; both checks "
               "use the rounded inputs)")
     if "within_one_ulp" in contract:
-        print(f"vs contract    : {contract['within_one_ulp'] * 100:.2f}% of elements within 1 {a.dtype} "
+        print(f"vs contract    : {contract['within_one_ulp'] * 100:.2f}% of elements within 1 {'bf16' if rounded else a.dtype} "
               "ulp of a float64 model of the arithmetic contract (docs/contract.md#arithmetic)")
     else:
         print(f"vs contract    : max relative error {contract['max_rel_error']:.1e} against a float64 "
               "model of the contract (docs/contract.md#arithmetic)")
-    if not within.all():
-        print("FAILED: some elements are outside FlashMLA's bound")
+    if contract.get("within_one_ulp", 1.0) < MIN_WITHIN_ONE_ULP or \
+            contract.get("max_rel_error", 0.0) > MAX_REL_ERROR_F32:
+        print("FAILED: the output does not follow the arithmetic contract")
         return 1
     return 0
 

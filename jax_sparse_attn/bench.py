@@ -19,6 +19,9 @@ output against a float64 numpy model of the bf16 contract (fraction within one b
 long prefill (T=4096, K=2048, D=512, H=16 by default; the gathered slots alone would be 8 GiB),
 and checks a few output rows against the same tokens computed without chunking.
 
+``--plot PATH`` instead sweeps K and T (time, op against naive) and T (memory) and writes the charts
+as one PNG (``jax_sparse_attn/plots.py``; needs matplotlib, the ``plot`` extra).
+
 ``--model trn1|trn2|trn3`` reports the modelled (not measured) Trainium time of the NKI kernel
 instead, from the emulator's cost model (:mod:`jax_sparse_attn.bench_model`).
 
@@ -489,6 +492,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--check-tokens", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="PATH", help="also write every record and the environment")
+    p.add_argument("--plot", metavar="PATH", help="instead: sweep K and T (time) and T (memory), "
+                   "op against naive, and write the charts as one PNG (needs matplotlib; see plots.py)")
     p.add_argument("--model", choices=("trn1", "trn2", "trn3"),
                    help="instead of timing: the MODELLED Trainium time of the NKI kernel under the "
                    "emulator's cost model (see jax_sparse_attn/bench_model.py)")
@@ -498,6 +503,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .bench_model import run_model
 
         return run_model(a.model, a.shape, a.json)
+
+    if a.plot:
+        from . import plots  # matplotlib is optional: imported only for --plot
+
+        plots.pyplot()  # fails now, not after minutes of measuring, where matplotlib is missing
+        result = plots.sweep(quick=a.quick, implementation=a.implementation, dtype_name=a.dtype)
+        plots.write_png(result, a.plot)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=1)
+        print(f"# wrote {a.plot}")
+        return 0
 
     if a.memory_child:
         shape = dataclasses.replace(a.shape[0], name="memory") if a.shape else MEMORY_SHAPE

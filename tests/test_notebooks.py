@@ -56,7 +56,25 @@ def test_there_are_notebooks():
         "01_quickstart.ipynb",
         "02_flax_model.ipynb",
         "03_neuron_path.ipynb",
+        "04_performance.ipynb",
     ]
+
+
+def png_outputs(nb) -> int:
+    """Number of inline PNG images among the notebook's outputs."""
+    return sum("image/png" in out.get("data", {})
+               for cell in nb.cells if cell.cell_type == "code" for out in cell.get("outputs", []))
+
+
+# The figures each notebook shows (loss curve, rows selected per token; time against K and T,
+# memory against T): committed with their outputs, so they render where the notebook is read.
+FIGURES = {"02_flax_model": 2, "04_performance": 2}
+
+
+@pytest.mark.parametrize("name, count", sorted(FIGURES.items()))
+def test_committed_notebooks_show_their_figures(name, count):
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    assert png_outputs(nb) == count
 
 
 @pytest.mark.slow  # a kernel start and a whole notebook each: 10 to 20 s
@@ -73,6 +91,7 @@ def test_notebook_runs(notebook_path, tmp_path, monkeypatch):
         if out.get("output_type") == "error"
     ]
     assert not errors
+    assert png_outputs(nb) == FIGURES.get(notebook_path.stem, 0)
 
 
 if __name__ == "__main__":
