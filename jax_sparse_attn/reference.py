@@ -1,4 +1,5 @@
-"""The pure-jnp reference: the bf16 arithmetic contract (CONTRACT section 2), chunked over tokens.
+"""The pure-jnp reference: the bf16 arithmetic contract (docs/contract.md, "Arithmetic"),
+chunked over tokens.
 
 This is the default lowering of both primitives on every platform. It reproduces the Neuron
 kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
