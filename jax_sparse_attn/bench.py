@@ -189,18 +189,38 @@ def _square_gemm(flops: int, seed: int = 1):
     return jax.jit(jnp.matmul), (a, b), 2 * n**3
 
 
-def _time_rounds(fns: dict[str, tuple[Callable, tuple]], repeats: int, warmup: int) -> dict:
-    """Runs each function ``warmup`` times, then ``repeats`` interleaved rounds; seconds per call."""
+def _time_rounds(fns: dict[str, tuple[Callable, tuple]], repeats: int, warmup: int,
+                 cpu_times: Optional[dict] = None) -> dict:
+    """Runs each function ``warmup`` times, then ``repeats`` interleaved rounds; seconds per call.
+
+    ``cpu_times``, when given, is filled with the process's CPU seconds (all threads, user +
+    system) spent in each call: on a shared machine the wall time depends on what else runs,
+    while CPU time per call, and CPU time over wall time (the cores a call kept busy), do much
+    less.
+    """
     for fn, args in fns.values():
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
     times: dict[str, list[float]] = {k: [] for k in fns}
+    if cpu_times is not None:
+        cpu_times.update({k: [] for k in fns})
     for _ in range(repeats):
         for name, (fn, args) in fns.items():
+            cpu_start = time.process_time()
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - start)
+            if cpu_times is not None:
+                cpu_times[name].append(time.process_time() - cpu_start)
     return times
+
+
+def _load_average() -> Optional[list]:
+    """The 1, 5 and 15 minute load averages (Unix), or None."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def _implementation_arg(name: str) -> Optional[str]:
@@ -245,8 +265,11 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
     if gemm:
         gemm_fn, gemm_args, gemm_flops = _square_gemm(flops)
         fns["gemm_f32"] = (gemm_fn, gemm_args)
-    times = _time_rounds(fns, repeats, warmup)
+    load_before = _load_average()
+    cpu_times: dict = {}
+    times = _time_rounds(fns, repeats, warmup, cpu_times)
     med = {k: float(np.median(v)) for k, v in times.items()}
+    cpu_med = {k: float(np.median(v)) for k, v in cpu_times.items()}
     itemsize = np.dtype(dtype).itemsize
     rec = {
         "shape": dataclasses.asdict(shape),
@@ -260,6 +283,12 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         "op_gflops": flops / med["op"] / 1e9,
         "gather_gbytes_per_s": shape.T * shape.K * shape.D * itemsize / med["op"] / 1e9,
         "contract_check": check_contract(out, q, kv, idx, sink, scale),
+        # Contention: the load averages before and after the timed rounds (os.cpu_count() cores).
+        "load_average": {"before": load_before, "after": _load_average()},
+        "cpu_times_s": cpu_times,
+        "median_cpu_s": cpu_med,
+        # Cores each call kept busy on average (CPU seconds over wall seconds, medians).
+        "cores_busy": {k: cpu_med[k] / med[k] for k in med if med[k] > 0},
     }
     if naive:
         rec["naive_over_op"] = med["naive"] / med["op"]
@@ -270,6 +299,11 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         rec["gemm_f32_flops"] = gemm_flops
         rec["gemm_f32_gflops"] = gemm_flops / med["gemm_f32"] / 1e9
         rec["op_fraction_of_gemm_f32"] = rec["op_gflops"] / rec["gemm_f32_gflops"]
+        # The same ratio per CPU second: the work efficiency of the op against the GEMM, whatever
+        # number of cores each got. Equal to the wall-time ratio when both keep as many cores busy.
+        if cpu_med["op"] > 0 and cpu_med["gemm_f32"] > 0:
+            rec["op_fraction_of_gemm_f32_per_cpu_s"] = (
+                (flops / cpu_med["op"]) / (gemm_flops / cpu_med["gemm_f32"]))
     return rec
 
 
@@ -381,6 +415,12 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
         "rows_checked": len(pick),
         "rows_same_bits_as_unchunked": same,
         "contract_check": check_contract(out, q, kv, idx, sink, scale),
+        # Contention: the load averages before and after the timed rounds (os.cpu_count() cores).
+        "load_average": {"before": load_before, "after": _load_average()},
+        "cpu_times_s": cpu_times,
+        "median_cpu_s": cpu_med,
+        # Cores each call kept busy on average (CPU seconds over wall seconds, medians).
+        "cores_busy": {k: cpu_med[k] / med[k] for k in med if med[k] > 0},
     }
 
 
@@ -442,7 +482,8 @@ def _jaxlib_version() -> Optional[str]:
 
 def format_table(records: Sequence[dict]) -> str:
     head = (f"{'case':<14} {'shape':<34} {'impl':<10} {'op ms':>8} {'naive ms':>9} {'vs naive':>9} "
-            f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'gather GB/s':>11} {'ulp<=1':>7}")
+            f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'per CPU s':>9} {'cores op/GEMM':>13} "
+            f"{'gather GB/s':>11} {'ulp<=1':>7}")
     lines = [head, "-" * len(head)]
     for r in records:
         s = Shape(**r["shape"])
@@ -450,10 +491,16 @@ def format_table(records: Sequence[dict]) -> str:
         naive = f"{med['naive'] * 1e3:9.2f}" if "naive" in med else f"{'-':>9}"
         ratio = f"{r['naive_over_op']:8.2f}x" if "naive_over_op" in r else f"{'-':>9}"
         gemm = f"{r['op_fraction_of_gemm_f32']:11.2f}" if "op_fraction_of_gemm_f32" in r else f"{'-':>11}"
+        per_cpu = (f"{r['op_fraction_of_gemm_f32_per_cpu_s']:9.2f}"
+                   if "op_fraction_of_gemm_f32_per_cpu_s" in r else f"{'-':>9}")
+        cores = r.get("cores_busy", {})
+        busy = (f"{cores['op']:6.2f}/{cores['gemm_f32']:<6.2f}" if "gemm_f32" in cores
+                else f"{'-':>13}")
         check = r["contract_check"]
         ulp = f"{check['within_one_ulp']:7.4f}" if "within_one_ulp" in check else f"{check['max_rel_error']:7.1e}"
         lines.append(f"{s.name:<14} {s.describe():<34} {r['implementation']:<10} {med['op'] * 1e3:8.2f} "
-                     f"{naive} {ratio} {r['op_gflops']:8.1f} {gemm} {r['gather_gbytes_per_s']:11.2f} {ulp}")
+                     f"{naive} {ratio} {r['op_gflops']:8.1f} {gemm} {per_cpu} {busy} "
+                     f"{r['gather_gbytes_per_s']:11.2f} {ulp}")
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 and the command line runs end to end and writes its JSON."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,3 +41,10 @@ def test_command_line_writes_json(tmp_path, capsys):
     assert rec["naive_over_op"] > 0 and rec["op_fraction_of_gemm_f32"] > 0
     assert rec["contract_check"]["within_one_ulp"] >= 0.999
     assert result["environment"]["backend"] == jax.default_backend()
+    # CPU time per call is recorded next to wall time, and with it the load the run saw
+    assert len(rec["cpu_times_s"]["op"]) == len(rec["cpu_times_s"]["gemm_f32"]) == 2
+    assert all(t >= 0 for t in rec["cpu_times_s"]["op"])
+    assert set(rec["cores_busy"]) <= {"op", "naive", "gemm_f32"}
+    assert all(c >= 0 for c in rec["cores_busy"].values())
+    if hasattr(os, "getloadavg"):
+        assert len(rec["load_average"]["before"]) == len(rec["load_average"]["after"]) == 3
