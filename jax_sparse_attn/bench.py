@@ -415,12 +415,6 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
         "rows_checked": len(pick),
         "rows_same_bits_as_unchunked": same,
         "contract_check": check_contract(out, q, kv, idx, sink, scale),
-        # Contention: the load averages before and after the timed rounds (os.cpu_count() cores).
-        "load_average": {"before": load_before, "after": _load_average()},
-        "cpu_times_s": cpu_times,
-        "median_cpu_s": cpu_med,
-        # Cores each call kept busy on average (CPU seconds over wall seconds, medians).
-        "cores_busy": {k: cpu_med[k] / med[k] for k in med if med[k] > 0},
     }
 
 

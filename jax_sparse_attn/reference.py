@@ -38,6 +38,7 @@ when there is more than one chunk.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -51,6 +52,12 @@ from .constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
 # measured about twice as fast as one big batch (README, Performance), and it bounds the memory of a
 # long prefill (the gathered slots of T=4096, K=2048, D=512 alone would be 8 GiB).
 CHUNK_BYTES = 4 * 2**20
+
+# Independent token groups per step of the CPU's token loop (``_map_tokens``): XLA:CPU runs
+# independent operations concurrently, so each lane can keep one more core busy. Capped because a
+# lane's products get small (and each lane adds a chunk to the working set) while the machine's
+# GEMM baseline already uses every core.
+CPU_LANES = max(1, min(4, os.cpu_count() or 1))
 
 # Largest gather of all tokens' slots done up front, outside the token loop. Up to this size, and
 # when the cache is bigger than the slots, one gather beats the loop's copy of the cache's bits.
@@ -224,17 +231,50 @@ def _lse(any_valid, m, den, sink):
     return jnp.where(any_valid, lse, sink)
 
 
-def _map_tokens(fn, token_args, shared_args, chunk):
+def _map_tokens(fn, token_args, shared_args, chunk, lanes=1):
     """Applies per-token ``fn(*token_slices, *shared)`` over the leading token axis, ``chunk``
     tokens at a time (``lax.map``); one ``vmap`` when a single chunk covers every token.
 
-    Tokens are independent, so the chunk size never changes a result bit. Floating operands travel
-    through the loop as unsigned bit patterns and ``fn`` returns bits: XLA:CPU otherwise widens
-    every bf16 slice and update of the loop to f32, converting the whole output once per chunk.
+    ``lanes > 1`` (CPU): each step's chunk is split into that many groups of ``chunk // lanes``
+    tokens (at least 1) whose ops are traced separately, so the step holds independent gathers,
+    products and softmaxes; XLA:CPU's runtime runs independent operations of a program
+    concurrently on its thread pool, so the lanes keep several cores busy where one batched group
+    runs its elementwise work and small products on one. Tokens that do not fill a step run as
+    one group after the loop.
+
+    Tokens are independent, so neither the chunk size nor the lanes change a result bit. Floating
+    operands travel through the loop as unsigned bit patterns and ``fn`` returns bits: XLA:CPU
+    otherwise widens every bf16 slice and update of the loop to f32, converting the whole output
+    once per chunk.
     """
-    if chunk >= token_args[0].shape[0]:
-        return jax.vmap(lambda *a: fn(*a, *shared_args))(*token_args)
-    return jax.lax.map(lambda a: fn(*a, *shared_args), token_args, batch_size=chunk)
+    T = token_args[0].shape[0]
+    batched = jax.vmap(lambda *a: fn(*a, *shared_args))
+    lanes = max(1, min(lanes, T))
+    if lanes == 1:
+        if chunk >= T:
+            return batched(*token_args)
+        return jax.lax.map(lambda a: fn(*a, *shared_args), token_args, batch_size=chunk)
+
+    def concat(parts):
+        return jax.tree_util.tree_map(lambda *p: jnp.concatenate(p), *parts)
+
+    lane = max(1, min(chunk, T) // lanes)
+    step = lanes * lane
+
+    def in_lanes(args):  # args: ``step`` tokens
+        return concat([batched(*(a[i * lane:(i + 1) * lane] for a in args)) for i in range(lanes)])
+
+    n = T // step
+    main = n * step
+    if n == 1:
+        out = in_lanes(tuple(a[:main] for a in token_args))
+    else:
+        steps = tuple(a[:main].reshape((n, step) + a.shape[1:]) for a in token_args)
+        out = jax.lax.map(in_lanes, steps)
+        out = jax.tree_util.tree_map(lambda a: a.reshape((main,) + a.shape[2:]), out)
+    if main < T:
+        out = concat([out, batched(*(a[main:] for a in token_args))])
+    return out
 
 
 def _empty_result(q, sink):
@@ -257,12 +297,15 @@ def _attend_bits(dtype):
 
 def _gathered_chunks(q, g_bits, valid, sink, bias, scale, budget=None):
     """Runs the contract over slots that are already gathered, ``g_bits [T, K, D]`` as bits;
-    ``budget``: a chunk's working set in bytes (default: the CPU's ``CHUNK_BYTES``)."""
+    ``budget``: a chunk's working set in bytes (default: the CPU's ``CHUNK_BYTES``, with the CPU's
+    lanes)."""
     T, H, D = q.shape
     K = g_bits.shape[1]
     one = _attend_bits(q.dtype)
     chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget)
-    out_bits, lse = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
+    lanes = CPU_LANES if budget is None else 1
+    out_bits, lse = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk,
+                                lanes)
     return _from_bits(out_bits, q.dtype), lse
 
 
@@ -320,17 +363,18 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
         slot_bytes = T * K * D * itemsize
         if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
             return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
-        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, CHUNK_BYTES)
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, CHUNK_BYTES,
+                               CPU_LANES)
 
     def accelerator(q, kv_bits, rows, valid, sink, bias, scale):
         # Device memory, not caches, sets the chunk: one batched call when everything fits.
         budget = accelerator_chunk_bytes()
-        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget)
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, 1)
 
-    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget):
+    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, lanes):
         chunk = token_chunk_size(T, H, K, D, itemsize, budget)
         token_args = (_to_bits(q), rows, valid, bias, scale)
-        out_bits, lse = _map_tokens(one, token_args, (kv_bits, sink), chunk)
+        out_bits, lse = _map_tokens(one, token_args, (kv_bits, sink), chunk, lanes)
         return _from_bits(out_bits, dtype), lse
 
     return per_platform(cpu, accelerator, q, kv_bits, rows, valid, sink, bias, scale)
