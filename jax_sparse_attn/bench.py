@@ -526,6 +526,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
     p.add_argument("--no-gemm", action="store_true", help="skip the f32 GEMM baseline")
+    p.add_argument("--cpu-lanes", type=int, default=None,
+                   help="independent token groups per step of the reference's CPU token loop "
+                   f"(reference.CPU_LANES; default {reference.CPU_LANES} here): 1 measures the "
+                   "loop without them")
     p.add_argument("--grad", action="store_true",
                    help="time jax.grad with respect to q, kv and sink instead of the forward, "
                    f"against an f32 GEMM of {GRAD_FLOPS_FACTOR}x the forward's FLOPs")
@@ -563,7 +567,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens, a.grad)))
         return 0
 
+    if a.cpu_lanes is not None:
+        reference.CPU_LANES = max(1, a.cpu_lanes)  # read when the reference is traced
     env = environment()
+    env["cpu_lanes"] = reference.CPU_LANES
     print(f"# jax {env['jax']} on {env['backend']} ({env['device']}); "
           f"CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}", flush=True)
     result: dict = {"environment": env, "records": []}
