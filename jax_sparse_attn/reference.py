@@ -26,7 +26,9 @@ Rows with no valid slot are exactly 0. Work runs in token chunks (``lax.map``) w
 slots and logits stay within ``CHUNK_BYTES`` on CPU: small enough to stay in the CPU caches, and a
 bound on memory however many tokens there are. On GPU and TPU the budget follows the device's
 memory instead (``accelerator_chunk_bytes``): one batched call when everything fits. The choice is
-made when the program is lowered (``per_platform``). Chunking does not change a single bit, since every token
+made when the program is lowered (``per_platform``). On CPU each step of the loop holds
+``CPU_LANES`` independent groups of tokens, which XLA:CPU may run on several cores at once
+(``_map_tokens``). Neither chunking nor lanes change a single bit, since every token
 is computed independently (``tests/test_reference_chunking.py``).
 
 Memory beyond the inputs and the output, for ``gathered_attn_idx``: one chunk's working set, plus
