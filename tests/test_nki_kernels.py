@@ -759,3 +759,96 @@ def test_emulated_path_h200_k4096_d576(target):
     out = jsa.gathered_attn_idx(as_bf16(q), as_bf16(kv), idx, sink, bias=bias,
                                 implementation="nki_emulated")  # fmt: skip
     assert_matches_contract(np.asarray(out, np.float32), idx_model(q, kv, idx, sink, bias, D**-0.5))
+
+
+# --- the FP8 kernel (trn2, trn3): FP8 rows gathered and dequantised on chip -----------------------
+
+FP8_DTYPES = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+
+
+def fp8_kernel_inputs(rng, T, H, D, Kp, R, fp8, groups, poison=None):
+    """Operands of ``gathered_attn_idx_fp8_kernel`` and the case of the bf16 contract model on
+    ``kv_dequant = bf16(kv.astype(f32) * scale)``, computed here plainly in numpy. ``groups``
+    scales per row (1: per-row). ``poison``: written into the FP8 rows and the scales of every
+    row no valid slot selects (and of row 0)."""
+    ops, case = kernel_inputs(rng, T, H, D, Kp, R)
+    kv = (rng.standard_normal((R, D)) * 40).astype(fp8)
+    scale = rng.uniform(2.0**-9, 2.0**-4, (R, groups)).astype(np.float32)
+    full_scale = np.repeat(scale, D // groups, axis=1)
+    kv_dequant = bf16(kv.astype(np.float32) * full_scale)
+    sent = ops["idx"].transpose(0, 2, 1).reshape(T, Kp)  # back to [T, Kp]
+    valid = case["valid"]
+    rows = np.where(valid, sent, 0).astype(np.int64)
+    if poison is not None:
+        unused = np.ones(R, bool)
+        unused[rows[valid]] = False
+        unused[0] = not np.any(rows[valid] == 0)
+        kv[unused] = poison
+        scale[unused] = poison
+    x = np.where(valid[:, :, None], kv_dequant[rows], 0).astype(np.float32)
+    case = dict(case, x=x)
+    ops = dict(ops, kv=kv, kv_scale=scale, kv_dequant=kv_dequant.astype(BF16))
+    return ops, case
+
+
+def run_fp8_kernel(ops, target="trn2", **options):
+    return run_kernel("emulator", kernels.gathered_attn_idx_fp8_kernel, ops["q"], ops["kv"],
+                      ops["kv_scale"], ops["idx"], ops["bias"], ops["sink"], target=target,
+                      programs=PROGRAMS[target], **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize(
+    "T, H, D, Kp, R, groups, max_chunk",
+    [
+        pytest.param(2, 64, 128, 256, 300, 1, None, id="per-row"),
+        pytest.param(2, 16, 576, 384, 500, 576 // 64, None, id="groups-of-64-D576"),
+        pytest.param(2, 8, 256, 512, 200, 2, 128, id="groups-of-128-chunked"),
+    ],
+)
+def test_fp8_kernel_meets_the_contract_on_the_dequantised_cache(T, H, D, Kp, R, groups, max_chunk, fp8):
+    rng = np.random.default_rng(T + H + D + Kp + groups)
+    ops, case = fp8_kernel_inputs(rng, T, H, D, Kp, R, fp8, groups)
+    expected, expected_lse = contract_model(**case, with_lse=True)
+    options = {} if max_chunk is None else {"max_chunk": max_chunk}
+    out, lse = run_fp8_kernel(ops, **options)
+    assert_matches_contract(out.reshape(T * H, D), expected.reshape(T * H, D))
+    assert_lse_matches(lse, expected_lse, case["valid"])
+    # Once dequantised, the rows run the bf16 kernel's instructions: the same bits as that
+    # kernel on kv_dequant.
+    bf16_out, bf16_lse = run_kernel("emulator", kernels.gathered_attn_idx_kernel, ops["q"],
+                                    ops["kv_dequant"], ops["idx"], ops["bias"], ops["sink"],
+                                    programs=2, **options)  # fmt: skip
+    np.testing.assert_array_equal(out, bf16_out)
+    np.testing.assert_array_equal(lse, bf16_lse)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, 3e38])
+def test_fp8_kernel_never_reads_an_unselected_row_or_scale(poison):
+    T, H, D, Kp, R = 2, 16, 128, 256, 400
+    clean_ops, case = fp8_kernel_inputs(np.random.default_rng(5), T, H, D, Kp, R,
+                                        ml_dtypes.float8_e5m2, 2)  # fmt: skip
+    ops, _ = fp8_kernel_inputs(np.random.default_rng(5), T, H, D, Kp, R, ml_dtypes.float8_e5m2, 2,
+                               poison=poison)  # fmt: skip
+    assert not np.isfinite(ops["kv_scale"]).all() or poison == 3e38
+    clean, poisoned = run_fp8_kernel(clean_ops), run_fp8_kernel(ops)
+    np.testing.assert_array_equal(poisoned[0], clean[0])
+    np.testing.assert_array_equal(poisoned[1], clean[1])
+    assert_matches_contract(poisoned[0].reshape(T * H, D), contract_model(**case).reshape(T * H, D))
+
+
+def test_fp8_kernel_reads_half_the_row_bytes():
+    """The modelled DMA bytes of the gathered rows: one byte per element instead of two."""
+    from jax_sparse_attn.nki_emulator import simulate
+
+    T, H, D, Kp, R = 2, 16, 512, 512, 1000
+    ops, _ = fp8_kernel_inputs(np.random.default_rng(3), T, H, D, Kp, R, ml_dtypes.float8_e4m3fn, 1)
+    fp8_run = simulate(kernels.gathered_attn_idx_fp8_kernel, target="trn2", cost=True)[2]
+    fp8_run(ops["q"], ops["kv"], ops["kv_scale"], ops["idx"], ops["bias"], ops["sink"])
+    bf16_run = simulate(kernels.gathered_attn_idx_kernel, target="trn2", cost=True)[2]
+    bf16_run(ops["q"], ops["kv_dequant"], ops["idx"], ops["bias"], ops["sink"])
+    fp8_bytes = sum(p.cost.dma_bytes for p in fp8_run.last_run.programs)
+    bf16_bytes = sum(p.cost.dma_bytes for p in bf16_run.last_run.programs)
+    rows = int(np.sum(ops["idx"] != EMPTY_SLOT_INDEX))  # gathered rows; empty slots move nothing
+    # The bf16 kernel moves 2*D bytes per gathered row, the FP8 kernel D plus one f32 scale.
+    assert bf16_bytes - fp8_bytes == rows * (2 * D - D - 4)

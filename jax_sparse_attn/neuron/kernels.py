@@ -102,7 +102,7 @@ class SlotPlan:
 
 def sbuf_bytes_per_partition(
     heads: int, dim: int, slots: int, chunk: int | None = None, scores_in_sbuf: bool = True,
-    *, indexed: bool = True,
+    *, indexed: bool = True, fp8_scale_groups: int = 0,
 ) -> int:
     """SBUF bytes per partition that one token's live tiles occupy at their peak.
 
@@ -112,6 +112,8 @@ def sbuf_bytes_per_partition(
     holds a chunk's rows and their transpose (about ``4 * C * D / 128``) and its bias
     (``4 * C``), the second pass the rows, the bf16 probabilities and their transpose (about
     ``4 * C`` with 128 heads) and the output row. 57 KiB at Kp = C = 2048, D = 576, H = 128.
+    ``fp8_scale_groups`` (the FP8 kernel: ``n`` scales per row) adds the raw FP8 rows (one byte
+    per element) and their gathered f32 scales next to the dequantised bf16 rows.
     """
     chunk = slots if chunk is None else chunk
     chunks = _ceil_div(slots, chunk)
@@ -122,6 +124,8 @@ def sbuf_bytes_per_partition(
     token = q_transposed + BIAS_PREFIX_COLS * 4 + indices + columns
     token += slots * 4 if scores_in_sbuf else 0
     rows = k_tiles * dim * 2
+    if fp8_scale_groups:
+        rows += k_tiles * dim + k_tiles * fp8_scale_groups * 4
     spilled_chunk = 0 if scores_in_sbuf else chunk * 4
     first_pass = rows + d_tiles * chunk * 2 + chunk * 4 + MATMUL_MAX_N * 4 + spilled_chunk
     second_pass = (
@@ -133,7 +137,7 @@ def sbuf_bytes_per_partition(
 
 def plan_slots(
     heads: int, dim: int, slots: int, *, max_chunk: int | None = None, indexed: bool = True,
-    budget: int = SBUF_BYTES_PER_PARTITION,
+    budget: int = SBUF_BYTES_PER_PARTITION, fp8_scale_groups: int = 0,
 ) -> SlotPlan:
     """The largest slot chunk whose working set fits ``budget`` SBUF bytes per partition.
 
@@ -148,10 +152,12 @@ def plan_slots(
     for scores_in_sbuf in (True, False):
         for chunk in candidates:
             need = sbuf_bytes_per_partition(heads, dim, slots, chunk, scores_in_sbuf,
-                                            indexed=indexed)  # fmt: skip
+                                            indexed=indexed,
+                                            fp8_scale_groups=fp8_scale_groups)  # fmt: skip
             if need <= budget:
                 return SlotPlan(slots=slots, chunk=chunk, scores_in_sbuf=scores_in_sbuf)
-    smallest = sbuf_bytes_per_partition(heads, dim, slots, KERNEL_TILE, False, indexed=indexed)
+    smallest = sbuf_bytes_per_partition(heads, dim, slots, KERNEL_TILE, False, indexed=indexed,
+                                        fp8_scale_groups=fp8_scale_groups)  # fmt: skip
     raise ValueError(
         f"head dim D={dim} is too large for the NKI kernel: one 128-slot chunk of rows and its "
         f"transpose with {heads} heads need {smallest} bytes of SBUF per partition, more than "
@@ -212,6 +218,8 @@ class _Source:
     copy_engine: object
     clamp_engine: object
     value_shift: int  # the value product's guard: probabilities scaled by 2**-value_shift
+    row_scale: object = None  # FP8 kernel: kv_scale [R, n] f32 in HBM (kv is then FP8)
+    dequant_engine: object = None  # engines of the on-chip dequantisation, in turn
 
     @property
     def indexed(self) -> bool:
@@ -264,6 +272,8 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
     whose unselected rows the packing zeroed.
     """
     k_tiles, dim = width // KERNEL_TILE, src.dim
+    if src.row_scale is not None:
+        return _fetch_fp8_slot_rows(src, row_index, c0, width)
     rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     if not src.indexed:
         # Slot c0 + kc*128 + p of the token lands on partition p, tile kc.
@@ -289,6 +299,48 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
             ),
             oob_mode=nisa.oob_mode.skip,
         )
+    return rows
+
+
+def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
+    """FP8 cache: slots ``c0 .. c0 + width`` as dequantised ``[128 (slot), width/128, D]`` bf16.
+
+    Each 128-slot tile is two indirect DMAs with ``oob_mode=skip`` into zeroed tiles: the FP8 rows
+    (one byte per element: half the bytes of a bf16 cache) and their ``n`` f32 scales
+    (``kv_scale [R, n]``), so an empty slot reads neither and its row stays ``0 * 0 = 0``. Then one
+    ``tensor_scalar`` multiply per tile and scale group (``G = D / n`` columns by the ``[128, 1]``
+    scale column of that group): the engine computes in fp32 and rounds once to the bf16 dst
+    (nki.isa.tensor_scalar page, "Data types"), exactly ``(kv.astype(f32) * scale).astype(bf16)``.
+    """
+    k_tiles, dim = width // KERNEL_TILE, src.dim
+    groups = src.row_scale.shape[1]
+    group_width = dim // groups
+    raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
+    scales = nl.ndarray((KERNEL_TILE, k_tiles, groups), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=raw, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.memset(dst=scales, value=0.0, engine=nisa.engine.gpsimd)
+    first_tile = c0 // KERNEL_TILE
+    for kc in nl.static_range(k_tiles):
+        index = row_index[:, first_tile + kc : first_tile + kc + 1]
+        nisa.dma_copy(
+            dst=raw[:, kc, :],
+            src=src.slot_rows.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
+                                 vector_offset=index, indirect_dim=0),
+            oob_mode=nisa.oob_mode.skip,
+        )  # fmt: skip
+        nisa.dma_copy(
+            dst=scales[:, kc, :],
+            src=src.row_scale.ap(pattern=[[groups, KERNEL_TILE], [1, groups]], offset=0,
+                                 vector_offset=index, indirect_dim=0),
+            oob_mode=nisa.oob_mode.skip,
+        )  # fmt: skip
+    rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for kc in nl.static_range(k_tiles):
+        for g in nl.static_range(groups):
+            cols = slice(g * group_width, (g + 1) * group_width)
+            nisa.tensor_scalar(dst=rows[:, kc, cols], data=raw[:, kc, cols], op0=nl.multiply,
+                               operand0=scales[:, kc, g : g + 1],
+                               engine=getattr(nisa.engine, src.dequant_engine()))  # fmt: skip
     return rows
 
 
@@ -477,6 +529,8 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     # The body is compiled once (a hardware loop): every token must use the same engines, so the
     # round-robin choices restart here (the emulator runs the Python body once per token).
     src.copy_engine.next = src.clamp_engine.next = 0
+    if src.dequant_engine is not None:
+        src.dequant_engine.next = 0
     chunks = plan.chunks
     bounds = [(c * plan.chunk, min(plan.chunk, plan.slots - c * plan.chunk)) for c in range(chunks)]
 
@@ -588,18 +642,22 @@ COPY_ENGINES = ("scalar", "scalar", "scalar", "gpsimd")
 # Engines that clamp the multiplied-back dot products, in turn (tensor_scalar runs on Vector,
 # Scalar or GpSimd, nki.isa.tensor_scalar page).
 CLAMP_ENGINES = ("scalar", "vector")
+# Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd).
+DEQUANT_ENGINES = ("vector", "gpsimd", "scalar")
 
 
-def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk):
+def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk, kv_scale=None):
     indexed = idx is not None
     tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
+    scale_groups = 0 if kv_scale is None else kv_scale.shape[1]
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
     # of the logical core (n = 2 on trn2/trn3 by default, LNC=2); program p takes the p-th share
     # of the tokens. The form of AWS's nki-library kernels (nl.num_programs / nl.program_id).
     programs, program = nl.num_programs(), nl.program_id(0)
     assert tokens % programs == 0, f"T={tokens} must be a multiple of the {programs} programs"
     per_program = tokens // programs
-    plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, indexed=indexed)
+    plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, indexed=indexed,
+                      fp8_scale_groups=scale_groups)  # fmt: skip
     out = nl.ndarray((tokens, heads, dim), dtype=nl.bfloat16, buffer=nl.shared_hbm)
     lse = nl.ndarray((tokens, heads, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     scratch = None
@@ -614,7 +672,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     nisa.memset(dst=token, value=program * per_program)
     assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
     src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES),
-                  _Engines(CLAMP_ENGINES), value_shift)  # fmt: skip
+                  _Engines(CLAMP_ENGINES), value_shift, kv_scale,
+                  _Engines(DEQUANT_ENGINES) if kv_scale is not None else None)  # fmt: skip
     # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
     # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
     # release notes, known issues), so every access to a token's data goes through the counter
@@ -647,6 +706,29 @@ def gathered_attn_idx_kernel(q, kv, idx, bias, sink, value_shift=0, max_chunk=No
         f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
     )
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk)
+
+
+def gathered_attn_idx_fp8_kernel(q, kv, kv_scale, idx, bias, sink, value_shift=0, max_chunk=None):
+    """:func:`gathered_attn_idx_kernel` on an FP8 cache, dequantised on chip (trn2, trn3).
+
+    Args:
+      kv: ``[R, D]`` ``float8_e4m3fn`` or ``float8_e5m2`` (R > 0). kv_scale: ``[R, n]`` f32, ``n``
+        dividing D: row r's columns ``g*D/n .. (g+1)*D/n`` are scaled by ``kv_scale[r, g]``
+        (``n = 1``: one scale per row). The kernel computes on
+        ``(kv.astype(f32) * scale).astype(bf16)`` of the gathered slots only; the rows and
+        scales of empty slots are never read. Other arguments and the result as
+        :func:`gathered_attn_idx_kernel`.
+    """
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
+        f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
+    )
+    fp8_dtypes = (nl.float8_e4m3fn, nl.float8_e5m2)  # nki.language dtypes (nl is bound late)
+    assert kv.ndim == 2 and kv.dtype in fp8_dtypes, f"kv {kv.shape} {kv.dtype} must be FP8"
+    assert kv_scale.ndim == 2 and kv_scale.shape[0] == kv.shape[0] and kv.shape[1] % kv_scale.shape[1] == 0, (
+        f"kv_scale {kv_scale.shape} must be [R, n] = ({kv.shape[0]}, n), n dividing D={kv.shape[1]}"
+    )
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, kv_scale)
 
 
 def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None):
