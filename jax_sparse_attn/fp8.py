@@ -70,3 +70,13 @@ def gather_dequantized(kv, kv_scale, idx, dtype) -> jax.Array:
     s = kv_scale.at[rows].get(mode="fill", fill_value=0)  # [T, K, n]
     x = x.reshape(x.shape[:-1] + (groups, D // groups)) * s[..., None]
     return x.reshape(idx.shape + (D,)).astype(dtype)
+
+
+def kernel_reads_fp8() -> bool:
+    """Whether ``implementation="nki_emulated"`` runs the FP8 kernel, which reads the FP8 rows
+    itself: on the targets with indirect DMA (trn2, trn3; ``NEURON_PLATFORM_TARGET_OVERRIDE``).
+    On trn1 the slots are gathered and dequantised by XLA, as for the reference."""
+    from .constants import TARGETS_WITH_DGE
+    from .nki_emulator.targets import current_target
+
+    return current_target() in TARGETS_WITH_DGE

@@ -852,3 +852,103 @@ def test_fp8_kernel_reads_half_the_row_bytes():
     rows = int(np.sum(ops["idx"] != EMPTY_SLOT_INDEX))  # gathered rows; empty slots move nothing
     # The bf16 kernel moves 2*D bytes per gathered row, the FP8 kernel D plus one f32 scale.
     assert bf16_bytes - fp8_bytes == rows * (2 * D - D - 4)
+
+
+def fp8_api_case(rng, T, H, D, K, R, fp8, groups):
+    q, _, idx, bias, sink = api_inputs(rng, T, H, D, K, R)
+    kv = (rng.standard_normal((R, D)) * 40).astype(fp8)
+    kv_scale = rng.uniform(2.0**-9, 2.0**-4, (R, groups)).astype(np.float32)
+    if groups == 1:  # a per-row scale in its [R] form
+        kv_scale = kv_scale[:, 0]
+    kv_dequant = bf16(kv.astype(np.float32) * np.repeat(kv_scale.reshape(R, -1), D // groups, 1))
+    return q, kv, kv_scale, kv_dequant, idx, bias, sink
+
+
+def emulated_fp8_call(q, kv, kv_scale, idx, bias, sink, scale=0.1):
+    fn = jax.jit(lambda q, kv, s, idx, sink, bias: jsa.gathered_attn_idx(
+        q, kv, idx, sink, bias=bias, scale=scale, kv_scale=s, implementation="nki_emulated",
+        return_lse=True))  # fmt: skip
+    return fn(as_bf16(q), jnp.asarray(kv), jnp.asarray(kv_scale), jnp.asarray(idx),
+              jnp.asarray(sink), jnp.asarray(bias))  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8, groups", [(ml_dtypes.float8_e4m3fn, 1), (ml_dtypes.float8_e5m2, 4)],
+                         ids=["e4m3fn-per-row", "e5m2-groups-of-128"])  # fmt: skip
+def test_emulated_fp8_path_reads_fp8_rows_on_trn2(target, fp8, groups):
+    """nki_emulated on an FP8 cache: the op on kv_dequant (docs/contract.md model), every edge
+    rule kept; on trn2 the kernel itself reads the FP8 rows (half the row bytes of the same call
+    on the bf16 kv_dequant), on trn1 XLA dequantises the slots first (the same bytes as bf16)."""
+    from jax_sparse_attn import nki_emulator
+
+    T, H, D, K, R = 3, 16, 512, 200, 300
+    q, kv, kv_scale, kv_dequant, idx, bias, sink = fp8_api_case(
+        np.random.default_rng(70 + groups), T, H, D, K, R, fp8, groups)  # fmt: skip
+    bias[0, :2] = -np.inf
+    with nki_emulator.recording(cost=True) as rec:
+        out, lse = emulated_fp8_call(q, kv, kv_scale, idx, bias, sink)
+    expected, expected_lse = idx_model(q, kv_dequant, idx, sink, bias, 0.1, with_lse=True)
+    assert_matches_contract(np.asarray(out, np.float32), expected)
+    rows = ((idx >= 0) & (idx < R) & (bias != -np.inf)).any(axis=1)
+    np.testing.assert_allclose(np.asarray(lse)[rows], expected_lse[rows], rtol=2e-6, atol=1e-6)
+    with nki_emulator.recording(cost=True) as rec_bf16:
+        bf16_out = jsa.gathered_attn_idx(as_bf16(q), as_bf16(kv_dequant), jnp.asarray(idx),
+                                         jnp.asarray(sink), bias=jnp.asarray(bias), scale=0.1,
+                                         implementation="nki_emulated")  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(bf16_out, np.float32))
+
+    def dma_bytes(r):
+        return sum(p.cost.dma_bytes for run in r.runs for p in run.programs)
+
+    gathered = int(np.sum((idx >= 0) & (idx < R) & (bias != -np.inf)))
+    if target == "trn2":  # D bytes and n f32 scales per gathered row instead of 2 * D
+        assert dma_bytes(rec_bf16) - dma_bytes(rec) == gathered * (D - 4 * groups)
+    else:
+        assert dma_bytes(rec_bf16) == dma_bytes(rec)
+
+
+def test_emulated_fp8_path_never_reads_an_unselected_row_or_scale(target):
+    T, H, D, K, R = 2, 8, 256, 150, 400
+    q, kv, kv_scale, _, idx, bias, sink = fp8_api_case(np.random.default_rng(80), T, H, D, K, R,
+                                                       ml_dtypes.float8_e5m2, 2)  # fmt: skip
+    selected = np.zeros(R, bool)
+    selected[idx[(idx >= 0) & (idx < R)]] = True
+    poisoned_kv, poisoned_scale = kv.copy(), kv_scale.copy()
+    poisoned_kv[~selected] = np.nan
+    poisoned_scale[~selected] = np.inf
+    clean = emulated_fp8_call(q, kv, kv_scale, idx, bias, sink)
+    poisoned = emulated_fp8_call(q, poisoned_kv, poisoned_scale, idx, bias, sink)
+    for a, b in zip(clean, poisoned):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_emulated_fp8_path_gradient_and_vmap():
+    """Gradients of q and the sink through the FP8 kernel path equal those of the op on
+    kv_dequant; vmap over sequences with their own caches runs the kernel per sequence."""
+    T, H, D, K, R = 2, 8, 128, 64, 100
+    q, kv, kv_scale, kv_dequant, idx, bias, sink = fp8_api_case(
+        np.random.default_rng(90), T, H, D, K, R, ml_dtypes.float8_e4m3fn, 1)  # fmt: skip
+    w = np.random.default_rng(91).standard_normal(q.shape).astype(np.float32)
+
+    def loss(q, sink, kv, kv_scale, implementation):
+        out = jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, kv_scale=kv_scale,
+                                    implementation=implementation)  # fmt: skip
+        return jnp.sum(out.astype(jnp.float32) * w)
+
+    dq, dsink = jax.grad(loss, argnums=(0, 1))(as_bf16(q), jnp.asarray(sink), jnp.asarray(kv),
+                                               jnp.asarray(kv_scale), "nki_emulated")  # fmt: skip
+    dq0, dsink0 = jax.grad(lambda q, s: jnp.sum(jsa.gathered_attn_idx(
+        q, as_bf16(kv_dequant), idx, s, bias=bias, implementation="reference").astype(jnp.float32) * w),
+        argnums=(0, 1))(as_bf16(q), jnp.asarray(sink))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(dq, np.float32), np.asarray(dq0, np.float32))
+    np.testing.assert_array_equal(np.asarray(dsink), np.asarray(dsink0))
+
+    batched = jax.vmap(lambda q, kv, s: jsa.gathered_attn_idx(
+        q, kv, idx, sink, bias=bias, kv_scale=s, implementation="nki_emulated"))(
+        jnp.stack([as_bf16(q)] * 2), jnp.stack([jnp.asarray(kv), jnp.asarray(kv)[::-1]]),
+        jnp.stack([jnp.asarray(kv_scale), jnp.asarray(kv_scale)[::-1]]))  # fmt: skip
+    single = jsa.gathered_attn_idx(as_bf16(q), jnp.asarray(kv)[::-1], idx, sink, bias=bias,
+                                   kv_scale=jnp.asarray(kv_scale)[::-1],
+                                   implementation="nki_emulated")  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(batched[1], np.float32), np.asarray(single, np.float32))
+    assert_matches_contract(np.asarray(batched[0], np.float32),
+                            idx_model(q, kv_dequant, idx, sink, bias, D**-0.5))  # fmt: skip
