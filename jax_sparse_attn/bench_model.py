@@ -108,19 +108,21 @@ def _model_call(target: str, T: int, H: int, D: int, K: int, R: int, kv_dtype: s
         raise RuntimeError("the call launched no kernel under the emulator")
     per_engine = dict.fromkeys(ENGINES, 0.0)
     modelled = 0.0
-    dma_bytes = 0
+    dma_bytes = hbm_bytes = 0
     for run in rec.runs:  # launches run one after another; programs of one launch in parallel
         costs = [p.cost for p in run.programs]
         modelled += max(c.modelled_us for c in costs)
         for e in ENGINES:
             per_engine[e] += max(c.engine_us[e] for c in costs)
         dma_bytes += sum(c.dma_bytes for c in costs)
+        hbm_bytes += sum(c.hbm_bytes for c in costs)
     return {
         "modelled_us": modelled,
         "per_engine_us": per_engine,
         "instructions": max(r.compiled_instructions_per_program for r in rec.runs),
         "instructions_executed": sum(r.instructions for r in rec.runs),
         "dma_bytes": dma_bytes,
+        "hbm_bytes": hbm_bytes,
         "launches": len(rec.runs),
         "grid": max(r.grid for r in rec.runs),
     }
@@ -158,8 +160,9 @@ def _scale(small: dict, large: dict, p: int, T: int) -> dict:
     out["per_engine_us"] = {
         e: lin(small["per_engine_us"][e], large["per_engine_us"][e]) for e in small["per_engine_us"]
     }
-    for key in ("instructions", "instructions_executed", "dma_bytes", "launches"):
-        out[key] = int(round(lin(small[key], large[key])))
+    for key in ("instructions", "instructions_executed", "dma_bytes", "hbm_bytes", "launches"):
+        if key in small:
+            out[key] = int(round(lin(small[key], large[key])))
     return out
 
 
@@ -198,6 +201,7 @@ def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int 
         "busiest_engine": busiest,
         "per_engine_us": fig["per_engine_us"],
         "dma_bytes": fig["dma_bytes"],
+        "hbm_bytes": fig["hbm_bytes"],
         "launches": fig["launches"],
         "grid": fig["grid"],
         "scaled_from_tokens": scaled_from,

@@ -769,8 +769,8 @@ FP8_DTYPES = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
 def fp8_kernel_inputs(rng, T, H, D, Kp, R, fp8, groups, poison=None):
     """Operands of ``gathered_attn_idx_fp8_kernel`` and the case of the bf16 contract model on
     ``kv_dequant = bf16(kv.astype(f32) * scale)``, computed here plainly in numpy. ``groups``
-    scales per row (1: per-row). ``poison``: written into the FP8 rows and the scales of every
-    row no valid slot selects (and of row 0)."""
+    scales per row (1: per-row), sent per slot as the interface says (0 for an empty slot).
+    ``poison``: written into the FP8 rows of every row no valid slot selects (and of row 0)."""
     ops, case = kernel_inputs(rng, T, H, D, Kp, R)
     kv = (rng.standard_normal((R, D)) * 40).astype(fp8)
     scale = rng.uniform(2.0**-9, 2.0**-4, (R, groups)).astype(np.float32)
@@ -784,16 +784,19 @@ def fp8_kernel_inputs(rng, T, H, D, Kp, R, fp8, groups, poison=None):
         unused[rows[valid]] = False
         unused[0] = not np.any(rows[valid] == 0)
         kv[unused] = poison
-        scale[unused] = poison
     x = np.where(valid[:, :, None], kv_dequant[rows], 0).astype(np.float32)
     case = dict(case, x=x)
-    ops = dict(ops, kv=kv, kv_scale=scale, kv_dequant=kv_dequant.astype(BF16))
+    slot_scale = np.where(valid[:, :, None], scale[rows], 0).astype(np.float32)  # [T, Kp, n]
+    # [T, 128, Kp/128 * n]: slot kc*128 + p's group g at [t, p, kc*n + g].
+    slot_scale = slot_scale.reshape(T, Kp // 128, 128, groups).transpose(0, 2, 1, 3)
+    ops = dict(ops, kv=kv, slot_scale=np.ascontiguousarray(slot_scale.reshape(T, 128, -1)),
+               kv_dequant=kv_dequant.astype(BF16))  # fmt: skip
     return ops, case
 
 
 def run_fp8_kernel(ops, target="trn2", **options):
     return run_kernel("emulator", kernels.gathered_attn_idx_fp8_kernel, ops["q"], ops["kv"],
-                      ops["kv_scale"], ops["idx"], ops["bias"], ops["sink"], target=target,
+                      ops["slot_scale"], ops["idx"], ops["bias"], ops["sink"], target=target,
                       programs=PROGRAMS[target], **options)  # fmt: skip
 
 
@@ -824,13 +827,13 @@ def test_fp8_kernel_meets_the_contract_on_the_dequantised_cache(T, H, D, Kp, R, 
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf, 3e38])
-def test_fp8_kernel_never_reads_an_unselected_row_or_scale(poison):
+def test_fp8_kernel_never_reads_an_unselected_row(poison):
     T, H, D, Kp, R = 2, 16, 128, 256, 400
     clean_ops, case = fp8_kernel_inputs(np.random.default_rng(5), T, H, D, Kp, R,
                                         ml_dtypes.float8_e5m2, 2)  # fmt: skip
     ops, _ = fp8_kernel_inputs(np.random.default_rng(5), T, H, D, Kp, R, ml_dtypes.float8_e5m2, 2,
                                poison=poison)  # fmt: skip
-    assert not np.isfinite(ops["kv_scale"]).all() or poison == 3e38
+    assert not np.isfinite(ops["kv"].astype(np.float32)).all() or poison == 3e38
     clean, poisoned = run_fp8_kernel(clean_ops), run_fp8_kernel(ops)
     np.testing.assert_array_equal(poisoned[0], clean[0])
     np.testing.assert_array_equal(poisoned[1], clean[1])
@@ -838,20 +841,21 @@ def test_fp8_kernel_never_reads_an_unselected_row_or_scale(poison):
 
 
 def test_fp8_kernel_reads_half_the_row_bytes():
-    """The modelled DMA bytes of the gathered rows: one byte per element instead of two."""
+    """The HBM bytes of the gathered rows in the cost model: one byte per element instead of two
+    (plus the token's f32 scales, one DMA per token)."""
     from jax_sparse_attn.nki_emulator import simulate
 
     T, H, D, Kp, R = 2, 16, 512, 512, 1000
     ops, _ = fp8_kernel_inputs(np.random.default_rng(3), T, H, D, Kp, R, ml_dtypes.float8_e4m3fn, 1)
     fp8_run = simulate(kernels.gathered_attn_idx_fp8_kernel, target="trn2", cost=True)[2]
-    fp8_run(ops["q"], ops["kv"], ops["kv_scale"], ops["idx"], ops["bias"], ops["sink"])
+    fp8_run(ops["q"], ops["kv"], ops["slot_scale"], ops["idx"], ops["bias"], ops["sink"])
     bf16_run = simulate(kernels.gathered_attn_idx_kernel, target="trn2", cost=True)[2]
     bf16_run(ops["q"], ops["kv_dequant"], ops["idx"], ops["bias"], ops["sink"])
-    fp8_bytes = sum(p.cost.dma_bytes for p in fp8_run.last_run.programs)
-    bf16_bytes = sum(p.cost.dma_bytes for p in bf16_run.last_run.programs)
+    fp8_bytes = sum(p.cost.hbm_bytes for p in fp8_run.last_run.programs)
+    bf16_bytes = sum(p.cost.hbm_bytes for p in bf16_run.last_run.programs)
     rows = int(np.sum(ops["idx"] != EMPTY_SLOT_INDEX))  # gathered rows; empty slots move nothing
-    # The bf16 kernel moves 2*D bytes per gathered row, the FP8 kernel D plus one f32 scale.
-    assert bf16_bytes - fp8_bytes == rows * (2 * D - D - 4)
+    # The bf16 kernel reads 2*D bytes per gathered row, the FP8 kernel D; and T*Kp f32 scales.
+    assert bf16_bytes - fp8_bytes == rows * D - T * Kp * 4
 
 
 def fp8_api_case(rng, T, H, D, K, R, fp8, groups):
@@ -897,11 +901,12 @@ def test_emulated_fp8_path_reads_fp8_rows_on_trn2(target, fp8, groups):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(bf16_out, np.float32))
 
     def dma_bytes(r):
-        return sum(p.cost.dma_bytes for run in r.runs for p in run.programs)
+        return sum(p.cost.hbm_bytes for run in r.runs for p in run.programs)
 
     gathered = int(np.sum((idx >= 0) & (idx < R) & (bias != -np.inf)))
-    if target == "trn2":  # D bytes and n f32 scales per gathered row instead of 2 * D
-        assert dma_bytes(rec_bf16) - dma_bytes(rec) == gathered * (D - 4 * groups)
+    if target == "trn2":  # HBM: D bytes per gathered row instead of 2 * D, plus the slots' scales
+        Kp, Tp = -(-K // 128) * 128, -(-T // 2) * 2  # tokens padded to the 2 programs
+        assert dma_bytes(rec_bf16) - dma_bytes(rec) == gathered * D - Tp * Kp * 4 * groups
     else:
         assert dma_bytes(rec_bf16) == dma_bytes(rec)
 

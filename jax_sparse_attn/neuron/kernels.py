@@ -113,7 +113,7 @@ def sbuf_bytes_per_partition(
     (``4 * C``), the second pass the rows, the bf16 probabilities and their transpose (about
     ``4 * C`` with 128 heads) and the output row. 57 KiB at Kp = C = 2048, D = 576, H = 128.
     ``fp8_scale_groups`` (the FP8 kernel: ``n`` scales per row) adds the raw FP8 rows (one byte
-    per element) and their gathered f32 scales next to the dequantised bf16 rows.
+    per element) next to the dequantised bf16 rows, the FP8 zero tile and the token's f32 scales.
     """
     chunk = slots if chunk is None else chunk
     chunks = _ceil_div(slots, chunk)
@@ -124,8 +124,9 @@ def sbuf_bytes_per_partition(
     token = q_transposed + BIAS_PREFIX_COLS * 4 + indices + columns
     token += slots * 4 if scores_in_sbuf else 0
     rows = k_tiles * dim * 2
-    if fp8_scale_groups:
-        rows += k_tiles * dim + k_tiles * fp8_scale_groups * 4
+    if fp8_scale_groups:  # the raw FP8 rows; the zero tile and the token's scales
+        rows += k_tiles * dim
+        token += k_tiles * dim + 4 * fp8_scale_groups * (slots // KERNEL_TILE)
     spilled_chunk = 0 if scores_in_sbuf else chunk * 4
     first_pass = rows + d_tiles * chunk * 2 + chunk * 4 + MATMUL_MAX_N * 4 + spilled_chunk
     second_pass = (
@@ -218,8 +219,11 @@ class _Source:
     copy_engine: object
     clamp_engine: object
     value_shift: int  # the value product's guard: probabilities scaled by 2**-value_shift
-    row_scale: object = None  # FP8 kernel: kv_scale [R, n] f32 in HBM (kv is then FP8)
+    row_scale: object = None  # FP8 kernel: the slots' scales [T, 128, Kp/128 * n] f32 in HBM
     dequant_engine: object = None  # engines of the on-chip dequantisation, in turn
+    scale_groups: int = 0  # FP8 kernel: scales per row (n)
+    fp8_zeros: object = None  # FP8 kernel: a zero FP8 tile [128, C/128, D], set once per program
+    token_scales: object = None  # FP8 kernel: this token's scales [128, Kp/128 * n] f32 (SBUF)
 
     @property
     def indexed(self) -> bool:
@@ -305,41 +309,38 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
 def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     """FP8 cache: slots ``c0 .. c0 + width`` as dequantised ``[128 (slot), width/128, D]`` bf16.
 
-    Each 128-slot tile is two indirect DMAs with ``oob_mode=skip`` into zeroed tiles: the FP8 rows
-    (one byte per element: half the bytes of a bf16 cache) and their ``n`` f32 scales
-    (``kv_scale [R, n]``), so an empty slot reads neither and its row stays ``0 * 0 = 0``. Then one
-    ``tensor_scalar`` multiply per tile and scale group (``G = D / n`` columns by the ``[128, 1]``
-    scale column of that group): the engine computes in fp32 and rounds once to the bf16 dst
-    (nki.isa.tensor_scalar page, "Data types"), exactly ``(kv.astype(f32) * scale).astype(bf16)``.
+    Each 128-slot tile is one indirect DMA of FP8 rows (one byte per element: half the HBM bytes
+    of a bf16 cache) with ``oob_mode=skip`` into a zeroed tile, so an empty slot reads nothing
+    and its row stays 0. The tile is zeroed by a DMA from a zero tile set once per program
+    (``src.fp8_zeros``): a memset of FP8 costs ``N`` cycles, not the ``N/2`` of a bf16 zero (ISA
+    memset page, "Estimated instruction cost"), and the DMA queues carry what the halved row
+    bytes freed. Then one ``tensor_scalar`` multiply per tile and scale group (``G = D / n``
+    columns by the ``[128, 1]`` scale column of that slot tile and group, from the token's
+    scales, ``src.token_scales``, zero for an empty slot): the engine computes in fp32 and rounds
+    once to the bf16 dst (nki.isa.tensor_scalar page, "Data types"), exactly
+    ``(kv.astype(f32) * scale).astype(bf16)``.
     """
     k_tiles, dim = width // KERNEL_TILE, src.dim
-    groups = src.row_scale.shape[1]
+    groups = src.scale_groups
     group_width = dim // groups
     raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
-    scales = nl.ndarray((KERNEL_TILE, k_tiles, groups), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=raw, value=0.0, engine=nisa.engine.gpsimd)
-    nisa.memset(dst=scales, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.dma_copy(dst=raw, src=src.fp8_zeros[:, 0:k_tiles, :])
     first_tile = c0 // KERNEL_TILE
     for kc in nl.static_range(k_tiles):
-        index = row_index[:, first_tile + kc : first_tile + kc + 1]
         nisa.dma_copy(
             dst=raw[:, kc, :],
             src=src.slot_rows.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
-                                 vector_offset=index, indirect_dim=0),
-            oob_mode=nisa.oob_mode.skip,
-        )  # fmt: skip
-        nisa.dma_copy(
-            dst=scales[:, kc, :],
-            src=src.row_scale.ap(pattern=[[groups, KERNEL_TILE], [1, groups]], offset=0,
-                                 vector_offset=index, indirect_dim=0),
+                                 vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
+                                 indirect_dim=0),
             oob_mode=nisa.oob_mode.skip,
         )  # fmt: skip
     rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     for kc in nl.static_range(k_tiles):
         for g in nl.static_range(groups):
             cols = slice(g * group_width, (g + 1) * group_width)
+            column = (first_tile + kc) * groups + g
             nisa.tensor_scalar(dst=rows[:, kc, cols], data=raw[:, kc, cols], op0=nl.multiply,
-                               operand0=scales[:, kc, g : g + 1],
+                               operand0=src.token_scales[:, column : column + 1],
                                engine=getattr(nisa.engine, src.dequant_engine()))  # fmt: skip
     return rows
 
@@ -541,6 +542,12 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         k_all = plan.slots // KERNEL_TILE
         row_index = nl.ndarray((KERNEL_TILE, k_all), dtype=nl.uint32, buffer=nl.sbuf)
         nisa.dma_copy(dst=row_index, src=src.token_rows(src.idx, KERNEL_TILE, k_all))
+        if src.row_scale is not None:
+            # The scales of the token's slots in one DMA, laid out as the indices (zero for an
+            # empty slot: the packing gathers them without reading a row no slot selects).
+            n = k_all * src.scale_groups
+            src.token_scales = nl.ndarray((KERNEL_TILE, n), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=src.token_scales, src=src.token_rows(src.row_scale, KERNEL_TILE, n))
 
     # Pass 1: logits and their max (the max runs over the slots only, never the sink).
     scores = None
@@ -642,14 +649,16 @@ COPY_ENGINES = ("scalar", "scalar", "scalar", "gpsimd")
 # Engines that clamp the multiplied-back dot products, in turn (tensor_scalar runs on Vector,
 # Scalar or GpSimd, nki.isa.tensor_scalar page).
 CLAMP_ENGINES = ("scalar", "vector")
-# Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd).
-DEQUANT_ENGINES = ("vector", "gpsimd", "scalar")
+# Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd). Weighted
+# towards GpSimd, which the FP8 kernel frees of the rows' memset (9 : 4 : 3 in 16; chosen under the
+# cost model at decode, K=2048, H=128, where the other engines already carry more).
+DEQUANT_ENGINES = ("gpsimd", "vector", "gpsimd", "scalar") * 3 + ("gpsimd", "vector", "gpsimd", "gpsimd")
 
 
-def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk, kv_scale=None):
+def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk,
+                             slot_scale=None, scale_groups=0):  # fmt: skip
     indexed = idx is not None
     tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
-    scale_groups = 0 if kv_scale is None else kv_scale.shape[1]
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
     # of the logical core (n = 2 on trn2/trn3 by default, LNC=2); program p takes the p-th share
     # of the tokens. The form of AWS's nki-library kernels (nl.num_programs / nl.program_id).
@@ -672,8 +681,13 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     nisa.memset(dst=token, value=program * per_program)
     assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
     src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES),
-                  _Engines(CLAMP_ENGINES), value_shift, kv_scale,
-                  _Engines(DEQUANT_ENGINES) if kv_scale is not None else None)  # fmt: skip
+                  _Engines(CLAMP_ENGINES), value_shift, slot_scale,
+                  _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
+                  scale_groups)  # fmt: skip
+    if slot_scale is not None:
+        src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
+                                   dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip
+        nisa.memset(dst=src.fp8_zeros, value=0.0, engine=nisa.engine.gpsimd)
     # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
     # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
     # release notes, known issues), so every access to a token's data goes through the counter
@@ -708,27 +722,32 @@ def gathered_attn_idx_kernel(q, kv, idx, bias, sink, value_shift=0, max_chunk=No
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk)
 
 
-def gathered_attn_idx_fp8_kernel(q, kv, kv_scale, idx, bias, sink, value_shift=0, max_chunk=None):
+def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift=0, max_chunk=None):
     """:func:`gathered_attn_idx_kernel` on an FP8 cache, dequantised on chip (trn2, trn3).
 
     Args:
-      kv: ``[R, D]`` ``float8_e4m3fn`` or ``float8_e5m2`` (R > 0). kv_scale: ``[R, n]`` f32, ``n``
-        dividing D: row r's columns ``g*D/n .. (g+1)*D/n`` are scaled by ``kv_scale[r, g]``
-        (``n = 1``: one scale per row). The kernel computes on
-        ``(kv.astype(f32) * scale).astype(bf16)`` of the gathered slots only; the rows and
-        scales of empty slots are never read. Other arguments and the result as
-        :func:`gathered_attn_idx_kernel`.
+      kv: ``[R, D]`` ``float8_e4m3fn`` or ``float8_e5m2`` (R > 0).
+      slot_scale: ``[T, 128, Kp/128 * n]`` f32, laid out as ``idx``: ``slot_scale[t, p, kc*n + g]``
+        scales columns ``g*D/n .. (g+1)*D/n`` of the row of slot ``kc*128 + p`` (``n`` dividing
+        D; ``n = 1``: one scale per row); 0 for an empty slot. The kernel computes on
+        ``(kv.astype(f32) * scale).astype(bf16)`` of the gathered rows only; the row of an empty
+        slot is never read. Other arguments and the result as :func:`gathered_attn_idx_kernel`.
     """
     slots = bias.shape[1] - BIAS_PREFIX_COLS
-    assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
+    k_tiles = slots // KERNEL_TILE
+    assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
         f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
     )
     fp8_dtypes = (nl.float8_e4m3fn, nl.float8_e5m2)  # nki.language dtypes (nl is bound late)
     assert kv.ndim == 2 and kv.dtype in fp8_dtypes, f"kv {kv.shape} {kv.dtype} must be FP8"
-    assert kv_scale.ndim == 2 and kv_scale.shape[0] == kv.shape[0] and kv.shape[1] % kv_scale.shape[1] == 0, (
-        f"kv_scale {kv_scale.shape} must be [R, n] = ({kv.shape[0]}, n), n dividing D={kv.shape[1]}"
-    )
-    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, kv_scale)
+    groups = slot_scale.shape[2] // k_tiles if slot_scale.ndim == 3 else 0
+    assert (slot_scale.ndim == 3 and tuple(slot_scale.shape[:2]) == tuple(idx.shape[:2])
+            and groups > 0 and slot_scale.shape[2] == k_tiles * groups
+            and kv.shape[1] % groups == 0), (
+        f"slot_scale {slot_scale.shape} must be [T, 128, Kp/128 * n] with n dividing D={kv.shape[1]}"
+    )  # fmt: skip
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
+                                    groups)  # fmt: skip
 
 
 def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None):

@@ -131,8 +131,8 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
 
 def _kernel_args(packed: PackedOperands, group: int) -> tuple:
     """Arguments of one kernel call, in the kernel's order."""
-    if packed.kv_scale is not None:
-        return (packed.q_groups[group], packed.slot_rows, packed.kv_scale, packed.idx,
+    if packed.slot_scale is not None:
+        return (packed.q_groups[group], packed.slot_rows, packed.slot_scale, packed.idx,
                 packed.bias, packed.sink_groups[group])
     if packed.idx is not None:
         return (packed.q_groups[group], packed.slot_rows, packed.idx, packed.bias,
@@ -217,8 +217,8 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
     arrays = [packed.q_groups, packed.slot_rows, packed.bias, packed.sink_groups]
     if packed.idx is not None:
         arrays.insert(2, packed.idx)
-    if packed.kv_scale is not None:
-        arrays.insert(2, packed.kv_scale)
+    if packed.slot_scale is not None:
+        arrays.insert(2, packed.slot_scale)
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
     packed_result = jax.pure_callback(

@@ -265,6 +265,7 @@ class CostRecord:
     engine_us: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINES, 0.0))
     by_instruction: dict[str, list] = field(default_factory=dict)  # instr -> [count, us]
     dma_bytes: int = 0
+    hbm_bytes: int = 0  # of dma_bytes, those read from or written to HBM (at the HBM side's dtype)
 
     @property
     def hw(self) -> Hardware:
@@ -344,6 +345,9 @@ class CostRecord:
         if dynamic and not indirect_rows and nc_version >= 3:
             ns += HWDGE_NS / HWDGE_INSTANCES
         self.dma_bytes += nbytes
+        for side in (src, dst):
+            if not _on_chip(side):
+                self.hbm_bytes += elements * np.dtype(side.dtype).itemsize
         self._charge(instr, "dma", ns / 1e3)
         if indirect_rows or (dynamic and nc_version < 3):
             descriptors = indirect_rows or chunks
@@ -357,7 +361,15 @@ class CostRecord:
             "busiest_engine": self.busiest_engine,
             "per_engine_us": dict(self.engine_us),
             "dma_bytes": self.dma_bytes,
+            "hbm_bytes": self.hbm_bytes,
         }
+
+
+def _on_chip(x: Any) -> bool:
+    """Whether a DMA side lives in SBUF/PSUM (access patterns are on HBM tensors only)."""
+    from ._core import AccessPattern
+
+    return not isinstance(x, AccessPattern) and x.buffer.on_chip
 
 
 def _chunks(x: Any, shape: tuple) -> int:
