@@ -19,6 +19,10 @@ PSUM_BANKS = 8
 # instruction at different base partitions hit compiler error NCC_IBIR297.
 BIAS_PREFIX_COLS = 16
 SCALE_COL = 0
+# Columns UP_COLS of the prefix carry the two f32 powers of two whose product multiplies the
+# kernel's dot products back after the packing scaled q down (the dot products' overflow guard,
+# docs/contract.md, ``reference.prescale_queries``).
+UP_COLS = (1, 2)
 
 # The logit saturation rule (docs/contract.md, "Overflow and NaN"): a slot's scaled dot product is
 # clamped to [-LOGIT_LIMIT, LOGIT_LIMIT] before the bias is added, so a real slot's logit always lies
@@ -55,35 +59,25 @@ def value_shift(num_slots: int, dtype="bfloat16") -> int:
         return 0
     return max(int(num_slots) - 1, 0).bit_length() + 1
 
-# The logit saturation rule (docs/contract.md): an fp32 dot product that overflowed is clamped to
-# +-FLT_MAX, then ``a * scale`` is clamped to +-LOGIT_LIMIT before the bias is added. A real slot's
-# logit then stays in [-2e29, FLT_MAX], strictly above an empty slot's EMPTY_LOGIT, and is never
-# +-inf or NaN for finite inputs. LOGIT_LIMIT equals -BIAS_FLOOR.
-FLT_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
-LOGIT_LIMIT = 1e29
-
 # Index sent to the indexed kernel for an empty or padding slot: out of range of every cache (the
 # kernel's indices are uint32 and a cache has at most MAX_ROWS rows), so the kernel's indirect DMA
 # skips it (``oob_mode=skip``, nki.isa.dma_copy page) and the slot's row stays the zeros the kernel
 # wrote there. No slot ever reads a cache row it does not select.
 EMPTY_SLOT_INDEX = 2**32 - 1
 
-# Largest cache the int32 kernel indices can address.
+# Largest cache the kernel's indices can address (int32 indices of the primitives).
 MAX_ROWS = 2**31 - 1
 
 # --- NKI kernel geometry (used by the kernels, the Neuron packing and the tests) -----------------
 
-# Slots and head-dim columns travel in tiles of PARTITIONS rows: the kernel requires D and K to be
-# multiples of this (the packing pads both).
+# Slots and head-dim columns travel in tiles of PARTITIONS rows: the kernel requires K to be a
+# multiple of this (the packing pads it); D is split into blocks of at most this many columns.
 KERNEL_TILE = PARTITIONS
 # Largest free size of one nc_matmul moving operand / one fp32 PSUM tile: the score matmul covers at
 # most this many slots per instruction, the value accumulator at most this many head-dim columns.
 MATMUL_MAX_N = PSUM_BANK_FP32
 # At most this many query heads per kernel call: they sit on the partitions of the score tile.
 MAX_HEADS_PER_CALL = PARTITIONS
-# dma_transpose writes 2-byte elements at 32-byte aligned destination offsets: the transposed q
-# tile pads its head axis to a multiple of this many bf16 elements.
-DMA_TRANSPOSE_ALIGN_ELEMS = 16
 # SBUF bytes per partition: 24 MiB / 128 on NeuronCore-v2 (trn1; nki/guides/architecture/
 # trainium_inferentia2_arch.rst), 28 MiB / 128 on v3 (trn2; trainium2_arch.rst), 32 MiB / 128 on v4
 # (trn3; trainium3_arch.rst). The kernels size their slot chunks for the smallest (trn1), so one

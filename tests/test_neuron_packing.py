@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_sparse_attn.constants import BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL
+from jax_sparse_attn.constants import BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL, UP_COLS
 from jax_sparse_attn.neuron import packing
 
 BF16 = ml_dtypes.bfloat16
@@ -66,25 +66,34 @@ def _check_common(packed, layout, q, sink, bias, scale, valid):
     np.testing.assert_array_equal(q_groups[:, T:].astype(np.float32), 0)  # padding tokens
     sink_groups = np.asarray(packed.sink_groups)
     assert sink_groups.shape == (G, Hg, 1) and sink_groups.dtype == np.float32
+    packed_bias = np.asarray(packed.bias)
+    # The dot products' overflow guard (docs/contract.md): q[t] scaled down by 2**k, k the smallest
+    # with max |q[t]| * 2**-k < 1 / (2 D) (k >= 0); the kernel multiplies back by up1 * up2 = 2**k.
+    up = packed_bias[:T, UP_COLS[0]].astype(np.float64) * packed_bias[:T, UP_COLS[1]]
+    for t in range(T):
+        top = np.abs(to_bf16(q[t]).astype(np.float64)).max()
+        k = int(np.log2(up[t]))
+        assert up[t] == 2.0**k and k >= 0
+        assert top / up[t] < 1 / (2 * D) and (k == 0 or top / up[t] * 2 >= 1 / (4 * D))
     for g in range(G):
         for h in range(Hg):
             head = g * Hg + h
             for t in range(T):
                 row = q_groups[g, t, h].astype(np.float32)
                 if head < H:
-                    np.testing.assert_array_equal(row[:D], to_bf16(q[t, head]).astype(np.float32))
+                    scaled = (to_bf16(q[t, head]).astype(np.float64) / up[t]).astype(np.float32)
+                    np.testing.assert_array_equal(row[:D], scaled)
                 else:
                     np.testing.assert_array_equal(row[:D], 0)
                 np.testing.assert_array_equal(row[D:], 0)
             expected_sink = sink[head] if head < H else -np.inf
             assert sink_groups[g, h, 0] == expected_sink
 
-    packed_bias = np.asarray(packed.bias)
     assert packed_bias.shape == (Tp, BIAS_PREFIX_COLS + Kp) and packed_bias.dtype == np.float32
     np.testing.assert_array_equal(packed_bias[T:, BIAS_PREFIX_COLS:], np.float32(EMPTY_LOGIT))
     for t in range(T):
         assert packed_bias[t, SCALE_COL] == scale[t]
-        others = [c for c in range(BIAS_PREFIX_COLS) if c != SCALE_COL]
+        others = [c for c in range(BIAS_PREFIX_COLS) if c not in (SCALE_COL, *UP_COLS)]
         np.testing.assert_array_equal(packed_bias[t, others], 0)
         for j in range(Kp):
             expected = bias[t, j] if j < K and valid[t, j] else EMPTY_LOGIT
@@ -219,7 +228,8 @@ def test_unpack_reassembles_heads_crops_and_zeroes_empty_rows(T, H, D, programs,
 
 
 def test_pack_then_unpack_of_q_is_the_bf16_query():
-    """Feeding the packed q back as if it were the kernel's output recovers bf16(q)."""
+    """Feeding the packed q, multiplied back by its guard's factors, as if it were the kernel's
+    output recovers bf16(q)."""
     rng = np.random.default_rng(3)
     T, H, D, K = 3, 257, 100, 5
     q, sink, bias, scale = _inputs(rng, T, H, D, K)
@@ -229,9 +239,9 @@ def test_pack_then_unpack_of_q_is_the_bf16_query():
     def round_trip(q, g, sink, bias, scale):
         packed, layout = packing.pack_for_kernel(q, g, sink, bias, scale)
         lse = jnp.zeros(packed.q_groups.shape[:3] + (1,), jnp.float32)
-        return packing.unpack_from_kernel(
-            packed.q_groups, lse, layout, packed.row_has_slot, sink, q.dtype
-        )[0]
+        up = packed.bias[:, UP_COLS[0]] * packed.bias[:, UP_COLS[1]]
+        q_back = (packed.q_groups.astype(jnp.float32) * up[None, :, None, None]).astype(jnp.bfloat16)
+        return packing.unpack_from_kernel(q_back, lse, layout, packed.row_has_slot, sink, q.dtype)[0]
 
     out = round_trip(q, g, sink, bias, scale)
     np.testing.assert_array_equal(np.asarray(out), to_bf16(q).astype(np.float32))

@@ -1,46 +1,48 @@
 """NKI kernels (NKI >= 0.3) for top-k sparse attention with per-head sinks.
 
-Three kernels share one body (docs/neuron-kernel.md describes the interface, the variants and
-the instruction pattern); they differ in how q and a token's slot rows reach SBUF:
+Two kernels share one body (docs/neuron-kernel.md describes the interface, the variants per
+target, the launch and the instruction pattern); they differ in how a token's slot rows reach SBUF:
 
-- ``gathered_attn_idx_kernel(q2, kv, idx, bias, sink)`` (trn2, trn3): the kernel gathers the rows
-  of the cache ``kv [R, D]`` itself, one indirect DMA per 128 slots driven by ``idx [T, Kp]``
-  uint32, with ``oob_mode=skip`` into a zeroed tile: an empty or padding slot carries an index
-  outside the cache and reads nothing (nki.isa.dma_copy page, "oob_mode"). q is transposed by
-  ``dma_transpose``.
-- ``gathered_attn_kernel(q2, g2, bias, sink)`` (trn2, trn3): the slots are pre-gathered in HBM,
-  ``g2 [T*Kp, D]`` with row ``t*Kp + j`` and every empty or padding slot's row zero (the packing
-  writes those zeros); each 128-slot tile is one plain DMA. q by ``dma_transpose``.
-- ``gathered_attn_trn1_kernel(q2, g2, bias, sink)`` (every target, the one for trn1): as the
-  pre-gathered kernel, but q is transposed on the TensorEngine, so it needs neither
-  ``dma_transpose`` nor indirect DMA, which the NKI docs give for NeuronCore-v3 and later only.
+- ``gathered_attn_idx_kernel(q, kv, idx, bias, sink)`` (trn2, trn3): the kernel gathers the rows
+  of the cache ``kv [R, D]`` itself, one indirect DMA per 128 slots driven by
+  ``idx [T, 128, Kp/128]`` uint32, with ``oob_mode=skip`` into a zeroed tile: an empty or padding
+  slot carries an index outside the cache and reads nothing (nki.isa.dma_copy page, "oob_mode").
+- ``gathered_attn_kernel(q, g, bias, sink)`` (every target; the one for trn1, which has no
+  indirect DMA): the slots are pre-gathered, ``g [T, Kp, D]``, every empty or padding slot's row
+  zero (the packing writes those zeros); one plain DMA per chunk of slots.
 
 Common interface::
 
-    q2    [T*H, D]          bf16   query rows, row t*H + h
+    q     [T, H, D]         bf16   queries (H <= 128, any D)
     bias  [T, 16 + Kp]      f32    column SCALE_COL (0) = softmax scale of token t,
+                                   columns UP_COLS (1, 2) = two powers of two whose product
+                                   multiplies the dot products back (q arrives scaled down),
                                    columns BIAS_PREFIX_COLS (16).. = per-slot logit bias;
                                    an empty slot has bias EMPTY_LOGIT (-1e30)
     sink  [H, 1]            f32    per-head sink logit (-inf = none, +inf = zero output)
-    ->    out [T*H, D] bf16 and lse [T*H, 1] f32, both in shared HBM
+    ->    out [T, H, D] bf16 and lse [T, H, 1] f32, both in shared HBM
 
 ``lse = m + log(den)``: the slot max and the fp32 denominator (sink term included) of the softmax.
-Requirements: ``D % 128 == 0``, ``Kp % 128 == 0``, ``H <= 128``, ``R > 0``. A row whose slots are
-all empty has no meaningful output or lse (the packing overwrites both).
+Requirements: ``Kp % 128 == 0``, ``H <= 128``, ``R > 0``, ``T`` a multiple of the launch grid. A
+row whose slots are all empty has no meaningful output or lse (the packing overwrites both).
+
+Launch: ``kernel[n]``, one SPMD program per physical core of the logical core (``n = 2`` on trn2
+and trn3 by default); program p takes the p-th share of the tokens and runs them in a hardware
+loop (``nl.dynamic_range``), so the compiled program does not grow with T.
 
 Per token (one pass when the token's slots fit in SBUF, else a pass per chunk of slots for the
 logits and their max, then a second pass for exp and the values, so the arithmetic is the same):
 
-1. q rows of the token transposed into ``qT [128 (d), D/128, H]``;
+1. q rows of the token, transposed on the PE into ``qT [128 (d), D/128, H]``;
 2. per chunk: the slot rows ``[128 (slot), C/128, D]`` (plain or indirect DMA), transposed on the
    PE into ``[128 (d), D/128, C]``; logits by ``nc_matmul`` accumulating over the D/128 chunks into
    PSUM ``[H, <=512]``; the logit saturation rule (docs/contract.md) and the bias on the way to
    SBUF; the chunk max;
-3. ``activation(exp, bias=-max)`` per chunk with an add-reduction into the fp32 denominator, plus
-   ``exp(sink - max)``;
-4. probabilities rounded to bf16 and transposed into ``[128 (slot), C/128, H]``; values by
-   ``nc_matmul`` accumulating over all slot tiles into PSUM ``[H, <=512]`` per 512-column block of
-   D (one fp32 PSUM bank each), multiplied by ``1 / den`` into a bf16 row; lse; store.
+3. ``activation(exp, bias=-max)`` per chunk, written as bf16 probabilities, with an add-reduction
+   of the fp32 values into the denominator, plus ``exp(sink - max)``;
+4. the probabilities transposed into ``[128 (slot), C/128, H]``; values by ``nc_matmul``
+   accumulating over all slot tiles in PSUM (``[H, <=512]`` per 512 columns of D, or ``out.T`` per
+   128 columns when H is small), multiplied by ``1 / den`` into a bf16 row; lse; store.
 
 The raw functions below are plain Python: ``nki.jit`` is applied where they are called on Neuron
 (:mod:`jax_sparse_attn.neuron.lowering`), the project's emulator and ``nki.simulate`` take them as
@@ -58,10 +60,12 @@ from ..constants import (
     LOGIT_LIMIT,
     MATMUL_MAX_N,
     MAX_HEADS_PER_CALL,
+    PSUM_BANK_FP32,
     PSUM_BANKS,
     SBUF_BYTES_PER_PARTITION,
     SCALE_COL,
     TARGETS_WITH_DGE,
+    UP_COLS,
 )
 
 try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
@@ -206,6 +210,8 @@ class _Source:
     slots: int
     token: object  # [1, 1] int32 SBUF: the token this iteration computes
     copy_engine: object
+    clamp_engine: object
+    value_shift: int  # the value product's guard: probabilities scaled by 2**-value_shift
 
     @property
     def indexed(self) -> bool:
@@ -323,15 +329,19 @@ def _bias_row(src: _Source, c0: int, width: int, with_prefix: bool):
     return row
 
 
-def _chunk_logits(src: _Source, q_t, rows_t, scale_col, bias_heads, width: int, dst):
+def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst):
     """Logits of a chunk of ``width`` slots into ``dst [H, width]`` f32 (SBUF).
 
     ``q . x`` accumulates in fp32 PSUM over the D/128 chunks, at most 512 slots per matmul (one
-    PSUM bank). Then the saturation rule of docs/contract.md, in fp32: ``a`` clamped to
-    ``+-FLT_MAX`` (an overflowed accumulator is +-inf), ``a * scale`` clamped to
-    ``+-LOGIT_LIMIT``, plus the bias (``bias_heads [H, width]``). The scale never touches bf16 q.
-    The three steps run on the Scalar, GpSimd and Vector engines, which share the load.
+    PSUM bank); q arrives scaled down by a power of two so that no partial sum can overflow
+    (docs/contract.md, "Overflow guards"). Then in fp32: the sum multiplied back by that power of
+    two (the two factors of ``prefix[:, UP_COLS]``) and clamped to ``+-FLT_MAX``; ``a * scale``
+    clamped to ``+-LOGIT_LIMIT``; plus the bias (``bias_heads [H, width]``): the saturation rule.
+    The scale never touches bf16 q. The steps run on the Scalar, GpSimd and Vector engines, which
+    share the load.
     """
+    scale_col = prefix[:, SCALE_COL : SCALE_COL + 1]
+    up1, up2 = (prefix[:, c : c + 1] for c in UP_COLS)
     heads = src.heads
     score_psum = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.psum)
     saturated = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.sbuf)
@@ -347,8 +357,13 @@ def _chunk_logits(src: _Source, q_t, rows_t, scale_col, bias_heads, width: int, 
             )
         nisa.tensor_scalar(
             dst=saturated[:, 0:n], data=score_psum[:, 0:n],
-            op0=nl.maximum, operand0=-FLT_MAX, op1=nl.minimum, operand1=FLT_MAX,
+            op0=nl.multiply, operand0=up1, op1=nl.multiply, operand1=up2,
             engine=nisa.engine.scalar,
+        )  # fmt: skip
+        nisa.tensor_scalar(
+            dst=saturated[:, 0:n], data=saturated[:, 0:n],
+            op0=nl.maximum, operand0=-FLT_MAX, op1=nl.minimum, operand1=FLT_MAX,
+            engine=getattr(nisa.engine, src.clamp_engine()),
         )  # fmt: skip
         nisa.tensor_scalar(
             dst=saturated[:, 0:n], data=saturated[:, 0:n],
@@ -374,14 +389,94 @@ def _transposed_probs(src: _Source, probs_bf16, width: int):
             nisa.nc_transpose(
                 dst=psum[:, i, :], data=probs_bf16[:, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE]
             )
-        nisa.tensor_copy(dst=probs_t[:, k0 : k0 + n, :], src=psum[:, 0:n, :],
-                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        # The value product's overflow guard: probabilities enter it scaled by 2**-value_shift
+        # (exact: a power of two), on the way out of PSUM at the cost of the copy.
+        nisa.tensor_scalar(dst=probs_t[:, k0 : k0 + n, :], data=psum[:, 0:n, :],
+                           op0=nl.multiply, operand0=2.0**-src.value_shift,
+                           engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
     return probs_t
+
+
+@dataclasses.dataclass(frozen=True)
+class _ValueUnit:
+    """One PSUM accumulator of the value product and the output columns it holds.
+
+    ``transposed=False``: ``[H, <=512]`` holding columns ``blocks[0] = (d0, n)`` of ``out``
+    (stationary the probabilities ``[128 (slot), H]``, moving the rows' columns). ``True``:
+    ``[128, len(blocks), H]`` holding ``out.T`` for the 128-column blocks ``blocks`` (stationary
+    the rows' columns, moving the probabilities): cheaper when H is small, since a matmul costs
+    ``max(min(64, stationary columns), moving columns)`` cycles (nki.isa.nc_matmul, "Estimated
+    instruction cost", as docs/nki-emulator.md quotes it).
+    """
+
+    transposed: bool
+    blocks: tuple
+    psum_shape: tuple
+
+
+def _value_units(heads: int, dim: int, slots: int):
+    """The value accumulators for H heads and D columns, in the arrangement with fewer PE
+    cycles per token (each arrangement's cycles from the nc_matmul and nc_transpose costs)."""
+    k_tiles = slots // KERNEL_TILE
+    plain = [(v0, min(MATMUL_MAX_N, dim - v0)) for v0 in range(0, dim, MATMUL_MAX_N)]
+    plain_cycles = k_tiles * sum(max(min(64, heads), n) for _, n in plain)
+    chunks = [(d0, dw) for _, d0, dw in _d_chunks(dim)]
+    transposed_cycles = sum(
+        k_tiles * max(min(64, dw), heads) + max(dw, min(64, heads)) for _, dw in chunks
+    )
+    if transposed_cycles >= plain_cycles:
+        return [_ValueUnit(False, (b,), (heads, MATMUL_MAX_N)) for b in plain]
+    per_bank = max(1, (PSUM_BANK_FP32 // heads))  # [128, n, H] fp32 within one 2 KiB bank
+    return [
+        _ValueUnit(True, tuple(chunks[i : i + per_bank]),
+                   (KERNEL_TILE, len(chunks[i : i + per_bank]), heads))
+        for i in range(0, len(chunks), per_bank)
+    ]  # fmt: skip
+
+
+def _value_matmul(unit: _ValueUnit, acc, probs_tile, rows_tile, accumulate: bool):
+    """Adds one 128-slot tile's contribution to the accumulator ``acc`` of ``unit``."""
+    if not unit.transposed:
+        d0, n = unit.blocks[0]
+        nisa.nc_matmul(dst=acc[:, 0:n], stationary=probs_tile, moving=rows_tile[:, d0 : d0 + n],
+                       accumulate=accumulate)  # fmt: skip
+        return
+    for j, (d0, dw) in enumerate(unit.blocks):
+        nisa.nc_matmul(dst=acc[0:dw, j, :], stationary=rows_tile[:, d0 : d0 + dw],
+                       moving=probs_tile, accumulate=accumulate)  # fmt: skip
+
+
+def _value_epilogue(src: _Source, unit: _ValueUnit, acc, inv_denominator, out_rows):
+    """``out_rows[:, columns] = bf16(value * (1 / den))`` for the columns of ``unit``.
+
+    A transposed accumulator ``[d, H]`` goes to SBUF and back through a PE transpose (fp32,
+    bit-exact from NeuronCore-v3, nki.isa.nc_transpose page) so that ``1 / den`` is a
+    per-partition column again; one rounding to bf16 either way.
+    """
+    heads = src.heads
+    if not unit.transposed:
+        d0, n = unit.blocks[0]
+        nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + n], data=acc[:, 0:n], op0=nl.multiply,
+                           operand0=inv_denominator, op1=nl.multiply,
+                           operand1=2.0**src.value_shift)  # fmt: skip
+        return
+    values_t = nl.ndarray((KERNEL_TILE, heads), dtype=nl.float32, buffer=nl.sbuf)
+    values_psum = nl.ndarray((heads, KERNEL_TILE), dtype=nl.float32, buffer=nl.psum)
+    for j, (d0, dw) in enumerate(unit.blocks):
+        nisa.tensor_copy(dst=values_t[0:dw, :], src=acc[0:dw, j, :],
+                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        nisa.nc_transpose(dst=values_psum[:, 0:dw], data=values_t[0:dw, :])
+        nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + dw], data=values_psum[:, 0:dw],
+                           op0=nl.multiply, operand0=inv_denominator, op1=nl.multiply,
+                           operand1=2.0**src.value_shift)  # fmt: skip
 
 
 def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch):
     """Computes ``out[token]`` and ``lse[token]`` (module docstring, steps 1-4)."""
     heads, dim = src.heads, src.dim
+    # The body is compiled once (a hardware loop): every token must use the same engines, so the
+    # round-robin choices restart here (the emulator runs the Python body once per token).
+    src.copy_engine.next = src.clamp_engine.next = 0
     chunks = plan.chunks
     bounds = [(c * plan.chunk, min(plan.chunk, plan.slots - c * plan.chunk)) for c in range(chunks)]
 
@@ -399,7 +494,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         scores = nl.ndarray((heads, plan.slots), dtype=nl.float32, buffer=nl.sbuf)
     chunk_max = nl.ndarray((heads, chunks), dtype=nl.float32, buffer=nl.sbuf)
     rows = None
-    scale_col = None
+    prefix = None
     for c, (c0, width) in enumerate(bounds):
         # The bias row (with the scale in front for the first chunk), broadcast to the H head
         # partitions: both operands of an instruction then start at partition 0 (two SBUF
@@ -407,7 +502,6 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         bias_row = _bias_row(src, c0, width, with_prefix=c == 0)
         if c == 0:
             prefix = nl.broadcast_to(bias_row[:, 0:BIAS_PREFIX_COLS], shape=(heads, BIAS_PREFIX_COLS))
-            scale_col = prefix[:, SCALE_COL : SCALE_COL + 1]
         first = BIAS_PREFIX_COLS if c == 0 else 0
         bias_heads = nl.broadcast_to(bias_row[:, first : first + width], shape=(heads, width))
         del bias_row
@@ -417,7 +511,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
             chunk_scores = scores[:, c0 : c0 + width]
         else:
             chunk_scores = nl.ndarray((heads, width), dtype=nl.float32, buffer=nl.sbuf)
-        _chunk_logits(src, q_t, rows_t, scale_col, bias_heads, width, chunk_scores)
+        _chunk_logits(src, q_t, rows_t, prefix, bias_heads, width, chunk_scores)
         del bias_heads
         nisa.tensor_reduce(
             dst=chunk_max[:, c : c + 1], op=nl.max, data=chunk_scores, axis=1, keepdims=True
@@ -432,16 +526,14 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
 
     # Pass 2: fp32 exponentials and their sum, bf16 probabilities into the value product. The value
     # accumulators of one pass occupy at most VALUE_PSUM_BANKS banks; wider D runs more passes.
-    value_blocks = _ceil_div(dim, MATMUL_MAX_N)
+    units = _value_units(heads, dim, plan.slots)
     out_rows = nl.ndarray((heads, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     chunk_sum = nl.ndarray((heads, chunks), dtype=nl.float32, buffer=nl.sbuf)
     inv_denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
-    for g0 in nl.static_range(0, value_blocks, VALUE_PSUM_BANKS):
-        group = list(range(g0, min(value_blocks, g0 + VALUE_PSUM_BANKS)))
-        value_psum = [
-            nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.psum) for _ in group
-        ]
+    for g0 in nl.static_range(0, len(units), VALUE_PSUM_BANKS):
+        group = units[g0 : g0 + VALUE_PSUM_BANKS]
+        value_psum = [nl.ndarray(u.psum_shape, dtype=nl.float32, buffer=nl.psum) for u in group]
         for c, (c0, width) in enumerate(bounds):
             if chunks > 1:
                 rows = _fetch_slot_rows(src, row_index, c0, width)
@@ -463,16 +555,9 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
             else:
                 nisa.activation(dst=probs_bf16, op=nl.exp, data=chunk_scores, bias=neg_max)
             probs_t = _transposed_probs(src, probs_bf16, width)
-            for i, vb in enumerate(group):
-                v0 = vb * MATMUL_MAX_N
-                n = min(MATMUL_MAX_N, dim - v0)
+            for unit, acc in zip(group, value_psum):
                 for kc in nl.static_range(width // KERNEL_TILE):
-                    nisa.nc_matmul(
-                        dst=value_psum[i][:, 0:n],
-                        stationary=probs_t[:, kc, :],
-                        moving=rows[:, kc, v0 : v0 + n],
-                        accumulate=c > 0 or kc > 0,
-                    )
+                    _value_matmul(unit, acc, probs_t[:, kc, :], rows[:, kc, :], c > 0 or kc > 0)
             del probs_bf16, probs_t, chunk_scores
             if chunks > 1:
                 del rows
@@ -484,13 +569,8 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
             nisa.activation(dst=sink_term, op=nl.exp, data=sink_col, bias=neg_max, scale=1.0)
             nisa.tensor_tensor(dst=denominator, data1=slot_sum, data2=sink_term, op=nl.add)
             nisa.reciprocal(dst=inv_denominator, data=denominator)
-        for i, vb in enumerate(group):
-            v0 = vb * MATMUL_MAX_N
-            n = min(MATMUL_MAX_N, dim - v0)
-            nisa.tensor_scalar(
-                dst=out_rows[:, v0 : v0 + n], data=value_psum[i][:, 0:n],
-                op0=nl.multiply, operand0=inv_denominator,
-            )  # fmt: skip
+        for unit, acc in zip(group, value_psum):
+            _value_epilogue(src, unit, acc, inv_denominator, out_rows)
         del value_psum
     nisa.dma_copy(dst=src.token_rows(out, heads, dim), src=out_rows)
 
@@ -504,10 +584,13 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
 
 # Engines that copy PSUM tiles to SBUF, in turn (the nki.isa.tensor_copy page lists Vector,
 # Scalar and GpSimd).
-COPY_ENGINES = ("scalar", "scalar", "vector", "scalar", "scalar", "gpsimd")
+COPY_ENGINES = ("scalar", "scalar", "scalar", "gpsimd")
+# Engines that clamp the multiplied-back dot products, in turn (tensor_scalar runs on Vector,
+# Scalar or GpSimd, nki.isa.tensor_scalar page).
+CLAMP_ENGINES = ("scalar", "vector")
 
 
-def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, max_chunk):
+def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk):
     indexed = idx is not None
     tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
@@ -526,9 +609,12 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, max_chunk):
         scratch = nl.ndarray((programs, heads, slots), dtype=nl.float32, buffer=nl.hbm)
         scratch = scratch[program]
     sink_col = nl.load(sink)
+    # The token counter: int32, updated by an fp32 add, exact below 2**24 tokens.
     token = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.memset(dst=token, value=program * per_program)
-    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES))
+    assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
+    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES),
+                  _Engines(CLAMP_ENGINES), value_shift)  # fmt: skip
     # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
     # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
     # release notes, known issues), so every access to a token's data goes through the counter
@@ -539,15 +625,19 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, max_chunk):
     return out, lse
 
 
-def gathered_attn_idx_kernel(q, kv, idx, bias, sink, max_chunk=None):
+def gathered_attn_idx_kernel(q, kv, idx, bias, sink, value_shift=0, max_chunk=None):
     """Sparse attention gathering the slot rows of ``kv`` inside the kernel (trn2, trn3).
 
     Args:
       q: ``[T, H, D]`` bf16. kv: ``[R, D]`` bf16 cache (R > 0).
       idx: ``[T, 128, Kp/128]`` uint32, ``idx[t, p, kc]`` the row of slot ``kc*128 + p``; an
         index ``>= R`` (``EMPTY_SLOT_INDEX``) is an empty slot whose row is never read.
-      bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 16.. the per-slot bias.
+      bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 1 and 2 the factors that multiply
+        the dot products back (q comes scaled down by their product; 1.0 when it is not), columns
+        16.. the per-slot bias.
       sink: ``[H, 1]`` f32.
+      value_shift: compile-time int ``c``: the value product runs on probabilities scaled by
+        ``2**-c`` and its result is scaled back by ``2**c`` (``constants.value_shift(K)``).
       max_chunk: optional cap on the slots per chunk (a compile-time constant; tests).
     Returns ``(out [T, H, D] bf16, lse [T, H, 1] f32)`` in shared HBM. Launch it as
     ``kernel[n]`` with ``n`` the physical cores per logical core (T a multiple of n).
@@ -556,21 +646,21 @@ def gathered_attn_idx_kernel(q, kv, idx, bias, sink, max_chunk=None):
     assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
         f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
     )
-    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, max_chunk)
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk)
 
 
-def gathered_attn_kernel(q, g, bias, sink, max_chunk=None):
+def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None):
     """Sparse attention over pre-gathered slot rows; runs on every target (trn1 included: it
     uses neither ``dma_transpose`` nor indirect DMA).
 
     Args:
       q: ``[T, H, D]`` bf16. g: ``[T, Kp, D]`` bf16; the rows of empty and padding slots hold
         zeros. bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 16.. the per-slot bias.
-      sink: ``[H, 1]`` f32. max_chunk: as :func:`gathered_attn_idx_kernel`.
+      sink: ``[H, 1]`` f32. value_shift, max_chunk: as :func:`gathered_attn_idx_kernel`.
     Returns ``(out [T, H, D] bf16, lse [T, H, 1] f32)`` in shared HBM; launch as
     :func:`gathered_attn_idx_kernel`.
     """
-    return _sparse_attn_kernel_body(q, g, None, bias, sink, max_chunk)
+    return _sparse_attn_kernel_body(q, g, None, bias, sink, value_shift, max_chunk)
 
 
 def kernel_for(target: str, indexed: bool):

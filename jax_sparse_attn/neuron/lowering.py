@@ -32,7 +32,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from .. import primitives
-from ..constants import DEFAULT_NEURON_TARGET, LOGICAL_CORE_DEFAULT, NEURON_TARGETS
+from ..constants import DEFAULT_NEURON_TARGET, LOGICAL_CORE_DEFAULT, NEURON_TARGETS, value_shift
 from .packing import (
     KernelLayout,
     PackedOperands,
@@ -52,7 +52,7 @@ NEURON_INSTALL_HINT = (
     "runs the kernel source on the host."
 )
 
-KernelCall = Callable[[PackedOperands, KernelLayout], tuple[jax.Array, jax.Array]]
+KernelCall = Callable[..., tuple[jax.Array, jax.Array]]
 
 # JAX on Neuron cannot call back into the host: nki_emulated cannot run on that platform.
 NO_HOST_CALLBACKS_ON_NEURON = (
@@ -121,7 +121,9 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
         q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla,
         programs=launch_programs(target),
     )  # fmt: skip
-    out_groups, lse_groups = call_kernels(kernel, target, packed, layout)
+    # The value product's overflow guard for the user's K (docs/contract.md): the kernel's bf16.
+    options = {"value_shift": value_shift(bias.shape[1], "bfloat16")}
+    out_groups, lse_groups = call_kernels(kernel, target, packed, layout, options)
     return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, sink, q.dtype)
 
 
@@ -147,12 +149,12 @@ def _jitted_kernel(kernel):
     return kernels.nki.jit(kernel)
 
 
-def _call_nki_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout):
+def _call_nki_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout, options):
     del target  # nki.jit compiles for the target NEURON_PLATFORM_TARGET_OVERRIDE names
     jitted = _jitted_kernel(kernel)
     if layout.programs > 1:
         jitted = jitted[layout.programs]  # kernel[2]: one program per physical core (LNC=2)
-    results = [jitted(*_kernel_args(packed, g)) for g in range(layout.head_groups)]
+    results = [jitted(*_kernel_args(packed, g), **options) for g in range(layout.head_groups)]
     return jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results])
 
 
@@ -184,7 +186,7 @@ def nki_gathered_attn_idx(q, kv, idx, sink, bias, scale):
 # --- on the host: the kernel source under the emulator, through a host callback ---------------
 
 
-def _run_emulated_on_host(kernel, target, programs, *arrays):
+def _run_emulated_on_host(kernel, target, programs, options, *arrays):
     """Host side of the callback: the kernel operands in the kernel's order, q and sink stacked
     per head group (numpy); returns one ``[G, Tp, Hg, Dp + 1]`` f32 array: the bf16 output (exact
     in f32) next to the lse (see ``_call_emulated_kernels``)."""
@@ -195,13 +197,13 @@ def _run_emulated_on_host(kernel, target, programs, *arrays):
     # that is busy waiting for this very callback (a deadlock once every device runs one).
     arrays = [np.asarray(a) for a in arrays]
     q_groups, shared, sink_groups = arrays[0], arrays[1:-1], arrays[-1]
-    results = [run(q_groups[g], *shared, sink_groups[g]) for g in range(len(q_groups))]
+    results = [run(q_groups[g], *shared, sink_groups[g], **options) for g in range(len(q_groups))]
     outs = np.stack([np.asarray(r[0]) for r in results]).astype(jnp.bfloat16)
     lses = np.stack([np.asarray(r[1]) for r in results]).astype(np.float32)
     return np.concatenate([outs.astype(np.float32), lses], axis=-1)
 
 
-def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout):
+def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout, options):
     shape = (layout.head_groups, layout.tokens_padded, layout.heads_per_group)
     # One result array, not two: JAX 0.7 cannot lower a pure_callback with two results inside
     # shard_map ("result shardings don't match number of values"), which is where the sharded
@@ -213,7 +215,8 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
     packed_result = jax.pure_callback(
-        functools.partial(_run_emulated_on_host, kernel, target, layout.programs), result, *arrays,
+        functools.partial(_run_emulated_on_host, kernel, target, layout.programs, options), result,
+        *arrays,
         vmap_method="sequential",
     )  # fmt: skip
     return packed_result[..., :-1].astype(jnp.bfloat16), packed_result[..., -1:]

@@ -16,7 +16,11 @@ and bias. :func:`pack_for_kernel` turns the primitive operands into that form:
 - ``H > 128`` is split into ``G`` groups of ``Hg = ceil(H / G)`` heads (one kernel call each; the
   few padding heads get zero q and a ``-inf`` sink, and are cropped);
 - the per-token scale goes to column ``SCALE_COL`` of the bias tensor, the per-slot bias to
-  columns ``BIAS_PREFIX_COLS:``.
+  columns ``BIAS_PREFIX_COLS:``;
+- the products' overflow guards of docs/contract.md: q is scaled down per token by a power of two
+  (``reference.prescale_queries``, the same function the reference uses), whose two f32 factors
+  go to columns ``UP_COLS`` for the kernel to multiply the dot products back; the value product's
+  shift is a compile-time argument of the kernel (``constants.value_shift(K)``).
 
 On trn1 (no indirect DMA) the indexed primitive's rows are gathered here, by XLA
 (``gather_in_xla=True``), and run through the pre-gathered kernel.
@@ -41,7 +45,9 @@ from ..constants import (
     KERNEL_TILE,
     MAX_HEADS_PER_CALL,
     SCALE_COL,
+    UP_COLS,
 )
+from ..reference import prescale_queries
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -149,12 +155,17 @@ def pack_for_kernel(
     elif Tp > T:
         slot_rows = _pad_axis(slot_rows, 0, Tp)
 
-    q_bf16 = _pad_axis(_pad_axis(_pad_axis(q.astype(jnp.bfloat16), 2, Dp), 1, G * Hg), 0, Tp)
+    # The dot products' overflow guard (docs/contract.md): q scaled down per token by a power of
+    # two, the kernel multiplies its sums back by up1 * up2 with saturation, as the reference does.
+    q_scaled, (up1, up2) = prescale_queries(q.astype(jnp.bfloat16))
+    q_bf16 = _pad_axis(_pad_axis(_pad_axis(q_scaled, 2, Dp), 1, G * Hg), 0, Tp)
     q_groups = q_bf16.reshape(Tp, G, Hg, Dp).transpose(1, 0, 2, 3)
     sink_groups = _pad_axis(sink.astype(jnp.float32), 0, G * Hg, -jnp.inf).reshape(G, Hg, 1)
 
     slot_bias = _pad_axis(jnp.where(valid, bias, jnp.float32(EMPTY_LOGIT)), 1, Kp, EMPTY_LOGIT)
     prefix = jnp.zeros((Tp, BIAS_PREFIX_COLS), jnp.float32).at[:, SCALE_COL].set(scale)
+    prefix = prefix.at[:, UP_COLS[0]].set(_pad_axis(up1, 0, Tp, 1.0))
+    prefix = prefix.at[:, UP_COLS[1]].set(_pad_axis(up2, 0, Tp, 1.0))
     packed_bias = jnp.concatenate([prefix, slot_bias.astype(jnp.float32)], axis=1)
 
     empty = jnp.uint32(EMPTY_SLOT_INDEX)
