@@ -79,22 +79,12 @@ MATMUL_MAX_N = PSUM_BANK_FP32
 # At most this many query heads per kernel call: they sit on the partitions of the score tile.
 MAX_HEADS_PER_CALL = PARTITIONS
 # SBUF bytes per partition: 24 MiB / 128 on NeuronCore-v2 (trn1; nki/guides/architecture/
-# trainium_inferentia2_arch.rst), 28 MiB / 128 on v3 (trn2; trainium2_arch.rst), 32 MiB / 128 on v4
-# (trn3; trainium3_arch.rst). The kernels size their slot chunks for the smallest (trn1), so one
-# plan is valid on every target.
+# trainium_inferentia2_arch.rst), 28 MiB / 128 on v3 (trn2; trainium2_arch.rst); v4 (trn3) is in
+# nki_emulator/targets.py. The kernels size their slot chunks for the smallest (trn1), so one plan
+# is valid on every target.
 SBUF_BYTES_PER_PARTITION = 192 * 1024
 SBUF_BYTES_PER_PARTITION_TRN2 = 224 * 1024
-SBUF_BYTES_PER_PARTITION_TRN3 = 256 * 1024
 
-# The NKI compile targets (values of NEURON_PLATFORM_TARGET_OVERRIDE, nki.jit page), and the default
-# when the variable is unset (an assumption of this project: the trn2 instance family).
-NEURON_TARGETS = ("trn1", "trn2", "trn3")
-DEFAULT_NEURON_TARGET = "trn2"
-# Physical cores per logical core on trn2/trn3 unless NEURON_LOGICAL_NC_CONFIG says otherwise: LNC=2
-# is the runtime's default on Trainium2 (about-neuron/arch/neuron-features/
-# logical-neuroncore-config.rst); trn3 is assumed the same. The kernels launch one SPMD program per
-# physical core (kernel[2], nki/get-started/about/lnc.rst).
-LOGICAL_CORE_DEFAULT = 2
 # Targets whose NeuronCore (v3 and later) has dma_transpose and indirect DMA (nki.isa.dma_transpose
 # page: "TRN2+ only"; hardware DGE "only supported for NeuronCore-v3 or newer", nki.isa.dma_copy).
 TARGETS_WITH_DGE = ("trn2", "trn3")

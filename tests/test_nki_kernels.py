@@ -1,9 +1,11 @@
 """The NKI kernel source, run by the project's NKI emulator (and by ``nki.simulate`` where the
 Neuron SDK is installed), against a numpy model of the bf16 contract written out below.
 
-Kernel-level tests feed the kernel interface directly (inputs built here in numpy); API-level
-tests run ``implementation="nki_emulated"``, the whole Neuron data path (packing, the kernel under
-the emulator through a host callback, unpacking), inside ``jax.jit`` and ``jax.vmap``.
+Kernel-level tests feed the kernel interface directly (inputs built here in numpy), launched as
+on each target (``kernel[2]`` on trn2/trn3, one program on trn1; trn3 only in the slow run);
+API-level tests run ``implementation="nki_emulated"``, the whole Neuron data path (packing, the
+kernel under the emulator through a host callback, unpacking), inside ``jax.jit`` and ``jax.vmap``,
+with ``NEURON_PLATFORM_TARGET_OVERRIDE`` naming trn1 and trn2 in turn.
 """
 
 import jax

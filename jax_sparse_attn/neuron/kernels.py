@@ -106,12 +106,12 @@ def sbuf_bytes_per_partition(
 ) -> int:
     """SBUF bytes per partition that one token's live tiles occupy at their peak.
 
-    ``dim`` and ``slots`` are the padded kernel sizes (multiples of 128); ``chunk`` the slots per
-    chunk (default: all). The token keeps its transposed q, scale, indices and (if
+    ``dim`` is the head dim, ``slots`` the padded slot count (a multiple of 128), ``chunk`` the
+    slots per chunk (default: all). The token keeps its transposed q, scale, indices and (if
     ``scores_in_sbuf``) its fp32 logits (``4 * Kp``) throughout; on top of that the first pass
     holds a chunk's rows and their transpose (about ``4 * C * D / 128``) and its bias
     (``4 * C``), the second pass the rows, the bf16 probabilities and their transpose (about
-    ``4 * C`` with 128 heads) and the output row. 67 KiB at Kp = C = 2048, D = 640, H = 128.
+    ``4 * C`` with 128 heads) and the output row. 57 KiB at Kp = C = 2048, D = 576, H = 128.
     """
     chunk = slots if chunk is None else chunk
     chunks = _ceil_div(slots, chunk)

@@ -32,7 +32,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from .. import primitives
-from ..constants import DEFAULT_NEURON_TARGET, LOGICAL_CORE_DEFAULT, NEURON_TARGETS, value_shift
+from ..constants import value_shift
 from .packing import (
     KernelLayout,
     PackedOperands,
@@ -65,44 +65,32 @@ NO_HOST_CALLBACKS_ON_NEURON = (
 
 
 def neuron_target() -> str:
-    """The NKI compile target on a Neuron host: ``NEURON_PLATFORM_TARGET_OVERRIDE`` (``trn1``/
-    ``gen2``, ``trn2``/``gen3``, ``trn3``/``gen4``: the variable NKI itself reads, nki.jit page),
-    or ``DEFAULT_NEURON_TARGET`` (trn2) when it is unset. Raises ``ValueError`` on another value."""
-    value = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "").strip().lower()
-    if not value:
-        return DEFAULT_NEURON_TARGET
-    aliases = {"gen2": "trn1", "gen3": "trn2", "gen4": "trn3"}
-    value = aliases.get(value, value)
-    if value not in NEURON_TARGETS:
-        raise ValueError(
-            f"NEURON_PLATFORM_TARGET_OVERRIDE={value!r}: expected one of {', '.join(NEURON_TARGETS)} "
-            "(or gen2, gen3, gen4)"
-        )
-    return value
+    """The NKI compile target: ``NEURON_PLATFORM_TARGET_OVERRIDE`` (``trn1``/``gen2``,
+    ``trn2``/``gen3``, ``trn3``/``gen4``: the variable NKI itself reads, nki.jit page), ``trn2``
+    when it is unset; a ``ValueError`` names the variable on another value. The one reading of it
+    (``nki_emulator.targets.current_target``) serves the Neuron device and ``nki_emulated``."""
+    from ..nki_emulator.targets import current_target
+
+    return current_target()
 
 
 def launch_programs(target: str) -> int:
     """The kernel's SPMD launch grid: the physical cores of one logical core, ``kernel[n]``
     (nki/get-started/about/lnc.rst). trn1 has no logical cores (1); on trn2 and trn3 it is
-    ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2), by default 2, the runtime's default on Trainium2
-    (about-neuron/arch/neuron-features/logical-neuroncore-config.rst; trn3 assumed the same)."""
-    if target == "trn1":
+    ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2) when set, else the target's default, 2
+    (``nki_emulator.targets``: LNC=2 is the runtime's default on Trainium2,
+    about-neuron/arch/neuron-features/logical-neuroncore-config.rst; trn3 assumed the same)."""
+    from ..nki_emulator.targets import TARGETS
+
+    info = TARGETS[target]
+    if info.lnc_max == 1:
         return 1
     value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
     if value in ("1", "2"):
         return int(value)
     if value:
         raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={value!r}: LNC is 1 or 2")
-    return LOGICAL_CORE_DEFAULT
-
-
-def emulated_target() -> str:
-    """The target ``nki_emulated`` emulates: the emulator's ``current_target()`` (the same
-    variable, same default), or :func:`neuron_target` with an emulator that has none."""
-    from .. import nki_emulator
-
-    current_target = getattr(nki_emulator, "current_target", None)
-    return neuron_target() if current_target is None else current_target()
+    return info.lnc_default
 
 
 def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None):
@@ -227,7 +215,7 @@ def emulated_gathered_attn_lse(q, g, sink, bias, scale):
     path on the host, for the target ``NEURON_PLATFORM_TARGET_OVERRIDE`` names (default trn2).
 
     Operands and result as :func:`nki_gathered_attn_lse`."""
-    return _run_packed(_call_emulated_kernels, emulated_target(), q, g, sink, bias, scale)
+    return _run_packed(_call_emulated_kernels, neuron_target(), q, g, sink, bias, scale)
 
 
 def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale):
@@ -235,7 +223,7 @@ def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale):
 
     Operands and result as :func:`nki_gathered_attn_idx_lse`."""
     return _run_packed(
-        _call_emulated_kernels, emulated_target(), q, kv, sink, bias, scale, idx=idx
+        _call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx
     )
 
 
