@@ -291,9 +291,8 @@ def _tangent(indexed, active, *operands):
         do = _tangent_chunk(indexed, active, {**p, **primal_shared}, {**t, **tangent_shared}, live)
         return carry, do
 
-    _, (do, dlse) = _over_chunks_per_platform(
-        step, (primal_token, tangent_token), q, primal["bias"].shape[1], ()
-    )
+    num_slots = primal["bias"].shape[1]
+    _, (do, dlse) = _over_chunks_per_platform(step, (primal_token, tangent_token), q, num_slots, ())
     return do.astype(q.dtype), dlse
 
 

@@ -123,8 +123,9 @@ def naive_attention(q, kv, idx, sink, scale):
 
 
 def contract_model(q, kv, idx, sink, scale, dtype):
-    """numpy model of CONTRACT section 2 for the given tokens (float64 products, exact for bf16
-    operands, rounded to fp32 as an fp32 accumulator would be to within its own rounding)."""
+    """numpy model of the arithmetic contract (docs/contract.md, "Arithmetic") for the given
+    tokens (float64 products, exact for bf16 operands, rounded to fp32 as an fp32 accumulator
+    would be to within its own rounding)."""
     q64 = np.asarray(q, np.float64)
     kv_np = np.asarray(kv)
     out = np.zeros(q.shape, dtype)

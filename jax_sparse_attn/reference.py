@@ -1,4 +1,5 @@
-"""The pure-jnp reference: the bf16 arithmetic contract (CONTRACT section 2), chunked over tokens.
+"""The pure-jnp reference: the bf16 arithmetic contract (docs/contract.md, "Arithmetic"),
+chunked over tokens.
 
 This is the default lowering of both primitives on every platform. It reproduces the Neuron
 kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
@@ -319,18 +320,17 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
         slot_bytes = T * K * D * itemsize
         if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
             return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
-        chunk = token_chunk_size(T, H, K, D, itemsize)
-        out_bits, lse = _map_tokens(
-            one, (_to_bits(q), rows, valid, bias, scale), (kv_bits, sink), chunk
-        )
-        return _from_bits(out_bits, dtype), lse
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, CHUNK_BYTES)
 
     def accelerator(q, kv_bits, rows, valid, sink, bias, scale):
         # Device memory, not caches, sets the chunk: one batched call when everything fits.
-        chunk = token_chunk_size(T, H, K, D, itemsize, accelerator_chunk_bytes())
-        out_bits, lse = _map_tokens(
-            one, (_to_bits(q), rows, valid, bias, scale), (kv_bits, sink), chunk
-        )
+        budget = accelerator_chunk_bytes()
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget)
+
+    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget):
+        chunk = token_chunk_size(T, H, K, D, itemsize, budget)
+        token_args = (_to_bits(q), rows, valid, bias, scale)
+        out_bits, lse = _map_tokens(one, token_args, (kv_bits, sink), chunk)
         return _from_bits(out_bits, dtype), lse
 
     return per_platform(cpu, accelerator, q, kv_bits, rows, valid, sink, bias, scale)
