@@ -81,12 +81,14 @@ _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 def _softmax_parts(q, x, valid, sink, bias, scale):
     """Recomputes the forward's probabilities for a chunk of tokens, in f32.
 
-    Args: q ``[c, H, D]`` f32, x ``[c, K, D]`` f32 slot rows, valid ``[c, K]`` bool, sink ``[H]``,
-    bias ``[c, K]``, scale ``[c]``.
-    Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, o ``[c, H, D]``.
+    Args: q ``[c, H, D]`` and x ``[c, K, D]`` slot rows, both in the input dtype (16-bit products
+    are exact in the f32 accumulator, so the logits are those of an f32 product), valid ``[c, K]``
+    bool, sink ``[H]``, bias ``[c, K]``, scale ``[c]``.
+    Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, all f32.
     """
     q_scaled, up = reference.prescale_queries(q)
-    z = reference.scale_up(_einsum("thd,tkd->thk", q_scaled, x), up)
+    z = _einsum("thd,tkd->thk", q_scaled, x, preferred_element_type=jnp.float32)
+    z = reference.scale_up(z, up)
     s = reference.saturated_logits(z, valid[:, None, :], bias[:, None, :], scale[:, None, None])
     sink_wins = sink == jnp.inf  # that head's output is exactly 0
     sink_finite = jnp.where(sink_wins, 0.0, sink)  # -inf stays: exp(-inf - m) = 0
@@ -98,8 +100,7 @@ def _softmax_parts(q, x, valid, sink, bias, scale):
     live = jnp.any(valid, axis=-1)[:, None] & ~sink_wins[None, :]
     p = jnp.where(live[..., None], e / den[..., None], 0.0)
     p_sink = jnp.where(live, e_sink / den, 0.0)
-    o = _einsum("thk,tkd->thd", p, x)
-    return z, p, p_sink, o
+    return z, p, p_sink
 
 
 def _lse_sink_weight(valid, sink, p_sink, live):
@@ -110,7 +111,7 @@ def _lse_sink_weight(valid, sink, p_sink, live):
 
 
 def _slots(indexed, src, idx, bias, live):
-    """Slot rows (f32) and validity for a chunk; ``live`` is False for padding tokens.
+    """Slot rows (in src's dtype) and validity for a chunk; ``live`` is False for padding tokens.
 
     Empty, masked and padding slots never read a row: their rows are zeros (a gather that fills
     out-of-range rows, or a select on the pre-gathered slots), so whatever the unselected rows
@@ -118,10 +119,10 @@ def _slots(indexed, src, idx, bias, live):
     """
     valid = (bias != -jnp.inf) & live[:, None]
     if not indexed:
-        return _zero_unselected(src, valid).astype(jnp.float32), valid, None
+        return _zero_unselected(src, valid), valid, None
     valid = valid & (idx >= 0) & (idx < src.shape[0])
     rows = jnp.where(valid, idx, src.shape[0])
-    return _gather_slots(src, rows).astype(jnp.float32), valid, rows
+    return _gather_slots(src, rows), valid, rows
 
 
 def _gather_slots(src, rows):
@@ -136,19 +137,21 @@ def _zero_unselected(g, valid):
 
 def _recompute(indexed, primal, live):
     """The forward's intermediates for a chunk (f32): q, slot rows x, validity, gather rows,
-    scale, and ``_softmax_parts``'s z, p, p_sink, o. ``primal``: the operands by name."""
-    q = primal["q"].astype(jnp.float32)
+    scale, and ``_softmax_parts``'s z, p, p_sink. ``primal``: the operands by name."""
+    q = primal["q"]
     x, valid, rows = _slots(indexed, primal["kv" if indexed else "g"], primal.get("idx"),
                             primal["bias"], live)
+    x = x.astype(q.dtype)
     scale = primal["scale"]
-    z, p, p_sink, o = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
-    return q, x, valid, rows, scale, z, p, p_sink, o
+    z, p, p_sink = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
+    return q.astype(jnp.float32), x.astype(jnp.float32), valid, rows, scale, z, p, p_sink
 
 
 def _tangent_chunk(indexed, active, primal, tangent, live):
     """Tangents of the output ``[c, H, D]`` and of the lse ``[c, H]`` (f32) for a chunk.
     ``primal``/``tangent``: dicts by name."""
-    q, x, valid, rows, scale, z, p, p_sink, o = _recompute(indexed, primal, live)
+    q, x, valid, rows, scale, z, p, p_sink = _recompute(indexed, primal, live)
+    o = _einsum("thk,tkd->thd", p, x)
 
     src_name = "kv" if indexed else "g"
     dx = None
@@ -182,17 +185,19 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
 def _cotangent_chunk(indexed, wanted, primal, ct, live):
     """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input.
     ``ct``: the cotangents of the output ``[c, H, D]`` and of the lse ``[c, H]``."""
-    q, x, valid, rows, scale, z, p, p_sink, o = _recompute(indexed, primal, live)
+    q, x, valid, rows, scale, z, p, p_sink = _recompute(indexed, primal, live)
     ct, ct_lse = ct[0].astype(jnp.float32), ct[1].astype(jnp.float32)
     u = _einsum("thd,tkd->thk", ct, x)
-    delta = jnp.sum(ct * o, axis=-1)
+    # delta = do . o = sum_j p_j (do . x_j): from u, without recomputing o (one product fewer)
+    delta = jnp.sum(p * u, axis=-1)
     dS = p * (u - delta[..., None] + ct_lse[..., None])
     out = {}
     if "q" in wanted:
         out["q"] = scale[:, None, None] * _einsum("thk,tkd->thd", dS, x)
     if "g" in wanted or "kv" in wanted:
-        dx = _einsum("thk,thd->tkd", p, ct)
-        dx = dx + scale[:, None, None] * _einsum("thk,thd->tkd", dS, q)
+        # sum_h (p do + c dS q) as one product over 2H rows: [p | c dS]^T [do | q]
+        weights = jnp.concatenate([p, scale[:, None, None] * dS], axis=1)
+        dx = _einsum("thk,thd->tkd", weights, jnp.concatenate([ct, q], axis=1))
         if indexed:
             # Empty slots are out of range (rows == R) and dropped by the scatter.
             out["kv"] = (rows, dx)
@@ -211,11 +216,26 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live):
 # --- chunking over tokens -----------------------------------------------------------------------
 
 
-def _chunk_size(q, num_slots):
+def _chunk_size(q, num_slots, budget=None):
+    """Tokens per chunk of the backward: its working set near ``budget`` bytes (default: the CPU's
+    ``reference.CHUNK_BYTES``)."""
     T, H, D = q.shape
     # f32 slot rows and their tangent/cotangent, four [H, K] f32 maps, four [H, D] f32 rows.
     per_token = 2 * num_slots * D * 4 + 4 * H * num_slots * 4 + 4 * H * D * 4
-    return int(max(1, min(T, reference.CHUNK_BYTES // max(per_token, 1))))
+    budget = reference.CHUNK_BYTES if budget is None else budget
+    return int(max(1, min(T, budget // max(per_token, 1))))
+
+
+def _over_chunks_per_platform(step, token_arrays, q, num_slots, carry):
+    """``_over_token_chunks`` with the CPU's chunk when lowering for CPU and one that follows the
+    device's memory on GPU / TPU (``reference.per_platform``)."""
+    cpu_chunk = _chunk_size(q, num_slots)
+    accelerator_chunk = _chunk_size(q, num_slots, reference.accelerator_chunk_bytes())
+    return reference.per_platform(
+        lambda a, c: _over_token_chunks(step, a, cpu_chunk, c),
+        lambda a, c: _over_token_chunks(step, a, accelerator_chunk, c),
+        token_arrays, carry,
+    )
 
 
 def _over_token_chunks(step, token_arrays, chunk: int, carry):
@@ -271,8 +291,8 @@ def _tangent(indexed, active, *operands):
         do = _tangent_chunk(indexed, active, {**p, **primal_shared}, {**t, **tangent_shared}, live)
         return carry, do
 
-    size = _chunk_size(q, primal["bias"].shape[1])
-    _, (do, dlse) = _over_token_chunks(step, (primal_token, tangent_token), size, ())
+    num_slots = primal["bias"].shape[1]
+    _, (do, dlse) = _over_chunks_per_platform(step, (primal_token, tangent_token), q, num_slots, ())
     return do.astype(q.dtype), dlse
 
 
@@ -296,8 +316,9 @@ def _cotangent(indexed, wanted, *operands):
         return dkv, out
 
     dkv = jnp.zeros(primal["kv"].shape, jnp.float32) if "kv" in wanted else ()
-    size = _chunk_size(primal["q"], primal["bias"].shape[1])
-    dkv, results = _over_token_chunks(step, (primal_token, ct), size, dkv)
+    dkv, results = _over_chunks_per_platform(
+        step, (primal_token, ct), primal["q"], primal["bias"].shape[1], dkv
+    )
     results = dict(results, kv=dkv)
     return tuple(results[n] for n in wanted)
 

@@ -52,6 +52,7 @@ from . import gathered_attn_idx, reference
 IMPLEMENTATIONS = ("none", "reference", "nki", "nki_emulated")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 MEMORY_LIMIT_BYTES = int(1.5 * 2**30)
+GRAD_MEMORY_LIMIT_BYTES = 2 * 2**30  # the backward at the same shape (--memory --grad)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,14 @@ SHAPES = {
         Shape("decode-R64k", 16, 64, 512, 2048, 65536),
     ],
     "prefill": [Shape("prefill-T512", 512, 16, 512, 2048, 65536)],
+    # DeepSeek V3.2's MLA width (512 + 64 rope columns) with all 128 heads on one device
+    "mla": [Shape("prefill-mla", 256, 128, 576, 2048, 65536)],
+    # the backward pass (--grad): jax.grad with respect to q, kv and sink
+    "grad": [Shape("grad-T256", 256, 16, 512, 2048, 65536)],
 }
+# The backward's FLOPs, counted as this multiple of the forward's (issue convention: two products
+# forward, five backward, the forward recomputed in part).
+GRAD_FLOPS_FACTOR = 2.5
 QUICK_SHAPES = [
     Shape("decode-quick", 4, 16, 128, 256, 4096),
     Shape("prefill-quick", 64, 8, 128, 256, 4096),
@@ -115,8 +123,9 @@ def naive_attention(q, kv, idx, sink, scale):
 
 
 def contract_model(q, kv, idx, sink, scale, dtype):
-    """numpy model of CONTRACT section 2 for the given tokens (float64 products, exact for bf16
-    operands, rounded to fp32 as an fp32 accumulator would be to within its own rounding)."""
+    """numpy model of the arithmetic contract (docs/contract.md, "Arithmetic") for the given
+    tokens (float64 products, exact for bf16 operands, rounded to fp32 as an fp32 accumulator
+    would be to within its own rounding)."""
     q64 = np.asarray(q, np.float64)
     kv_np = np.asarray(kv)
     out = np.zeros(q.shape, dtype)
@@ -198,25 +207,43 @@ def _implementation_arg(name: str) -> Optional[str]:
     return None if name == "none" else name
 
 
+def _grad_op(impl, scale, cotangent):
+    """``jax.grad`` of ``sum(out * cotangent)`` with respect to q, kv and sink."""
+
+    def loss(q, kv, idx, sink):
+        out = gathered_attn_idx(q, kv, idx, sink, scale=scale, implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 3)))
+
+
 def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int, warmup: int,
-                naive: bool = True, gemm: bool = True) -> dict:
-    """Times the op (and, unless disabled, the naive baseline and the f32 GEMM) at one shape."""
+                naive: bool = True, gemm: bool = True, grad: bool = False) -> dict:
+    """Times the op (and, unless disabled, the naive baseline and the f32 GEMM) at one shape.
+    With ``grad``: the gradient with respect to q, kv and sink instead, against an f32 GEMM of
+    ``GRAD_FLOPS_FACTOR`` times the forward's FLOPs, and no naive baseline."""
     dtype = DTYPES[dtype_name]
     q, kv, idx, sink = _inputs(shape, dtype)
     scale = shape.D**-0.5
     impl = _implementation_arg(implementation)
     op = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(q, kv, idx, sink, scale=scale,
                                                            implementation=impl))
+    if grad:
+        cotangent = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+        forward, op, naive = op, _grad_op(impl, scale, cotangent), False
     fns = {"op": (op, (q, kv, idx, sink))}
     compile_start = time.perf_counter()
     out = jax.block_until_ready(op(q, kv, idx, sink))
     compile_s = time.perf_counter() - compile_start
+    if grad:
+        out = forward(q, kv, idx, sink)
     if naive:
         fns["naive"] = (jax.jit(lambda q, kv, idx, sink: naive_attention(q, kv, idx, sink, scale)),
                         (q, kv, idx, sink))
     gemm_flops = None
+    flops = int(shape.flops * (GRAD_FLOPS_FACTOR if grad else 1))
     if gemm:
-        gemm_fn, gemm_args, gemm_flops = _square_gemm(shape.flops)
+        gemm_fn, gemm_args, gemm_flops = _square_gemm(flops)
         fns["gemm_f32"] = (gemm_fn, gemm_args)
     times = _time_rounds(fns, repeats, warmup)
     med = {k: float(np.median(v)) for k, v in times.items()}
@@ -225,11 +252,12 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         "shape": dataclasses.asdict(shape),
         "dtype": dtype_name,
         "implementation": implementation,
-        "flops": shape.flops,
+        "pass": "grad wrt q, kv, sink" if grad else "forward",
+        "flops": flops,
         "first_call_s": compile_s,
         "times_s": times,
         "median_s": med,
-        "op_gflops": shape.flops / med["op"] / 1e9,
+        "op_gflops": flops / med["op"] / 1e9,
         "gather_gbytes_per_s": shape.T * shape.K * shape.D * itemsize / med["op"] / 1e9,
         "contract_check": check_contract(out, q, kv, idx, sink, scale),
     }
@@ -285,7 +313,8 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-def memory_child(shape: Shape, dtype_name: str, implementation: str, check_tokens: int) -> dict:
+def memory_child(shape: Shape, dtype_name: str, implementation: str, check_tokens: int,
+                 grad: bool = False) -> dict:
     """Runs in a fresh process: peak RSS growth of compiling and running one call.
 
     The growth is the peak after the call minus the resident size once the inputs exist, so the
@@ -293,7 +322,9 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
     output) is included. Creating the inputs has its own transient peak, so the kernel's peak
     counter is reset once they exist (where it cannot be, the growth is an upper bound). Then a few tokens are recomputed as a small separate call traced with
     the reference's chunking switched off (one batch, no loop, slots gathered up front) and
-    compared bit for bit with the same rows of the long call.
+    compared bit for bit with the same rows of the long call. With ``grad``: the peak growth of one
+    ``jax.grad`` call with respect to q, kv and sink instead (limit ``GRAD_MEMORY_LIMIT_BYTES``;
+    the gradients themselves, kv's in f32, are included), without the bit comparison.
     """
     dtype = DTYPES[dtype_name]
     q, kv, idx, sink = _inputs(shape, dtype)
@@ -303,6 +334,18 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
     rss_before = _rss_bytes()
     peak_before = _peak_rss_bytes()
     start = time.perf_counter()
+    if grad:
+        cotangent = jnp.ones(q.shape, jnp.float32)
+        jax.block_until_ready(_grad_op(impl, scale, cotangent)(q, kv, idx, sink))
+        seconds = time.perf_counter() - start
+        growth = _peak_rss_bytes() - rss_before
+        return {
+            "shape": dataclasses.asdict(shape), "dtype": dtype_name, "implementation": implementation,
+            "pass": "grad wrt q, kv, sink", "peak_reset": peak_reset, "growth_bytes": growth,
+            "limit_bytes": GRAD_MEMORY_LIMIT_BYTES, "within_limit": growth <= GRAD_MEMORY_LIMIT_BYTES,
+            "input_bytes": int(sum(x.nbytes for x in (q, kv, idx, sink))),
+            "seconds_first_call": seconds,
+        }
     out = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
         q, kv, idx, sink, scale=scale, implementation=impl))(q, kv, idx, sink)
     out = jax.block_until_ready(out)
@@ -342,12 +385,12 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
 
 
 def run_memory_check(shape: Shape, dtype_name: str, implementation: str,
-                     check_tokens: int = 4, timeout: float = 900) -> dict:
+                     check_tokens: int = 4, timeout: float = 900, grad: bool = False) -> dict:
     """Runs :func:`memory_child` in a fresh Python process and returns its record."""
     cmd = [sys.executable, "-m", "jax_sparse_attn.bench", "--memory-child",
            "--shape", f"{shape.T},{shape.H},{shape.D},{shape.K},{shape.R}",
            "--dtype", dtype_name, "--implementation", implementation,
-           "--check-tokens", str(check_tokens)]
+           "--check-tokens", str(check_tokens)] + (["--grad"] if grad else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"memory check failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -383,6 +426,8 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "machine": platform.machine(),
+        # e.g. --xla_cpu_max_isa=AVX2 to measure what an AVX2-only CPU would run
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 
@@ -427,7 +472,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 "measured in the same run; --memory measures the peak memory of a long "
                                 "prefill in a subprocess.")
     p.add_argument("--cases", default="decode,prefill",
-                   help="comma-separated groups of shapes: decode, prefill (default: both)")
+                   help="comma-separated groups of shapes: decode, prefill, mla, grad (default: "
+                   "decode,prefill; use grad with --grad)")
     p.add_argument("--shape", type=_parse_shape, action="append",
                    help="a custom shape T,H,D,K,R (repeatable; replaces --cases)")
     p.add_argument("--quick", action="store_true",
@@ -439,6 +485,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
     p.add_argument("--no-gemm", action="store_true", help="skip the f32 GEMM baseline")
+    p.add_argument("--grad", action="store_true",
+                   help="time jax.grad with respect to q, kv and sink instead of the forward, "
+                   f"against an f32 GEMM of {GRAD_FLOPS_FACTOR}x the forward's FLOPs")
     p.add_argument("--memory", action="store_true",
                    help="measure peak memory growth of one long prefill call in a subprocess")
     p.add_argument("--check-tokens", type=int, default=4, help=argparse.SUPPRESS)
@@ -474,7 +523,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if a.memory_child:
         shape = dataclasses.replace(a.shape[0], name="memory") if a.shape else MEMORY_SHAPE
-        print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens)))
+        print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens, a.grad)))
         return 0
 
     env = environment()
@@ -483,16 +532,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result: dict = {"environment": env, "records": []}
     if a.memory:
         shape = a.shape[0] if a.shape else (QUICK_SHAPES[1] if a.quick else MEMORY_SHAPE)
-        rec = run_memory_check(shape, a.dtype, a.implementation)
+        rec = run_memory_check(shape, a.dtype, a.implementation, grad=a.grad)
         result["memory"] = rec
         gib = 2**30
-        print(f"memory  {shape.describe()} {a.dtype}: peak RSS growth "
-              f"{rec['growth_bytes'] / gib:.3f} GiB (limit {rec['limit_bytes'] / gib:.1f} GiB; "
-              f"inputs {rec['input_bytes'] / gib:.3f} GiB; gathered slots would be "
-              f"{rec['gathered_slot_bytes'] / gib:.1f} GiB) in {rec['seconds_first_call']:.1f} s; "
-              f"{rec['rows_checked']} rows same bits as unchunked: {rec['rows_same_bits_as_unchunked']}",
-              flush=True)
-        ok = rec["within_limit"] and rec["rows_same_bits_as_unchunked"]
+        if a.grad:
+            print(f"memory  {shape.describe()} {a.dtype}, grad wrt q, kv, sink: peak RSS growth "
+                  f"{rec['growth_bytes'] / gib:.3f} GiB (limit {rec['limit_bytes'] / gib:.1f} GiB; "
+                  f"inputs {rec['input_bytes'] / gib:.3f} GiB) in {rec['seconds_first_call']:.1f} s",
+                  flush=True)
+        else:
+            print(f"memory  {shape.describe()} {a.dtype}: peak RSS growth "
+                  f"{rec['growth_bytes'] / gib:.3f} GiB (limit {rec['limit_bytes'] / gib:.1f} GiB; "
+                  f"inputs {rec['input_bytes'] / gib:.3f} GiB; gathered slots would be "
+                  f"{rec['gathered_slot_bytes'] / gib:.1f} GiB) in {rec['seconds_first_call']:.1f} s; "
+                  f"{rec['rows_checked']} rows same bits as unchunked: "
+                  f"{rec['rows_same_bits_as_unchunked']}", flush=True)
+        ok = rec["within_limit"] and rec.get("rows_same_bits_as_unchunked", True)
     else:
         if a.shape:
             shapes = a.shape
@@ -504,7 +559,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for shape in shapes:
             try:
                 rec = bench_shape(shape, a.dtype, a.implementation, repeats, a.warmup,
-                                  naive=not a.no_naive, gemm=not a.no_gemm)
+                                  naive=not a.no_naive, gemm=not a.no_gemm, grad=a.grad)
             except (RuntimeError, NotImplementedError, ValueError) as err:
                 # e.g. implementation="nki" without the Neuron SDK: the library's message says why.
                 print(f"bench: {shape.name} ({shape.describe()}): {err}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The pure-jnp reference: the bf16 arithmetic contract (CONTRACT section 2), chunked over tokens.
+"""The pure-jnp reference: the bf16 arithmetic contract (docs/contract.md, "Arithmetic"),
+chunked over tokens.
 
 This is the default lowering of both primitives on every platform. It reproduces the Neuron
 kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
@@ -22,8 +23,10 @@ Both functions also return the log-sum-exp ``lse [T, H]`` f32 of each token and 
 ``log(exp(sink) + sum over valid slots of exp(s))``, from the same logits (``_lse``).
 
 Rows with no valid slot are exactly 0. Work runs in token chunks (``lax.map``) whose gathered
-slots and logits stay within ``CHUNK_BYTES``: small enough to stay in the CPU caches, and a bound
-on memory however many tokens there are. Chunking does not change a single bit, since every token
+slots and logits stay within ``CHUNK_BYTES`` on CPU: small enough to stay in the CPU caches, and a
+bound on memory however many tokens there are. On GPU and TPU the budget follows the device's
+memory instead (``accelerator_chunk_bytes``): one batched call when everything fits. The choice is
+made when the program is lowered (``per_platform``). Chunking does not change a single bit, since every token
 is computed independently (``tests/test_reference_chunking.py``).
 
 Memory beyond the inputs and the output, for ``gathered_attn_idx``: one chunk's working set, plus
@@ -58,10 +61,48 @@ PREGATHER_MAX_BYTES = 64 * 2**20
 _EXACT = jax.lax.Precision.HIGHEST
 
 
-def token_chunk_size(num_tokens: int, heads: int, slots: int, dim: int, itemsize: int) -> int:
-    """Tokens per chunk so that one chunk's working set stays near ``CHUNK_BYTES`` (at least 1)."""
+# On GPU and TPU the chunk follows the device's memory instead of CPU caches: one chunk's working
+# set may use this fraction of the accelerator's memory (``memory_stats()["bytes_limit"]``), so
+# that a prefill that fits runs as one batched call and a longer one in a few large steps.
+ACCELERATOR_MEMORY_FRACTION = 1 / 8
+# The budget when the device's memory is unknown: lowering for a platform that is not attached
+# (export, AOT compilation) or a backend without ``memory_stats``. An assumption, sized for a
+# 16 GiB accelerator.
+ACCELERATOR_CHUNK_BYTES_DEFAULT = 2 * 2**30
+
+
+def token_chunk_size(
+    num_tokens: int, heads: int, slots: int, dim: int, itemsize: int, budget: int | None = None
+) -> int:
+    """Tokens per chunk so that one chunk's working set stays near ``budget`` (default
+    ``CHUNK_BYTES``, the CPU budget), at least 1 and at most ``num_tokens``."""
     per_token = slots * dim * itemsize + 3 * heads * slots * 4 + heads * dim * 4
-    return int(max(1, min(num_tokens, CHUNK_BYTES // max(per_token, 1))))
+    budget = CHUNK_BYTES if budget is None else budget
+    return int(max(1, min(num_tokens, budget // max(per_token, 1))))
+
+
+def accelerator_chunk_bytes() -> int:
+    """The working-set budget of one token chunk on GPU / TPU (bytes).
+
+    ``ACCELERATOR_MEMORY_FRACTION`` of the first accelerator's memory when JAX has one attached and
+    reports its size, else ``ACCELERATOR_CHUNK_BYTES_DEFAULT``. Read at trace time.
+    """
+    try:
+        device = jax.devices()[0]
+        if device.platform != "cpu":
+            limit = (device.memory_stats() or {}).get("bytes_limit")
+            if limit:
+                return int(limit * ACCELERATOR_MEMORY_FRACTION)
+    except Exception:  # no backend, or no memory_stats: the documented default
+        pass
+    return ACCELERATOR_CHUNK_BYTES_DEFAULT
+
+
+def per_platform(cpu_fn, accelerator_fn, *args):
+    """``cpu_fn(*args)`` when lowering for CPU, ``accelerator_fn(*args)`` for every other platform
+    (GPU, TPU, ...): the choice is made when the program is lowered, so a program lowered for one
+    platform contains only that platform's loop structure."""
+    return jax.lax.platform_dependent(*args, cpu=cpu_fn, default=accelerator_fn)
 
 
 def _bits_dtype(dtype) -> np.dtype:
@@ -214,12 +255,13 @@ def _attend_bits(dtype):
     return one
 
 
-def _gathered_chunks(q, g_bits, valid, sink, bias, scale):
-    """Runs the contract over slots that are already gathered, ``g_bits [T, K, D]`` as bits."""
+def _gathered_chunks(q, g_bits, valid, sink, bias, scale, budget=None):
+    """Runs the contract over slots that are already gathered, ``g_bits [T, K, D]`` as bits;
+    ``budget``: a chunk's working set in bytes (default: the CPU's ``CHUNK_BYTES``)."""
     T, H, D = q.shape
     K = g_bits.shape[1]
     one = _attend_bits(q.dtype)
-    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize)
+    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget)
     out_bits, lse = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
     return _from_bits(out_bits, q.dtype), lse
 
@@ -239,7 +281,11 @@ def gathered_attn_reference(q, g, sink, bias, scale):
     valid = bias != -jnp.inf
     # A masked slot's row is never read: its bits become zero (one select, fused with the cast).
     g_bits = jnp.where(valid[:, :, None], _to_bits(g.astype(q.dtype)), 0)
-    return _gathered_chunks(q, g_bits, valid, sink, bias, scale)
+    return per_platform(
+        lambda *a: _gathered_chunks(*a),
+        lambda *a: _gathered_chunks(*a, budget=accelerator_chunk_bytes()),
+        q, g_bits, valid, sink, bias, scale,
+    )
 
 
 def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
@@ -265,17 +311,26 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
     valid = (idx >= 0) & (idx < R) & (bias != -jnp.inf)
     rows = jnp.where(valid, idx, R)  # out of range: the gather fills the slot with zeros
 
-    slot_bytes = T * K * D * itemsize
-    if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
-        return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
-
     attend = _attend_bits(dtype)
 
     def one(q_bits, rows_t, valid_t, bias_t, scale_t, kv_bits_, sink_):
         return attend(q_bits, _gather_rows(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
 
-    chunk = token_chunk_size(T, H, K, D, itemsize)
-    out_bits, lse = _map_tokens(
-        one, (_to_bits(q), rows, valid, bias, scale), (kv_bits, sink), chunk
-    )
-    return _from_bits(out_bits, dtype), lse
+    def cpu(q, kv_bits, rows, valid, sink, bias, scale):
+        slot_bytes = T * K * D * itemsize
+        if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
+            return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, CHUNK_BYTES)
+
+    def accelerator(q, kv_bits, rows, valid, sink, bias, scale):
+        # Device memory, not caches, sets the chunk: one batched call when everything fits.
+        budget = accelerator_chunk_bytes()
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget)
+
+    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget):
+        chunk = token_chunk_size(T, H, K, D, itemsize, budget)
+        token_args = (_to_bits(q), rows, valid, bias, scale)
+        out_bits, lse = _map_tokens(one, token_args, (kv_bits, sink), chunk)
+        return _from_bits(out_bits, dtype), lse
+
+    return per_platform(cpu, accelerator, q, kv_bits, rows, valid, sink, bias, scale)

@@ -1,8 +1,9 @@
 """Independent oracles for the tests, written plainly in numpy (never calling the library).
 
 ``attention_f64``: the mathematical definition in float64.
-``attention_bf16_contract``: a numpy model of CONTRACT section 2 for 16-bit inputs (bf16 operands,
-fp32 logits/softmax/denominator, bf16 probabilities in the value product, one final rounding).
+``attention_bf16_contract``: a numpy model of the arithmetic contract (docs/contract.md,
+"Arithmetic") for 16-bit inputs (bf16 operands, fp32 logits/softmax/denominator, bf16
+probabilities in the value product, one final rounding).
 ``within_one_ulp``: the fraction of elements that agree to one unit in the last place of bf16.
 """
 

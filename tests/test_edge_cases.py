@@ -1,4 +1,4 @@
-"""The edge semantics of CONTRACT section 2, identical on every backend."""
+"""The edge semantics (docs/contract.md, "Edge semantics"), identical on every backend."""
 
 import jax
 import jax.numpy as jnp

@@ -24,3 +24,10 @@ def test_long_prefill_grows_memory_by_at_most_1_5_gib():
     assert rec["growth_bytes"] <= 1.5 * 2**30, rec
     assert rec["rows_same_bits_as_unchunked"], rec
     assert rec["contract_check"]["within_one_ulp"] >= 0.999, rec
+
+
+def test_long_backward_grows_memory_by_at_most_2_gib():
+    # jax.grad with respect to q, kv and sink at the same shape: chunked recomputation, the cache
+    # gradient ([R, D] f32, 128 MiB) included
+    rec = bench.run_memory_check(bench.MEMORY_SHAPE, "bf16", "reference", timeout=900, grad=True)
+    assert rec["growth_bytes"] <= 2 * 2**30, rec
