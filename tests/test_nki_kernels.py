@@ -957,3 +957,21 @@ def test_emulated_fp8_path_gradient_and_vmap():
     np.testing.assert_array_equal(np.asarray(batched[1], np.float32), np.asarray(single, np.float32))
     assert_matches_contract(np.asarray(batched[0], np.float32),
                             idx_model(q, kv_dequant, idx, sink, bias, D**-0.5))  # fmt: skip
+
+
+@pytest.mark.parametrize("H, D, Kp, groups, max_chunk",
+                         [(128, 576, 2048, 1, None), (16, 1024, 1024, 8, 256)])  # fmt: skip
+def test_sbuf_estimate_bounds_the_fp8_kernels_peak(H, D, Kp, groups, max_chunk):
+    """The FP8 kernel's extra tiles (raw rows, zero tile, the token's scales) are in the estimate."""
+    from jax_sparse_attn.nki_emulator import simulate
+
+    ops, _ = fp8_kernel_inputs(np.random.default_rng(8), 2, H, D, Kp, 300, ml_dtypes.float8_e5m2,
+                               groups)  # fmt: skip
+    run = simulate(kernels.gathered_attn_idx_fp8_kernel, target="trn2")
+    run(ops["q"], ops["kv"], ops["slot_scale"], ops["idx"], ops["bias"], ops["sink"],
+        max_chunk=max_chunk)  # fmt: skip
+    peak = run.last_stats["sbuf_peak_bytes_per_partition"]
+    plan = kernels.plan_slots(H, D, Kp, max_chunk=max_chunk, fp8_scale_groups=groups)
+    estimate = kernels.sbuf_bytes_per_partition(H, D, Kp, plan.chunk, plan.scores_in_sbuf,
+                                                fp8_scale_groups=groups)  # fmt: skip
+    assert peak <= estimate <= 1.1 * peak

@@ -112,8 +112,8 @@ def sbuf_bytes_per_partition(
     holds a chunk's rows and their transpose (about ``4 * C * D / 128``) and its bias
     (``4 * C``), the second pass the rows, the bf16 probabilities and their transpose (about
     ``4 * C`` with 128 heads) and the output row. 57 KiB at Kp = C = 2048, D = 576, H = 128.
-    ``fp8_scale_groups`` (the FP8 kernel: ``n`` scales per row) adds the raw FP8 rows (one byte
-    per element) next to the dequantised bf16 rows, the FP8 zero tile and the token's f32 scales.
+    ``fp8_scale_groups`` (the FP8 kernel: ``n`` scales per row) adds the FP8 zero tile and the
+    token's f32 scales, and the raw FP8 rows (one byte per element) while a chunk is fetched.
     """
     chunk = slots if chunk is None else chunk
     chunks = _ceil_div(slots, chunk)
@@ -124,16 +124,17 @@ def sbuf_bytes_per_partition(
     token = q_transposed + BIAS_PREFIX_COLS * 4 + indices + columns
     token += slots * 4 if scores_in_sbuf else 0
     rows = k_tiles * dim * 2
-    if fp8_scale_groups:  # the raw FP8 rows; the zero tile and the token's scales
-        rows += k_tiles * dim
+    fp8_fetch = 0
+    if fp8_scale_groups:  # the zero tile and the token's scales; the raw rows while fetching
         token += k_tiles * dim + 4 * fp8_scale_groups * (slots // KERNEL_TILE)
+        fp8_fetch = rows + k_tiles * dim + chunk * 4
     spilled_chunk = 0 if scores_in_sbuf else chunk * 4
     first_pass = rows + d_tiles * chunk * 2 + chunk * 4 + MATMUL_MAX_N * 4 + spilled_chunk
     second_pass = (
         rows + spilled_chunk + chunk * 2 + k_tiles * heads * 2 + dim * 2 + 4 * (chunks + 4)
     )
     q_rows = dim * 2  # the [H, D] q rows, before the first pass
-    return token + max(first_pass, second_pass, q_rows)
+    return token + max(first_pass, second_pass, q_rows, fp8_fetch)
 
 
 def plan_slots(
