@@ -7,6 +7,10 @@ target, the launch and the instruction pattern); they differ in how a token's sl
   of the cache ``kv [R, D]`` itself, one indirect DMA per 128 slots driven by
   ``idx [T, 128, Kp/128]`` uint32, with ``oob_mode=skip`` into a zeroed tile: an empty or padding
   slot carries an index outside the cache and reads nothing (nki.isa.dma_copy page, "oob_mode").
+- ``gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink)`` (trn2, trn3): the same
+  on an FP8 cache (``float8_e4m3fn`` / ``float8_e5m2``): the FP8 rows are gathered (half the
+  bytes) and dequantised on chip with the slots' f32 scales, exactly
+  ``(kv.astype(f32) * scale).astype(bf16)`` (docs/neuron-kernel.md, "FP8 caches").
 - ``gathered_attn_kernel(q, g, bias, sink)`` (every target; the one for trn1, which has no
   indirect DMA): the slots are pre-gathered, ``g [T, Kp, D]``, every empty or padding slot's row
   zero (the packing writes those zeros); one plain DMA per chunk of slots.
