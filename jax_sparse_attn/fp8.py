@@ -69,6 +69,8 @@ def gather_dequantized(kv, kv_scale, idx, dtype) -> jax.Array:
     for an empty slot (normalised by the API). An empty slot's row is 0 and reads nothing.
     """
     R, D = kv.shape
+    if R == 0:  # an empty cache: every slot is empty (a gather from 0 rows is not valid XLA)
+        return jnp.zeros(idx.shape + (D,), dtype)
     groups = kv_scale.shape[1]
     rows = jnp.where(idx >= 0, idx, R)  # out of range: filled with 0
     # A cache split over explicit mesh axes: the gathered slots are replicated, which XLA does by
