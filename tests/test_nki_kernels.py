@@ -975,3 +975,20 @@ def test_sbuf_estimate_bounds_the_fp8_kernels_peak(H, D, Kp, groups, max_chunk):
     estimate = kernels.sbuf_bytes_per_partition(H, D, Kp, plan.chunk, plan.scores_in_sbuf,
                                                 fp8_scale_groups=groups)  # fmt: skip
     assert peak <= estimate <= 1.1 * peak
+
+
+def test_fp8_kernel_compiled_instructions_do_not_grow_with_tokens():
+    """The FP8 kernel keeps the hardware token loop: its zero tile is set once per program, the
+    token's scales and rows are fetched inside the loop body."""
+    from jax_sparse_attn.nki_emulator import simulate
+
+    compiled, executed = [], []
+    for T in (2, 4, 16):
+        ops, _ = fp8_kernel_inputs(np.random.default_rng(T), T, 16, 128, 256, 300,
+                                   ml_dtypes.float8_e4m3fn, 1)  # fmt: skip
+        _, stats = simulate(kernels.gathered_attn_idx_fp8_kernel, target="trn2", stats=True)[2](
+            ops["q"], ops["kv"], ops["slot_scale"], ops["idx"], ops["bias"], ops["sink"])
+        compiled.append(stats.compiled_instructions_per_program)
+        executed.append(stats.instructions)
+    assert compiled[0] == compiled[1] == compiled[2]
+    assert executed[2] > 6 * executed[0]
