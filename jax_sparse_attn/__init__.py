@@ -1,8 +1,11 @@
 """jax-sparse-attn: DeepSeek-style top-k sparse attention with attention sinks as JAX primitives.
 
 ``gathered_attn(q, g, sink)`` attends over pre-gathered slots; ``gathered_attn_idx(q, kv, idx, sink)``
-gathers the slots from a shared KV cache by index. Both run the project's NKI kernel on AWS
-Trainium and a bf16-exact pure-jnp reference everywhere else.
+gathers the slots from a shared KV cache by index (also from an FP8 cache with ``kv_scale``, and
+from a cache split over its rows across devices). With ``return_lse=True`` both also return the
+log-sum-exp, and ``merge_attention(outs, lses)`` combines partial results over disjoint slot
+sets. Both ops run the project's NKI kernel on AWS Trainium and a bf16-exact pure-jnp reference
+everywhere else.
 """
 
 from . import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)

@@ -265,6 +265,14 @@ def gathered_attn_idx(
         # FP8 cache: the slots are gathered and dequantised here, then the pre-gathered op runs
         # with the empty slots masked (fp8.py).
         kv_scale = jax.lax.stop_gradient(fp8.check_kv_scale(_shape(kv), _dtype(kv), kv_scale))
+        if implementation == "nki_emulated" and fp8.kernel_reads_fp8(kv):
+            # trn2/trn3: the NKI kernel reads the FP8 rows and dequantises on chip
+            # (docs/neuron-kernel.md, "FP8 caches").
+            from .neuron import lowering
+
+            kv = jax.lax.stop_gradient(jnp.asarray(kv))
+            out, lse = lowering.fp8_idx_attention(q, kv, kv_scale, idx, sink, bias, scale)
+            return (out, lse) if return_lse else out
         g = fp8.gather_dequantized(jax.lax.stop_gradient(jnp.asarray(kv)), kv_scale, idx, q.dtype)
         bias = jnp.where(idx >= 0, bias, -jnp.inf)
         out, lse = primitives.gathered_attn_p.bind(

@@ -543,12 +543,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model", choices=("trn1", "trn2", "trn3"),
                    help="instead of timing: the MODELLED Trainium time of the NKI kernel under the "
                    "emulator's cost model (see jax_sparse_attn/bench_model.py)")
+    p.add_argument("--kv-dtype", choices=("bfloat16", "float8_e4m3fn", "float8_e5m2"),
+                   default="bfloat16", help="with --model: the cache dtype (FP8 with f32 scales)")
+    p.add_argument("--scale-groups", type=int, default=1,
+                   help="with --model and an FP8 --kv-dtype: f32 scales per cache row")
     a = p.parse_args(argv)
 
     if a.model:
         from .bench_model import run_model
 
-        return run_model(a.model, a.shape, a.json)
+        return run_model(a.model, a.shape, a.json, kv_dtype=a.kv_dtype, scale_groups=a.scale_groups)
 
     if a.plot:
         from . import plots  # matplotlib is optional: imported only for --plot

@@ -63,31 +63,41 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def _inputs(T: int, H: int, D: int, K: int, R: int, seed: int = 0):
+KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _inputs(T: int, H: int, D: int, K: int, R: int, seed: int = 0, kv_dtype: str = "bfloat16",
+            scale_groups: int = 1):  # fmt: skip
+    """q, kv, idx, sink and (for an FP8 ``kv_dtype``) ``kv_scale [R, scale_groups]``."""
     import jax.numpy as jnp
 
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((T, H, D), np.float32), jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((R, D), np.float32), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((R, D), np.float32), getattr(jnp, kv_dtype))
     idx = jnp.asarray(rng.integers(0, R, (T, K)), jnp.int32)
     sink = jnp.asarray(rng.standard_normal(H, np.float32))
-    return q, kv, idx, sink
+    kv_scale = None
+    if kv_dtype != "bfloat16":
+        kv_scale = jnp.asarray(rng.uniform(0.5, 2.0, (R, scale_groups)), jnp.float32)
+    return q, kv, idx, sink, kv_scale
 
 
-def _model_call(target: str, T: int, H: int, D: int, K: int, R: int) -> dict:
+def _model_call(target: str, T: int, H: int, D: int, K: int, R: int, kv_dtype: str = "bfloat16",
+                scale_groups: int = 1) -> dict:  # fmt: skip
     """Run one call under the emulator with cost recording; the launches' combined figures."""
     import jax
 
     from . import gathered_attn_idx, nki_emulator
     from .nki_emulator.cost import ENGINES
 
-    q, kv, idx, sink = _inputs(T, H, D, K, R)
+    q, kv, idx, sink, kv_scale = _inputs(T, H, D, K, R, kv_dtype=kv_dtype, scale_groups=scale_groups)
     previous = os.environ.get(nki_emulator.TARGET_ENV)
     os.environ[nki_emulator.TARGET_ENV] = target
     jax.clear_caches()  # a trace made for another target must not be reused
     try:
         with _quiet_callback_errors(), nki_emulator.recording(cost=True) as rec:
-            np.asarray(gathered_attn_idx(q, kv, idx, sink, implementation="nki_emulated"))
+            np.asarray(gathered_attn_idx(q, kv, idx, sink, kv_scale=kv_scale,
+                                         implementation="nki_emulated"))  # fmt: skip
     finally:
         if previous is None:
             os.environ.pop(nki_emulator.TARGET_ENV, None)
@@ -98,19 +108,21 @@ def _model_call(target: str, T: int, H: int, D: int, K: int, R: int) -> dict:
         raise RuntimeError("the call launched no kernel under the emulator")
     per_engine = dict.fromkeys(ENGINES, 0.0)
     modelled = 0.0
-    dma_bytes = 0
+    dma_bytes = hbm_bytes = 0
     for run in rec.runs:  # launches run one after another; programs of one launch in parallel
         costs = [p.cost for p in run.programs]
         modelled += max(c.modelled_us for c in costs)
         for e in ENGINES:
             per_engine[e] += max(c.engine_us[e] for c in costs)
         dma_bytes += sum(c.dma_bytes for c in costs)
+        hbm_bytes += sum(c.hbm_bytes for c in costs)
     return {
         "modelled_us": modelled,
         "per_engine_us": per_engine,
         "instructions": max(r.compiled_instructions_per_program for r in rec.runs),
         "instructions_executed": sum(r.instructions for r in rec.runs),
         "dma_bytes": dma_bytes,
+        "hbm_bytes": hbm_bytes,
         "launches": len(rec.runs),
         "grid": max(r.grid for r in rec.runs),
     }
@@ -148,30 +160,38 @@ def _scale(small: dict, large: dict, p: int, T: int) -> dict:
     out["per_engine_us"] = {
         e: lin(small["per_engine_us"][e], large["per_engine_us"][e]) for e in small["per_engine_us"]
     }
-    for key in ("instructions", "instructions_executed", "dma_bytes", "launches"):
-        out[key] = int(round(lin(small[key], large[key])))
+    for key in ("instructions", "instructions_executed", "dma_bytes", "hbm_bytes", "launches"):
+        if key in small:
+            out[key] = int(round(lin(small[key], large[key])))
     return out
 
 
-def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int = DEFAULT_PROBE_TOKENS) -> dict:
-    """The modelled figures of one call at ``[T, H, D]`` queries, K slots, R cache rows."""
+def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int = DEFAULT_PROBE_TOKENS,
+                kv_dtype: str = "bfloat16", scale_groups: int = 1) -> dict:  # fmt: skip
+    """The modelled figures of one call at ``[T, H, D]`` queries, K slots, R cache rows, the cache
+    in ``kv_dtype`` (an FP8 cache with ``scale_groups`` f32 scales per row)."""
     from .nki_emulator.cost import attention_bounds
 
     start = time.perf_counter()
+    cache = dict(kv_dtype=kv_dtype, scale_groups=scale_groups)
     if T <= 2 * probe:
-        fig = _model_call(target, T, H, D, K, R)
+        fig = _model_call(target, T, H, D, K, R, **cache)
         scaled_from = None
     else:
-        small = _model_call(target, probe, H, D, K, R)
-        large = _model_call(target, 2 * probe, H, D, K, R)
+        small = _model_call(target, probe, H, D, K, R, **cache)
+        large = _model_call(target, 2 * probe, H, D, K, R, **cache)
         fig = _scale(small, large, probe, T)
         scaled_from = [probe, 2 * probe]
-    bounds = attention_bounds(target, T, H, D, K)
+    fp8 = kv_dtype != "bfloat16"
+    bounds = attention_bounds(target, T, H, D, K, row_itemsize=1 if fp8 else 2,
+                              scales_per_row=scale_groups if fp8 else 0)  # fmt: skip
     busiest = max(fig["per_engine_us"], key=fig["per_engine_us"].get)
     bound = max(bounds["hbm_bound_us"], bounds["pe_bound_us"])
     return {
         "target": target,
         "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
+        "kv_dtype": kv_dtype,
+        "scale_groups": scale_groups if fp8 else None,
         "modelled_us": fig["modelled_us"],
         "hbm_bound_us": bounds["hbm_bound_us"],
         "pe_bound_us": bounds["pe_bound_us"],
@@ -181,6 +201,7 @@ def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int 
         "busiest_engine": busiest,
         "per_engine_us": fig["per_engine_us"],
         "dma_bytes": fig["dma_bytes"],
+        "hbm_bytes": fig["hbm_bytes"],
         "launches": fig["launches"],
         "grid": fig["grid"],
         "scaled_from_tokens": scaled_from,
@@ -207,6 +228,8 @@ def run_model(
     shapes: Optional[Iterable[Any]] = None,
     json_path: Optional[str] = None,
     probe: int = DEFAULT_PROBE_TOKENS,
+    kv_dtype: str = "bfloat16",
+    scale_groups: int = 1,
 ) -> int:
     """Model every shape on ``target``, print a table and optionally write JSON; 0 if all ran.
 
@@ -221,14 +244,15 @@ def run_model(
             cases.append(tuple(s[1:]))
         else:
             cases.append((s.T, s.H, s.D, s.K, s.R))
-    print(f"# {LABEL}; target {target}; host CPU: {_cpu()}", flush=True)
+    cache = "" if kv_dtype == "bfloat16" else f"; FP8 cache {kv_dtype}, {scale_groups} scale(s) per row"
+    print(f"# {LABEL}; target {target}{cache}; host CPU: {_cpu()}", flush=True)
     print(f"# {'tgt':<5} {'shape':<36} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>7} "
           f"{'instrs':>8} busiest [per engine us]", flush=True)  # fmt: skip
     records = []
     ok = True
     for T, H, D, K, R in cases:
         try:
-            rec = model_shape(target, T, H, D, K, R, probe)
+            rec = model_shape(target, T, H, D, K, R, probe, kv_dtype, scale_groups)
         except Exception as err:  # noqa: BLE001 - a kernel the emulator rejects is a result too
             ok = False
             rec = {"target": target, "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
@@ -242,6 +266,7 @@ def run_model(
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host_cpu": _cpu(),
             "probe_tokens": probe,
+            "kv_dtype": kv_dtype,
             "notes": [
                 "modelled_us: busiest engine of each program (perfect overlap), programs of a "
                 "launch in parallel, launches in sequence",
@@ -275,8 +300,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the records as JSON")
     p.add_argument("--probe-tokens", type=int, default=DEFAULT_PROBE_TOKENS,
                    help="shapes with T > 2*P are scaled from runs at P and 2P tokens")  # fmt: skip
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bfloat16",
+                   help="the cache dtype (an FP8 cache comes with f32 scales)")  # fmt: skip
+    p.add_argument("--scale-groups", type=int, default=1,
+                   help="FP8 cache: f32 scales per row (1: per row; D/128: FlashMLA's groups)")
     a = p.parse_args(argv)
-    return run_model(a.model, a.shape, a.json, a.probe_tokens)
+    return run_model(a.model, a.shape, a.json, a.probe_tokens, a.kv_dtype, a.scale_groups)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ masked to the pre-gathered op (``gathered_attn_p``), whose data path (the jnp re
 NKI kernel on Neuron) then runs unchanged. Rows that no valid slot selects are never read (the
 gather fills them with 0). The gathered slots ``[T, K, D]`` exist in q's dtype for all tokens
 at once: sized for decode; split a long prefill into token chunks.
+
+A cache (and its scales) split over its rows across devices: XLA gathers each device's slots
+locally (the others filled with 0) and sums the ``[T, K, D]`` FP8 bytes over the devices (one
+all-reduce; tests/test_cache_sharding.py); the cache itself never moves.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import sharding
 
 FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
@@ -62,11 +69,34 @@ def gather_dequantized(kv, kv_scale, idx, dtype) -> jax.Array:
     for an empty slot (normalised by the API). An empty slot's row is 0 and reads nothing.
     """
     R, D = kv.shape
+    if R == 0:  # an empty cache: every slot is empty (a gather from 0 rows is not valid XLA)
+        return jnp.zeros(idx.shape + (D,), dtype)
     groups = kv_scale.shape[1]
     rows = jnp.where(idx >= 0, idx, R)  # out of range: filled with 0
+    # A cache split over explicit mesh axes: the gathered slots are replicated, which XLA does by
+    # gathering locally (masked) and summing over the devices: T * K * D bytes, never the cache.
+    kw = {}
+    if sharding._explicit_axis_names(jax.typeof(kv)):
+        kw["out_sharding"] = NamedSharding(jax.typeof(kv).sharding.mesh, PartitionSpec())
     # The gather moves the raw bytes (as the reference moves bf16 bits): one byte per element.
-    bits = jax.lax.bitcast_convert_type(kv, jnp.uint8).at[rows].get(mode="fill", fill_value=0)
+    bits = jax.lax.bitcast_convert_type(kv, jnp.uint8).at[rows].get(
+        mode="fill", fill_value=0, **kw
+    )
     x = jax.lax.bitcast_convert_type(bits, kv.dtype).astype(jnp.float32)  # [T, K, D]
-    s = kv_scale.at[rows].get(mode="fill", fill_value=0)  # [T, K, n]
+    s = kv_scale.at[rows].get(mode="fill", fill_value=0, **kw)  # [T, K, n]
     x = x.reshape(x.shape[:-1] + (groups, D // groups)) * s[..., None]
     return x.reshape(idx.shape + (D,)).astype(dtype)
+
+
+def kernel_reads_fp8(kv=None) -> bool:
+    """Whether ``implementation="nki_emulated"`` runs the FP8 kernel, which reads the FP8 rows
+    itself: on the targets with indirect DMA (trn2, trn3; ``NEURON_PLATFORM_TARGET_OVERRIDE``),
+    for a cache ``kv`` not split over explicit mesh axes. Otherwise the slots are gathered and
+    dequantised by XLA, as for the reference (on trn1, which has no indirect DMA; and for a split
+    cache, whose slots each device gathers locally, above)."""
+    from .constants import TARGETS_WITH_DGE
+    from .nki_emulator.targets import current_target
+
+    if kv is not None and sharding._explicit_axis_names(jax.typeof(kv)):
+        return False
+    return current_target() in TARGETS_WITH_DGE

@@ -95,6 +95,28 @@ def check(records, name, mesh, specs, implementation=None):
     records.append(record)
 
 
+def check_fp8(records, name, mesh):
+    import ml_dtypes
+
+    inputs = make_inputs()
+    rng = np.random.default_rng(1)
+    inputs["kv"] = (rng.standard_normal((R, D)) * 4).astype(ml_dtypes.float8_e4m3fn)
+    inputs["kv_scale"] = rng.uniform(0.01, 0.1, (R, 2)).astype(np.float32)
+    specs = {"q": P(), "kv": P("y"), "idx": P(), "sink": P(), "bias": P(), "kv_scale": P("y")}
+
+    def f(q, kv, idx, sink, bias, kv_scale):
+        return jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, kv_scale=kv_scale)
+
+    fn = jax.jit(f)
+    single = fn(*(jax.device_put(v, jax.devices()[0]) for v in inputs.values()))
+    placed = [jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in inputs.items()]
+    got = fn(*placed)
+    record = {"check": name, "collectives": collectives(fn, *placed),
+              "exact": bool(np.array_equal(np.asarray(got), np.asarray(single)))}
+    print(json.dumps(record), flush=True)
+    records.append(record)
+
+
 def check_grad(records, name, mesh, specs):
     inputs = make_inputs(np.float32)
 
@@ -124,6 +146,8 @@ def run():
               {"q": P("x"), "kv": P("y"), "idx": P("x"), "sink": P(), "bias": P("x")})
         check(records, f"heads+rows/{axis_type}", mesh,
               {"q": P(None, "x"), "kv": P("y"), "idx": P(), "sink": P("x"), "bias": P()})
+        # An FP8 cache split over its rows: the gathered bytes are summed over the devices.
+        check_fp8(records, f"fp8/rows/{axis_type}", jax.make_mesh((8,), ("y",), axis_types=(kind,)))
         # The lse with a replicated cache, tokens or heads split: local, like the output.
         mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
         check(records, f"lse/tokens/{axis_type}", mesh,

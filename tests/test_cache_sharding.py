@@ -93,3 +93,16 @@ def test_lse_of_a_token_or_head_split_stays_local(records, axis_type, layout, sp
     assert r["collectives"] == [] and r["out_within_one_ulp"] == 1.0 and r["lse_inf_same"], r
     assert r["lse_rel_diff"] <= 1e-6, r
     assert r["lse_sharding"] == spec, r
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_fp8_cache_split_over_rows(records, axis_type):
+    # The gathered FP8 slots (T x K x D bytes) and their scales are summed over the devices; the
+    # cache itself never moves, and the result is the single-device one.
+    r = records[f"fp8/rows/{axis_type}"]
+    assert r["exact"], r
+    assert {c["kind"] for c in r["collectives"]} == {"all-reduce"}, r
+    for c in r["collectives"]:
+        for shape in c["shapes"]:
+            assert checks.R not in shape and checks.R // 8 not in shape, c
+            assert shape[:2] == [checks.T, checks.K], c

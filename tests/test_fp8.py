@@ -121,3 +121,16 @@ def test_argument_errors(rng):
         jsa.gathered_attn_idx(q, kv, idx, kv_scale=np.ones((10, 3), np.float32))
     with pytest.raises(TypeError, match="FP8 caches"):
         jsa.gathered_attn_idx(q, np.asarray(kv, np.float32), idx, kv_scale=kv_scale)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "nki_emulated"])
+def test_empty_fp8_cache(implementation):
+    """R = 0: every slot is empty; the output is 0 and the lse the sink, as for a bf16 cache."""
+    q = jnp.ones((2, 4, 64), jnp.bfloat16)
+    sink = jnp.array([0.5, -jnp.inf, 1.0, 2.0], jnp.float32)
+    out, lse = jsa.gathered_attn_idx(q, jnp.zeros((0, 64), jnp.float8_e4m3fn),
+                                     jnp.zeros((2, 8), jnp.int32), sink,
+                                     kv_scale=jnp.zeros((0,), jnp.float32),
+                                     implementation=implementation, return_lse=True)  # fmt: skip
+    assert out.shape == (2, 4, 64) and not np.asarray(out, np.float32).any()
+    np.testing.assert_array_equal(np.asarray(lse), np.tile(np.asarray(sink), (2, 1)))

@@ -300,3 +300,23 @@ def test_recording_collects_costed_runs_of_any_launch():
     assert [(r.target, r.grid) for r in rec.runs] == [("trn2", 1), ("trn3", 2)]
     assert all(p.cost is not None and p.cost.dma_bytes == 2 * 128 * 64 * 4
                for r in rec.runs for p in r.programs)  # fmt: skip
+
+
+def test_hbm_bytes_count_the_hbm_side_only():
+    """A DMA from HBM to SBUF counts its bytes as HBM bytes (at the HBM dtype); SBUF to SBUF
+    moves none; both count as DMA bytes (at the wider dtype)."""
+
+    def kernel(x):
+        a = nl.ndarray((4, 32), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=a, src=x)  # 128 fp8 elements from HBM, converted to bf16
+        b = nl.ndarray((4, 32), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b, src=a)  # on chip
+        out = nl.ndarray((4, 32), nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=b)
+        return out
+
+    run = simulate(kernel, target="trn2", cost=True)
+    run(np.zeros((4, 32), ml_dtypes.float8_e4m3fn))
+    cost = run.last_run.programs[0].cost
+    assert cost.hbm_bytes == 128 * 1 + 128 * 2
+    assert cost.dma_bytes == 3 * 128 * 2

@@ -1143,3 +1143,47 @@ def test_nested_dynamic_loops_compile_their_bodies_once():
         (p,) = stats.programs
         assert p.compiled_instructions == 4  # zeros, two tensor_scalar, store
         assert p.instructions == 2 + outer * (1 + inner)
+
+
+@pytest.mark.parametrize("fp8", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+def test_fp8_rows_gathered_and_dequantised_on_chip(rng, fp8):
+    # nl.float8_e4m3fn (language pages, NKI >= 0.2.0) holds the OCP format, up to 448 (the IEEE-
+    # style float8_e4m3 stops at 240); an fp8 tile scaled by a [P, 1] f32 column in tensor_scalar
+    # is computed in fp32 and rounded once to the bf16 dst (tensor_scalar page, "Data types").
+    kv = (rng.standard_normal((12, 32)) * 60).astype(fp8)
+    kv[5, 3] = 448 if fp8 is ml_dtypes.float8_e4m3fn else 57344
+    scale = rng.uniform(0.01, 3.0, (12, 1)).astype(np.float32)
+    idx = np.array([[5], [12], [0], [5]], np.uint32)  # 12 is out of range: skipped
+
+    def kernel(kv, scale, idx):
+        index = nl.load(idx)
+        rows = nl.ndarray((4, 32), kv.dtype, buffer=nl.sbuf)
+        col = nl.ndarray((4, 1), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=rows, value=0.0)
+        nisa.memset(dst=col, value=0.0)
+        nisa.dma_copy(dst=rows, src=kv.ap(pattern=[[32, 4], [1, 32]], vector_offset=index,
+                                          indirect_dim=0), oob_mode=nisa.oob_mode.skip)
+        nisa.dma_copy(dst=col, src=scale.ap(pattern=[[1, 4], [1, 1]], vector_offset=index,
+                                            indirect_dim=0), oob_mode=nisa.oob_mode.skip)
+        deq = nl.ndarray((4, 32), nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=deq, data=rows, op0=nl.multiply, operand0=col,
+                           engine=nisa.engine.scalar)
+        return copy_out(deq)
+
+    got = as64(simulate(kernel)(kv, scale, idx))
+    rows = np.where(idx < 12, idx, 0)[:, 0]
+    want = bf16_rne(kv[rows].astype(np.float64).astype(np.float32) * scale[rows])
+    want[1] = 0.0
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got).all() and got[0, 3] == bf16_rne(np.float32(kv[5, 3]) * scale[5])[0]
+
+
+def test_nc_matmul_refuses_float8_e4m3fn():
+    # The nc_matmul page lists float8_e4m3 and float8_e5m2 as fp8 inputs, not float8_e4m3fn.
+    def kernel(x):
+        a = nl.load(x)
+        acc = nl.ndarray((8, 8), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=a, moving=a, accumulate=False)
+
+    _reject(kernel, np.zeros((8, 8), ml_dtypes.float8_e4m3fn), error=NkiDtypeError,
+            match="float8_e4m3fn is not a matmul input dtype")

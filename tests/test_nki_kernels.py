@@ -759,3 +759,236 @@ def test_emulated_path_h200_k4096_d576(target):
     out = jsa.gathered_attn_idx(as_bf16(q), as_bf16(kv), idx, sink, bias=bias,
                                 implementation="nki_emulated")  # fmt: skip
     assert_matches_contract(np.asarray(out, np.float32), idx_model(q, kv, idx, sink, bias, D**-0.5))
+
+
+# --- the FP8 kernel (trn2, trn3): FP8 rows gathered and dequantised on chip -----------------------
+
+FP8_DTYPES = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+
+
+def fp8_kernel_inputs(rng, T, H, D, Kp, R, fp8, groups, poison=None):
+    """Operands of ``gathered_attn_idx_fp8_kernel`` and the case of the bf16 contract model on
+    ``kv_dequant = bf16(kv.astype(f32) * scale)``, computed here plainly in numpy. ``groups``
+    scales per row (1: per-row), sent per slot as the interface says (0 for an empty slot).
+    ``poison``: written into the FP8 rows of every row no valid slot selects (and of row 0)."""
+    ops, case = kernel_inputs(rng, T, H, D, Kp, R)
+    kv = (rng.standard_normal((R, D)) * 40).astype(fp8)
+    scale = rng.uniform(2.0**-9, 2.0**-4, (R, groups)).astype(np.float32)
+    full_scale = np.repeat(scale, D // groups, axis=1)
+    kv_dequant = bf16(kv.astype(np.float32) * full_scale)
+    sent = ops["idx"].transpose(0, 2, 1).reshape(T, Kp)  # back to [T, Kp]
+    valid = case["valid"]
+    rows = np.where(valid, sent, 0).astype(np.int64)
+    if poison is not None:
+        unused = np.ones(R, bool)
+        unused[rows[valid]] = False
+        unused[0] = not np.any(rows[valid] == 0)
+        kv[unused] = poison
+    x = np.where(valid[:, :, None], kv_dequant[rows], 0).astype(np.float32)
+    case = dict(case, x=x)
+    slot_scale = np.where(valid[:, :, None], scale[rows], 0).astype(np.float32)  # [T, Kp, n]
+    # [T, 128, Kp/128 * n]: slot kc*128 + p's group g at [t, p, kc*n + g].
+    slot_scale = slot_scale.reshape(T, Kp // 128, 128, groups).transpose(0, 2, 1, 3)
+    ops = dict(ops, kv=kv, slot_scale=np.ascontiguousarray(slot_scale.reshape(T, 128, -1)),
+               kv_dequant=kv_dequant.astype(BF16))  # fmt: skip
+    return ops, case
+
+
+def run_fp8_kernel(ops, target="trn2", **options):
+    return run_kernel("emulator", kernels.gathered_attn_idx_fp8_kernel, ops["q"], ops["kv"],
+                      ops["slot_scale"], ops["idx"], ops["bias"], ops["sink"], target=target,
+                      programs=PROGRAMS[target], **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize(
+    "T, H, D, Kp, R, groups, max_chunk",
+    [
+        pytest.param(2, 64, 128, 256, 300, 1, None, id="per-row"),
+        pytest.param(2, 16, 576, 384, 500, 576 // 64, None, id="groups-of-64-D576"),
+        pytest.param(2, 8, 256, 512, 200, 2, 128, id="groups-of-128-chunked"),
+    ],
+)
+def test_fp8_kernel_meets_the_contract_on_the_dequantised_cache(T, H, D, Kp, R, groups, max_chunk, fp8):
+    rng = np.random.default_rng(T + H + D + Kp + groups)
+    ops, case = fp8_kernel_inputs(rng, T, H, D, Kp, R, fp8, groups)
+    expected, expected_lse = contract_model(**case, with_lse=True)
+    options = {} if max_chunk is None else {"max_chunk": max_chunk}
+    out, lse = run_fp8_kernel(ops, **options)
+    assert_matches_contract(out.reshape(T * H, D), expected.reshape(T * H, D))
+    assert_lse_matches(lse, expected_lse, case["valid"])
+    # Once dequantised, the rows run the bf16 kernel's instructions: the same bits as that
+    # kernel on kv_dequant.
+    bf16_out, bf16_lse = run_kernel("emulator", kernels.gathered_attn_idx_kernel, ops["q"],
+                                    ops["kv_dequant"], ops["idx"], ops["bias"], ops["sink"],
+                                    programs=2, **options)  # fmt: skip
+    np.testing.assert_array_equal(out, bf16_out)
+    np.testing.assert_array_equal(lse, bf16_lse)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, 3e38])
+def test_fp8_kernel_never_reads_an_unselected_row(poison):
+    T, H, D, Kp, R = 2, 16, 128, 256, 400
+    clean_ops, case = fp8_kernel_inputs(np.random.default_rng(5), T, H, D, Kp, R,
+                                        ml_dtypes.float8_e5m2, 2)  # fmt: skip
+    ops, _ = fp8_kernel_inputs(np.random.default_rng(5), T, H, D, Kp, R, ml_dtypes.float8_e5m2, 2,
+                               poison=poison)  # fmt: skip
+    assert not np.isfinite(ops["kv"].astype(np.float32)).all() or poison == 3e38
+    clean, poisoned = run_fp8_kernel(clean_ops), run_fp8_kernel(ops)
+    np.testing.assert_array_equal(poisoned[0], clean[0])
+    np.testing.assert_array_equal(poisoned[1], clean[1])
+    assert_matches_contract(poisoned[0].reshape(T * H, D), contract_model(**case).reshape(T * H, D))
+
+
+def test_fp8_kernel_reads_half_the_row_bytes():
+    """The HBM bytes of the gathered rows in the cost model: one byte per element instead of two
+    (plus the token's f32 scales, one DMA per token)."""
+    from jax_sparse_attn.nki_emulator import simulate
+
+    T, H, D, Kp, R = 2, 16, 512, 512, 1000
+    ops, _ = fp8_kernel_inputs(np.random.default_rng(3), T, H, D, Kp, R, ml_dtypes.float8_e4m3fn, 1)
+    fp8_run = simulate(kernels.gathered_attn_idx_fp8_kernel, target="trn2", cost=True)[2]
+    fp8_run(ops["q"], ops["kv"], ops["slot_scale"], ops["idx"], ops["bias"], ops["sink"])
+    bf16_run = simulate(kernels.gathered_attn_idx_kernel, target="trn2", cost=True)[2]
+    bf16_run(ops["q"], ops["kv_dequant"], ops["idx"], ops["bias"], ops["sink"])
+    fp8_bytes = sum(p.cost.hbm_bytes for p in fp8_run.last_run.programs)
+    bf16_bytes = sum(p.cost.hbm_bytes for p in bf16_run.last_run.programs)
+    rows = int(np.sum(ops["idx"] != EMPTY_SLOT_INDEX))  # gathered rows; empty slots move nothing
+    # The bf16 kernel reads 2*D bytes per gathered row, the FP8 kernel D; and T*Kp f32 scales.
+    assert bf16_bytes - fp8_bytes == rows * D - T * Kp * 4
+
+
+def fp8_api_case(rng, T, H, D, K, R, fp8, groups):
+    q, _, idx, bias, sink = api_inputs(rng, T, H, D, K, R)
+    kv = (rng.standard_normal((R, D)) * 40).astype(fp8)
+    kv_scale = rng.uniform(2.0**-9, 2.0**-4, (R, groups)).astype(np.float32)
+    if groups == 1:  # a per-row scale in its [R] form
+        kv_scale = kv_scale[:, 0]
+    kv_dequant = bf16(kv.astype(np.float32) * np.repeat(kv_scale.reshape(R, -1), D // groups, 1))
+    return q, kv, kv_scale, kv_dequant, idx, bias, sink
+
+
+def emulated_fp8_call(q, kv, kv_scale, idx, bias, sink, scale=0.1):
+    fn = jax.jit(lambda q, kv, s, idx, sink, bias: jsa.gathered_attn_idx(
+        q, kv, idx, sink, bias=bias, scale=scale, kv_scale=s, implementation="nki_emulated",
+        return_lse=True))  # fmt: skip
+    return fn(as_bf16(q), jnp.asarray(kv), jnp.asarray(kv_scale), jnp.asarray(idx),
+              jnp.asarray(sink), jnp.asarray(bias))  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8, groups", [(ml_dtypes.float8_e4m3fn, 1), (ml_dtypes.float8_e5m2, 4)],
+                         ids=["e4m3fn-per-row", "e5m2-groups-of-128"])  # fmt: skip
+def test_emulated_fp8_path_reads_fp8_rows_on_trn2(target, fp8, groups):
+    """nki_emulated on an FP8 cache: the op on kv_dequant (docs/contract.md model), every edge
+    rule kept; on trn2 the kernel itself reads the FP8 rows (half the row bytes of the same call
+    on the bf16 kv_dequant), on trn1 XLA dequantises the slots first (the same bytes as bf16)."""
+    from jax_sparse_attn import nki_emulator
+
+    T, H, D, K, R = 3, 16, 512, 200, 300
+    q, kv, kv_scale, kv_dequant, idx, bias, sink = fp8_api_case(
+        np.random.default_rng(70 + groups), T, H, D, K, R, fp8, groups)  # fmt: skip
+    bias[0, :2] = -np.inf
+    with nki_emulator.recording(cost=True) as rec:
+        out, lse = emulated_fp8_call(q, kv, kv_scale, idx, bias, sink)
+    expected, expected_lse = idx_model(q, kv_dequant, idx, sink, bias, 0.1, with_lse=True)
+    assert_matches_contract(np.asarray(out, np.float32), expected)
+    rows = ((idx >= 0) & (idx < R) & (bias != -np.inf)).any(axis=1)
+    np.testing.assert_allclose(np.asarray(lse)[rows], expected_lse[rows], rtol=2e-6, atol=1e-6)
+    with nki_emulator.recording(cost=True) as rec_bf16:
+        bf16_out = jsa.gathered_attn_idx(as_bf16(q), as_bf16(kv_dequant), jnp.asarray(idx),
+                                         jnp.asarray(sink), bias=jnp.asarray(bias), scale=0.1,
+                                         implementation="nki_emulated")  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(bf16_out, np.float32))
+
+    def dma_bytes(r):
+        return sum(p.cost.hbm_bytes for run in r.runs for p in run.programs)
+
+    gathered = int(np.sum((idx >= 0) & (idx < R) & (bias != -np.inf)))
+    if target == "trn2":  # HBM: D bytes per gathered row instead of 2 * D, plus the slots' scales
+        Kp, Tp = -(-K // 128) * 128, -(-T // 2) * 2  # tokens padded to the 2 programs
+        assert dma_bytes(rec_bf16) - dma_bytes(rec) == gathered * D - Tp * Kp * 4 * groups
+    else:
+        assert dma_bytes(rec_bf16) == dma_bytes(rec)
+
+
+def test_emulated_fp8_path_never_reads_an_unselected_row_or_scale(target):
+    T, H, D, K, R = 2, 8, 256, 150, 400
+    q, kv, kv_scale, _, idx, bias, sink = fp8_api_case(np.random.default_rng(80), T, H, D, K, R,
+                                                       ml_dtypes.float8_e5m2, 2)  # fmt: skip
+    selected = np.zeros(R, bool)
+    selected[idx[(idx >= 0) & (idx < R)]] = True
+    poisoned_kv, poisoned_scale = kv.copy(), kv_scale.copy()
+    poisoned_kv[~selected] = np.nan
+    poisoned_scale[~selected] = np.inf
+    clean = emulated_fp8_call(q, kv, kv_scale, idx, bias, sink)
+    poisoned = emulated_fp8_call(q, poisoned_kv, poisoned_scale, idx, bias, sink)
+    for a, b in zip(clean, poisoned):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_emulated_fp8_path_gradient_and_vmap():
+    """Gradients of q and the sink through the FP8 kernel path equal those of the op on
+    kv_dequant; vmap over sequences with their own caches runs the kernel per sequence."""
+    T, H, D, K, R = 2, 8, 128, 64, 100
+    q, kv, kv_scale, kv_dequant, idx, bias, sink = fp8_api_case(
+        np.random.default_rng(90), T, H, D, K, R, ml_dtypes.float8_e4m3fn, 1)  # fmt: skip
+    w = np.random.default_rng(91).standard_normal(q.shape).astype(np.float32)
+
+    def loss(q, sink, kv, kv_scale, implementation):
+        out = jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, kv_scale=kv_scale,
+                                    implementation=implementation)  # fmt: skip
+        return jnp.sum(out.astype(jnp.float32) * w)
+
+    dq, dsink = jax.grad(loss, argnums=(0, 1))(as_bf16(q), jnp.asarray(sink), jnp.asarray(kv),
+                                               jnp.asarray(kv_scale), "nki_emulated")  # fmt: skip
+    dq0, dsink0 = jax.grad(lambda q, s: jnp.sum(jsa.gathered_attn_idx(
+        q, as_bf16(kv_dequant), idx, s, bias=bias, implementation="reference").astype(jnp.float32) * w),
+        argnums=(0, 1))(as_bf16(q), jnp.asarray(sink))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(dq, np.float32), np.asarray(dq0, np.float32))
+    np.testing.assert_array_equal(np.asarray(dsink), np.asarray(dsink0))
+
+    batched = jax.vmap(lambda q, kv, s: jsa.gathered_attn_idx(
+        q, kv, idx, sink, bias=bias, kv_scale=s, implementation="nki_emulated"))(
+        jnp.stack([as_bf16(q)] * 2), jnp.stack([jnp.asarray(kv), jnp.asarray(kv)[::-1]]),
+        jnp.stack([jnp.asarray(kv_scale), jnp.asarray(kv_scale)[::-1]]))  # fmt: skip
+    single = jsa.gathered_attn_idx(as_bf16(q), jnp.asarray(kv)[::-1], idx, sink, bias=bias,
+                                   kv_scale=jnp.asarray(kv_scale)[::-1],
+                                   implementation="nki_emulated")  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(batched[1], np.float32), np.asarray(single, np.float32))
+    assert_matches_contract(np.asarray(batched[0], np.float32),
+                            idx_model(q, kv_dequant, idx, sink, bias, D**-0.5))  # fmt: skip
+
+
+@pytest.mark.parametrize("H, D, Kp, groups, max_chunk",
+                         [(128, 576, 2048, 1, None), (16, 1024, 1024, 8, 256)])  # fmt: skip
+def test_sbuf_estimate_bounds_the_fp8_kernels_peak(H, D, Kp, groups, max_chunk):
+    """The FP8 kernel's extra tiles (raw rows, zero tile, the token's scales) are in the estimate."""
+    from jax_sparse_attn.nki_emulator import simulate
+
+    ops, _ = fp8_kernel_inputs(np.random.default_rng(8), 2, H, D, Kp, 300, ml_dtypes.float8_e5m2,
+                               groups)  # fmt: skip
+    run = simulate(kernels.gathered_attn_idx_fp8_kernel, target="trn2")
+    run(ops["q"], ops["kv"], ops["slot_scale"], ops["idx"], ops["bias"], ops["sink"],
+        max_chunk=max_chunk)  # fmt: skip
+    peak = run.last_stats["sbuf_peak_bytes_per_partition"]
+    plan = kernels.plan_slots(H, D, Kp, max_chunk=max_chunk, fp8_scale_groups=groups)
+    estimate = kernels.sbuf_bytes_per_partition(H, D, Kp, plan.chunk, plan.scores_in_sbuf,
+                                                fp8_scale_groups=groups)  # fmt: skip
+    assert peak <= estimate <= 1.1 * peak
+
+
+def test_fp8_kernel_compiled_instructions_do_not_grow_with_tokens():
+    """The FP8 kernel keeps the hardware token loop: its zero tile is set once per program, the
+    token's scales and rows are fetched inside the loop body."""
+    from jax_sparse_attn.nki_emulator import simulate
+
+    compiled, executed = [], []
+    for T in (2, 4, 16):
+        ops, _ = fp8_kernel_inputs(np.random.default_rng(T), T, 16, 128, 256, 300,
+                                   ml_dtypes.float8_e4m3fn, 1)  # fmt: skip
+        _, stats = simulate(kernels.gathered_attn_idx_fp8_kernel, target="trn2", stats=True)[2](
+            ops["q"], ops["kv"], ops["slot_scale"], ops["idx"], ops["bias"], ops["sink"])
+        compiled.append(stats.compiled_instructions_per_program)
+        executed.append(stats.instructions)
+    assert compiled[0] == compiled[1] == compiled[2]
+    assert executed[2] > 6 * executed[0]

@@ -7,6 +7,10 @@ target, the launch and the instruction pattern); they differ in how a token's sl
   of the cache ``kv [R, D]`` itself, one indirect DMA per 128 slots driven by
   ``idx [T, 128, Kp/128]`` uint32, with ``oob_mode=skip`` into a zeroed tile: an empty or padding
   slot carries an index outside the cache and reads nothing (nki.isa.dma_copy page, "oob_mode").
+- ``gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink)`` (trn2, trn3): the same
+  on an FP8 cache (``float8_e4m3fn`` / ``float8_e5m2``): the FP8 rows are gathered (half the
+  bytes) and dequantised on chip with the slots' f32 scales, exactly
+  ``(kv.astype(f32) * scale).astype(bf16)`` (docs/neuron-kernel.md, "FP8 caches").
 - ``gathered_attn_kernel(q, g, bias, sink)`` (every target; the one for trn1, which has no
   indirect DMA): the slots are pre-gathered, ``g [T, Kp, D]``, every empty or padding slot's row
   zero (the packing writes those zeros); one plain DMA per chunk of slots.
@@ -102,7 +106,7 @@ class SlotPlan:
 
 def sbuf_bytes_per_partition(
     heads: int, dim: int, slots: int, chunk: int | None = None, scores_in_sbuf: bool = True,
-    *, indexed: bool = True,
+    *, indexed: bool = True, fp8_scale_groups: int = 0,
 ) -> int:
     """SBUF bytes per partition that one token's live tiles occupy at their peak.
 
@@ -112,6 +116,8 @@ def sbuf_bytes_per_partition(
     holds a chunk's rows and their transpose (about ``4 * C * D / 128``) and its bias
     (``4 * C``), the second pass the rows, the bf16 probabilities and their transpose (about
     ``4 * C`` with 128 heads) and the output row. 57 KiB at Kp = C = 2048, D = 576, H = 128.
+    ``fp8_scale_groups`` (the FP8 kernel: ``n`` scales per row) adds the FP8 zero tile and the
+    token's f32 scales, and the raw FP8 rows (one byte per element) while a chunk is fetched.
     """
     chunk = slots if chunk is None else chunk
     chunks = _ceil_div(slots, chunk)
@@ -122,18 +128,22 @@ def sbuf_bytes_per_partition(
     token = q_transposed + BIAS_PREFIX_COLS * 4 + indices + columns
     token += slots * 4 if scores_in_sbuf else 0
     rows = k_tiles * dim * 2
+    fp8_fetch = 0
+    if fp8_scale_groups:  # the zero tile and the token's scales; the raw rows while fetching
+        token += k_tiles * dim + 4 * fp8_scale_groups * (slots // KERNEL_TILE)
+        fp8_fetch = rows + k_tiles * dim + chunk * 4
     spilled_chunk = 0 if scores_in_sbuf else chunk * 4
     first_pass = rows + d_tiles * chunk * 2 + chunk * 4 + MATMUL_MAX_N * 4 + spilled_chunk
     second_pass = (
         rows + spilled_chunk + chunk * 2 + k_tiles * heads * 2 + dim * 2 + 4 * (chunks + 4)
     )
     q_rows = dim * 2  # the [H, D] q rows, before the first pass
-    return token + max(first_pass, second_pass, q_rows)
+    return token + max(first_pass, second_pass, q_rows, fp8_fetch)
 
 
 def plan_slots(
     heads: int, dim: int, slots: int, *, max_chunk: int | None = None, indexed: bool = True,
-    budget: int = SBUF_BYTES_PER_PARTITION,
+    budget: int = SBUF_BYTES_PER_PARTITION, fp8_scale_groups: int = 0,
 ) -> SlotPlan:
     """The largest slot chunk whose working set fits ``budget`` SBUF bytes per partition.
 
@@ -148,10 +158,12 @@ def plan_slots(
     for scores_in_sbuf in (True, False):
         for chunk in candidates:
             need = sbuf_bytes_per_partition(heads, dim, slots, chunk, scores_in_sbuf,
-                                            indexed=indexed)  # fmt: skip
+                                            indexed=indexed,
+                                            fp8_scale_groups=fp8_scale_groups)  # fmt: skip
             if need <= budget:
                 return SlotPlan(slots=slots, chunk=chunk, scores_in_sbuf=scores_in_sbuf)
-    smallest = sbuf_bytes_per_partition(heads, dim, slots, KERNEL_TILE, False, indexed=indexed)
+    smallest = sbuf_bytes_per_partition(heads, dim, slots, KERNEL_TILE, False, indexed=indexed,
+                                        fp8_scale_groups=fp8_scale_groups)  # fmt: skip
     raise ValueError(
         f"head dim D={dim} is too large for the NKI kernel: one 128-slot chunk of rows and its "
         f"transpose with {heads} heads need {smallest} bytes of SBUF per partition, more than "
@@ -212,6 +224,11 @@ class _Source:
     copy_engine: object
     clamp_engine: object
     value_shift: int  # the value product's guard: probabilities scaled by 2**-value_shift
+    row_scale: object = None  # FP8 kernel: the slots' scales [T, 128, Kp/128 * n] f32 in HBM
+    dequant_engine: object = None  # engines of the on-chip dequantisation, in turn
+    scale_groups: int = 0  # FP8 kernel: scales per row (n)
+    fp8_zeros: object = None  # FP8 kernel: a zero FP8 tile [128, C/128, D], set once per program
+    token_scales: object = None  # FP8 kernel: this token's scales [128, Kp/128 * n] f32 (SBUF)
 
     @property
     def indexed(self) -> bool:
@@ -264,6 +281,8 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
     whose unselected rows the packing zeroed.
     """
     k_tiles, dim = width // KERNEL_TILE, src.dim
+    if src.row_scale is not None:
+        return _fetch_fp8_slot_rows(src, row_index, c0, width)
     rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     if not src.indexed:
         # Slot c0 + kc*128 + p of the token lands on partition p, tile kc.
@@ -289,6 +308,45 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
             ),
             oob_mode=nisa.oob_mode.skip,
         )
+    return rows
+
+
+def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
+    """FP8 cache: slots ``c0 .. c0 + width`` as dequantised ``[128 (slot), width/128, D]`` bf16.
+
+    Each 128-slot tile is one indirect DMA of FP8 rows (one byte per element: half the HBM bytes
+    of a bf16 cache) with ``oob_mode=skip`` into a zeroed tile, so an empty slot reads nothing
+    and its row stays 0. The tile is zeroed by a DMA from a zero tile set once per program
+    (``src.fp8_zeros``): a memset of FP8 costs ``N`` cycles, not the ``N/2`` of a bf16 zero (ISA
+    memset page, "Estimated instruction cost"), and the DMA queues carry what the halved row
+    bytes freed. Then one ``tensor_scalar`` multiply per tile and scale group (``G = D / n``
+    columns by the ``[128, 1]`` scale column of that slot tile and group, from the token's
+    scales, ``src.token_scales``, zero for an empty slot): the engine computes in fp32 and rounds
+    once to the bf16 dst (nki.isa.tensor_scalar page, "Data types"), exactly
+    ``(kv.astype(f32) * scale).astype(bf16)``.
+    """
+    k_tiles, dim = width // KERNEL_TILE, src.dim
+    groups = src.scale_groups
+    group_width = dim // groups
+    raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw, src=src.fp8_zeros[:, 0:k_tiles, :])
+    first_tile = c0 // KERNEL_TILE
+    for kc in nl.static_range(k_tiles):
+        nisa.dma_copy(
+            dst=raw[:, kc, :],
+            src=src.slot_rows.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
+                                 vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
+                                 indirect_dim=0),
+            oob_mode=nisa.oob_mode.skip,
+        )  # fmt: skip
+    rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
+    for kc in nl.static_range(k_tiles):
+        for g in nl.static_range(groups):
+            cols = slice(g * group_width, (g + 1) * group_width)
+            column = (first_tile + kc) * groups + g
+            nisa.tensor_scalar(dst=rows[:, kc, cols], data=raw[:, kc, cols], op0=nl.multiply,
+                               operand0=src.token_scales[:, column : column + 1],
+                               engine=getattr(nisa.engine, src.dequant_engine()))  # fmt: skip
     return rows
 
 
@@ -477,6 +535,8 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     # The body is compiled once (a hardware loop): every token must use the same engines, so the
     # round-robin choices restart here (the emulator runs the Python body once per token).
     src.copy_engine.next = src.clamp_engine.next = 0
+    if src.dequant_engine is not None:
+        src.dequant_engine.next = 0
     chunks = plan.chunks
     bounds = [(c * plan.chunk, min(plan.chunk, plan.slots - c * plan.chunk)) for c in range(chunks)]
 
@@ -487,6 +547,12 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         k_all = plan.slots // KERNEL_TILE
         row_index = nl.ndarray((KERNEL_TILE, k_all), dtype=nl.uint32, buffer=nl.sbuf)
         nisa.dma_copy(dst=row_index, src=src.token_rows(src.idx, KERNEL_TILE, k_all))
+        if src.row_scale is not None:
+            # The scales of the token's slots in one DMA, laid out as the indices (zero for an
+            # empty slot: the packing gathers them without reading a row no slot selects).
+            n = k_all * src.scale_groups
+            src.token_scales = nl.ndarray((KERNEL_TILE, n), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=src.token_scales, src=src.token_rows(src.row_scale, KERNEL_TILE, n))
 
     # Pass 1: logits and their max (the max runs over the slots only, never the sink).
     scores = None
@@ -588,9 +654,14 @@ COPY_ENGINES = ("scalar", "scalar", "scalar", "gpsimd")
 # Engines that clamp the multiplied-back dot products, in turn (tensor_scalar runs on Vector,
 # Scalar or GpSimd, nki.isa.tensor_scalar page).
 CLAMP_ENGINES = ("scalar", "vector")
+# Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd). Weighted
+# towards GpSimd, which the FP8 kernel frees of the rows' memset (9 : 4 : 3 in 16; chosen under the
+# cost model at decode, K=2048, H=128, where the other engines already carry more).
+DEQUANT_ENGINES = ("gpsimd", "vector", "gpsimd", "scalar") * 3 + ("gpsimd", "vector", "gpsimd", "gpsimd")
 
 
-def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk):
+def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk,
+                             slot_scale=None, scale_groups=0):  # fmt: skip
     indexed = idx is not None
     tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
@@ -599,7 +670,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     programs, program = nl.num_programs(), nl.program_id(0)
     assert tokens % programs == 0, f"T={tokens} must be a multiple of the {programs} programs"
     per_program = tokens // programs
-    plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, indexed=indexed)
+    plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, indexed=indexed,
+                      fp8_scale_groups=scale_groups)  # fmt: skip
     out = nl.ndarray((tokens, heads, dim), dtype=nl.bfloat16, buffer=nl.shared_hbm)
     lse = nl.ndarray((tokens, heads, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     scratch = None
@@ -614,7 +686,13 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     nisa.memset(dst=token, value=program * per_program)
     assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
     src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES),
-                  _Engines(CLAMP_ENGINES), value_shift)  # fmt: skip
+                  _Engines(CLAMP_ENGINES), value_shift, slot_scale,
+                  _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
+                  scale_groups)  # fmt: skip
+    if slot_scale is not None:
+        src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
+                                   dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip
+        nisa.memset(dst=src.fp8_zeros, value=0.0, engine=nisa.engine.gpsimd)
     # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
     # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
     # release notes, known issues), so every access to a token's data goes through the counter
@@ -649,6 +727,34 @@ def gathered_attn_idx_kernel(q, kv, idx, bias, sink, value_shift=0, max_chunk=No
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk)
 
 
+def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift=0, max_chunk=None):
+    """:func:`gathered_attn_idx_kernel` on an FP8 cache, dequantised on chip (trn2, trn3).
+
+    Args:
+      kv: ``[R, D]`` ``float8_e4m3fn`` or ``float8_e5m2`` (R > 0).
+      slot_scale: ``[T, 128, Kp/128 * n]`` f32, laid out as ``idx``: ``slot_scale[t, p, kc*n + g]``
+        scales columns ``g*D/n .. (g+1)*D/n`` of the row of slot ``kc*128 + p`` (``n`` dividing
+        D; ``n = 1``: one scale per row); 0 for an empty slot. The kernel computes on
+        ``(kv.astype(f32) * scale).astype(bf16)`` of the gathered rows only; the row of an empty
+        slot is never read. Other arguments and the result as :func:`gathered_attn_idx_kernel`.
+    """
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    k_tiles = slots // KERNEL_TILE
+    assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
+        f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
+    )
+    fp8_dtypes = (nl.float8_e4m3fn, nl.float8_e5m2)  # nki.language dtypes (nl is bound late)
+    assert kv.ndim == 2 and kv.dtype in fp8_dtypes, f"kv {kv.shape} {kv.dtype} must be FP8"
+    groups = slot_scale.shape[2] // k_tiles if slot_scale.ndim == 3 else 0
+    assert (slot_scale.ndim == 3 and tuple(slot_scale.shape[:2]) == tuple(idx.shape[:2])
+            and groups > 0 and slot_scale.shape[2] == k_tiles * groups
+            and kv.shape[1] % groups == 0), (
+        f"slot_scale {slot_scale.shape} must be [T, 128, Kp/128 * n] with n dividing D={kv.shape[1]}"
+    )  # fmt: skip
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
+                                    groups)  # fmt: skip
+
+
 def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None):
     """Sparse attention over pre-gathered slot rows; runs on every target (trn1 included: it
     uses neither ``dma_transpose`` nor indirect DMA).
@@ -663,13 +769,14 @@ def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None):
     return _sparse_attn_kernel_body(q, g, None, bias, sink, value_shift, max_chunk)
 
 
-def kernel_for(target: str, indexed: bool):
+def kernel_for(target: str, indexed: bool, fp8: bool = False):
     """The raw kernel for an NKI target and primitive, and whether XLA gathers the rows first.
 
-    On trn2 and trn3 the indexed primitive gathers inside the kernel (indirect DMA); on trn1
-    (NeuronCore-v2: no indirect DMA) its rows are gathered by XLA and both primitives run
+    On trn2 and trn3 the indexed primitive gathers inside the kernel (indirect DMA), from an FP8
+    cache (``fp8``) with :func:`gathered_attn_idx_fp8_kernel`; on trn1 (NeuronCore-v2: no
+    indirect DMA) its rows are gathered (and FP8 rows dequantised) by XLA and both primitives run
     :func:`gathered_attn_kernel`. Returns ``(kernel, gathers_in_xla)``.
     """
     if indexed and target in TARGETS_WITH_DGE:
-        return gathered_attn_idx_kernel, False
+        return (gathered_attn_idx_fp8_kernel if fp8 else gathered_attn_idx_kernel), False
     return gathered_attn_kernel, indexed

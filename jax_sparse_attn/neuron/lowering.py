@@ -93,21 +93,35 @@ def launch_programs(target: str) -> int:
     return info.lnc_default
 
 
-def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None):
-    """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, D], lse [T, H] f32)``."""
+def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None,
+                kv_scale=None):
+    """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, D], lse [T, H] f32)``.
+
+    With ``kv_scale`` (``[R, n]`` f32), ``slot_rows`` is an FP8 cache: the FP8 kernel reads it on
+    trn2/trn3; on trn1 (or with D = 0) XLA gathers and dequantises the slots first."""
     from . import kernels
 
     T, H, D = q.shape
     layout = kernel_layout(T, H, D, bias.shape[1])
     if layout.is_empty or (idx is not None and slot_rows.shape[0] == 0):
         return empty_result(q, sink)
-    kernel, gather_in_xla = kernels.kernel_for(target, idx is not None)
+    kernel, gather_in_xla = kernels.kernel_for(target, idx is not None, fp8=kv_scale is not None)
+    if kv_scale is not None and (gather_in_xla or D == 0):
+        from .. import fp8
+
+        rows = slot_rows.shape[0]
+        in_range = (idx >= 0) & (idx < rows)
+        g = fp8.gather_dequantized(slot_rows, kv_scale, jnp.where(in_range, idx, -1), jnp.bfloat16)
+        bias = jnp.where(in_range, bias, -jnp.inf)
+        return _run_packed(call_kernels, target, q, g, sink, bias, scale)
+    scale_groups = 0 if kv_scale is None else kv_scale.shape[1]
     # Trace-time check that the shape can be planned (only an absurd head dim cannot).
     kernels.plan_slots(layout.heads_per_group, layout.dim_padded, layout.slots_padded,
-                       indexed=idx is not None and not gather_in_xla)  # fmt: skip
+                       indexed=idx is not None and not gather_in_xla,
+                       fp8_scale_groups=scale_groups)  # fmt: skip
     packed, layout = pack_for_kernel(
         q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla,
-        programs=launch_programs(target),
+        programs=launch_programs(target), kv_scale=kv_scale,
     )  # fmt: skip
     # The value product's overflow guard for the user's K (docs/contract.md): the kernel's bf16.
     options = {"value_shift": value_shift(bias.shape[1], "bfloat16")}
@@ -117,6 +131,9 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
 
 def _kernel_args(packed: PackedOperands, group: int) -> tuple:
     """Arguments of one kernel call, in the kernel's order."""
+    if packed.slot_scale is not None:
+        return (packed.q_groups[group], packed.slot_rows, packed.slot_scale, packed.idx,
+                packed.bias, packed.sink_groups[group])
     if packed.idx is not None:
         return (packed.q_groups[group], packed.slot_rows, packed.idx, packed.bias,
                 packed.sink_groups[group])
@@ -200,6 +217,8 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
     arrays = [packed.q_groups, packed.slot_rows, packed.bias, packed.sink_groups]
     if packed.idx is not None:
         arrays.insert(2, packed.idx)
+    if packed.slot_scale is not None:
+        arrays.insert(2, packed.slot_scale)
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
     packed_result = jax.pure_callback(
@@ -225,6 +244,59 @@ def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale):
     return _run_packed(
         _call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx
     )
+
+
+def emulated_gathered_attn_idx_fp8_lse(q, kv, kv_scale, idx, sink, bias, scale):
+    """``implementation="nki_emulated"`` on an FP8 cache: the FP8 kernel
+    (``gathered_attn_idx_fp8_kernel``, trn2/trn3) reads the FP8 rows and their scales and
+    dequantises on chip; on trn1 XLA gathers and dequantises the slots for the pre-gathered
+    kernel. ``kv [R, D]`` FP8, ``kv_scale [R, n]`` f32; other operands and the result as
+    :func:`nki_gathered_attn_idx_lse`. Not differentiable by itself (a host callback): the API
+    wraps it (:func:`fp8_idx_attention`)."""
+    return _run_packed(_call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
+                       kv_scale=kv_scale)  # fmt: skip
+
+
+def nki_gathered_attn_idx_fp8_lse(q, kv, kv_scale, idx, sink, bias, scale):
+    """The Neuron device's FP8 path (as :func:`emulated_gathered_attn_idx_fp8_lse`, through
+    ``nki.jit``). Not yet wired to the ``"neuron"`` lowering: the primitive has no FP8 operand."""
+    return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
+                       kv_scale=kv_scale)  # fmt: skip
+
+
+@jax.custom_vjp
+def fp8_idx_attention(q, kv, kv_scale, idx, sink, bias, scale):
+    """``gathered_attn_idx`` on an FP8 cache under ``implementation="nki_emulated"``: the FP8
+    kernel forward (:func:`emulated_gathered_attn_idx_fp8_lse`); the gradient (of q, sink, bias
+    and scale; the cache, its scales and the indices get none) is the one of the pre-gathered op
+    on the dequantised slots (``jax_sparse_attn/fp8.py``), which the kernel's forward equals.
+    Operands normalised as the primitive's (``idx`` -1 for an empty slot); returns
+    ``(out, lse)``."""
+    return emulated_gathered_attn_idx_fp8_lse(q, kv, kv_scale, idx, sink, bias, scale)
+
+
+def _pre_gathered_fp8(q, kv, kv_scale, idx, sink, bias, scale):
+    from .. import fp8
+
+    g = fp8.gather_dequantized(kv, kv_scale, idx, q.dtype)
+    bias = jnp.where(idx >= 0, bias, -jnp.inf)
+    return primitives.gathered_attn_p.bind(q, g, sink, bias, scale, implementation="reference")
+
+
+def _fp8_idx_attention_fwd(q, kv, kv_scale, idx, sink, bias, scale):
+    return fp8_idx_attention(q, kv, kv_scale, idx, sink, bias, scale), (q, kv, kv_scale, idx, sink,
+                                                                         bias, scale)  # fmt: skip
+
+
+def _fp8_idx_attention_bwd(residuals, cotangents):
+    q, kv, kv_scale, idx, sink, bias, scale = residuals
+    _, vjp = jax.vjp(lambda q, s, b, c: tuple(_pre_gathered_fp8(q, kv, kv_scale, idx, s, b, c)),
+                     q, sink, bias, scale)  # fmt: skip
+    dq, dsink, dbias, dscale = vjp(tuple(cotangents))
+    return dq, None, None, None, dsink, dbias, dscale
+
+
+fp8_idx_attention.defvjp(_fp8_idx_attention_fwd, _fp8_idx_attention_bwd)
 
 
 def emulated_gathered_attn(q, g, sink, bias, scale):

@@ -107,6 +107,10 @@ class PackedOperands(NamedTuple):
                  column 16.
     sink_groups: ``[G, Hg, 1]`` f32.
     row_has_slot: ``[T]`` bool, whether the token has at least one valid slot.
+    slot_scale:  FP8 kernel only: ``[Tp, 128, Kp/128 * n]`` f32, laid out as ``idx``:
+                 ``[t, p, kc*n + g]`` the scale of group g of slot ``kc*128 + p``'s row, 0 for an
+                 empty slot; ``slot_rows`` is then the FP8 cache ``[R, D]`` as the user gave it
+                 (no copy, no dequantisation). Else ``None``.
     """
 
     q_groups: jax.Array
@@ -115,6 +119,7 @@ class PackedOperands(NamedTuple):
     bias: jax.Array
     sink_groups: jax.Array
     row_has_slot: jax.Array
+    slot_scale: Optional[jax.Array] = None
 
 
 def _pad_axis(x, axis: int, size: int, value=0):
@@ -124,7 +129,8 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 
 def pack_for_kernel(
-    q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False, programs: int = 1
+    q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False, programs: int = 1,
+    kv_scale=None,
 ) -> tuple[PackedOperands, KernelLayout]:
     """Packs normalised primitive operands for the NKI kernels.
 
@@ -134,6 +140,10 @@ def pack_for_kernel(
       scale: ``[T]`` f32. idx: ``[T, K]`` int32 or ``None``; outside ``[0, R)`` = empty slot.
       gather_in_xla: with ``idx``, gather the rows here for the pre-gathered kernel (trn1).
       programs: the kernel's launch grid; the tokens are padded to a multiple of it.
+      kv_scale: ``[R, n]`` f32 with an FP8 ``kv`` (``D > 0``, ``idx`` given, not
+        ``gather_in_xla``): the FP8 kernel's operands. The cache passes through unchanged; the
+        scales of the slots are gathered here (``T * Kp * n`` f32, no scale of a row that no slot
+        selects is read).
     Returns the packed operands and the static layout. The layout must not be empty.
     """
     T, H, D = q.shape
@@ -173,8 +183,19 @@ def pack_for_kernel(
         packed_idx = _pad_axis(jnp.where(valid, idx.astype(jnp.uint32), empty), 1, Kp, empty)
         # Slot kc*128 + p at [t, p, kc]: partition p's indices are contiguous (one DMA per token).
         packed_idx = packed_idx.reshape(Tp, Kp // KERNEL_TILE, KERNEL_TILE).transpose(0, 2, 1)
-        packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
+        if kv_scale is None:
+            packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
+        else:  # the FP8 kernel reads the cache as it is, and the scales of its slots
+            assert Dp == D and kv_scale.ndim == 2 and kv_scale.shape[0] == slot_rows.shape[0]
+            rows, n = kv_scale.shape
+            packed_rows = slot_rows
+            in_cache = jnp.where(valid, idx, rows)  # out of range: filled with 0, nothing read
+            slot_scale = kv_scale.astype(jnp.float32).at[in_cache].get(mode="fill", fill_value=0)
+            slot_scale = _pad_axis(slot_scale, 1, Kp)  # [Tp, Kp, n]
+            slot_scale = slot_scale.reshape(Tp, Kp // KERNEL_TILE, KERNEL_TILE, n)
+            kv_scale = slot_scale.transpose(0, 2, 1, 3).reshape(Tp, KERNEL_TILE, -1)
     else:
+        assert kv_scale is None, "FP8 rows gathered by XLA are dequantised before packing"
         packed_idx = None
         if idx is not None:  # trn1: XLA gathers (row 0 for an empty slot, replaced just below)
             slot_rows = slot_rows[jnp.where(valid, idx, 0)]
@@ -188,6 +209,7 @@ def pack_for_kernel(
         bias=packed_bias,
         sink_groups=sink_groups,
         row_has_slot=row_has_slot,
+        slot_scale=kv_scale,
     )
     return packed, layout
 

@@ -55,6 +55,9 @@ _PACKAGE = __name__.rsplit(".", 1)[0]
 
 # NKI's float8_e4m3 is the IEEE-style e4m3 (with infinities) where ml_dtypes has it (>= 0.5).
 _FP8_E4M3 = getattr(ml_dtypes, "float8_e4m3", ml_dtypes.float8_e4m3fn)
+# nl.float8_e4m3fn (new in NKI 0.2.0, release notes "New dtypes"; language pages: "Extended range:
+# no inf, NaN represented by 0bS111'1111") is the OCP e4m3fn format, JAX's jnp.float8_e4m3fn.
+_FP8_E4M3FN = ml_dtypes.float8_e4m3fn
 
 SUPPORTED_DTYPES = frozenset(
     np.dtype(t)
@@ -63,6 +66,7 @@ SUPPORTED_DTYPES = frozenset(
         ml_dtypes.bfloat16,
         np.float16,
         _FP8_E4M3,
+        _FP8_E4M3FN,
         ml_dtypes.float8_e5m2,
         np.int32,
         np.uint32,
@@ -76,7 +80,7 @@ SUPPORTED_DTYPES = frozenset(
 F32 = np.dtype(np.float32)
 FLOAT_DTYPES = frozenset(
     np.dtype(t)
-    for t in (np.float32, ml_dtypes.bfloat16, np.float16, _FP8_E4M3, ml_dtypes.float8_e5m2)
+    for t in (np.float32, ml_dtypes.bfloat16, np.float16, _FP8_E4M3, _FP8_E4M3FN, ml_dtypes.float8_e5m2)
 )
 
 

@@ -265,6 +265,7 @@ class CostRecord:
     engine_us: dict[str, float] = field(default_factory=lambda: dict.fromkeys(ENGINES, 0.0))
     by_instruction: dict[str, list] = field(default_factory=dict)  # instr -> [count, us]
     dma_bytes: int = 0
+    hbm_bytes: int = 0  # of dma_bytes, those read from or written to HBM (at the HBM side's dtype)
 
     @property
     def hw(self) -> Hardware:
@@ -344,6 +345,9 @@ class CostRecord:
         if dynamic and not indirect_rows and nc_version >= 3:
             ns += HWDGE_NS / HWDGE_INSTANCES
         self.dma_bytes += nbytes
+        for side in (src, dst):
+            if not _on_chip(side):
+                self.hbm_bytes += elements * np.dtype(side.dtype).itemsize
         self._charge(instr, "dma", ns / 1e3)
         if indirect_rows or (dynamic and nc_version < 3):
             descriptors = indirect_rows or chunks
@@ -357,7 +361,15 @@ class CostRecord:
             "busiest_engine": self.busiest_engine,
             "per_engine_us": dict(self.engine_us),
             "dma_bytes": self.dma_bytes,
+            "hbm_bytes": self.hbm_bytes,
         }
+
+
+def _on_chip(x: Any) -> bool:
+    """Whether a DMA side lives in SBUF/PSUM (access patterns are on HBM tensors only)."""
+    from ._core import AccessPattern
+
+    return not isinstance(x, AccessPattern) and x.buffer.on_chip
 
 
 def _chunks(x: Any, shape: tuple) -> int:
@@ -400,16 +412,22 @@ def _chunks(x: Any, shape: tuple) -> int:
 # Bounds of the attention op
 
 
-def attention_bounds(target: str, T: int, H: int, D: int, K: int, *, itemsize: int = 2) -> dict:
+def attention_bounds(
+    target: str, T: int, H: int, D: int, K: int, *, itemsize: int = 2,
+    row_itemsize: int | None = None, scales_per_row: int = 0,
+) -> dict:
     """``hbm_bound_us`` and ``pe_bound_us`` of one call, per LOGICAL core of ``target``.
 
     HBM: the bytes that must move once: q ``T*H*D``, the gathered slot rows ``T*K*D`` and the
-    output ``T*H*D`` (``itemsize`` bytes each), and the bias ``T*K`` fp32, over the HBM bandwidth
-    of the logical core's physical cores. PE: the two attention matmuls, ``4*T*H*K*D`` flops, at
-    the BF16 TensorE peak of those cores. A MODEL (see the module docstring for sources).
+    output ``T*H*D`` (``itemsize`` bytes each; the rows ``row_itemsize`` when given, 1 for an FP8
+    cache, plus ``scales_per_row`` f32 scales per gathered row), and the bias ``T*K`` fp32, over
+    the HBM bandwidth of the logical core's physical cores. PE: the two attention matmuls,
+    ``4*T*H*K*D`` flops, at the BF16 TensorE peak of those cores. A MODEL (see the module
+    docstring for sources).
     """
     hw = HARDWARE[target]
-    nbytes = (2 * T * H * D + T * K * D) * itemsize + T * K * 4
+    row_itemsize = itemsize if row_itemsize is None else row_itemsize
+    nbytes = 2 * T * H * D * itemsize + T * K * D * row_itemsize + T * K * 4 * (1 + scales_per_row)
     flops = 4 * T * H * K * D
     return {
         "hbm_bound_us": nbytes / (hw.hbm_gbps_per_core * hw.lnc * 1e3),

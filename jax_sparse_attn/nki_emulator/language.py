@@ -16,6 +16,7 @@ import numpy as np
 from ..constants import PARTITIONS, PSUM_BANK_FP32
 from ._core import (
     _FP8_E4M3,
+    _FP8_E4M3FN,
     F32,
     FLOAT_DTYPES,
     HBM,
@@ -39,7 +40,7 @@ from .errors import (
 )
 
 __all__ = [
-    "bfloat16", "float32", "float16", "float8_e4m3", "float8_e5m2", "int32", "uint32", "int16",
+    "bfloat16", "float32", "float16", "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "int32", "uint32", "int16",
     "uint16", "int8", "uint8", "sbuf", "psum", "hbm", "shared_hbm", "private_hbm", "tile_size",
     "ndarray", "zeros", "full", "load", "store", "copy", "broadcast_to", "add", "subtract",
     "multiply", "divide", "maximum", "minimum", "negative", "exp", "log", "tanh", "sqrt", "square",
@@ -51,6 +52,7 @@ bfloat16 = ml_dtypes.bfloat16
 float32 = np.float32
 float16 = np.float16
 float8_e4m3 = _FP8_E4M3
+float8_e4m3fn = _FP8_E4M3FN  # language pages: nl.float8_e4m3fn (NKI >= 0.2.0)
 float8_e5m2 = ml_dtypes.float8_e5m2
 int32 = np.int32
 uint32 = np.uint32
