@@ -29,11 +29,9 @@ def gather(kv, idx):
     return x, valid
 
 
-def attention_f64(q, x, valid, sink=None, bias=None, scale=None):
-    """float64 softmax attention with a sink in the denominator.
-
-    q [T, H, D], x [T, K, D], valid [T, K] bool, sink [H] or None, bias [T, K] or None.
-    """
+def _f64_operands(q, x, valid, sink, bias, scale):
+    """The float64 oracles' operands: q, x in float64, valid without the ``-inf`` bias slots, sink
+    ``[H]`` (``-inf`` for none), bias ``[T, K]`` (0 for none), scale (``D ** -0.5`` for none)."""
     q = np.asarray(q, np.float64)
     x = np.asarray(x, np.float64)
     T, H, D = q.shape
@@ -43,6 +41,16 @@ def attention_f64(q, x, valid, sink=None, bias=None, scale=None):
     valid &= ~np.isneginf(bias)
     sink = np.full(H, -np.inf) if sink is None else np.asarray(sink, np.float64)
     scale = D**-0.5 if scale is None else float(scale)
+    return q, x, valid, sink, bias, scale
+
+
+def attention_f64(q, x, valid, sink=None, bias=None, scale=None):
+    """float64 softmax attention with a sink in the denominator.
+
+    q [T, H, D], x [T, K, D], valid [T, K] bool, sink [H] or None, bias [T, K] or None.
+    """
+    q, x, valid, sink, bias, scale = _f64_operands(q, x, valid, sink, bias, scale)
+    T, H, D = q.shape
     out = np.zeros((T, H, D))
     for t in range(T):
         if not valid[t].any():
@@ -105,15 +113,8 @@ def lse_f64(q, x, valid, sink=None, bias=None, scale=None):
 
     Same arguments as ``attention_f64``. No valid slot: the sink alone (``-inf`` without one).
     """
-    q = np.asarray(q, np.float64)
-    x = np.asarray(x, np.float64)
+    q, x, valid, sink, bias, scale = _f64_operands(q, x, valid, sink, bias, scale)
     T, H, D = q.shape
-    K = x.shape[1]
-    valid = np.asarray(valid, bool).copy()
-    bias = np.zeros((T, K)) if bias is None else np.asarray(bias, np.float64)
-    valid &= ~np.isneginf(bias)
-    sink = np.full(H, -np.inf) if sink is None else np.asarray(sink, np.float64)
-    scale = D**-0.5 if scale is None else float(scale)
     out = np.zeros((T, H))
     for t in range(T):
         logits = (q[t] @ x[t][valid[t]].T) * scale + bias[t][valid[t]][None, :]  # [H, k]
