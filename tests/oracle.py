@@ -126,3 +126,25 @@ def lse_f64(q, x, valid, sink=None, bias=None, scale=None):
             else:
                 out[t, h] = top[h] + np.log(np.sum(np.exp(terms[h] - top[h])))
     return out
+
+
+def central_differences(value, base, names, eps=1e-6):
+    """``d value(args) / d args[name]`` for each of ``names``, by central differences.
+
+    ``value`` maps a dict of arguments to a float64 scalar; ``base`` holds float64 arrays (and
+    anything else ``value`` needs, passed through). Non-finite entries of an argument get 0.
+    """
+    grads = {}
+    for name in names:
+        v = base[name]
+        grad = np.zeros(np.shape(v))
+        for j in np.ndindex(np.shape(v)):
+            if not np.isfinite(v[j]):
+                continue
+            plus, minus = dict(base), dict(base)
+            plus[name], minus[name] = v.copy(), v.copy()
+            plus[name][j] += eps
+            minus[name][j] -= eps
+            grad[j] = (value(plus) - value(minus)) / (2 * eps)
+        grads[name] = grad
+    return grads

@@ -12,7 +12,7 @@ import pytest
 
 import jax_sparse_attn as jsa
 from jax_sparse_attn import reference
-from oracle import BF16, attention_f64, gather
+from oracle import BF16, attention_f64, central_differences, gather
 
 T, H, D, R, K = 6, 3, 4, 6, 5
 SCALE = 0.4
@@ -62,21 +62,9 @@ def finite_difference_vjp(form, inputs, cotangent, eps=1e-6):
     """d/d(arg) of sum(oracle * cotangent) for every float argument, by central differences."""
     base = {k: (None if v is None else np.asarray(v, np.float64)) for k, v in inputs.items()}
     base["idx"] = inputs["idx"]
-    grads = {}
-    for name in FLOAT_ARGS:
-        value = base[name]
-        grad = np.zeros(np.shape(value))
-        for j in np.ndindex(np.shape(value)):
-            if not np.isfinite(value[j]):
-                continue
-            plus, minus = dict(base), dict(base)
-            plus[name], minus[name] = value.copy(), value.copy()
-            plus[name][j] += eps
-            minus[name][j] -= eps
-            diff = oracle(form, **plus) - oracle(form, **minus)
-            grad[j] = np.sum(diff * cotangent) / (2 * eps)
-        grads[name] = grad
-    return grads
+    return central_differences(
+        lambda args: np.sum(oracle(form, **args) * cotangent), base, FLOAT_ARGS, eps
+    )
 
 
 def vjp_of_op(form, inputs, cotangent, **kw):
