@@ -7,35 +7,17 @@ against the float64 oracle (max and mean), and the lse within 1e-5. Mesh axes Au
 rows alone, and rows with tokens or heads of q split over a second mesh axis.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 import cache_sharding_checks as checks
+from conftest import run_on_8_devices
 
 pytestmark = pytest.mark.slow
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
 def records():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), str(HERE),
-                                                      env.get("PYTHONPATH")]))
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    env.setdefault("PJRT_NPROC", "16")  # per-device host callbacks (see test_sharding.py)
-    proc = subprocess.run([sys.executable, str(HERE / "cache_sharding_checks.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["check"]: r for r in found}
+    return run_on_8_devices("cache_sharding_checks.py")
 
 
 CASES = [f"{layout}/{axis_type}" for axis_type in ("Auto", "Explicit")

@@ -7,20 +7,14 @@ split (q and sink). Both kinds of mesh axes are covered: Auto (custom_partitioni
 (shard_map; the default of ``jax.make_mesh`` in JAX 0.10).
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 import sharding_checks as checks
+from conftest import run_on_8_devices
 
 # One subprocess with 8 host devices compiles every layout: about 30 s on 2 cores.
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
 IMPLEMENTATIONS = [None, "nki_emulated"]
 AXIS_TYPES = ("Auto", "Explicit")
 FORMS = ("idx", "gathered")
@@ -28,23 +22,7 @@ FORMS = ("idx", "gathered")
 
 @pytest.fixture(scope="module")
 def records():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    # XLA's CPU client sizes its thread pool by the host's cores. With 8 virtual devices on a
-    # small host, 8 per-device host callbacks (nki_emulated) can hold every pool thread while
-    # JAX's callback wrapper waits on a copy that needs one more: a deadlock seen on 2 cores.
-    env.setdefault("PJRT_NPROC", "16")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "sharding_checks.py"), *map(str, IMPLEMENTATIONS)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["check"]: r for r in found}
+    return run_on_8_devices("sharding_checks.py", *map(str, IMPLEMENTATIONS))
 
 
 def _cases(prefix, with_implementation=False):
