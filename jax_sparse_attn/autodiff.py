@@ -78,17 +78,25 @@ _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 # --- formulas -----------------------------------------------------------------------------------
 
 
-def _softmax_parts(q, x, valid, sink, bias, scale):
+def _softmax_parts(q, x, valid, sink, bias, scale, extra=None):
     """Recomputes the forward's probabilities for a chunk of tokens, in f32.
 
-    Args: q ``[c, H, D]`` and x ``[c, K, D]`` slot rows, both in the input dtype (16-bit products
-    are exact in the f32 accumulator, so the logits are those of an f32 product), valid ``[c, K]``
-    bool, sink ``[H]``, bias ``[c, K]``, scale ``[c]``.
-    Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, all f32.
+    Args: q ``[c, H, D]`` in the input dtype, x ``[c, K, D]`` f32 slot rows (the input dtype's
+    values, exactly), valid ``[c, K]`` bool, sink ``[H]``, bias ``[c, K]``, scale ``[c]``; ``extra``
+    ``[c, M, D]`` f32 rows whose products with the slots ``extra . x_j`` are wanted as well (the
+    cotangent's ``u``): they share one matrix product with the logits, which reads the slot rows
+    once. The products of 16-bit values are exact in f32, so the logits are those of the
+    forward's product up to the order of the sum.
+    Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, all f32, and the
+    ``[c, M, K]`` products of ``extra`` (None without it).
     """
+    H = q.shape[1]
     q_scaled, up = reference.prescale_queries(q)
-    z = _einsum("thd,tkd->thk", q_scaled, x, preferred_element_type=jnp.float32)
-    z = reference.scale_up(z, up)
+    rows = q_scaled.astype(jnp.float32)
+    if extra is not None:
+        rows = jnp.concatenate([rows, extra], axis=1)
+    zu = _einsum("thd,tkd->thk", rows, x)
+    z = reference.scale_up(zu[:, :H], up)
     s = reference.saturated_logits(z, valid[:, None, :], bias[:, None, :], scale[:, None, None])
     sink_wins = sink == jnp.inf  # that head's output is exactly 0
     sink_finite = jnp.where(sink_wins, 0.0, sink)  # -inf stays: exp(-inf - m) = 0
@@ -100,7 +108,7 @@ def _softmax_parts(q, x, valid, sink, bias, scale):
     live = jnp.any(valid, axis=-1)[:, None] & ~sink_wins[None, :]
     p = jnp.where(live[..., None], e / den[..., None], 0.0)
     p_sink = jnp.where(live, e_sink / den, 0.0)
-    return z, p, p_sink
+    return z, p, p_sink, (None if extra is None else zu[:, H:])
 
 
 def _lse_sink_weight(valid, sink, p_sink, live):
@@ -126,8 +134,12 @@ def _slots(indexed, src, idx, bias, live):
 
 
 def _gather_slots(src, rows):
-    """``src[rows]`` with zeros for out-of-range rows (never reads an unselected row)."""
-    return src.at[rows].get(mode="fill", fill_value=0)
+    """``src[rows]`` with zeros for out-of-range rows (never reads an unselected row).
+
+    The rows move as raw bits (``reference.gather_bits``): XLA:CPU would otherwise widen a 16-bit
+    cache to f32 as a whole before gathering, on every call.
+    """
+    return reference.gather_bits(src, rows)
 
 
 def _zero_unselected(g, valid):
@@ -135,22 +147,24 @@ def _zero_unselected(g, valid):
     return jnp.where(valid[..., None], g, jnp.zeros((), g.dtype))
 
 
-def _recompute(indexed, primal, live):
+def _recompute(indexed, primal, live, extra=None):
     """The forward's intermediates for a chunk (f32): q, slot rows x, validity, gather rows,
-    scale, and ``_softmax_parts``'s z, p, p_sink. ``primal``: the operands by name."""
+    scale, and ``_softmax_parts``'s z, p, p_sink and products of ``extra``. ``primal``: the
+    operands by name."""
     q = primal["q"]
     x, valid, rows = _slots(indexed, primal["kv" if indexed else "g"], primal.get("idx"),
                             primal["bias"], live)
-    x = x.astype(q.dtype)
+    x = x.astype(q.dtype).astype(jnp.float32)
     scale = primal["scale"]
-    z, p, p_sink = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale)
-    return q.astype(jnp.float32), x.astype(jnp.float32), valid, rows, scale, z, p, p_sink
+    z, p, p_sink, products = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale,
+                                            extra)
+    return q.astype(jnp.float32), x, valid, rows, scale, z, p, p_sink, products
 
 
 def _tangent_chunk(indexed, active, primal, tangent, live):
     """Tangents of the output ``[c, H, D]`` and of the lse ``[c, H]`` (f32) for a chunk.
     ``primal``/``tangent``: dicts by name."""
-    q, x, valid, rows, scale, z, p, p_sink = _recompute(indexed, primal, live)
+    q, x, valid, rows, scale, z, p, p_sink, _ = _recompute(indexed, primal, live)
     o = _einsum("thk,tkd->thd", p, x)
 
     src_name = "kv" if indexed else "g"
@@ -185,9 +199,8 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
 def _cotangent_chunk(indexed, wanted, primal, ct, live):
     """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input.
     ``ct``: the cotangents of the output ``[c, H, D]`` and of the lse ``[c, H]``."""
-    q, x, valid, rows, scale, z, p, p_sink = _recompute(indexed, primal, live)
     ct, ct_lse = ct[0].astype(jnp.float32), ct[1].astype(jnp.float32)
-    u = _einsum("thd,tkd->thk", ct, x)
+    q, x, valid, rows, scale, z, p, p_sink, u = _recompute(indexed, primal, live, extra=ct)
     # delta = do . o = sum_j p_j (do . x_j): from u, without recomputing o (one product fewer)
     delta = jnp.sum(p * u, axis=-1)
     dS = p * (u - delta[..., None] + ct_lse[..., None])
@@ -197,7 +210,8 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live):
     if "g" in wanted or "kv" in wanted:
         # sum_h (p do + c dS q) as one product over 2H rows: [p | c dS]^T [do | q]
         weights = jnp.concatenate([p, scale[:, None, None] * dS], axis=1)
-        dx = _einsum("thk,thd->tkd", weights, jnp.concatenate([ct, q], axis=1))
+        weights = jnp.swapaxes(weights, 1, 2)  # [c, K, 2H]: the product's preferred layout
+        dx = _einsum("tkh,thd->tkd", weights, jnp.concatenate([ct, q], axis=1))
         if indexed:
             # Empty slots are out of range (rows == R) and dropped by the scatter.
             out["kv"] = (rows, dx)
@@ -255,10 +269,31 @@ def _over_token_chunks(step, token_arrays, chunk: int, carry):
         a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
         return a.reshape((n, chunk) + a.shape[1:])
 
-    xs = (jax.tree_util.tree_map(split, token_arrays), split(jnp.ones((T,), bool)))
-    carry, outs = jax.lax.scan(lambda c, a: step(c, *a), carry, xs)
+    # 16-bit floats cross the loop as raw bits: XLA:CPU would otherwise widen the whole array to
+    # f32 on every step to take one chunk's slice (reference._map_tokens does the same).
+    dtypes = jax.tree_util.tree_map(lambda a: a.dtype, token_arrays)
+    bits = jax.tree_util.tree_map(_to_bits_if_16, token_arrays)
+
+    def bits_step(c, chunk_bits, live):
+        chunk_arrays = jax.tree_util.tree_map(_from_bits_if_16, chunk_bits, dtypes)
+        return step(c, chunk_arrays, live)
+
+    xs = (jax.tree_util.tree_map(split, bits), split(jnp.ones((T,), bool)))
+    carry, outs = jax.lax.scan(lambda c, a: bits_step(c, *a), carry, xs)
     outs = jax.tree_util.tree_map(lambda a: a.reshape((n * chunk,) + a.shape[2:])[:T], outs)
     return carry, outs
+
+
+def _to_bits_if_16(a):
+    """A 16-bit float array as its raw bits (``uint16``); anything else unchanged."""
+    if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(a, jnp.uint16)
+    return a
+
+
+def _from_bits_if_16(a, dtype):
+    """Inverse of ``_to_bits_if_16``."""
+    return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
 
 
 def _by_role(named: dict):

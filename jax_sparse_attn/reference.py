@@ -141,6 +141,12 @@ def _gather_rows(kv_bits, rows):
     return kv_bits.at[rows].get(mode="fill", fill_value=0)
 
 
+def gather_bits(src, rows):
+    """``src[rows]`` for a float array ``src [R, D]``, zeros for out-of-range rows, gathered as
+    raw bits (``_gather_rows``)."""
+    return _from_bits(_gather_rows(_to_bits(src), rows), src.dtype)
+
+
 def prescale_queries(q):
     """The dot products' guard against f32 overflow: q ``[..., H, D]`` -> ``(q_scaled, up)``.
 
