@@ -287,13 +287,13 @@ def _over_token_chunks(step, token_arrays, chunk: int, carry):
 def _to_bits_if_16(a):
     """A 16-bit float array as its raw bits (``uint16``); anything else unchanged."""
     if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize == 2:
-        return jax.lax.bitcast_convert_type(a, jnp.uint16)
+        return reference.to_bits(a)
     return a
 
 
 def _from_bits_if_16(a, dtype):
     """Inverse of ``_to_bits_if_16``."""
-    return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
+    return reference.from_bits(a, dtype) if a.dtype != dtype else a
 
 
 def _by_role(named: dict):

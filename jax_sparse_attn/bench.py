@@ -189,6 +189,25 @@ def _square_gemm(flops: int, seed: int = 1):
     return jax.jit(jnp.matmul), (a, b), 2 * n**3
 
 
+def _kv_scatter(shape: Shape, seed: int = 2):
+    """The cache gradient's bare accumulation, a baseline for ``--grad``: for each of T tokens, K
+    rows of D f32 values (already computed) added into an f32 ``[R, D]`` array at the token's
+    slot rows, then cast to the cache's 16-bit dtype. Any backward that returns ``d kv`` in f32
+    accuracy does at least this memory traffic (a read-modify-write of T K rows of D f32 at rows
+    spread over the cache). Returns (fn, args)."""
+    T, K, D, R = shape.T, shape.K, shape.D, shape.R
+    rows = jax.random.randint(jax.random.key(seed), (T, K), 0, R, jnp.int32)
+    values = jax.random.normal(jax.random.key(seed + 1), (K, D), jnp.float32)
+
+    def scatter(rows, values):
+        def step(acc, rows_t):  # each token's values differ (scaled by its first row index)
+            return acc.at[rows_t].add(values * rows_t[0].astype(jnp.float32), mode="drop"), None
+        acc, _ = jax.lax.scan(step, jnp.zeros((R, D), jnp.float32), rows)
+        return acc.astype(jnp.bfloat16)
+
+    return jax.jit(scatter), (rows, values)
+
+
 def _time_rounds(fns: dict[str, tuple[Callable, tuple]], repeats: int, warmup: int,
                  cpu_times: Optional[dict] = None) -> dict:
     """Runs each function ``warmup`` times, then ``repeats`` interleaved rounds; seconds per call.
@@ -265,6 +284,8 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
     if gemm:
         gemm_fn, gemm_args, gemm_flops = _square_gemm(flops)
         fns["gemm_f32"] = (gemm_fn, gemm_args)
+    if grad:
+        fns["kv_scatter"] = _kv_scatter(shape)
     load_before = _load_average()
     cpu_times: dict = {}
     times = _time_rounds(fns, repeats, warmup, cpu_times)
@@ -295,6 +316,13 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         # Ratio of the per-round ratios: less sensitive to a slow round than the ratio of medians.
         rec["naive_over_op_per_round_median"] = float(
             np.median(np.array(times["naive"]) / np.array(times["op"])))
+    if grad:
+        # How much of the op's time the cache gradient's bare accumulation alone takes, and the
+        # GEMM fraction the op could reach if everything else ran at the GEMM's rate.
+        rec["kv_scatter_over_op"] = med["kv_scatter"] / med["op"]
+        if gemm:
+            rec["gemm_fraction_bound_given_kv_scatter"] = med["gemm_f32"] / (
+                med["gemm_f32"] + med["kv_scatter"])
     if gemm:
         rec["gemm_f32_flops"] = gemm_flops
         rec["gemm_f32_gflops"] = gemm_flops / med["gemm_f32"] / 1e9
@@ -615,6 +643,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result["records"].append(rec)
             print(format_table([rec]).splitlines()[-1] if len(result["records"]) > 1
                   else format_table([rec]), flush=True)
+            if "kv_scatter_over_op" in rec:
+                bound = rec.get("gemm_fraction_bound_given_kv_scatter")
+                print(f"  {shape.name}: the bare d kv accumulation (T K rows of D f32 into [R, D]) "
+                      f"takes {rec['median_s']['kv_scatter'] * 1e3:.1f} ms, "
+                      f"{rec['kv_scatter_over_op']:.2f} of the op's time"
+                      + (f"; with everything else at the GEMM's rate the op would reach "
+                         f"{bound:.2f} of it" if bound is not None else ""), flush=True)
         ok = True
     if a.json:
         with open(a.json, "w") as f:

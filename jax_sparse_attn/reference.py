@@ -119,11 +119,14 @@ def _bits_dtype(dtype) -> np.dtype:
     return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
 
 
-def _to_bits(x):
+def to_bits(x):
+    """``x``'s raw bit patterns (the unsigned integer type of its width). Loops carry 16-bit floats
+    this way: XLA:CPU widens a 16-bit operand of a loop to f32 as a whole on every step."""
     return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
 
 
-def _from_bits(bits, dtype):
+def from_bits(bits, dtype):
+    """Inverse of ``to_bits``."""
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
@@ -144,7 +147,7 @@ def _gather_rows(kv_bits, rows):
 def gather_bits(src, rows):
     """``src[rows]`` for a float array ``src [R, D]``, zeros for out-of-range rows, gathered as
     raw bits (``_gather_rows``)."""
-    return _from_bits(_gather_rows(_to_bits(src), rows), src.dtype)
+    return from_bits(_gather_rows(to_bits(src), rows), src.dtype)
 
 
 def prescale_queries(q):
@@ -296,9 +299,9 @@ def _attend_bits(dtype):
     scale [], sink [H]) -> (output bits [H, D], lse [H] f32)."""
 
     def one(q_bits, x_bits, valid, bias_t, scale_t, sink):
-        q_t, x = _from_bits(q_bits, dtype), _from_bits(x_bits, dtype)
+        q_t, x = from_bits(q_bits, dtype), from_bits(x_bits, dtype)
         token = attend_token(q_t, x, valid, sink, bias_t, scale_t)
-        return _to_bits(token.out.astype(dtype)), _lse(jnp.any(valid), token.max, token.den, sink)
+        return to_bits(token.out.astype(dtype)), _lse(jnp.any(valid), token.max, token.den, sink)
 
     return one
 
@@ -312,9 +315,9 @@ def _gathered_chunks(q, g_bits, valid, sink, bias, scale, budget=None):
     one = _attend_bits(q.dtype)
     chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget)
     lanes = CPU_LANES if budget is None else 1
-    out_bits, lse = _map_tokens(one, (_to_bits(q), g_bits, valid, bias, scale), (sink,), chunk,
+    out_bits, lse = _map_tokens(one, (to_bits(q), g_bits, valid, bias, scale), (sink,), chunk,
                                 lanes)
-    return _from_bits(out_bits, q.dtype), lse
+    return from_bits(out_bits, q.dtype), lse
 
 
 def gathered_attn_reference(q, g, sink, bias, scale):
@@ -331,7 +334,7 @@ def gathered_attn_reference(q, g, sink, bias, scale):
         return _empty_result(q, sink)
     valid = bias != -jnp.inf
     # A masked slot's row is never read: its bits become zero (one select, fused with the cast).
-    g_bits = jnp.where(valid[:, :, None], _to_bits(g.astype(q.dtype)), 0)
+    g_bits = jnp.where(valid[:, :, None], to_bits(g.astype(q.dtype)), 0)
     return per_platform(
         lambda *a: _gathered_chunks(*a),
         lambda *a: _gathered_chunks(*a, budget=accelerator_chunk_bytes()),
@@ -358,7 +361,7 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
         return _empty_result(q, sink)
     dtype = q.dtype
     itemsize = np.dtype(dtype).itemsize
-    kv_bits = _to_bits(kv.astype(dtype))
+    kv_bits = to_bits(kv.astype(dtype))
     valid = (idx >= 0) & (idx < R) & (bias != -jnp.inf)
     rows = jnp.where(valid, idx, R)  # out of range: the gather fills the slot with zeros
 
@@ -381,8 +384,8 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
 
     def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, lanes):
         chunk = token_chunk_size(T, H, K, D, itemsize, budget)
-        token_args = (_to_bits(q), rows, valid, bias, scale)
+        token_args = (to_bits(q), rows, valid, bias, scale)
         out_bits, lse = _map_tokens(one, token_args, (kv_bits, sink), chunk, lanes)
-        return _from_bits(out_bits, dtype), lse
+        return from_bits(out_bits, dtype), lse
 
     return per_platform(cpu, accelerator, q, kv_bits, rows, valid, sink, bias, scale)

@@ -50,3 +50,27 @@ def test_command_line_writes_json(tmp_path, capsys, monkeypatch):
     assert all(c >= 0 for c in rec["cores_busy"].values())
     if hasattr(os, "getloadavg"):
         assert len(rec["load_average"]["before"]) == len(rec["load_average"]["after"]) == 3
+
+
+def test_grad_command_line_times_the_kv_scatter_baseline(tmp_path, capsys):
+    path = tmp_path / "grad.json"
+    code = bench.main(["--shape", "2,4,64,32,128", "--grad", "--repeats", "2", "--warmup", "1",
+                       "--json", str(path)])
+    assert code == 0
+    assert "d kv accumulation" in capsys.readouterr().out
+    (rec,) = json.loads(path.read_text())["records"]
+    assert rec["flops"] == int(bench.GRAD_FLOPS_FACTOR * 4 * 2 * 4 * 32 * 64)
+    assert len(rec["times_s"]["kv_scatter"]) == 2
+    assert rec["kv_scatter_over_op"] > 0
+    assert 0 < rec["gemm_fraction_bound_given_kv_scatter"] < 1
+
+
+def test_kv_scatter_baseline_adds_every_token_rows():
+    shape = bench.Shape("tiny", 3, 1, 8, 5, 7)
+    fn, (rows, values) = bench._kv_scatter(shape)
+    rows, values = np.asarray(rows), np.asarray(values, np.float64)
+    want = np.zeros((7, 8))
+    for t in range(3):
+        np.add.at(want, rows[t], values * float(rows[t, 0]))
+    got = np.asarray(fn(rows, values), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2**-8, atol=1e-6)
