@@ -78,7 +78,7 @@ _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
 # --- formulas -----------------------------------------------------------------------------------
 
 
-def _softmax_parts(q, x, valid, sink, bias, scale, extra=None):
+def _softmax_parts(q, x, valid, sink, bias, scale, extra=None, x_first=False):
     """Recomputes the forward's probabilities for a chunk of tokens, in f32.
 
     Args: q ``[c, H, D]`` in the input dtype, x ``[c, K, D]`` f32 slot rows (the input dtype's
@@ -86,7 +86,8 @@ def _softmax_parts(q, x, valid, sink, bias, scale, extra=None):
     ``[c, M, D]`` f32 rows whose products with the slots ``extra . x_j`` are wanted as well (the
     cotangent's ``u``): they share one matrix product with the logits, which reads the slot rows
     once. The products of 16-bit values are exact in f32, so the logits are those of the
-    forward's product up to the order of the sum.
+    forward's product up to the order of the sum. ``x_first``: the product's form
+    (``reference.slot_products``).
     Returns: z ``[c, H, K]`` (q . x), p ``[c, H, K]``, p_sink ``[c, H]``, all f32, and the
     ``[c, M, K]`` products of ``extra`` (None without it).
     """
@@ -95,7 +96,7 @@ def _softmax_parts(q, x, valid, sink, bias, scale, extra=None):
     rows = q_scaled.astype(jnp.float32)
     if extra is not None:
         rows = jnp.concatenate([rows, extra], axis=1)
-    zu = _einsum("thd,tkd->thk", rows, x)
+    zu = reference.slot_products(x, rows, x_first)
     z = reference.scale_up(zu[:, :H], up)
     s = reference.saturated_logits(z, valid[:, None, :], bias[:, None, :], scale[:, None, None])
     sink_wins = sink == jnp.inf  # that head's output is exactly 0
@@ -147,7 +148,7 @@ def _zero_unselected(g, valid):
     return jnp.where(valid[..., None], g, jnp.zeros((), g.dtype))
 
 
-def _recompute(indexed, primal, live, extra=None):
+def _recompute(indexed, primal, live, extra=None, x_first=False):
     """The forward's intermediates for a chunk (f32): q, slot rows x, validity, gather rows,
     scale, and ``_softmax_parts``'s z, p, p_sink and products of ``extra``. ``primal``: the
     operands by name."""
@@ -157,14 +158,14 @@ def _recompute(indexed, primal, live, extra=None):
     x = x.astype(q.dtype).astype(jnp.float32)
     scale = primal["scale"]
     z, p, p_sink, products = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale,
-                                            extra)
+                                            extra, x_first)
     return q.astype(jnp.float32), x, valid, rows, scale, z, p, p_sink, products
 
 
-def _tangent_chunk(indexed, active, primal, tangent, live):
+def _tangent_chunk(indexed, active, primal, tangent, live, x_first=False):
     """Tangents of the output ``[c, H, D]`` and of the lse ``[c, H]`` (f32) for a chunk.
     ``primal``/``tangent``: dicts by name."""
-    q, x, valid, rows, scale, z, p, p_sink, _ = _recompute(indexed, primal, live)
+    q, x, valid, rows, scale, z, p, p_sink, _ = _recompute(indexed, primal, live, None, x_first)
     o = _einsum("thk,tkd->thd", p, x)
 
     src_name = "kv" if indexed else "g"
@@ -196,11 +197,11 @@ def _tangent_chunk(indexed, active, primal, tangent, live):
     return do, dlse
 
 
-def _cotangent_chunk(indexed, wanted, primal, ct, live):
+def _cotangent_chunk(indexed, wanted, primal, ct, live, x_first=False):
     """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input.
     ``ct``: the cotangents of the output ``[c, H, D]`` and of the lse ``[c, H]``."""
     ct, ct_lse = ct[0].astype(jnp.float32), ct[1].astype(jnp.float32)
-    q, x, valid, rows, scale, z, p, p_sink, u = _recompute(indexed, primal, live, extra=ct)
+    q, x, valid, rows, scale, z, p, p_sink, u = _recompute(indexed, primal, live, ct, x_first)
     # delta = do . o = sum_j p_j (do . x_j): from u, without recomputing o (one product fewer)
     delta = jnp.sum(p * u, axis=-1)
     dS = p * (u - delta[..., None] + ct_lse[..., None])
@@ -241,13 +242,15 @@ def _chunk_size(q, num_slots, budget=None):
 
 
 def _over_chunks_per_platform(step, token_arrays, q, num_slots, carry):
-    """``_over_token_chunks`` with the CPU's chunk when lowering for CPU and one that follows the
-    device's memory on GPU / TPU (``reference.per_platform``)."""
+    """``_over_token_chunks`` with the CPU's chunk and product form when lowering for CPU, and on
+    GPU / TPU a chunk that follows the device's memory (``reference.per_platform``).
+    ``step(x_first)`` gives the loop's step for a product form (``reference.slot_products``)."""
     cpu_chunk = _chunk_size(q, num_slots)
     accelerator_chunk = _chunk_size(q, num_slots, reference.accelerator_chunk_bytes())
+    cpu_step = step(reference.cpu_products_by_eigen())
     return reference.per_platform(
-        lambda a, c: _over_token_chunks(step, a, cpu_chunk, c),
-        lambda a, c: _over_token_chunks(step, a, accelerator_chunk, c),
+        lambda a, c: _over_token_chunks(cpu_step, a, cpu_chunk, c),
+        lambda a, c: _over_token_chunks(step(False), a, accelerator_chunk, c),
         token_arrays, carry,
     )
 
@@ -321,13 +324,18 @@ def _tangent(indexed, active, *operands):
     primal_token, primal_shared = _by_role(primal)
     tangent_token, tangent_shared = _by_role(tangent)
 
-    def step(carry, chunk, live):
-        p, t = chunk
-        do = _tangent_chunk(indexed, active, {**p, **primal_shared}, {**t, **tangent_shared}, live)
-        return carry, do
+    def step(x_first):
+        def run(carry, chunk, live):
+            p, t = chunk
+            do = _tangent_chunk(indexed, active, {**p, **primal_shared},
+                                {**t, **tangent_shared}, live, x_first)
+            return carry, do
+
+        return run
 
     num_slots = primal["bias"].shape[1]
-    _, (do, dlse) = _over_chunks_per_platform(step, (primal_token, tangent_token), q, num_slots, ())
+    _, (do, dlse) = _over_chunks_per_platform(step, (primal_token, tangent_token), q, num_slots,
+                                              ())
     return do.astype(q.dtype), dlse
 
 
@@ -342,13 +350,17 @@ def _cotangent(indexed, wanted, *operands):
         return tuple(jnp.zeros(_cotangent_shape(indexed, n, operands)[0]) for n in wanted)
     primal_token, primal_shared = _by_role(primal)
 
-    def step(dkv, chunk, live):
-        p, ct_chunk = chunk
-        out = _cotangent_chunk(indexed, wanted, {**p, **primal_shared}, ct_chunk, live)
-        if "kv" in wanted:
-            rows, dx = out.pop("kv")
-            dkv = dkv.at[rows].add(dx, mode="drop")
-        return dkv, out
+    def step(x_first):
+        def run(dkv, chunk, live):
+            p, ct_chunk = chunk
+            out = _cotangent_chunk(indexed, wanted, {**p, **primal_shared}, ct_chunk, live,
+                                   x_first)
+            if "kv" in wanted:
+                rows, dx = out.pop("kv")
+                dkv = dkv.at[rows].add(dx, mode="drop")
+            return dkv, out
+
+        return run
 
     dkv = jnp.zeros(primal["kv"].shape, jnp.float32) if "kv" in wanted else ()
     dkv, results = _over_chunks_per_platform(

@@ -40,6 +40,7 @@ when there is more than one chunk.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -186,6 +187,45 @@ def scale_up(z, up):
     return jnp.clip(z * up1[..., None, None] * up2[..., None, None], -FLT_MAX, FLT_MAX)
 
 
+def slot_products(x, rows, x_first=False):
+    """``rows . x_j`` for every slot: x ``[..., K, D]`` slot rows, rows ``[..., M, D]`` in the same
+    dtype -> ``[..., M, K]`` f32 (an f32 accumulator; 16-bit products are exact in it).
+
+    ``x_first``: computed as ``x rows^T`` (``[K, D] x [D, M]``) and then transposed, for XLA:CPU's
+    Eigen kernels (``cpu_products_by_eigen``), which run that product two to five times faster
+    than ``rows x^T`` (``[M, D] x [D, K]``) at attention's shapes (M = 16 to 128, K = 2048,
+    D = 512). The optimization barrier keeps XLA from folding the transpose back into the
+    product; the transpose touches only ``M K`` f32 values. YNNPACK and GPUs run ``rows x^T`` as
+    fast or faster, so it is the default.
+    """
+    if not x_first:
+        return jnp.einsum("...md,...kd->...mk", rows, x, preferred_element_type=jnp.float32,
+                          precision=_EXACT)
+    products = jnp.einsum("...kd,...md->...km", x, rows, preferred_element_type=jnp.float32,
+                          precision=_EXACT)
+    return jnp.swapaxes(jax.lax.optimization_barrier(products), -1, -2)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_products_by_eigen() -> bool:
+    """Whether XLA:CPU runs 16-bit matrix products with its Eigen kernels rather than YNNPACK.
+
+    jax 0.10 hands them to YNNPACK by default; earlier releases (0.7 among them), and 0.10 with
+    ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=``, use Eigen. Found once per process by
+    compiling one small bf16 product for the CPU and looking for YNNPACK's fusion in the program.
+    """
+    try:
+        cpu = jax.devices("cpu")[0]
+        sharding = jax.sharding.SingleDeviceSharding(cpu)
+        a = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16, sharding=sharding)
+        b = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16, sharding=sharding)
+        product = jax.jit(lambda a, b: jnp.einsum("md,kd->mk", a, b,
+                                                  preferred_element_type=jnp.float32))
+        return "__ynn_fusion" not in product.lower(a, b).compile().as_text()
+    except Exception:  # no CPU backend, or a JAX without these APIs: keep the default form
+        return False
+
+
 def saturated_logits(z, valid, bias, scale):
     """The logit saturation rule (docs/contract.md), f32: a ``[..., K]`` dot products already
     clamped to ``+-FLT_MAX`` (``scale_up``), valid and bias broadcastable to a, scale
@@ -207,9 +247,10 @@ class TokenAttention(NamedTuple):
     den: jax.Array  # [H] f32: sum_j exp(s_j - max) + exp(sink - max)
 
 
-def attend_token(q, x, valid, sink, bias, scale) -> TokenAttention:
+def attend_token(q, x, valid, sink, bias, scale, x_first=False) -> TokenAttention:
     """The contract for one token. q [H, D], x [K, D] (q's dtype; rows of empty slots are zero),
-    valid [K] bool, sink [H] f32, bias [K] f32, scale [] f32.
+    valid [K] bool, sink [H] f32, bias [K] f32, scale [] f32; ``x_first``: the dot products'
+    form (``slot_products``).
 
     Neither product can overflow f32 however large the inputs are, and neither guard changes a bit
     in the normal range: the dot products run on ``q`` scaled by a power of two and are scaled
@@ -219,7 +260,7 @@ def attend_token(q, x, valid, sink, bias, scale) -> TokenAttention:
     """
     K = x.shape[0]
     q_scaled, up = prescale_queries(q)
-    z = jnp.einsum("hd,kd->hk", q_scaled, x, preferred_element_type=jnp.float32, precision=_EXACT)
+    z = slot_products(x, q_scaled, x_first)
     s = saturated_logits(scale_up(z, up), valid[None, :], bias[None, :], scale)
     m = jnp.max(s, axis=-1)
     e = jnp.exp(s - m[:, None])
@@ -294,13 +335,13 @@ def _empty_result(q, sink):
     return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(sink, (T, H)).astype(jnp.float32)
 
 
-def _attend_bits(dtype):
+def _attend_bits(dtype, x_first=False):
     """Per-token attention on bit patterns: (q bits [H, D], slot bits [K, D], valid [K], bias [K],
-    scale [], sink [H]) -> (output bits [H, D], lse [H] f32)."""
+    scale [], sink [H]) -> (output bits [H, D], lse [H] f32). ``x_first``: see ``slot_products``."""
 
     def one(q_bits, x_bits, valid, bias_t, scale_t, sink):
         q_t, x = from_bits(q_bits, dtype), from_bits(x_bits, dtype)
-        token = attend_token(q_t, x, valid, sink, bias_t, scale_t)
+        token = attend_token(q_t, x, valid, sink, bias_t, scale_t, x_first)
         return to_bits(token.out.astype(dtype)), _lse(jnp.any(valid), token.max, token.den, sink)
 
     return one
@@ -309,10 +350,10 @@ def _attend_bits(dtype):
 def _gathered_chunks(q, g_bits, valid, sink, bias, scale, budget=None):
     """Runs the contract over slots that are already gathered, ``g_bits [T, K, D]`` as bits;
     ``budget``: a chunk's working set in bytes (default: the CPU's ``CHUNK_BYTES``, with the CPU's
-    lanes)."""
+    lanes and product form)."""
     T, H, D = q.shape
     K = g_bits.shape[1]
-    one = _attend_bits(q.dtype)
+    one = _attend_bits(q.dtype, budget is None and cpu_products_by_eigen())
     chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget)
     lanes = CPU_LANES if budget is None else 1
     out_bits, lse = _map_tokens(one, (to_bits(q), g_bits, valid, bias, scale), (sink,), chunk,
@@ -365,27 +406,31 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
     valid = (idx >= 0) & (idx < R) & (bias != -jnp.inf)
     rows = jnp.where(valid, idx, R)  # out of range: the gather fills the slot with zeros
 
-    attend = _attend_bits(dtype)
+    def gather_and_attend(x_first):
+        attend = _attend_bits(dtype, x_first)
 
-    def one(q_bits, rows_t, valid_t, bias_t, scale_t, kv_bits_, sink_):
-        return attend(q_bits, _gather_rows(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
+        def one(q_bits, rows_t, valid_t, bias_t, scale_t, kv_bits_, sink_):
+            return attend(q_bits, _gather_rows(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
+
+        return one
 
     def cpu(q, kv_bits, rows, valid, sink, bias, scale):
         slot_bytes = T * K * D * itemsize
         if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
             return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
         return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, CHUNK_BYTES,
-                               CPU_LANES)
+                               CPU_LANES, cpu_products_by_eigen())
 
     def accelerator(q, kv_bits, rows, valid, sink, bias, scale):
         # Device memory, not caches, sets the chunk: one batched call when everything fits.
         budget = accelerator_chunk_bytes()
-        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, 1)
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, 1, False)
 
-    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, lanes):
+    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, lanes, x_first):
         chunk = token_chunk_size(T, H, K, D, itemsize, budget)
         token_args = (to_bits(q), rows, valid, bias, scale)
-        out_bits, lse = _map_tokens(one, token_args, (kv_bits, sink), chunk, lanes)
+        out_bits, lse = _map_tokens(gather_and_attend(x_first), token_args, (kv_bits, sink),
+                                    chunk, lanes)
         return from_bits(out_bits, dtype), lse
 
     return per_platform(cpu, accelerator, q, kv_bits, rows, valid, sink, bias, scale)

@@ -15,6 +15,21 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture(params=["x_first", "rows_first"])
+def cpu_product_form(request, monkeypatch):
+    """Runs a test under each of the reference's two forms of the dot products on CPU
+    (``reference.slot_products``): the one for XLA's Eigen kernels (jax 0.7, or YNNPACK off) and
+    the one for YNNPACK (jax 0.10), whichever this JAX would pick by itself."""
+    import jax
+
+    from jax_sparse_attn import reference
+
+    monkeypatch.setattr(reference, "cpu_products_by_eigen", lambda: request.param == "x_first")
+    jax.clear_caches()  # the primitives' lowerings are cached per shape
+    yield request.param
+    jax.clear_caches()
+
+
 def run_on_8_devices(script: str, *args: str) -> dict:
     """Runs ``tests/<script>`` in a subprocess with 8 host CPU devices (this session keeps its one
     device) and returns the JSON records it prints, by their ``check`` name."""

@@ -80,7 +80,7 @@ def vjp_of_op(form, inputs, cotangent, **kw):
 
 @pytest.mark.parametrize("form", ["idx", "gathered"])
 @pytest.mark.parametrize("edges", [False, True], ids=["random", "edges"])
-def test_vjp_matches_float64_finite_differences(rng, form, edges):
+def test_vjp_matches_float64_finite_differences(rng, form, edges, cpu_product_form):
     inputs = make_inputs(rng, form, edges)
     cotangent = rng.standard_normal((T, H, D)).astype(np.float32)
     _, got = vjp_of_op(form, inputs, cotangent)
@@ -99,7 +99,7 @@ def test_vjp_matches_float64_finite_differences(rng, form, edges):
 
 
 @pytest.mark.parametrize("form", ["idx", "gathered"])
-def test_jvp_matches_float64_finite_differences(rng, form):
+def test_jvp_matches_float64_finite_differences(rng, form, cpu_product_form):
     inputs = make_inputs(rng, form, edges=True)
     idx = inputs["idx"]
     primals = [jnp.asarray(inputs[n]) for n in FLOAT_ARGS]

@@ -7,7 +7,8 @@ module's ``CHUNK_BYTES`` while the function is traced, and compare with a pass w
 covers every token. A fresh ``jax.jit(lambda ...)`` per call makes JAX trace (and read the budget)
 again instead of reusing a compiled executable. The chunked pass also runs with the CPU's token
 loop split into independent lanes (``reference.CPU_LANES``: 1, 2 and 3, the last leaving a
-remainder of a step), against a whole pass without lanes.
+remainder of a step), against a whole pass without lanes. Each runs under both forms of the CPU's
+dot products (``cpu_product_form`` in ``conftest.py``).
 """
 
 import jax
@@ -77,7 +78,7 @@ def same_bits(a, b):
     ],
 )
 def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regime, rows, pregather_bytes,
-                                                   lanes):
+                                                   lanes, cpu_product_form):
     q, kv, idx, sink, bias = make_case(rng, rows, dtype)
     args = (q, kv, idx, sink, bias)
 
@@ -102,7 +103,8 @@ def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regi
 
 @pytest.mark.parametrize("lanes", [1, 3])
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
-def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, lanes):
+def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, lanes,
+                                                        cpu_product_form):
     q, kv, idx, sink, bias = make_case(rng, 50, dtype)
     x, valid = gather(kv, idx)
     bias = np.where(valid, bias, -np.inf).astype(np.float32)  # empty slots, as the gathered form says
@@ -128,3 +130,19 @@ def test_chunk_size_follows_the_budget(monkeypatch):
     assert reference.token_chunk_size(2, H, K, D, 2) == 2  # never more than the tokens
     monkeypatch.setattr(reference, "CHUNK_BYTES", per_token // 2)
     assert reference.token_chunk_size(100, H, K, D, 2) == 1  # never fewer than one token
+
+
+def test_eigen_form_is_x_times_rows_behind_a_barrier(monkeypatch, rng):
+    """The form for XLA's Eigen kernels keeps its [K, H] product apart from the transpose (an
+    optimization barrier in the CPU program); the other form has none."""
+    q, kv, idx, sink, bias = make_case(rng, 50, BF16)
+
+    def program(eigen):
+        monkeypatch.setattr(reference, "cpu_products_by_eigen", lambda: eigen)
+        jax.clear_caches()
+        return jax.jit(lambda *a: jsa.gathered_attn_idx(*a)).lower(q, kv, idx, sink).as_text()
+
+    assert "optimization_barrier" in program(True)
+    assert "optimization_barrier" not in program(False)
+    jax.clear_caches()
+
