@@ -554,6 +554,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
     p.add_argument("--no-gemm", action="store_true", help="skip the f32 GEMM baseline")
+    p.add_argument("--cpu-products", choices=("auto", "x-first", "rows-first"), default="auto",
+                   help="the form of the reference's dot products on CPU (reference.slot_products): "
+                   "auto picks x-first where XLA:CPU runs them with Eigen and rows-first where "
+                   "YNNPACK does (reference.cpu_products_by_eigen); the others force one, to "
+                   "compare them")
     p.add_argument("--cpu-lanes", type=int, default=None,
                    help="independent token groups per step of the reference's CPU token loop "
                    f"(reference.CPU_LANES; default {reference.CPU_LANES} here): 1 measures the "
@@ -601,8 +606,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if a.cpu_lanes is not None:
         reference.CPU_LANES = max(1, a.cpu_lanes)  # read when the reference is traced
+    if a.cpu_products != "auto":  # read when the reference is traced
+        forced = a.cpu_products == "x-first"
+        reference.cpu_products_by_eigen = lambda: forced
     env = environment()
     env["cpu_lanes"] = reference.CPU_LANES
+    env["cpu_products"] = "x-first" if reference.cpu_products_by_eigen() else "rows-first"
+    env["cpu_products_forced"] = a.cpu_products != "auto"
     print(f"# jax {env['jax']} on {env['backend']} ({env['device']}); "
           f"CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}", flush=True)
     result: dict = {"environment": env, "records": []}

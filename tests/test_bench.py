@@ -74,3 +74,19 @@ def test_kv_scatter_baseline_adds_every_token_rows():
         np.add.at(want, rows[t], values * float(rows[t, 0]))
     got = np.asarray(fn(rows, values), np.float64)
     np.testing.assert_allclose(got, want, rtol=2**-8, atol=1e-6)
+
+
+def test_cpu_products_flag_forces_the_form(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.reference, "cpu_products_by_eigen",
+                        bench.reference.cpu_products_by_eigen)  # restored after
+    path = tmp_path / "forms.json"
+    for form in ("x-first", "rows-first"):
+        jax.clear_caches()
+        code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "1", "--warmup", "0",
+                           "--no-naive", "--no-gemm", "--cpu-products", form, "--json", str(path)])
+        assert code == 0
+        result = json.loads(path.read_text())
+        assert result["environment"]["cpu_products"] == form
+        assert result["environment"]["cpu_products_forced"]
+        assert result["records"][0]["contract_check"]["within_one_ulp"] >= 0.999
+    jax.clear_caches()
