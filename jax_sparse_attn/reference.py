@@ -29,7 +29,8 @@ memory instead (``accelerator_chunk_bytes``): one batched call when everything f
 made when the program is lowered (``per_platform``). On CPU each step of the loop holds
 ``CPU_LANES`` independent groups of tokens, which XLA:CPU may run on several cores at once
 (``_map_tokens``). Neither chunking nor lanes change a single bit, since every token
-is computed independently (``tests/test_reference_chunking.py``).
+is computed independently (``tests/test_reference_chunking.py``). On CPU the dot products take the
+form that XLA's product library runs fastest (``slot_products``, ``cpu_products_by_eigen``).
 
 Memory beyond the inputs and the output, for ``gathered_attn_idx``: one chunk's working set, plus
 either all tokens' gathered slots when they are at most ``PREGATHER_MAX_BYTES`` and smaller than
