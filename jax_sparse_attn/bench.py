@@ -559,10 +559,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "auto picks x-first where XLA:CPU runs them with Eigen and rows-first where "
                    "YNNPACK does (reference.cpu_products_by_eigen); the others force one, to "
                    "compare them")
-    p.add_argument("--cpu-lanes", type=int, default=None,
-                   help="independent token groups per step of the reference's CPU token loop "
-                   f"(reference.CPU_LANES; default {reference.CPU_LANES} here): 1 measures the "
-                   "loop without them")
     p.add_argument("--grad", action="store_true",
                    help="time jax.grad with respect to q, kv and sink instead of the forward, "
                    f"against an f32 GEMM of {GRAD_FLOPS_FACTOR}x the forward's FLOPs")
@@ -604,13 +600,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens, a.grad)))
         return 0
 
-    if a.cpu_lanes is not None:
-        reference.CPU_LANES = max(1, a.cpu_lanes)  # read when the reference is traced
     if a.cpu_products != "auto":  # read when the reference is traced
         forced = a.cpu_products == "x-first"
         reference.cpu_products_by_eigen = lambda: forced
     env = environment()
-    env["cpu_lanes"] = reference.CPU_LANES
     env["cpu_products"] = "x-first" if reference.cpu_products_by_eigen() else "rows-first"
     env["cpu_products_forced"] = a.cpu_products != "auto"
     print(f"# jax {env['jax']} on {env['backend']} ({env['device']}); "

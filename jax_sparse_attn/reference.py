@@ -26,10 +26,8 @@ Rows with no valid slot are exactly 0. Work runs in token chunks (``lax.map``) w
 slots and logits stay within ``CHUNK_BYTES`` on CPU: small enough to stay in the CPU caches, and a
 bound on memory however many tokens there are. On GPU and TPU the budget follows the device's
 memory instead (``accelerator_chunk_bytes``): one batched call when everything fits. The choice is
-made when the program is lowered (``per_platform``). On CPU each step of the loop holds
-``CPU_LANES`` independent groups of tokens, which XLA:CPU may run on several cores at once
-(``_map_tokens``). Neither chunking nor lanes change a single bit, since every token
-is computed independently (``tests/test_reference_chunking.py``). On CPU the dot products take the
+made when the program is lowered (``per_platform``). Chunking does not change a single bit, since
+every token is computed independently (``tests/test_reference_chunking.py``). On CPU the dot products take the
 form that XLA's product library runs fastest (``slot_products``, ``cpu_products_by_eigen``).
 
 Memory beyond the inputs and the output, for ``gathered_attn_idx``: one chunk's working set, plus
@@ -42,7 +40,6 @@ when there is more than one chunk.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import jax
@@ -56,12 +53,6 @@ from .constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
 # measured about twice as fast as one big batch (README, Performance), and it bounds the memory of a
 # long prefill (the gathered slots of T=4096, K=2048, D=512 alone would be 8 GiB).
 CHUNK_BYTES = 4 * 2**20
-
-# Independent token groups per step of the CPU's token loop (``_map_tokens``): XLA:CPU runs
-# independent operations concurrently, so each lane can keep one more core busy. Capped because a
-# lane's products get small (and each lane adds a chunk to the working set) while the machine's
-# GEMM baseline already uses every core.
-CPU_LANES = max(1, min(4, os.cpu_count() or 1))
 
 # Largest gather of all tokens' slots done up front, outside the token loop. Up to this size, and
 # when the cache is bigger than the slots, one gather beats the loop's copy of the cache's bits.
@@ -284,50 +275,19 @@ def _lse(any_valid, m, den, sink):
     return jnp.where(any_valid, lse, sink)
 
 
-def _map_tokens(fn, token_args, shared_args, chunk, lanes=1):
+def _map_tokens(fn, token_args, shared_args, chunk):
     """Applies per-token ``fn(*token_slices, *shared)`` over the leading token axis, ``chunk``
     tokens at a time (``lax.map``); one ``vmap`` when a single chunk covers every token.
 
-    ``lanes > 1`` (CPU): each step's chunk is split into that many groups of ``chunk // lanes``
-    tokens (at least 1) whose ops are traced separately, so the step holds independent gathers,
-    products and softmaxes; XLA:CPU's runtime runs independent operations of a program
-    concurrently on its thread pool, so the lanes keep several cores busy where one batched group
-    runs its elementwise work and small products on one. Tokens that do not fill a step run as
-    one group after the loop.
-
-    Tokens are independent, so neither the chunk size nor the lanes change a result bit. Floating
-    operands travel through the loop as unsigned bit patterns and ``fn`` returns bits: XLA:CPU
-    otherwise widens every bf16 slice and update of the loop to f32, converting the whole output
-    once per chunk.
+    Tokens are independent, so the chunk size does not change a result bit. Floating operands
+    travel through the loop as unsigned bit patterns and ``fn`` returns bits: XLA:CPU otherwise
+    widens every bf16 slice and update of the loop to f32, converting the whole output once per
+    chunk.
     """
     T = token_args[0].shape[0]
-    batched = jax.vmap(lambda *a: fn(*a, *shared_args))
-    lanes = max(1, min(lanes, T))
-    if lanes == 1:
-        if chunk >= T:
-            return batched(*token_args)
-        return jax.lax.map(lambda a: fn(*a, *shared_args), token_args, batch_size=chunk)
-
-    def concat(parts):
-        return jax.tree_util.tree_map(lambda *p: jnp.concatenate(p), *parts)
-
-    lane = max(1, min(chunk, T) // lanes)
-    step = lanes * lane
-
-    def in_lanes(args):  # args: ``step`` tokens
-        return concat([batched(*(a[i * lane:(i + 1) * lane] for a in args)) for i in range(lanes)])
-
-    n = T // step
-    main = n * step
-    if n == 1:
-        out = in_lanes(tuple(a[:main] for a in token_args))
-    else:
-        steps = tuple(a[:main].reshape((n, step) + a.shape[1:]) for a in token_args)
-        out = jax.lax.map(in_lanes, steps)
-        out = jax.tree_util.tree_map(lambda a: a.reshape((main,) + a.shape[2:]), out)
-    if main < T:
-        out = concat([out, batched(*(a[main:] for a in token_args))])
-    return out
+    if chunk >= T:
+        return jax.vmap(lambda *a: fn(*a, *shared_args))(*token_args)
+    return jax.lax.map(lambda a: fn(*a, *shared_args), token_args, batch_size=chunk)
 
 
 def _empty_result(q, sink):
@@ -350,15 +310,13 @@ def _attend_bits(dtype, x_first=False):
 
 def _gathered_chunks(q, g_bits, valid, sink, bias, scale, budget=None):
     """Runs the contract over slots that are already gathered, ``g_bits [T, K, D]`` as bits;
-    ``budget``: a chunk's working set in bytes (default: the CPU's ``CHUNK_BYTES``, with the CPU's
-    lanes and product form)."""
+    ``budget``: a chunk's working set in bytes (default: the CPU's ``CHUNK_BYTES`` and product
+    form)."""
     T, H, D = q.shape
     K = g_bits.shape[1]
     one = _attend_bits(q.dtype, budget is None and cpu_products_by_eigen())
     chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget)
-    lanes = CPU_LANES if budget is None else 1
-    out_bits, lse = _map_tokens(one, (to_bits(q), g_bits, valid, bias, scale), (sink,), chunk,
-                                lanes)
+    out_bits, lse = _map_tokens(one, (to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
     return from_bits(out_bits, q.dtype), lse
 
 
@@ -420,18 +378,18 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
         if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
             return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
         return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, CHUNK_BYTES,
-                               CPU_LANES, cpu_products_by_eigen())
+                               cpu_products_by_eigen())
 
     def accelerator(q, kv_bits, rows, valid, sink, bias, scale):
         # Device memory, not caches, sets the chunk: one batched call when everything fits.
         budget = accelerator_chunk_bytes()
-        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, 1, False)
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, False)
 
-    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, lanes, x_first):
+    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, x_first):
         chunk = token_chunk_size(T, H, K, D, itemsize, budget)
         token_args = (to_bits(q), rows, valid, bias, scale)
         out_bits, lse = _map_tokens(gather_and_attend(x_first), token_args, (kv_bits, sink),
-                                    chunk, lanes)
+                                    chunk)
         return from_bits(out_bits, dtype), lse
 
     return per_platform(cpu, accelerator, q, kv_bits, rows, valid, sink, bias, scale)

@@ -5,10 +5,8 @@ stays in the CPU caches. Tokens are independent, so chunking must not change a s
 tests force tiny chunks (2 tokens out of 7, which leaves a remainder chunk of 1) by lowering the
 module's ``CHUNK_BYTES`` while the function is traced, and compare with a pass where one chunk
 covers every token. A fresh ``jax.jit(lambda ...)`` per call makes JAX trace (and read the budget)
-again instead of reusing a compiled executable. The chunked pass also runs with the CPU's token
-loop split into independent lanes (``reference.CPU_LANES``: 1, 2 and 3, the last leaving a
-remainder of a step), against a whole pass without lanes. Each runs under both forms of the CPU's
-dot products (``cpu_product_form`` in ``conftest.py``).
+again instead of reusing a compiled executable. Each runs under both forms of the CPU's dot
+products (``cpu_product_form`` in ``conftest.py``).
 """
 
 import jax
@@ -42,10 +40,8 @@ def make_case(rng, rows, dtype):
     return q, kv, idx, sink, bias
 
 
-def traced(monkeypatch, fn, args, chunk_bytes, pregather_bytes, lanes=1):
-    """Traces and runs ``fn(*args)`` under the given budgets and CPU lanes: (output, whether it
-    loops)."""
-    monkeypatch.setattr(reference, "CPU_LANES", lanes)
+def traced(monkeypatch, fn, args, chunk_bytes, pregather_bytes):
+    """Traces and runs ``fn(*args)`` under the given budgets: (output, whether it loops)."""
     monkeypatch.setattr(reference, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(reference, "PREGATHER_MAX_BYTES", pregather_bytes)
     jitted = jax.jit(lambda *a: fn(*a))
@@ -53,18 +49,11 @@ def traced(monkeypatch, fn, args, chunk_bytes, pregather_bytes, lanes=1):
     return np.asarray(jitted(*args)), has_loop
 
 
-def steps_tokens(lanes):
-    """Tokens per step of the loop: TOKENS_PER_CHUNK without lanes, else one token per lane (7
-    tokens: 3 steps of 2 and a remainder of 1, or 2 steps of 3 and a remainder of 1)."""
-    return TOKENS_PER_CHUNK if lanes == 1 else lanes
-
-
 def same_bits(a, b):
     bits = BITS[np.dtype(a.dtype)]
     return a.dtype == b.dtype and np.array_equal(a.view(bits), b.view(bits))
 
 
-@pytest.mark.parametrize("lanes", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
     "regime, rows, pregather_bytes",
@@ -78,15 +67,15 @@ def same_bits(a, b):
     ],
 )
 def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regime, rows, pregather_bytes,
-                                                   lanes, cpu_product_form):
+                                                   cpu_product_form):
     q, kv, idx, sink, bias = make_case(rng, rows, dtype)
     args = (q, kv, idx, sink, bias)
 
     def fn(q, kv, idx, sink, bias):
         return jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, scale=0.2)
 
-    small = per_token_bytes(dtype) * steps_tokens(lanes)
-    chunked, chunked_loops = traced(monkeypatch, fn, args, small, pregather_bytes, lanes)
+    small = per_token_bytes(dtype) * TOKENS_PER_CHUNK  # 7 tokens: 3 chunks of 2, a remainder of 1
+    chunked, chunked_loops = traced(monkeypatch, fn, args, small, pregather_bytes)
     whole, whole_loops = traced(monkeypatch, fn, args, 2**40, pregather_bytes)
     assert chunked_loops and not whole_loops, "the budgets did not force the intended chunking"
     assert same_bits(chunked, whole)
@@ -101,10 +90,8 @@ def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regi
     assert not chunked[4].any()
 
 
-@pytest.mark.parametrize("lanes", [1, 3])
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
-def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, lanes,
-                                                        cpu_product_form):
+def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, cpu_product_form):
     q, kv, idx, sink, bias = make_case(rng, 50, dtype)
     x, valid = gather(kv, idx)
     bias = np.where(valid, bias, -np.inf).astype(np.float32)  # empty slots, as the gathered form says
@@ -113,8 +100,8 @@ def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype,
     def fn(q, g, sink, bias):
         return jsa.gathered_attn(q, g, sink, bias=bias)
 
-    small = per_token_bytes(dtype) * steps_tokens(lanes)
-    chunked, chunked_loops = traced(monkeypatch, fn, args, small, 2**40, lanes)
+    small = per_token_bytes(dtype) * TOKENS_PER_CHUNK
+    chunked, chunked_loops = traced(monkeypatch, fn, args, small, 2**40)
     whole, whole_loops = traced(monkeypatch, fn, args, 2**40, 2**40)
     assert chunked_loops and not whole_loops, "the budgets did not force the intended chunking"
     assert same_bits(chunked, whole)
