@@ -119,6 +119,19 @@ def naive_attention(q, kv, idx, sink, scale):
     return (o / den[..., None]).astype(q.dtype)
 
 
+def sdpa_attention(q, kv, idx, scale):
+    """``jax.nn.dot_product_attention`` on the gathered slots: each token is a batch element with
+    one query of H heads against its K slots as one shared key/value head (multi-query), empty
+    slots masked. JAX's own fused attention (cuDNN on GPU where it applies), for comparison; it
+    has no sink, so it does slightly less work than the op. Same operands as ``naive_attention``.
+    """
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    g = kv[jnp.where(valid, idx, 0)][:, :, None, :]  # [T, K, 1, D]
+    out = jax.nn.dot_product_attention(q[:, None], g, g, scale=scale,
+                                       mask=valid[:, None, None, :])  # [T, 1, H, D]
+    return out[:, 0]
+
+
 # --- an independent model of the contract, for a few tokens ----------------------------------------
 
 
@@ -257,7 +270,8 @@ def _grad_op(impl, scale, cotangent):
 
 
 def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int, warmup: int,
-                naive: bool = True, gemm: bool = True, grad: bool = False) -> dict:
+                naive: bool = True, gemm: bool = True, grad: bool = False,
+                sdpa: bool = False) -> dict:
     """Times the op (and, unless disabled, the naive baseline and the f32 GEMM) at one shape.
     With ``grad``: the gradient with respect to q, kv and sink instead, against an f32 GEMM of
     ``GRAD_FLOPS_FACTOR`` times the forward's FLOPs, and no naive baseline."""
@@ -279,6 +293,9 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
     if naive:
         fns["naive"] = (jax.jit(lambda q, kv, idx, sink: naive_attention(q, kv, idx, sink, scale)),
                         (q, kv, idx, sink))
+    if sdpa and not grad:
+        fns["sdpa"] = (jax.jit(lambda q, kv, idx, sink: sdpa_attention(q, kv, idx, scale)),
+                       (q, kv, idx, sink))
     gemm_flops = None
     flops = int(shape.flops * (GRAD_FLOPS_FACTOR if grad else 1))
     if gemm:
@@ -316,6 +333,8 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         # Ratio of the per-round ratios: less sensitive to a slow round than the ratio of medians.
         rec["naive_over_op_per_round_median"] = float(
             np.median(np.array(times["naive"]) / np.array(times["op"])))
+    if "sdpa" in med:
+        rec["sdpa_over_op"] = med["sdpa"] / med["op"]
     if grad:
         # How much of the op's time the cache gradient's bare accumulation alone takes, and the
         # GEMM fraction the op could reach if everything else ran at the GEMM's rate.
@@ -553,6 +572,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 15; 3 quick)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
     p.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
+    p.add_argument("--sdpa", action="store_true",
+                   help="also time jax.nn.dot_product_attention on the gathered slots (no sink), "
+                   "recorded as sdpa_over_op")
     p.add_argument("--no-gemm", action="store_true", help="skip the f32 GEMM baseline")
     p.add_argument("--cpu-products", choices=("auto", "x-first", "rows-first"), default="auto",
                    help="the form of the reference's dot products on CPU (reference.slot_products): "
@@ -638,7 +660,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for shape in shapes:
             try:
                 rec = bench_shape(shape, a.dtype, a.implementation, repeats, a.warmup,
-                                  naive=not a.no_naive, gemm=not a.no_gemm, grad=a.grad)
+                                  naive=not a.no_naive, gemm=not a.no_gemm, grad=a.grad,
+                                  sdpa=a.sdpa)
             except (RuntimeError, NotImplementedError, ValueError) as err:
                 # e.g. implementation="nki" without the Neuron SDK: the library's message says why.
                 print(f"bench: {shape.name} ({shape.describe()}): {err}", file=sys.stderr)
@@ -646,6 +669,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result["records"].append(rec)
             print(format_table([rec]).splitlines()[-1] if len(result["records"]) > 1
                   else format_table([rec]), flush=True)
+            if "sdpa_over_op" in rec:
+                print(f"  {shape.name}: jax.nn.dot_product_attention on the gathered slots (no "
+                      f"sink) takes {rec['median_s']['sdpa'] * 1e3:.2f} ms, "
+                      f"{rec['sdpa_over_op']:.2f}x the op's time", flush=True)
             if "kv_scatter_over_op" in rec:
                 bound = rec.get("gemm_fraction_bound_given_kv_scatter")
                 print(f"  {shape.name}: the bare d kv accumulation (T K rows of D f32 into [R, D]) "

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_attn import bench
-from oracle import BF16, attention_bf16_contract, gather, within_one_ulp
+from oracle import BF16, attention_bf16_contract, attention_f64, gather, within_one_ulp
 
 
 def test_naive_baseline_and_contract_model_follow_the_contract(rng):
@@ -88,3 +88,25 @@ def test_cpu_products_flag_forces_the_form(tmp_path, monkeypatch):
         assert result["environment"]["cpu_products_forced"]
         assert result["records"][0]["contract_check"]["within_one_ulp"] >= 0.999
     jax.clear_caches()
+
+
+def test_sdpa_baseline_is_attention_without_a_sink(rng):
+    T, H, D, K, R = 3, 4, 32, 16, 40
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    kv = rng.standard_normal((R, D)).astype(np.float32)
+    idx = rng.integers(-3, R, (T, K)).astype(np.int32)
+    idx[:, 0] = 5  # every token keeps one valid slot
+    x, valid = gather(kv, idx)
+    want = attention_f64(q, x, valid, np.full(H, -np.inf, np.float32), scale=0.25)
+    got = jax.jit(bench.sdpa_attention, static_argnums=3)(q, kv, idx, 0.25)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+
+
+def test_sdpa_flag_times_the_baseline(tmp_path, capsys):
+    path = tmp_path / "sdpa.json"
+    code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "1", "--sdpa",
+                       "--no-gemm", "--json", str(path)])
+    assert code == 0
+    assert "dot_product_attention" in capsys.readouterr().out
+    (rec,) = json.loads(path.read_text())["records"]
+    assert len(rec["times_s"]["sdpa"]) == 2 and rec["sdpa_over_op"] > 0
