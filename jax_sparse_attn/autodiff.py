@@ -211,8 +211,7 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live, x_first=False):
     if "g" in wanted or "kv" in wanted:
         # sum_h (p do + c dS q) as one product over 2H rows: [p | c dS]^T [do | q]
         weights = jnp.concatenate([p, scale[:, None, None] * dS], axis=1)
-        weights = jnp.swapaxes(weights, 1, 2)  # [c, K, 2H]: the product's preferred layout
-        dx = _einsum("tkh,thd->tkd", weights, jnp.concatenate([ct, q], axis=1))
+        dx = _einsum("thk,thd->tkd", weights, jnp.concatenate([ct, q], axis=1))
         if indexed:
             # Empty slots are out of range (rows == R) and dropped by the scatter.
             out["kv"] = (rows, dx)
