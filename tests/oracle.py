@@ -148,3 +148,18 @@ def central_differences(value, base, names, eps=1e-6):
             grad[j] = (value(plus) - value(minus)) / (2 * eps)
         grads[name] = grad
     return grads
+
+
+def moved_along(value, base, names, directions, eps=1e-6):
+    """``(value(base + eps d), value(base - eps d))``: ``value`` maps a dict of arguments to float64
+    values; ``base`` holds the arguments (anything not in ``names`` passed through), ``directions``
+    one array per name. Non-finite entries of an argument are not moved. Halve the difference of
+    the two over ``eps`` for a directional derivative (a jvp)."""
+    moved = []
+    for sign in (1, -1):
+        args = dict(base)
+        for name, d in zip(names, directions):
+            p = np.asarray(base[name], np.float64)
+            args[name] = p + np.where(np.isfinite(p), sign * eps * d, 0.0)
+        moved.append(value(args))
+    return tuple(moved)

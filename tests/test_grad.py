@@ -12,7 +12,7 @@ import pytest
 
 import jax_sparse_attn as jsa
 from jax_sparse_attn import reference
-from oracle import BF16, attention_f64, central_differences, gather
+from oracle import BF16, attention_f64, central_differences, gather, moved_along
 
 T, H, D, R, K = 6, 3, 4, 6, 5
 SCALE = 0.4
@@ -110,15 +110,9 @@ def test_jvp_matches_float64_finite_differences(rng, form, cpu_product_form):
 
     _, tangent = jax.jvp(f, primals, [jnp.asarray(d) for d in directions])
     eps = 1e-6
-    moved = {}
-    for sign in (1, -1):
-        args = {"idx": idx}
-        for name, p, d in zip(FLOAT_ARGS, primals, directions):
-            p = np.asarray(p, np.float64)
-            step = np.where(np.isfinite(p), sign * eps * d, 0.0)
-            args[name] = p + step
-        moved[sign] = oracle(form, **args)
-    want = (moved[1] - moved[-1]) / (2 * eps)
+    plus, minus = moved_along(lambda args: oracle(form, **args), inputs, FLOAT_ARGS, directions,
+                              eps)
+    want = (plus - minus) / (2 * eps)
     assert np.all(np.isfinite(np.asarray(tangent)))
     np.testing.assert_allclose(np.asarray(tangent), want, rtol=1e-4, atol=2e-5)
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import jax_sparse_attn as jsa
-from oracle import BF16, attention_f64, central_differences, gather, invalid_indices, lse_f64
+from oracle import (BF16, attention_f64, central_differences, gather, invalid_indices, lse_f64,
+                    moved_along)
 
 T, H, D, R, K = 6, 3, 8, 10, 5
 SCALE = 0.4
@@ -189,15 +190,10 @@ def test_jvp_of_lse_matches_finite_differences(rng, form):
 
     lse, tangent = jax.jvp(f, primals, [jnp.asarray(d) for d in directions])
     eps = 1e-6
-    moved = {}
-    for sign in (1, -1):
-        args = {"idx": idx}
-        for name, p, d in zip(FLOAT_ARGS, primals, directions):
-            p = np.asarray(p, np.float64)
-            args[name] = p + np.where(np.isfinite(p), sign * eps * d, 0.0)
-        moved[sign] = oracle_lse(form, **args)
-    finite = np.isfinite(moved[1])
-    want = np.where(finite, (moved[1] - np.where(finite, moved[-1], 0)) / (2 * eps), 0.0)
+    plus, minus = moved_along(lambda args: oracle_lse(form, **args), inputs, FLOAT_ARGS,
+                              directions, eps)
+    finite = np.isfinite(plus)
+    want = np.where(finite, (plus - np.where(finite, minus, 0)) / (2 * eps), 0.0)
     tangent = np.asarray(tangent)
     assert np.all(np.isfinite(tangent))
     np.testing.assert_allclose(tangent, want, rtol=1e-4, atol=2e-5)
