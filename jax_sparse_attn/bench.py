@@ -202,10 +202,10 @@ def _square_gemm(flops: int, seed: int = 1):
     return jax.jit(jnp.matmul), (a, b), 2 * n**3
 
 
-def _kv_scatter(shape: Shape, seed: int = 2):
+def _kv_scatter(shape: Shape, dtype=jnp.bfloat16, seed: int = 2):
     """The cache gradient's bare accumulation, a baseline for ``--grad``: for each of T tokens, K
     rows of D f32 values (already computed) added into an f32 ``[R, D]`` array at the token's
-    slot rows, then cast to the cache's 16-bit dtype. Any backward that returns ``d kv`` in f32
+    slot rows, then cast to the cache's ``dtype``. Any backward that returns ``d kv`` in f32
     accuracy does at least this memory traffic (a read-modify-write of T K rows of D f32 at rows
     spread over the cache). Returns (fn, args)."""
     T, K, D, R = shape.T, shape.K, shape.D, shape.R
@@ -216,7 +216,7 @@ def _kv_scatter(shape: Shape, seed: int = 2):
         def step(acc, rows_t):  # each token's values differ (scaled by its first row index)
             return acc.at[rows_t].add(values * rows_t[0].astype(jnp.float32), mode="drop"), None
         acc, _ = jax.lax.scan(step, jnp.zeros((R, D), jnp.float32), rows)
-        return acc.astype(jnp.bfloat16)
+        return acc.astype(dtype)
 
     return jax.jit(scatter), (rows, values)
 
@@ -302,7 +302,7 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         gemm_fn, gemm_args, gemm_flops = _square_gemm(flops)
         fns["gemm_f32"] = (gemm_fn, gemm_args)
     if grad:
-        fns["kv_scatter"] = _kv_scatter(shape)
+        fns["kv_scatter"] = _kv_scatter(shape, dtype)
     load_before = _load_average()
     cpu_times: dict = {}
     times = _time_rounds(fns, repeats, warmup, cpu_times)
