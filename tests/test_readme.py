@@ -50,7 +50,8 @@ def run(code: str, as_written: bool = True) -> dict:
 def test_every_snippet_is_covered_below():
     markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", 'put(q, P("x"))',
                "from jax_sparse_attn.flax import SparseAttention", "merge_attention(",
-               'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale"]
+               'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale",
+               "paged_indices(idx, table, block_size)"]
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -133,6 +134,20 @@ def test_cache_sharding_snippet(as_written):
     want = attention_f64(q, x, valid, sink)
     model = np.abs(attention_bf16_contract(q, x, valid, sink).astype(np.float64) - want).max()
     assert np.abs(np.asarray(ns["out"], np.float64) - want).max() <= 2 * model
+
+
+def test_paged_decode_snippet():
+    ns = run(snippet("paged_indices(idx, table, block_size)"))
+    out, pool, tables, idx, q = (np.asarray(ns[k]) for k in ("out", "pool", "block_tables", "idx", "q"))
+    assert out.shape == q.shape and out.dtype == jnp.bfloat16
+    bs = ns["block_size"]
+    for b in range(q.shape[0]):
+        # The sequence's logical rows, page by page (numpy); slots past its pages are empty.
+        pages = [p for p in tables[b] if p >= 0]
+        logical = np.concatenate([pool[p * bs:(p + 1) * bs] for p in pages])
+        x, valid = gather(logical, idx[b])
+        assert within_one_ulp(out[b], attention_bf16_contract(q[b], x, valid)) >= 0.999
+    assert (idx[1] >= 2 * bs).any()  # the second sequence selects rows beyond its two pages
 
 
 @pytest.mark.slow  # three Flax programs to compile: about 5 s
