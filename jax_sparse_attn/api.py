@@ -104,6 +104,27 @@ def _sink_bias_scale(q_shape, k: int, sink, bias, scale):
     return sink, bias, scale
 
 
+def _apply_topk_length(bias, topk_length, name: str = "topk_length"):
+    """Folds a per-token slot count into the normalised bias: slot ``j >= topk_length[t]`` of
+    token ``t`` becomes empty (``-inf``), so every backend sees it as an empty slot. ``bias``
+    ``[T, K]`` f32; ``topk_length`` ``[T]`` any integer dtype, or ``None`` (all K slots real)."""
+    if topk_length is None:
+        return bias
+    topk_length = _as_array(name, topk_length)
+    T, K = _shape(bias)
+    if not jnp.issubdtype(_dtype(topk_length), jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {_dtype(topk_length)}")
+    if _shape(topk_length) != (T,):
+        raise ValueError(f"{name} must have shape [T] = ({T},); got {_shape(topk_length)}")
+    if isinstance(topk_length, np.ndarray):  # full width on the host (an int64 beyond int32)
+        topk_length = np.clip(topk_length, -1, K).astype(np.int32)
+    lengths = jnp.asarray(topk_length)
+    if lengths.dtype.itemsize < 4:
+        lengths = lengths.astype(jnp.int32)
+    real = jnp.arange(K, dtype=jnp.int32)[None, :] < lengths[:, None]
+    return jnp.where(real, bias, -jnp.inf)
+
+
 def _check_q(q):
     _check_rank("q", q, 3, "[T, H, D]")
     _check_float("q", q)
@@ -120,6 +141,7 @@ def gathered_attn(
     scale: Scale = None,
     implementation: Optional[str] = None,
     return_lse: bool = False,
+    topk_length: Optional[ArrayLike] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """Sparse attention over pre-gathered slots, with an optional per-head attention sink.
 
@@ -145,6 +167,8 @@ def gathered_attn(
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
       return_lse: also return the log-sum-exp of the logits (see Returns).
+      topk_length: ``[T]`` any integer dtype, or ``None``: token ``t``'s slots ``j >=
+        topk_length[t]`` are empty (FlashMLA's ``topk_length``), whatever their rows hold.
 
     Returns:
       ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
@@ -166,6 +190,7 @@ def gathered_attn(
     q = jnp.asarray(q)
     g = jnp.asarray(g, q.dtype)
     sink, bias, scale = _sink_bias_scale(_shape(q), _shape(g)[1], sink, bias, scale)
+    bias = _apply_topk_length(bias, topk_length)
     out, lse = primitives.gathered_attn_p.bind(
         q, g, sink, bias, scale, implementation=implementation
     )
@@ -202,6 +227,7 @@ def gathered_attn_idx(
     implementation: Optional[str] = None,
     return_lse: bool = False,
     kv_scale: Optional[ArrayLike] = None,
+    topk_length: Optional[ArrayLike] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """DeepSeek-style top-k sparse attention that gathers rows of a shared KV cache by index.
 
@@ -231,6 +257,8 @@ def gathered_attn_idx(
         computes on ``kv_dequant = (kv.astype(f32) * scale).astype(q.dtype)``, dequantising only
         the gathered slots (see ``jax_sparse_attn/fp8.py``). The cache and its scales carry no
         gradient.
+      topk_length: ``[T]`` any integer dtype, or ``None``: token ``t``'s slots ``j >=
+        topk_length[t]`` are empty (FlashMLA's ``topk_length``): their rows are never read.
 
     Returns:
       ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
@@ -261,6 +289,7 @@ def gathered_attn_idx(
     q = jnp.asarray(q)
     idx = _normalise_idx(idx, R)
     sink, bias, scale = _sink_bias_scale(_shape(q), _shape(idx)[1], sink, bias, scale)
+    bias = _apply_topk_length(bias, topk_length)
     if kv_scale is not None or fp8.is_fp8(_dtype(kv)):
         # FP8 cache: the slots are gathered and dequantised here, then the pre-gathered op runs
         # with the empty slots masked (fp8.py).

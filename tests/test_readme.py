@@ -51,7 +51,7 @@ def test_every_snippet_is_covered_below():
     markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", 'put(q, P("x"))',
                "from jax_sparse_attn.flax import SparseAttention", "merge_attention(",
                'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale",
-               "paged_indices(idx, table, block_size)"]
+               "paged_indices(idx, table, block_size)", "topk_length=topk_length"]
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -148,6 +148,20 @@ def test_paged_decode_snippet():
         x, valid = gather(logical, idx[b])
         assert within_one_ulp(out[b], attention_bf16_contract(q[b], x, valid)) >= 0.999
     assert (idx[1] >= 2 * bs).any()  # the second sequence selects rows beyond its two pages
+
+
+@pytest.mark.parametrize("as_written", AS_WRITTEN)
+def test_topk_length_snippet(as_written):
+    ns = run(snippet("topk_length=topk_length"), as_written)
+    out, idx, lengths = np.asarray(ns["out"]), np.asarray(ns["idx"]), np.asarray(ns["topk_length"])
+    np.testing.assert_array_equal(out.view(np.uint16), np.asarray(ns["same"]).view(np.uint16))
+    assert not out[0].any()
+    real = np.arange(idx.shape[1])[None, :] < lengths[:, None]
+    x, valid = gather(np.asarray(ns["kv"]), idx)
+    q = np.asarray(ns["q"])
+    # Cancellation near 0 leaves a few elements 2 ulps from the model; the f64 error stays small.
+    assert within_one_ulp(out, attention_bf16_contract(q, x, valid & real)) >= 0.99
+    assert np.abs(out.astype(np.float64) - attention_f64(q, x, valid & real)).max() < 2e-2
 
 
 @pytest.mark.slow  # three Flax programs to compile: about 5 s
