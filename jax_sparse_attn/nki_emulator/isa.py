@@ -868,10 +868,21 @@ class VirtualRegister:
     device value: Python cannot branch on it (``while reg:`` loops are not emulated).
     """
 
-    __slots__ = ("_value",)
+    __slots__ = ("_value", "_read_only")
 
-    def __init__(self, value: int | None):
+    def __init__(self, value: int | None, read_only: str | None = None):
         self._value = value
+        self._read_only = read_only  # the loop whose induction variable this is, if any
+
+    def check_writable(self, instr: str) -> None:
+        if self._read_only:
+            # NKI 0.4 release notes (bug fixes): writing to a dynamic loop's induction variable
+            # "now raise[s] AssertionError at trace time"; fori_loop page: it "has no effect".
+            raise NkiUnsupportedError(
+                f"write to a loop's induction variable: {instr} writes the {self._read_only} "
+                "loop variable, which the loop alone controls (NKI 0.4 release notes; "
+                "nki.language.fori_loop page)"
+            )
 
     def read(self, what: str) -> int:
         if self._value is None:  # inferred: register_alloc(None) is uninitialized
@@ -923,6 +934,7 @@ def register_load(dst: VirtualRegister, src: Tensor) -> None:
     begin(instr)
     if not isinstance(dst, VirtualRegister):
         raise NkiUnsupportedError(f"{instr}: dst must be a VirtualRegister")
+    dst.check_writable(instr)
     _one_element(src, instr, "src")
     if src.dtype.itemsize > 4 or src.dtype.kind not in "iu":  # register_load: "up to 32-bit"
         raise NkiDtypeError(f"{instr}: src must hold a 32-bit (or narrower) integer, got {src.dtype.name}")
@@ -935,6 +947,7 @@ def register_move(dst: VirtualRegister, src: Any) -> None:
     begin(instr)
     if not isinstance(dst, VirtualRegister):
         raise NkiUnsupportedError(f"{instr}: dst must be a VirtualRegister")
+    dst.check_writable(instr)
     if isinstance(src, VirtualRegister):
         dst._value = src.read(instr)
     elif isinstance(src, (int, np.integer)) and not isinstance(src, bool):
