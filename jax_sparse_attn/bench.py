@@ -22,6 +22,10 @@ and checks a few output rows against the same tokens computed without chunking.
 ``--plot PATH`` instead sweeps K and T (time, op against naive) and T (memory) and writes the charts
 as one PNG (``jax_sparse_attn/plots.py``; needs matplotlib, the ``plot`` extra).
 
+``--two-caches`` times the two-cache call (``extra_kv``) at a DeepSeek V4 decode shape (a sliding
+window of 128 rows per token beside compressed rows picked by top-k) against its two
+alternatives: concatenating the caches and making one call, and two calls merged by lse.
+
 ``--model trn1|trn2|trn3`` reports the modelled (not measured) Trainium time of the NKI kernel
 instead, from the emulator's cost model (:mod:`jax_sparse_attn.bench_model`).
 
@@ -354,6 +358,71 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
     return rec
 
 
+# --- two caches (DeepSeek V4: sliding window + compressed rows) ----------------------------------
+
+# V4 decode (docs: FlashMLA's tests and the V4 reference): a window of 128 raw rows per token and
+# the top-512 of 256k compressed rows, 64 heads, D = 512.
+V4_DECODE = {"T": 16, "H": 64, "D": 512, "window": 128, "topk": 512, "R": 262144}
+
+
+def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Optional[int] = None,
+                     R: Optional[int] = None) -> dict:
+    """Times ``gathered_attn_idx(q, window, window_idx, sink, extra_kv=compressed, extra_idx=...)``
+    (one softmax over both caches) against (a) concatenating the two caches and one call on the
+    concatenation, and (b) two calls (the sink in the first) merged by ``merge_attention``; all
+    jitted, interleaved rounds. Returns the record with ``concat_over_op`` and ``merge_over_op``.
+    """
+    from . import merge_attention
+
+    shape = dict(V4_DECODE, **({"T": T} if T else {}), **({"R": R} if R else {}))
+    T, H, D, W, K, R = (shape[k] for k in ("T", "H", "D", "window", "topk", "R"))
+    dtype = DTYPES[dtype_name]
+    keys = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(keys[0], (T, H, D), dtype)
+    window = jax.random.normal(keys[1], (T * W, D), dtype)  # each token's own 128 rows
+    compressed = jax.random.normal(keys[2], (R, D), dtype)
+    window_idx = (jnp.arange(T, dtype=jnp.int32)[:, None] * W
+                  + jnp.arange(W, dtype=jnp.int32)[None, :])  # fmt: skip
+    topk_idx = jax.random.randint(keys[3], (T, K), 0, R, jnp.int32)
+    sink = jax.random.normal(keys[4], (H,), jnp.float32)
+    args = jax.block_until_ready((q, window, window_idx, compressed, topk_idx, sink))
+
+    def two_caches(q, window, window_idx, compressed, topk_idx, sink):
+        return gathered_attn_idx(q, window, window_idx, sink, extra_kv=compressed,
+                                 extra_idx=topk_idx)
+
+    def concatenated(q, window, window_idx, compressed, topk_idx, sink):
+        kv = jnp.concatenate([window, compressed])  # a copy of every row, each step
+        idx = jnp.concatenate([window_idx, topk_idx + window.shape[0]], axis=1)
+        return gathered_attn_idx(q, kv, idx, sink)
+
+    def merged(q, window, window_idx, compressed, topk_idx, sink):
+        a = gathered_attn_idx(q, window, window_idx, sink, return_lse=True)
+        b = gathered_attn_idx(q, compressed, topk_idx, None, return_lse=True)
+        return merge_attention([a[0], b[0]], [a[1], b[1]])[0]
+
+    fns = {name: (jax.jit(fn), args) for name, fn in
+           (("op", two_caches), ("concat", concatenated), ("merge", merged))}
+    outs = {name: np.asarray(jax.block_until_ready(fn(*a)), np.float32)
+            for name, (fn, a) in fns.items()}
+    load_before = _load_average()
+    times = _time_rounds(fns, repeats, warmup)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    bits = np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+    same_as_concat = bool(np.array_equal(
+        np.asarray(jnp.asarray(outs["op"], dtype)).view(bits),
+        np.asarray(jnp.asarray(outs["concat"], dtype)).view(bits)))
+    return {
+        "case": "two caches, V4 decode", "shape": shape, "dtype": dtype_name,
+        "times_s": times, "median_s": med,
+        "concat_over_op": med["concat"] / med["op"],
+        "merge_over_op": med["merge"] / med["op"],
+        "op_same_bits_as_concat": same_as_concat,
+        "max_abs_diff_merge_vs_op": float(np.abs(outs["merge"] - outs["op"]).max()),
+        "load_average": {"before": load_before, "after": _load_average()},
+    }
+
+
 # --- memory ---------------------------------------------------------------------------------------
 
 
@@ -395,7 +464,7 @@ def _peak_rss_bytes() -> int:
 
 
 def memory_child(shape: Shape, dtype_name: str, implementation: str, check_tokens: int,
-                 grad: bool = False) -> dict:
+                 grad: bool = False, kv_dtype: str = "bfloat16") -> dict:
     """Runs in a fresh process: peak RSS growth of compiling and running one call.
 
     The growth is the peak after the call minus the resident size once the inputs exist, so the
@@ -405,12 +474,20 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
     the reference's chunking switched off (one batch, no loop, slots gathered up front) and
     compared bit for bit with the same rows of the long call. With ``grad``: the peak growth of one
     ``jax.grad`` call with respect to q, kv and sink instead (limit ``GRAD_MEMORY_LIMIT_BYTES``;
-    the gradients themselves, kv's in f32, are included), without the bit comparison.
+    the gradients themselves, kv's in f32, are included), without the bit comparison. With an FP8
+    ``kv_dtype`` the cache is FP8 with one f32 scale per 128 columns (``kv_scale``), and the contract
+    check runs on the dequantised cache.
     """
     dtype = DTYPES[dtype_name]
     q, kv, idx, sink = _inputs(shape, dtype)
     scale = shape.D**-0.5
     impl = _implementation_arg(implementation)
+    fp8_kw: dict = {}
+    if kv_dtype != "bfloat16":
+        groups = max(1, shape.D // 128) if shape.D % 128 == 0 else 1
+        kv_scale = jax.random.uniform(jax.random.key(9), (shape.R, groups), jnp.float32, 0.5, 2.0)
+        kv = jax.block_until_ready(kv.astype(getattr(jnp, kv_dtype)))
+        fp8_kw = {"kv_scale": jax.block_until_ready(kv_scale)}
     peak_reset = _reset_peak_rss()
     rss_before = _rss_bytes()
     peak_before = _peak_rss_bytes()
@@ -428,7 +505,7 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
             "seconds_first_call": seconds,
         }
     out = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
-        q, kv, idx, sink, scale=scale, implementation=impl))(q, kv, idx, sink)
+        q, kv, idx, sink, scale=scale, implementation=impl, **fp8_kw))(q, kv, idx, sink)
     out = jax.block_until_ready(out)
     seconds = time.perf_counter() - start
     peak_after = _peak_rss_bytes()
@@ -439,14 +516,21 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
     reference.CHUNK_BYTES = reference.PREGATHER_MAX_BYTES = 2**62  # read while tracing
     try:
         few = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
-            q, kv, idx, sink, scale=scale, implementation=impl))(q[pick], kv, idx[pick], sink)
+            q, kv, idx, sink, scale=scale, implementation=impl, **fp8_kw))(
+                q[pick], kv, idx[pick], sink)
         few = jax.block_until_ready(few)
     finally:
         reference.CHUNK_BYTES, reference.PREGATHER_MAX_BYTES = budgets
     bits = np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
     same = bool(np.array_equal(np.asarray(out)[pick].view(bits), np.asarray(few).view(bits)))
+    kv_for_check = kv
+    if fp8_kw:  # the contract on the dequantised cache (a numpy copy, outside the measurement)
+        s = np.asarray(fp8_kw["kv_scale"])
+        x = np.asarray(kv).astype(np.float32).reshape(shape.R, s.shape[1], -1) * s[:, :, None]
+        kv_for_check = jnp.asarray(x.reshape(shape.R, shape.D), dtype)
     return {
         "shape": dataclasses.asdict(shape),
+        "kv_dtype": kv_dtype,
         "dtype": dtype_name,
         "implementation": implementation,
         "input_bytes": int(sum(x.nbytes for x in (q, kv, idx, sink))),
@@ -461,17 +545,19 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
         "seconds_first_call": seconds,
         "rows_checked": len(pick),
         "rows_same_bits_as_unchunked": same,
-        "contract_check": check_contract(out, q, kv, idx, sink, scale),
+        "contract_check": check_contract(out, q, kv_for_check, idx, sink, scale),
     }
 
 
 def run_memory_check(shape: Shape, dtype_name: str, implementation: str,
-                     check_tokens: int = 4, timeout: float = 900, grad: bool = False) -> dict:
+                     check_tokens: int = 4, timeout: float = 900, grad: bool = False,
+                     kv_dtype: str = "bfloat16") -> dict:
     """Runs :func:`memory_child` in a fresh Python process and returns its record."""
     cmd = [sys.executable, "-m", "jax_sparse_attn.bench", "--memory-child",
            "--shape", f"{shape.T},{shape.H},{shape.D},{shape.K},{shape.R}",
            "--dtype", dtype_name, "--implementation", implementation,
-           "--check-tokens", str(check_tokens)] + (["--grad"] if grad else [])
+           "--check-tokens", str(check_tokens), "--kv-dtype", kv_dtype] + (
+               ["--grad"] if grad else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"memory check failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -591,19 +677,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write every record and the environment")
     p.add_argument("--plot", metavar="PATH", help="instead: sweep K and T (time) and T (memory), "
                    "op against naive, and write the charts as one PNG (needs matplotlib; see plots.py)")
+    p.add_argument("--two-caches", action="store_true",
+                   help="time the two-cache call (extra_kv) at a V4 decode shape against "
+                   "concatenate-then-call and two calls merged by lse (T and R: --shape T,H,D,K,R "
+                   "overrides T and R only)")
     p.add_argument("--model", choices=("trn1", "trn2", "trn3"),
                    help="instead of timing: the MODELLED Trainium time of the NKI kernel under the "
                    "emulator's cost model (see jax_sparse_attn/bench_model.py)")
     p.add_argument("--kv-dtype", choices=("bfloat16", "float8_e4m3fn", "float8_e5m2"),
-                   default="bfloat16", help="with --model: the cache dtype (FP8 with f32 scales)")
+                   default="bfloat16", help="with --model or --memory: the cache dtype (FP8 with "
+                   "f32 scales)")
     p.add_argument("--scale-groups", type=int, default=1,
                    help="with --model and an FP8 --kv-dtype: f32 scales per cache row")
+    p.add_argument("--value-dim", type=int, default=None,
+                   help="with --model: the value columns (value_dim <= D; default D); each "
+                   "shape is modelled with all D columns of values too, for the ratio")
     a = p.parse_args(argv)
 
     if a.model:
         from .bench_model import run_model
 
-        return run_model(a.model, a.shape, a.json, kv_dtype=a.kv_dtype, scale_groups=a.scale_groups)
+        return run_model(a.model, a.shape, a.json, kv_dtype=a.kv_dtype, scale_groups=a.scale_groups,
+                         value_dim=a.value_dim)
 
     if a.plot:
         from . import plots  # matplotlib is optional: imported only for --plot
@@ -619,7 +714,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if a.memory_child:
         shape = dataclasses.replace(a.shape[0], name="memory") if a.shape else MEMORY_SHAPE
-        print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens, a.grad)))
+        print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens, a.grad,
+                                      a.kv_dtype)))
         return 0
 
     if a.cpu_products != "auto":  # read when the reference is traced
@@ -631,9 +727,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"# jax {env['jax']} on {env['backend']} ({env['device']}); "
           f"CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}", flush=True)
     result: dict = {"environment": env, "records": []}
-    if a.memory:
+    if a.two_caches:
+        custom = a.shape[0] if a.shape else None
+        rec = bench_two_caches(a.repeats or (3 if a.quick else 15), a.warmup, a.dtype,
+                               T=custom.T if custom else (4 if a.quick else None),
+                               R=custom.R if custom else (8192 if a.quick else None))
+        result["two_caches"] = rec
+        s, m = rec["shape"], rec["median_s"]
+        print(f"two caches  T={s['T']} H={s['H']} D={s['D']} window={s['window']} "
+              f"top-k={s['topk']} R={s['R']} {a.dtype}: one call {m['op'] * 1e3:.2f} ms; "
+              f"concatenate then call {m['concat'] * 1e3:.2f} ms ({rec['concat_over_op']:.2f}x); "
+              f"two calls + merge {m['merge'] * 1e3:.2f} ms ({rec['merge_over_op']:.2f}x); "
+              f"same bits as the concatenation: {rec['op_same_bits_as_concat']}; load "
+              f"{rec['load_average']}", flush=True)
+        ok = rec["op_same_bits_as_concat"]
+    elif a.memory:
         shape = a.shape[0] if a.shape else (QUICK_SHAPES[1] if a.quick else MEMORY_SHAPE)
-        rec = run_memory_check(shape, a.dtype, a.implementation, grad=a.grad)
+        rec = run_memory_check(shape, a.dtype, a.implementation, grad=a.grad, kv_dtype=a.kv_dtype)
         result["memory"] = rec
         gib = 2**30
         if a.grad:
@@ -642,7 +752,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"inputs {rec['input_bytes'] / gib:.3f} GiB) in {rec['seconds_first_call']:.1f} s",
                   flush=True)
         else:
-            print(f"memory  {shape.describe()} {a.dtype}: peak RSS growth "
+            print(f"memory  {shape.describe()} {a.dtype}, kv {a.kv_dtype}: peak RSS growth "
                   f"{rec['growth_bytes'] / gib:.3f} GiB (limit {rec['limit_bytes'] / gib:.1f} GiB; "
                   f"inputs {rec['input_bytes'] / gib:.3f} GiB; gathered slots would be "
                   f"{rec['gathered_slot_bytes'] / gib:.1f} GiB) in {rec['seconds_first_call']:.1f} s; "

@@ -20,6 +20,11 @@ callback sees the cache's sharding). Only the forward pass is row-local: the bac
 cache's gradient, ``autodiff.py``) runs with the cache replicated. With Auto axes, a path with a
 host callback (``"nki_emulated"``) also runs with the cache replicated (see sharding.py).
 
+An FP8 cache (the primitive's seven-operand form, with ``kv_scale``) takes another route that keeps
+the result exact: each device gathers the FP8 bytes and scales of the slots it holds (zeros for the
+others), one all-reduce over the row axes of ``[T, K, D]`` bytes and ``[T, K, n]`` scales
+completes them, and the op runs on those slots as a cache of ``T * K`` rows (``fp8_row_local``).
+
 Rounding: the partial outputs come back in q's dtype (as the kernel writes them), so a bf16 result
 carries at most one more bf16 rounding per partial than the single-device call, weighted by each
 partial's share of the softmax (tests/test_cache_sharding.py bounds the error at 2x).
@@ -39,6 +44,22 @@ from .merge import merge_attention
 
 # Operand positions of gathered_attn_idx_p: q, kv, idx, sink, bias, scale.
 _KV, _IDX, _SINK = 1, 2, 3
+# Position of the second cache's indices (primitives.EXTRA_OPERANDS after the six), and of an FP8
+# cache's scales in the seven-operand form.
+_EXTRA_IDX = 7
+_KV_SCALE = 6
+
+
+_KV_ROPE = 7  # the 16-bit columns of a split FP8 row, in the eight-operand form
+
+
+def _fp8_form(layouts) -> int:
+    """0 for a 16-bit cache, else the FP8 operands after the six: 1 (kv_scale) or 2 (and
+    kv_rope), read from the operands' layouts (constants may follow them)."""
+    names = [sharding.LAYOUTS["kv_scale"], sharding.LAYOUTS["kv_rope"]]
+    if list(layouts[_KV_SCALE:_KV_SCALE + 1]) != names[:1]:
+        return 0
+    return 2 if list(layouts[_KV_ROPE:_KV_ROPE + 1]) == names[1:] else 1
 
 
 def row_axes(kv_spec, rows: int, mesh_shape: dict, taken: Sequence[str] = ()) -> tuple:
@@ -75,11 +96,45 @@ def row_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
         mine = (idx >= first) & (idx < first + block)
         operands[_IDX] = jnp.where(mine, idx - first, jnp.int32(-1))
         operands[_SINK] = jnp.where(shard == 0, sink, -jnp.inf)
+        if len(operands) > _EXTRA_IDX:  # a second cache, not split: its slots join on shard 0
+            operands[_EXTRA_IDX] = jnp.where(shard == 0, operands[_EXTRA_IDX], jnp.int32(-1))
         out, lse = fn(*operands)[:2]
         packed = jnp.concatenate([out.astype(jnp.float32), lse[..., None]], axis=-1)
         parts = jax.lax.all_gather(packed, axes, axis=0)  # [n, t, h, D + 1]
         merged, merged_lse = merge_attention(parts[..., :-1], parts[..., -1])
         return merged.astype(q.dtype), merged_lse
+
+    return local
+
+
+def fp8_row_local(fn: Callable, axes: tuple, mesh_shape: dict, split: bool = False) -> Callable:
+    """``fn`` on an FP8 cache split over ``axes``: the slots' FP8 bytes and scales gathered where
+    their rows live and summed over the devices (one all-reduce each, ``[T, K, D]`` bytes and
+    ``[T, K, n]`` f32; no cache row moves), then ``fn`` on them as a cache of ``T * K`` rows, one
+    per slot: exactly what one device holding the whole cache computes. ``split``: the operands
+    include ``kv_rope`` (its slots' rows are summed the same way, as raw bits)."""
+
+    def local(q, kv, idx, sink, bias, scale, kv_scale, *passed_through):
+        shard = _shard_index(axes, mesh_shape)
+        block = kv.shape[0]
+        first = shard * block
+        mine = (idx >= first) & (idx < first + block)
+        rows = jnp.where(mine, idx - first, block)  # out of range: filled with 0, nothing read
+        raw = jax.lax.bitcast_convert_type(kv, jnp.uint8).at[rows].get(mode="fill", fill_value=0)
+        scales = kv_scale.at[rows].get(mode="fill", fill_value=0)
+        raw, scales = jax.lax.psum(raw, axes), jax.lax.psum(scales, axes)  # one nonzero term each
+        T, K = idx.shape
+        slots = jax.lax.bitcast_convert_type(raw, kv.dtype).reshape(T * K, kv.shape[1])
+        slot_idx = jnp.where(idx >= 0, jnp.arange(T * K, dtype=jnp.int32).reshape(T, K), -1)
+        extra = []
+        if split:
+            rope, *passed_through = passed_through
+            bits = jax.lax.bitcast_convert_type(rope, jnp.uint16).at[rows].get(
+                mode="fill", fill_value=0)
+            rope = jax.lax.bitcast_convert_type(jax.lax.psum(bits, axes), rope.dtype)
+            extra = [rope.reshape(T * K, rope.shape[-1])]
+        return fn(q, slots, slot_idx, sink, bias, scale, scales.reshape(T * K, -1), *extra,
+                  *passed_through)
 
     return local
 
@@ -101,6 +156,12 @@ class _RowPartitioner(sharding._Partitioner):
         arg_shardings[_KV] = NamedSharding(mesh, PartitionSpec(sharding._spec_entry(rows), None))
         result_shardings = self._shardings(mesh, self.result_layouts, axes)
         lower_fn = row_local(self.fn, rows, dict(mesh.shape))
+        form = _fp8_form(self.operand_layouts)
+        if form:
+            for i in range(_KV_SCALE, _KV_SCALE + form):  # the scales (and rope) follow their rows
+                arg_shardings[i] = NamedSharding(mesh, PartitionSpec(sharding._spec_entry(rows),
+                                                                     None))
+            lower_fn = fp8_row_local(self.fn, rows, dict(mesh.shape), split=form == 2)
         return mesh, lower_fn, result_shardings, tuple(arg_shardings)
 
     def sharding_rule(self):
@@ -116,6 +177,9 @@ def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, ro
     """Explicit axes: ``fn`` per device under ``jax.shard_map``, the cache split over ``rows``."""
     in_specs = [sharding._spec(lay, factor_axes) for lay in operand_layouts]
     in_specs[_KV] = PartitionSpec(sharding._spec_entry(rows), None)
+    form = _fp8_form(operand_layouts)
+    for i in range(_KV_SCALE, _KV_SCALE + form):
+        in_specs[i] = in_specs[_KV]  # the scales (and rope) follow their rows
     out_specs = tuple(sharding._spec(lay, factor_axes) for lay in result_layouts)
     placed = []
     for x, spec in zip(operands, in_specs):
@@ -124,7 +188,10 @@ def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, ro
             x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
         placed.append(x)
     used = [a for axes in factor_axes.values() for a in axes] + list(rows)
-    local = row_local(fn, rows, dict(mesh.shape))
+    if form:
+        local = fp8_row_local(fn, rows, dict(mesh.shape), split=form == 2)
+    else:
+        local = row_local(fn, rows, dict(mesh.shape))
     return tuple(jax.shard_map(
         lambda *ops: tuple(local(*ops)), mesh=mesh, in_specs=tuple(in_specs),
         out_specs=out_specs, axis_names=set(used), check_vma=False,

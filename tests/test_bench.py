@@ -110,3 +110,17 @@ def test_sdpa_flag_times_the_baseline(tmp_path, capsys):
     assert "dot_product_attention" in capsys.readouterr().out
     (rec,) = json.loads(path.read_text())["records"]
     assert len(rec["times_s"]["sdpa"]) == 2 and rec["sdpa_over_op"] > 0
+
+
+def test_two_caches_command_line_times_the_alternatives(tmp_path, capsys):
+    path = tmp_path / "two.json"
+    code = bench.main(["--two-caches", "--shape", "2,64,512,512,1024", "--repeats", "1",
+                       "--warmup", "0", "--json", str(path)])
+    assert code == 0
+    rec = json.loads(path.read_text())["two_caches"]
+    assert rec["shape"]["T"] == 2 and rec["shape"]["R"] == 1024 and rec["shape"]["window"] == 128
+    assert set(rec["median_s"]) == {"op", "concat", "merge"}
+    assert rec["op_same_bits_as_concat"] is True
+    # Two roundings against one: close, not necessarily equal.
+    assert 0 <= rec["max_abs_diff_merge_vs_op"] < 0.05
+    assert "concatenate then call" in capsys.readouterr().out

@@ -414,7 +414,7 @@ def _chunks(x: Any, shape: tuple) -> int:
 
 def attention_bounds(
     target: str, T: int, H: int, D: int, K: int, *, itemsize: int = 2,
-    row_itemsize: int | None = None, scales_per_row: int = 0,
+    row_itemsize: int | None = None, scales_per_row: int = 0, value_dim: int | None = None,
 ) -> dict:
     """``hbm_bound_us`` and ``pe_bound_us`` of one call, per LOGICAL core of ``target``.
 
@@ -422,13 +422,15 @@ def attention_bounds(
     output ``T*H*D`` (``itemsize`` bytes each; the rows ``row_itemsize`` when given, 1 for an FP8
     cache, plus ``scales_per_row`` f32 scales per gathered row), and the bias ``T*K`` fp32, over
     the HBM bandwidth of the logical core's physical cores. PE: the two attention matmuls,
-    ``4*T*H*K*D`` flops, at the BF16 TensorE peak of those cores. A MODEL (see the module
+    ``4*T*H*K*D`` flops, at the BF16 TensorE peak of those cores. With ``value_dim`` V < D the
+    output is ``T*H*V`` and the value matmul ``2*T*H*K*V`` flops. A MODEL (see the module
     docstring for sources).
     """
+    V = D if value_dim is None else value_dim
     hw = HARDWARE[target]
     row_itemsize = itemsize if row_itemsize is None else row_itemsize
-    nbytes = 2 * T * H * D * itemsize + T * K * D * row_itemsize + T * K * 4 * (1 + scales_per_row)
-    flops = 4 * T * H * K * D
+    nbytes = T * H * (D + V) * itemsize + T * K * D * row_itemsize + T * K * 4 * (1 + scales_per_row)
+    flops = 2 * T * H * K * (D + V)
     return {
         "hbm_bound_us": nbytes / (hw.hbm_gbps_per_core * hw.lnc * 1e3),
         "pe_bound_us": flops / (hw.pe_bf16_tflops_per_core * hw.lnc * 1e6),
