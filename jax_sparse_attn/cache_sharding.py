@@ -20,10 +20,12 @@ callback sees the cache's sharding). Only the forward pass is row-local: the bac
 cache's gradient, ``autodiff.py``) runs with the cache replicated. With Auto axes, a path with a
 host callback (``"nki_emulated"``) also runs with the cache replicated (see sharding.py).
 
-An FP8 cache (the primitive's seven-operand form, with ``kv_scale``) takes another route that keeps
-the result exact: each device gathers the FP8 bytes and scales of the slots it holds (zeros for the
-others), one all-reduce over the row axes of ``[T, K, D]`` bytes and ``[T, K, n]`` scales
-completes them, and the op runs on those slots as a cache of ``T * K`` rows (``fp8_row_local``).
+A second cache (``extra_kv``, not split) joins on the first row shard only, as the sink does. An
+FP8 cache (the primitive's seven- or eight-operand form, with ``kv_scale`` and ``kv_rope``) takes
+another route that keeps the result exact: each device gathers the FP8 bytes and scales of the
+slots it holds (zeros for the others), one all-reduce over the row axes of ``[T, K, D]`` bytes and
+``[T, K, n]`` scales completes them, and the op runs on those slots as a cache of ``T * K`` rows
+(``fp8_row_local``).
 
 Rounding: the partial outputs come back in q's dtype (as the kernel writes them), so a bf16 result
 carries at most one more bf16 rounding per partial than the single-device call, weighted by each
@@ -32,6 +34,7 @@ partial's share of the softmax (tests/test_cache_sharding.py bounds the error at
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -42,24 +45,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import sharding
 from .merge import merge_attention
 
-# Operand positions of gathered_attn_idx_p: q, kv, idx, sink, bias, scale.
+# Operand positions of gathered_attn_idx_p: q, kv, idx, sink, bias, scale; then either the second
+# cache (extra_kv, extra_idx, extra_bias) or an FP8 cache's kv_scale (and kv_rope).
 _KV, _IDX, _SINK = 1, 2, 3
-# Position of the second cache's indices (primitives.EXTRA_OPERANDS after the six), and of an FP8
-# cache's scales in the seven-operand form.
 _EXTRA_IDX = 7
-_KV_SCALE = 6
-
-
-_KV_ROPE = 7  # the 16-bit columns of a split FP8 row, in the eight-operand form
-
-
-def _fp8_form(layouts) -> int:
-    """0 for a 16-bit cache, else the FP8 operands after the six: 1 (kv_scale) or 2 (and
-    kv_rope), read from the operands' layouts (constants may follow them)."""
-    names = [sharding.LAYOUTS["kv_scale"], sharding.LAYOUTS["kv_rope"]]
-    if list(layouts[_KV_SCALE:_KV_SCALE + 1]) != names[:1]:
-        return 0
-    return 2 if list(layouts[_KV_ROPE:_KV_ROPE + 1]) == names[1:] else 1
+_KV_SCALE, _KV_ROPE = 6, 7
 
 
 def row_axes(kv_spec, rows: int, mesh_shape: dict, taken: Sequence[str] = ()) -> tuple:
@@ -107,45 +97,59 @@ def row_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
     return local
 
 
-def fp8_row_local(fn: Callable, axes: tuple, mesh_shape: dict, split: bool = False) -> Callable:
-    """``fn`` on an FP8 cache split over ``axes``: the slots' FP8 bytes and scales gathered where
-    their rows live and summed over the devices (one all-reduce each, ``[T, K, D]`` bytes and
-    ``[T, K, n]`` f32; no cache row moves), then ``fn`` on them as a cache of ``T * K`` rows, one
-    per slot: exactly what one device holding the whole cache computes. ``split``: the operands
-    include ``kv_rope`` (its slots' rows are summed the same way, as raw bits)."""
+def fp8_row_local(split: bool) -> Callable:
+    """``make_local`` for an FP8 cache split over its rows (``row_operands`` the cache, its scales
+    and, with ``split``, its ``kv_rope``): the slots' FP8 bytes, scales (and rope columns)
+    gathered where their rows live and summed over the devices (one all-reduce each, ``[T, K, D]``
+    bytes and ``[T, K, n]`` f32; no cache row moves), then ``fn`` on them as a cache of ``T * K``
+    rows, one per slot: exactly what one device holding the whole cache computes."""
 
-    def local(q, kv, idx, sink, bias, scale, kv_scale, *passed_through):
-        shard = _shard_index(axes, mesh_shape)
-        block = kv.shape[0]
-        first = shard * block
-        mine = (idx >= first) & (idx < first + block)
-        rows = jnp.where(mine, idx - first, block)  # out of range: filled with 0, nothing read
-        raw = jax.lax.bitcast_convert_type(kv, jnp.uint8).at[rows].get(mode="fill", fill_value=0)
-        scales = kv_scale.at[rows].get(mode="fill", fill_value=0)
-        raw, scales = jax.lax.psum(raw, axes), jax.lax.psum(scales, axes)  # one nonzero term each
-        T, K = idx.shape
-        slots = jax.lax.bitcast_convert_type(raw, kv.dtype).reshape(T * K, kv.shape[1])
-        slot_idx = jnp.where(idx >= 0, jnp.arange(T * K, dtype=jnp.int32).reshape(T, K), -1)
-        extra = []
-        if split:
-            rope, *passed_through = passed_through
-            bits = jax.lax.bitcast_convert_type(rope, jnp.uint16).at[rows].get(
-                mode="fill", fill_value=0)
-            rope = jax.lax.bitcast_convert_type(jax.lax.psum(bits, axes), rope.dtype)
-            extra = [rope.reshape(T * K, rope.shape[-1])]
-        return fn(q, slots, slot_idx, sink, bias, scale, scales.reshape(T * K, -1), *extra,
-                  *passed_through)
+    def make_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
+        def local(q, kv, idx, sink, bias, scale, kv_scale, *passed_through):
+            shard = _shard_index(axes, mesh_shape)
+            block = kv.shape[0]
+            first = shard * block
+            mine = (idx >= first) & (idx < first + block)
+            rows = jnp.where(mine, idx - first, block)  # out of range: filled with 0, not read
+            raw = jax.lax.bitcast_convert_type(kv, jnp.uint8).at[rows].get(mode="fill",
+                                                                            fill_value=0)
+            scales = kv_scale.at[rows].get(mode="fill", fill_value=0)
+            raw, scales = jax.lax.psum(raw, axes), jax.lax.psum(scales, axes)  # one term each
+            T, K = idx.shape
+            slots = jax.lax.bitcast_convert_type(raw, kv.dtype).reshape(T * K, kv.shape[1])
+            slot_idx = jnp.where(idx >= 0, jnp.arange(T * K, dtype=jnp.int32).reshape(T, K), -1)
+            extra = []
+            if split:
+                rope, *passed_through = passed_through
+                bits = jax.lax.bitcast_convert_type(rope, jnp.uint16).at[rows].get(
+                    mode="fill", fill_value=0)
+                rope = jax.lax.bitcast_convert_type(jax.lax.psum(bits, axes), rope.dtype)
+                extra = [rope.reshape(T * K, rope.shape[-1])]
+            return fn(q, slots, slot_idx, sink, bias, scale, scales.reshape(T * K, -1), *extra,
+                      *passed_through)
 
-    return local
+        return local
+
+    return make_local
 
 
 class _RowPartitioner(sharding._Partitioner):
-    """Automatic mesh axes: the partition callback keeps the cache split over its rows."""
+    """Automatic mesh axes: the partition callback keeps the cache split over its rows.
+
+    ``row_operands``: the operands split over the rows (the first one, the cache, decides the
+    split); ``make_local(fn, axes, mesh_shape)``: the per-device function that runs ``fn`` on one
+    row block and merges the partial results (``row_local`` for the attention op).
+    """
+
+    def __init__(self, *args, row_operands: Sequence[int] = (_KV,), make_local=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.row_operands = tuple(row_operands)
+        self.make_local = row_local if make_local is None else make_local
 
     def partition(self, mesh, arg_shapes, result_shape):
         mesh = self._mesh(mesh, arg_shapes)
         axes = self._factor_axes(mesh, arg_shapes)
-        kv = arg_shapes[_KV]
+        kv = arg_shapes[self.row_operands[0]]
         taken = [a for f in sharding.SHARDABLE_FACTORS for a in axes[f]]
         rows = ()
         if isinstance(kv.sharding, NamedSharding):
@@ -153,15 +157,10 @@ class _RowPartitioner(sharding._Partitioner):
         if not rows:
             return super().partition(mesh, arg_shapes, result_shape)
         arg_shardings = list(self._shardings(mesh, self.operand_layouts, axes))
-        arg_shardings[_KV] = NamedSharding(mesh, PartitionSpec(sharding._spec_entry(rows), None))
+        for i in self.row_operands:
+            arg_shardings[i] = NamedSharding(mesh, _row_spec(rows, arg_shapes[i].ndim))
         result_shardings = self._shardings(mesh, self.result_layouts, axes)
-        lower_fn = row_local(self.fn, rows, dict(mesh.shape))
-        form = _fp8_form(self.operand_layouts)
-        if form:
-            for i in range(_KV_SCALE, _KV_SCALE + form):  # the scales (and rope) follow their rows
-                arg_shardings[i] = NamedSharding(mesh, PartitionSpec(sharding._spec_entry(rows),
-                                                                     None))
-            lower_fn = fp8_row_local(self.fn, rows, dict(mesh.shape), split=form == 2)
+        lower_fn = self.make_local(self.fn, rows, dict(mesh.shape))
         return mesh, lower_fn, result_shardings, tuple(arg_shardings)
 
     def sharding_rule(self):
@@ -173,13 +172,16 @@ class _RowPartitioner(sharding._Partitioner):
         return rule, kinds
 
 
-def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, rows, mesh):
+def _row_spec(rows: tuple, ndim: int) -> PartitionSpec:
+    return PartitionSpec(sharding._spec_entry(rows), *([None] * (ndim - 1)))
+
+
+def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, rows, mesh,
+                  row_operands, make_local):
     """Explicit axes: ``fn`` per device under ``jax.shard_map``, the cache split over ``rows``."""
     in_specs = [sharding._spec(lay, factor_axes) for lay in operand_layouts]
-    in_specs[_KV] = PartitionSpec(sharding._spec_entry(rows), None)
-    form = _fp8_form(operand_layouts)
-    for i in range(_KV_SCALE, _KV_SCALE + form):
-        in_specs[i] = in_specs[_KV]  # the scales (and rope) follow their rows
+    for i in row_operands:
+        in_specs[i] = _row_spec(rows, operands[i].ndim)
     out_specs = tuple(sharding._spec(lay, factor_axes) for lay in result_layouts)
     placed = []
     for x, spec in zip(operands, in_specs):
@@ -188,10 +190,7 @@ def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, ro
             x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
         placed.append(x)
     used = [a for axes in factor_axes.values() for a in axes] + list(rows)
-    if form:
-        local = fp8_row_local(fn, rows, dict(mesh.shape), split=form == 2)
-    else:
-        local = row_local(fn, rows, dict(mesh.shape))
+    local = make_local(fn, rows, dict(mesh.shape))
     return tuple(jax.shard_map(
         lambda *ops: tuple(local(*ops)), mesh=mesh, in_specs=tuple(in_specs),
         out_specs=out_specs, axis_names=set(used), check_vma=False,
@@ -199,27 +198,33 @@ def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, ro
 
 
 def shard_local_rows(
-    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str]
+    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str],
+    row_operands: Sequence[int] = (_KV,), make_local: Callable = row_local,
+    q_layout: str = sharding.LAYOUTS["q"],
 ) -> Callable:
-    """:func:`sharding.shard_local` for the forward ``gathered_attn_idx``, which may also leave
-    the cache split over its rows (see the module docstring). ``fn`` returns ``(out, lse)``."""
-    plain = sharding.shard_local(fn, operand_layouts, result_layouts, _RowPartitioner)
+    """:func:`sharding.shard_local` for an op that may also leave its cache split over its rows
+    (see the module docstring): the forward ``gathered_attn_idx`` (``fn`` returns ``(out, lse)``,
+    merged by ``row_local``), and the indexer (``row_operands`` its keys and key scales, merged
+    by its own ``make_local``)."""
+    partitioner = functools.partial(_RowPartitioner, row_operands=row_operands,
+                                    make_local=make_local)
+    plain = sharding.shard_local(fn, operand_layouts, result_layouts, partitioner, q_layout)
 
     def wrapped(*operands):
-        q, kv = jax.typeof(operands[0]), jax.typeof(operands[_KV])
+        q, kv = jax.typeof(operands[0]), jax.typeof(operands[row_operands[0]])
         if sharding._in_manual_region(q):
             return tuple(fn(*operands))  # inside a user's shard_map: the blocks are given
         explicit = sharding._explicit_axis_names(kv) | sharding._explicit_axis_names(q)
         if explicit:
             mesh = kv.sharding.mesh
-            factor_axes = sharding._explicit_factor_axes(q) if sharding._has_explicit_axes(q) \
-                else {f: () for f in sharding.SHARDABLE_FACTORS}
+            factor_axes = sharding._explicit_factor_axes(q, q_layout) \
+                if sharding._has_explicit_axes(q) else {f: () for f in sharding.SHARDABLE_FACTORS}
             taken = [a for axes in factor_axes.values() for a in axes]
             rows = row_axes(kv.sharding.spec, kv.shape[0], dict(mesh.shape), taken)
             rows = rows if all(a in explicit for a in rows) else ()
             if rows:
                 return _run_explicit(fn, operands, operand_layouts, result_layouts,
-                                     factor_axes, rows, mesh)
+                                     factor_axes, rows, mesh, row_operands, make_local)
         return plain(*operands)
 
     return wrapped

@@ -134,12 +134,20 @@ def run_shard_local(path_fn: Callable, indexed: bool, *args, value_dim: int):
     device's rows and merges the partial results (cache_sharding.py)."""
     names = operand_names(indexed, len(args))
     layouts = [sharding.LAYOUTS[n] for n in names]
-    local = cache_sharding.shard_local_rows if indexed else sharding.shard_local
-    # The paths take the first six operands by position and the others by name.
-    run = local(lambda *a: tuple(path_fn(*a[:6], **dict(zip(names[6:], a[6:])),
-                                         value_dim=value_dim)),
-                layouts, [sharding.LAYOUTS[n] for n in RESULTS])
-    return tuple(run(*args))
+    results = [sharding.LAYOUTS[n] for n in RESULTS]
+
+    def fn(*a):  # the paths take the first six operands by position and the others by name
+        return tuple(path_fn(*a[:6], **dict(zip(names[6:], a[6:])), value_dim=value_dim))
+
+    if not indexed:
+        return tuple(sharding.shard_local(fn, layouts, results)(*args))
+    if "kv_scale" in names:  # an FP8 cache split over its rows: its scales (and rope) follow
+        rows = [i for i, n in enumerate(names) if n in ("kv", "kv_scale", "kv_rope")]
+        run = cache_sharding.shard_local_rows(
+            fn, layouts, results, row_operands=rows,
+            make_local=cache_sharding.fp8_row_local(split="kv_rope" in names))
+        return tuple(run(*args))
+    return tuple(cache_sharding.shard_local_rows(fn, layouts, results)(*args))
 
 
 def _default_rule(indexed: bool):
