@@ -253,8 +253,11 @@ def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
             result = body_fun(_loop_register(value, "nl.fori_loop"))
         finally:
             ctx.repeat_depth -= repeat
-            for st in ctx.loop_scopes.pop():
-                st.closed_by = f"nl.fori_loop {where}, iteration {value}"
+            for ref in ctx.loop_scopes.pop():
+                st = ref()
+                if st is not None:  # still referenced after its iteration: dead from now on
+                    st.closed_by = f"nl.fori_loop {where}, iteration {value}"
+                del st
         if result is not None:
             # fori_loop page: "body_fun: function (i: VirtualRegister) -> None"; "Returns: None".
             raise NkiUnsupportedError(
