@@ -142,7 +142,7 @@ def run_kernel(runner, kernel, *arrays, target="trn2", programs=1, **options):
         return simulate_with_emulator(kernel, *arrays, target=target, programs=programs, **options)
     nki = pytest.importorskip(
         "nki",
-        reason="the Neuron SDK (nki >= 0.3) is only installable on a Trainium host from the Neuron "
+        reason="the Neuron SDK (nki 0.6 or 0.7) is only installable on a Trainium host from the Neuron "
         "pip repository; the kernels run under the project's emulator here",
     )
     import os
