@@ -248,9 +248,9 @@ def test_the_neuron_extra_is_the_supported_range():
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     assert tuple(extras["neuron"]) == versions.NEURON_REQUIREMENTS
     for requirement in versions.NEURON_REQUIREMENTS:
-        assert f"'{requirement}'" in lowering.NEURON_INSTALL_HINT
+        assert f"'{requirement}'" in lowering.install_hint()
     assert set(versions.SDK_RELEASES) == set(versions.SUPPORTED_VERSIONS)
     for version, release in versions.SDK_RELEASES.items():
         assert release.nki.startswith(version + ".")
         assert release.sdk.startswith(versions.SDK_OF_VERSION[version] + ".")
-        assert f"{release.sdk} (NKI {release.nki})" in lowering.NEURON_INSTALL_HINT
+        assert f"{release.sdk} (NKI {release.nki})" in lowering.install_hint()

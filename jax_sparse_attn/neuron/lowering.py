@@ -44,7 +44,9 @@ from .packing import (
 
 NEURON_PLATFORM = "neuron"
 
-def _install_hint() -> str:
+def install_hint() -> str:
+    """What to install for the NKI kernel: the supported Neuron SDKs' packages (from
+    ``nki_emulator.versions``, imported only when a message needs it)."""
     from ..nki_emulator.versions import NEURON_REQUIREMENTS, SDK_RELEASES
 
     sdks = " or ".join(f"{r.sdk} (NKI {r.nki})" for r in SDK_RELEASES.values())
@@ -56,8 +58,6 @@ def _install_hint() -> str:
         "implementation='nki_emulated' runs the kernel source on the host."
     )
 
-
-NEURON_INSTALL_HINT = _install_hint()
 
 KernelCall = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -222,7 +222,7 @@ def _jitted_kernel(kernel):
 
     if kernels.nki is None:
         raise RuntimeError(
-            f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}"
+            f"the NKI kernel needs the Neuron SDK (`import nki` failed): {install_hint()}"
         )
     return kernels.nki.jit(kernel)
 
