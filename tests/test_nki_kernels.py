@@ -299,6 +299,22 @@ def test_unselected_cache_rows_never_reach_the_output(target, poison):
         assert_matches_contract(poisoned[name][0], contract_model(**case).reshape(T * H, D))
 
 
+@pytest.mark.parametrize("poison", [None, np.nan])
+def test_dma_transposed_rows_variant_keeps_the_contract(monkeypatch, poison):
+    """The variant that gathers the logits' operand by indirect dma_transpose instead of PE
+    transposes (ROW_TRANSPOSES = "dma", kept for the cost comparison of docs/neuron-kernel.md):
+    the same contract, and a poisoned unselected row still reaches nothing."""
+    monkeypatch.setattr(kernels, "ROW_TRANSPOSES", "dma")
+    T, H, D, Kp, R = 2, 16, 576, 256, 500
+    ops, case = kernel_inputs(np.random.default_rng(11), T, H, D, Kp, R, empty_fraction=0.5,
+                              poison=poison)  # fmt: skip
+    out, lse = run_kernel("emulator", kernels.gathered_attn_idx_kernel, ops["q"], ops["kv"],
+                          ops["idx"], ops["bias"], ops["sink"], target="trn2", programs=2)
+    expected, expected_lse = contract_model(**case, with_lse=True)
+    assert_matches_contract(out.reshape(T * H, D), expected.reshape(T * H, D))
+    assert_lse_matches(lse, expected_lse, case["valid"])
+
+
 def overflowing_rows(rng, rows, dim):
     """Rows whose dot products with a q of +1e19 overflow fp32 in any summation order (+-1e19,
     constant sign per row), stay finite but exceed LOGIT_LIMIT once scaled (+-1e15), or are

@@ -390,6 +390,34 @@ def _transposed_rows(src: _Source, rows, width: int):
     return rows_t
 
 
+def _gathered_transposed_rows(src: _Source, row_index, c0: int, width: int):
+    """The variant without TensorEngine row transposes (``ROW_TRANSPOSES = "dma"``, indexed bf16
+    kernel only): ``[128 (d), D/128, width]`` gathered and transposed from the cache by one
+    indirect ``dma_transpose`` per 128 slots and 128 columns (nki.isa.dma_transpose, "DMA Indirect
+    Transpose Constraints": 2-byte dtype, ``src.shape[-1] <= 128`` from NKI 0.4, uint32 indices
+    ``[128, 1]``, software DGE, trn2+), into a zeroed tile with ``oob_mode=skip`` so that an empty
+    slot's column stays 0. The rows are still gathered slot-major for the value product: every
+    selected row crosses the DMA queues twice. Slower under the cost model (docs/neuron-kernel.md,
+    "Modelled cost"), so not the default.
+    """
+    k_tiles, d_tiles = width // KERNEL_TILE, _ceil_div(src.dim, KERNEL_TILE)
+    rows_t = nl.ndarray((KERNEL_TILE, d_tiles, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=rows_t, value=0.0, engine=nisa.engine.gpsimd)
+    first_tile = c0 // KERNEL_TILE
+    for dc, d0, dw in _d_chunks(src.dim):
+        for kc in range(k_tiles):
+            nisa.dma_transpose(
+                dst=rows_t[0:dw, dc, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE],
+                src=src.slot_rows.ap(
+                    pattern=[[src.dim, KERNEL_TILE], [1, dw]], offset=d0,
+                    vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
+                    indirect_dim=0,
+                ),
+                oob_mode=nisa.oob_mode.skip,
+            )  # fmt: skip
+    return rows_t
+
+
 def _bias_row(src: _Source, c0: int, width: int, with_prefix: bool):
     """The token's bias columns for slots ``c0 .. c0 + width`` as one ``[1, n]`` f32 row (one DMA
     at the token's runtime address); with ``with_prefix`` the 16 prefix columns (the scale) lead."""
@@ -587,7 +615,10 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         bias_heads = nl.broadcast_to(bias_row[:, first : first + width], shape=(heads, width))
         del bias_row
         rows = _fetch_slot_rows(src, row_index, c0, width)
-        rows_t = _transposed_rows(src, rows, width)
+        if ROW_TRANSPOSES == "dma" and src.indexed and src.row_scale is None:
+            rows_t = _gathered_transposed_rows(src, row_index, c0, width)
+        else:
+            rows_t = _transposed_rows(src, rows, width)
         if plan.scores_in_sbuf:
             chunk_scores = scores[:, c0 : c0 + width]
         else:
@@ -678,6 +709,11 @@ LOGITS_PSUM_ENGINES = ("vector",)
 # Engines that clamp the multiplied-back dot products (SBUF only), in turn (tensor_scalar runs on
 # Vector, Scalar or GpSimd, nki.isa.tensor_scalar page; (max, min) is not a Scalar-engine pair).
 CLAMP_ENGINES = ("gpsimd",)
+# How the logits' operand [128 (d), D/128, C] is made from the gathered rows: "tensor" (PE
+# transposes of the slot-major rows, the default) or "dma" (the indexed bf16 kernel gathers it a
+# second time by indirect dma_transpose, _gathered_transposed_rows). The default is the one that
+# models faster (docs/neuron-kernel.md, "Modelled cost").
+ROW_TRANSPOSES = "tensor"
 # Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd). Weighted
 # towards GpSimd, which the FP8 kernel frees of the rows' memset (9 : 4 : 3 in 16; chosen under the
 # cost model at decode, K=2048, H=128, where the other engines already carry more).
