@@ -1,4 +1,4 @@
-"""NKI kernels (NKI >= 0.3) for top-k sparse attention with per-head sinks.
+"""NKI kernels (NKI 0.6 and 0.7, Neuron SDK 2.32 and 2.33) for top-k sparse attention with sinks.
 
 Two kernels share one body (docs/neuron-kernel.md describes the interface, the variants per
 target, the launch and the instruction pattern); they differ in how a token's slot rows reach SBUF:
@@ -30,9 +30,10 @@ Common interface::
 Requirements: ``Kp % 128 == 0``, ``H <= 128``, ``R > 0``, ``T`` a multiple of the launch grid. A
 row whose slots are all empty has no meaningful output or lse (the packing overwrites both).
 
-Launch: ``kernel[n]``, one SPMD program per physical core of the logical core (``n = 2`` on trn2
-and trn3 by default); program p takes the p-th share of the tokens and runs them in a hardware
-loop (``nl.dynamic_range``), so the compiled program does not grow with T.
+Launch: ``kernel[n]``, one SPMD program per physical core of the logical core (``n`` the
+compiler's LNC: 2 on trn2 and trn3 by default); program p takes the p-th share of the tokens and
+runs them in a hardware loop (``nl.fori_loop``, its register the tokens' ``scalar_offset``), so
+the compiled program does not grow with T.
 
 Per token (one pass when the token's slots fit in SBUF, else a pass per chunk of slots for the
 logits and their max, then a second pass for exp and the values, so the arithmetic is the same):
