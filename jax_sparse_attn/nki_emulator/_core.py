@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any
 
 import ml_dtypes
@@ -310,7 +311,8 @@ class Context:
         if buffer is SHARED_HBM:
             self.launch.shared.append(st)
         elif self.loop_scopes:
-            self.loop_scopes[-1].append(st)
+            # A weak reference: the scope must not keep a tile alive (its charge ends with it).
+            self.loop_scopes[-1].append(weakref.ref(st))
         if buffer.on_chip:
             st.ctx = self
             self._charge(
@@ -353,7 +355,8 @@ class Context:
 class _Storage:
     """One allocation: data, initialised mask, buffer; releases its on-chip charge when collected."""
 
-    __slots__ = ("data", "init", "buffer", "name", "ctx", "sbuf_bytes", "psum_banks", "closed_by")
+    __slots__ = ("data", "init", "buffer", "name", "ctx", "sbuf_bytes", "psum_banks", "closed_by",
+                 "__weakref__")
 
     def __init__(self, data, init, buffer, name, ctx):
         self.closed_by = None  # set when the fori_loop body that allocated it has ended

@@ -253,8 +253,11 @@ def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
             result = body_fun(_loop_register(value, "nl.fori_loop"))
         finally:
             ctx.repeat_depth -= repeat
-            for st in ctx.loop_scopes.pop():
-                st.closed_by = f"nl.fori_loop {where}, iteration {value}"
+            for ref in ctx.loop_scopes.pop():
+                st = ref()
+                if st is not None:  # still referenced after its iteration: dead from now on
+                    st.closed_by = f"nl.fori_loop {where}, iteration {value}"
+                del st
         if result is not None:
             # fori_loop page: "body_fun: function (i: VirtualRegister) -> None"; "Returns: None".
             raise NkiUnsupportedError(
@@ -445,13 +448,20 @@ def store(dst: Tensor, value: Tensor, **kwargs: Any) -> None:
 
 
 def copy(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    """A new SBUF tile copied (and cast) from the SBUF tile ``x`` (PSUM: use nisa.tensor_copy)."""
+    """A new SBUF tile copied (and cast) from ``x``: an SBUF tile, or from NKI 0.6 also a PSUM
+    tile (before 0.6 use nisa.tensor_copy for PSUM). On the Scalar engine before 0.6, the Vector
+    engine (``tensor_copy``) from 0.6 (versions.py, "nl.copy on VectorE")."""
     instr = "nl.copy"
     no_extra(kwargs, instr)
     ctx = begin(instr)
-    # NKI 0.3 release notes, known issues (Data Movement): nl.copy "cross-buffer copies (e.g.,
-    # PSUM to SBUF) are not supported"; the result is an SBUF tile, so x must be in SBUF.
-    tensor_arg(x, instr, "x", (SBUF,))
+    if versions.has("nl.copy on VectorE"):
+        # NKI 0.6 release notes (new features): nl.copy "creates a copy of an SBUF or PSUM tile on
+        # SBUF ... It uses the Vector engine (tensor_copy)".
+        tensor_arg(x, instr, "x", ON_CHIP)
+    else:
+        # NKI 0.3 release notes, known issues (Data Movement): nl.copy "cross-buffer copies (e.g.,
+        # PSUM to SBUF) are not supported"; the result is an SBUF tile, so x must be in SBUF.
+        tensor_arg(x, instr, "x", (SBUF,))
     values = read(x, instr, "x")
     tile = ctx.allocate(x.shape, x.dtype if dtype is None else dtype, SBUF, "nl.copy")
     write(tile, values)
