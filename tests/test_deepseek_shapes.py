@@ -255,9 +255,10 @@ def test_two_caches_equal_the_call_on_the_concatenation_bit_for_bit(rng, impleme
     idx_cat = np.where(lengths_cat, idx_cat, -1)
     want = jsa.gathered_attn_idx(q, cat, idx_cat, sink, bias=bias, value_dim=48, return_lse=True,
                                  implementation=implementation)
-    if implementation == "reference":
-        _same_bits(got[0], want[0])
-        _same_bits(got[1], want[1])
+    # Bit for bit on both paths (on nki_emulated the kernel's arithmetic is the same whichever
+    # way its rows arrive).
+    _same_bits(got[0], want[0])
+    _same_bits(got[1], want[1])
     x, valid = gather(cat, idx_cat)
     x[~valid] = 0
     assert within_one_ulp(np.asarray(got[0]), attention_bf16_contract(
