@@ -46,6 +46,11 @@ first ``value_dim`` columns.
 They are the derivatives of the exact (f32) function: the bf16 rounding of the probabilities in the
 forward's value product is treated as the identity, as every attention backward does.
 
+With a second cache (``extra_kv``) the slot rows are both caches' side by side, main first: one
+softmax, and each cache's share of ``dx`` scatters into that cache. An FP8 cache's slots are
+dequantised as in the forward (``reference.dequantise_slots``, with ``kv_rope`` beside them); the
+cache, its scales and its rope columns get no gradient.
+
 The gradient with respect to ``idx`` does not exist (integers); the scale's gradient is given.
 Derivatives of order two raise ``NotImplementedError``.
 """
