@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jax_sparse_attn import bench
 from oracle import BF16, attention_bf16_contract, attention_f64, gather, within_one_ulp
@@ -112,6 +113,7 @@ def test_sdpa_flag_times_the_baseline(tmp_path, capsys):
     assert len(rec["times_s"]["sdpa"]) == 2 and rec["sdpa_over_op"] > 0
 
 
+@pytest.mark.slow  # three programs to compile and time: several seconds
 def test_two_caches_command_line_times_the_alternatives(tmp_path, capsys):
     path = tmp_path / "two.json"
     code = bench.main(["--two-caches", "--shape", "2,64,512,512,1024", "--repeats", "1",
