@@ -20,18 +20,29 @@ def rng():
 CPU_PRODUCT_FORMS = ["native", "f32", "native-x-first", "f32-x-first"]
 
 
-@pytest.fixture(params=CPU_PRODUCT_FORMS)
-def cpu_product_form(request):
-    """Runs a test under each form of the reference's products on CPU, whatever this CPU and JAX
-    would pick by themselves (``cpu_products.forced``)."""
+def _under_form(name):
     import jax
 
     from jax_sparse_attn import cpu_products
 
     jax.clear_caches()  # the primitives' lowerings are cached per shape, not per form
-    with cpu_products.forced(cpu_products.parse_form(request.param)):
-        yield request.param
+    with cpu_products.forced(cpu_products.parse_form(name)):
+        yield name
     jax.clear_caches()
+
+
+@pytest.fixture(params=CPU_PRODUCT_FORMS)
+def cpu_product_form(request):
+    """Runs a test under each form of the reference's products on CPU, whatever this CPU and JAX
+    would pick by themselves (``cpu_products.forced``)."""
+    yield from _under_form(request.param)
+
+
+@pytest.fixture(params=["native", "f32-x-first"])
+def cpu_product_layout(request):
+    """For the backward, whose products are f32 in every form: each of its two layouts (the
+    forward it differentiates runs in the paired form)."""
+    yield from _under_form(request.param)
 
 
 def run_on_8_devices(script: str, *args: str) -> dict:
