@@ -13,6 +13,12 @@ summation order differs between them):
 The choice is made once per process from what the CPU reports, unless the environment variable
 ``JAX_SPARSE_ATTN_CPU_PRODUCTS`` is ``native`` or ``f32``. It only concerns programs lowered for
 the CPU: GPUs and TPUs always take the native form.
+
+Independently, the layout of the dot products follows the library that XLA:CPU runs them with
+(``products_by_eigen``): Eigen is far faster at ``x rows^T`` than at ``rows x^T`` with either
+operand type (README, Performance). ``cpu_form()`` holds both halves (``ProductForm``) and is the
+one place the attention reference, its backward and the indexer ask; ``forced`` sets a form for
+the programs traced inside it (benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -61,9 +67,14 @@ def _darwin_feature(name: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_product_form() -> str:
-    """``"native"`` or ``"f32"``: the environment variable if set, else what the CPU reports."""
+    """``"native"`` or ``"f32"``: the environment variable if set, else what the CPU reports (read
+    once per process); a ``forced`` form while one is in effect."""
+    return "f32" if cpu_form().widen else "native"
+
+
+@functools.lru_cache(maxsize=None)
+def _chosen_operands() -> str:
     forced = os.environ.get(ENV_VAR, "").strip().lower()
     if forced:
         if forced not in FORMS:
@@ -125,7 +136,7 @@ def cpu_form() -> ProductForm:
 
 @functools.lru_cache(maxsize=None)
 def _detected_form() -> ProductForm:
-    return ProductForm(widen=cpu_product_form() == "f32", x_first=products_by_eigen())
+    return ProductForm(widen=_chosen_operands() == "f32", x_first=products_by_eigen())
 
 
 @contextlib.contextmanager

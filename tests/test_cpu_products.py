@@ -26,7 +26,7 @@ def with_env(monkeypatch, value):
         monkeypatch.delenv(cpu_products.ENV_VAR, raising=False)
     else:
         monkeypatch.setenv(cpu_products.ENV_VAR, value)
-    cpu_products.cpu_product_form.cache_clear()
+    cpu_products._chosen_operands.cache_clear()
     cpu_products._detected_form.cache_clear()
 
 
@@ -34,7 +34,7 @@ def with_env(monkeypatch, value):
 def fresh_choice(monkeypatch):
     yield lambda value: with_env(monkeypatch, value)
     monkeypatch.undo()
-    cpu_products.cpu_product_form.cache_clear()
+    cpu_products._chosen_operands.cache_clear()
     cpu_products._detected_form.cache_clear()
 
 
@@ -43,13 +43,16 @@ def test_environment_variable_overrides_the_cpu(fresh_choice, value):
     fresh_choice(value)
     assert cpu_products.cpu_product_form() == value.strip().lower()
     assert cpu_products.cpu_form().widen is (value.strip().lower() == "f32")
+    with cpu_products.forced(cpu_products.parse_form("native" if "f32" in value.lower() else "f32")):
+        assert cpu_products.cpu_product_form() != value.strip().lower()  # forced wins
 
 
 def test_without_override_the_cpu_decides(fresh_choice, monkeypatch):
     fresh_choice(None)
     monkeypatch.setattr(cpu_products, "cpu_reports_native_bf16", lambda cpuinfo=None: True)
     assert cpu_products.cpu_product_form() == "native"
-    cpu_products.cpu_product_form.cache_clear()
+    cpu_products._chosen_operands.cache_clear()
+    cpu_products._detected_form.cache_clear()
     monkeypatch.setattr(cpu_products, "cpu_reports_native_bf16", lambda cpuinfo=None: False)
     assert cpu_products.cpu_product_form() == "f32"
 
