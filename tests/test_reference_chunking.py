@@ -54,6 +54,12 @@ def traced(monkeypatch, fn, args, chunk_bytes, pregather_bytes):
     return np.asarray(jitted(*args)), has_loop
 
 
+def skip_f32_operands_widened(dtype, form):
+    """f32 operands are the same in the f32 form (widening is the identity): nothing new to test."""
+    if np.dtype(dtype) == np.float32 and form.startswith("f32"):
+        pytest.skip("f32 inputs: the f32 form is the native one")
+
+
 def same_bits(a, b):
     bits = BITS[np.dtype(a.dtype)]
     return a.dtype == b.dtype and np.array_equal(a.view(bits), b.view(bits))
@@ -73,6 +79,7 @@ def same_bits(a, b):
 )
 def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regime, rows, pregather_bytes,
                                                    cpu_product_form):
+    skip_f32_operands_widened(dtype, cpu_product_form)
     q, kv, idx, sink, bias = make_case(rng, rows, dtype)
     args = (q, kv, idx, sink, bias)
 
@@ -98,6 +105,7 @@ def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regi
 
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
 def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, cpu_product_form):
+    skip_f32_operands_widened(dtype, cpu_product_form)
     q, kv, idx, sink, bias = make_case(rng, 50, dtype)
     x, valid = gather(kv, idx)
     bias = np.where(valid, bias, -np.inf).astype(np.float32)  # empty slots, as the gathered form says
