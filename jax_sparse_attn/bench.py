@@ -701,6 +701,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"# jax {env['jax']} on {env['backend']} ({env['device']}); "
           f"CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}", flush=True)
     result: dict = {"environment": env, "records": []}
+    if a.memory and a.cpu_products != ["auto"]:
+        p.error(f"--cpu-products times forms side by side and does not apply to --memory (a fresh "
+                f"process); set {cpu_products.ENV_VAR}=native or f32 instead")
     if a.memory:
         shape = a.shape[0] if a.shape else (QUICK_SHAPES[1] if a.quick else MEMORY_SHAPE)
         rec = run_memory_check(shape, a.dtype, a.implementation, grad=a.grad)

@@ -91,8 +91,9 @@ def test_cpu_products_flag_times_each_form_in_the_same_rounds(tmp_path):
     assert rec["contract_check"]["within_one_ulp"] >= 0.999
     assert other["contract_check"]["within_one_ulp"] >= 0.999
     assert other["median_s"] > 0 and other["op_over_this"] > 0
-    with pytest.raises(SystemExit):
-        bench.main(["--cpu-products", "bf16"])
+    for bad in (["--cpu-products", "bf16"], ["--memory", "--cpu-products", "f32"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
 
 
 def test_sdpa_baseline_is_attention_without_a_sink(rng):
