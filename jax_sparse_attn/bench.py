@@ -379,7 +379,7 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
     for key in fns:
         if key.startswith("op["):
             other = {"median_s": med[key], "first_call_s": compile_s[key],
-                     "op_gflops": flops / med[key] / 1e9, 
+                     "op_gflops": flops / med[key] / 1e9,
                      # op's time over this form's, the median of the per-round ratios
                      "op_over_this": float(np.median(np.array(times["op"])
                                                      / np.array(times[key]))),
