@@ -395,7 +395,7 @@ def test_large_shapes_run_in_chunks(target, H, D, Kp):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_compiled_instructions_do_not_grow_with_tokens(target):
-    """Tokens run in a hardware loop (nl.dynamic_range): the compiled program of each core holds
+    """Tokens run in a hardware loop (nl.fori_loop): the compiled program of each core holds
     one token's instructions whatever T is, while the executed count grows with T."""
     from jax_sparse_attn.nki_emulator import simulate
 
