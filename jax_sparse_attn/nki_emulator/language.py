@@ -568,3 +568,51 @@ def sum(x: Tensor, axis: Any, dtype: Any = None, keepdims: bool = False, **kwarg
     """Sum along free axes ``axis`` (never axis 0, the partition axis)."""
     no_extra(kwargs, "nl.sum")
     return _reduction("sum", np.add, x, axis, dtype, keepdims)
+
+
+# Comparisons (elementwise 1.0 / 0.0 in fp32; NaN compares false, IEEE, inferred): the ALU
+# operators of nki.language that nisa.tensor_scalar / tensor_tensor take as op (range_select page,
+# v2.32.0, lists equal, less, less_equal, greater, greater_equal as comparison operators).
+def compare_values(ufunc):
+    """A numpy comparison as an ALU function returning fp32 1.0 / 0.0 (used by isa.py)."""
+
+    def fn(a, b):
+        return ufunc(a, b).astype(F32)
+
+    fn.__name__ = ufunc.__name__
+    return fn
+
+
+equal = _binary("equal", compare_values(np.equal))
+not_equal = _binary("not_equal", compare_values(np.not_equal))
+less = _binary("less", compare_values(np.less))
+less_equal = _binary("less_equal", compare_values(np.less_equal))
+greater = _binary("greater", compare_values(np.greater))
+greater_equal = _binary("greater_equal", compare_values(np.greater_equal))
+__all__ += ["equal", "not_equal", "less", "less_equal", "greater", "greater_equal"]
+
+
+def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
+    """``nl.fori_loop(lower, upper, body_fun, step=1)`` (NKI 0.6+, nki.language.fori_loop page,
+    v2.32.0): a hardware loop running ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``,
+    its body compiled once; ``lower``/``upper`` ints or VirtualRegisters; ``i`` a VirtualRegister
+    (usable as ``scalar_offset``); the body returns None (state lives in SBUF/HBM).
+
+    A minimal form until the NKI-version work (issue 18) lands its complete one.
+    """
+    from .isa import VirtualRegister
+
+    if not callable(body_fun):
+        raise NkiUnsupportedError(f"nl.fori_loop: body_fun must be callable, got {body_fun!r}")
+    loop = DynamicRange(lower, upper, step)
+    lo, hi = loop._bound(loop.start), loop._bound(loop.stop)
+    ctx = current_context()
+    for n, value in enumerate(range(lo, hi, loop.step)):
+        repeat = 1 if n > 0 else 0
+        ctx.repeat_depth += repeat
+        try:
+            result = body_fun(VirtualRegister(value))
+        finally:
+            ctx.repeat_depth -= repeat
+        if result is not None:  # fori_loop page: "Returns: None"
+            raise NkiUnsupportedError("a fori_loop body returns nothing (nki.language.fori_loop page)")

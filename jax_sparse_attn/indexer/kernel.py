@@ -1,0 +1,323 @@
+"""The NKI kernel of the indexer (``indexer_topk``): scores on the TensorEngine, an exact running
+top-k on the VectorEngine (docs/indexer-kernel.md describes the design, its cost and its floor).
+
+Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`; ``TT`` tokens per tile, ``TP``
+tokens per head group, ``GP = TP * Hi <= 128`` partitions of a group, ``G = TT / TP`` groups)::
+
+    q_t          [tiles, Di, TT*Hi]      bf16  q of the tile's tokens, transposed: column
+                                               t*Hi + j holds q[t, j, :]
+    w_bd         [tiles, G, GP, TT]      f32   block-diagonal weights: w_bd[., g, (t-g*TP)*Hi+j, t]
+                                               = w'[t, j] (scale folded in), 0 elsewhere
+    keys_t       [Di, n_chunks, C]       bf16  the keys transposed, padded to n_chunks * C rows
+    key_scale    [n_chunks, C]           f32   (ones when the op has none)
+    n_valid      [tiles, TT, 1]          f32   valid rows of each token (rows 0 .. n_valid-1)
+    chunk_counts [tiles, 1]              int32 chunks holding a valid row for some token of the tile
+    -> keys_out [tiles, TT, K] f32 (the selection keys, best first) and idx [tiles, TT, K] int32
+
+Per tile (a hardware loop, ``nl.fori_loop``; the programs of an LNC=2 launch take alternate
+shares of the tiles) and per chunk of ``C`` rows (a hardware loop whose trip count is the tile's
+``chunk_counts`` entry, so chunks past every token's position are never scored or read):
+
+1. per 512 rows and head group: ``d = q . k`` (bf16 ``nc_matmul``, q stationary, fp32 PSUM), a
+   ScalarE relu into fp32, then the head sum as a second (fp32) matmul with the block-diagonal
+   weights stationary, accumulating every group into one ``[TT, 512]`` PSUM tile of scores;
+   times ``key_scale`` on the way into the candidate buffer;
+2. the scores become selection keys (``select_key``): halved (room below every finite value),
+   ``-inf`` -> ``NEG_INF_KEY``, NaN -> ``NAN_KEY``, rows outside ``n_valid`` -> ``MARKER`` by
+   selects, so garbage in an invalid row never reaches a key;
+3. a merge: the running ``K8`` best (keys and rows) and the chunk's ``C`` keys form one buffer;
+   ``K8 / 8`` rounds of ``max8`` (the next 8 keys), ``nc_find_index8`` (their positions: first
+   occurrences, duplicates in ascending order, so exact ties go to the lower row) and
+   ``nc_match_replace8`` (those positions become ``MARKER``); ``nc_n_gather`` maps positions to
+   rows. The running part stays sorted by (key descending, row ascending), and its rows all
+   precede the chunk's, which keeps the tie rule across merges.
+
+After the last chunk: ``idx = row`` where the key is above ``MARKER`` (a real, valid row), else
+-1. Nothing of size R is on chip: a chunk of keys and the ``K8 + C`` candidates.
+
+The raw functions are plain Python: ``nki.jit`` is applied where they are called on Neuron, the
+project's emulator runs them as they are. Importing this module never needs the Neuron SDK.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..constants import FLT_MAX, KERNEL_TILE, PSUM_BANK_FP32, SBUF_BYTES_PER_PARTITION
+
+try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
+    import nki
+    import nki.isa as nisa
+    import nki.language as nl
+except ImportError:
+    nki = nl = nisa = None
+
+# The replace marker and the fill of invalid rows: below every key (docs/indexer-kernel.md,
+# "Selection keys"). -FLT_MAX, not -inf: a real -inf score has its own key above it.
+MARKER = -FLT_MAX
+# Keys of the non-finite scores, below every halved finite score (>= -FLT_MAX / 2) and above
+# MARKER, in the contract's order: a -inf score ranks above a NaN score.
+NEG_INF_KEY = -0.625 * FLT_MAX
+NAN_KEY = -0.75 * FLT_MAX
+# Finite scores enter as score * KEY_FACTOR (exact for |score| >= 2**-125; below that a tie
+# within one subnormal step can appear).
+KEY_FACTOR = 0.5
+# max8 / nc_find_index8 / nc_match_replace8 read at most this many elements per partition (their
+# ISA pages, v2.32.0): the running selection plus a chunk must fit.
+SELECT_MAX_ELEMENTS = 16384
+ROWS_PER_MATMUL = PSUM_BANK_FP32  # one fp32 PSUM bank of scores per matmul
+SELECTED_PER_ROUND = 8  # max8 finds 8 values per round
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerPlan:
+    """Compile-time sizes of one kernel launch.
+
+    ``tile_tokens`` (TT) tokens per tile, ``group_tokens`` (TP) tokens per head group,
+    ``heads``/``dim`` (Hi, Di), ``topk`` (K) and ``topk8`` (K rounded up to 8), ``chunk`` (C)
+    rows per chunk (a multiple of 512), ``chunks`` of them covering the padded rows.
+    """
+
+    tile_tokens: int
+    group_tokens: int
+    heads: int
+    dim: int
+    topk: int
+    topk8: int
+    chunk: int
+    chunks: int
+
+    @property
+    def groups(self) -> int:
+        return self.tile_tokens // self.group_tokens
+
+    @property
+    def group_partitions(self) -> int:
+        return self.group_tokens * self.heads
+
+    @property
+    def rows_padded(self) -> int:
+        return self.chunk * self.chunks
+
+
+def sbuf_bytes_per_partition(tile_tokens: int, heads: int, dim: int, topk8: int, chunk: int) -> int:
+    """SBUF bytes per partition of the kernel's live tiles at their peak (an upper estimate).
+
+    q (bf16, ``D/128 * TT*Hi``), the block-diagonal weights (f32, ``G * TT``), the candidates
+    and their rows (f32, ``2 * (K8 + C)``), the new running part (keys, positions, rows:
+    ``3 * K8`` 4-byte), a chunk of keys (bf16, ``D/128 * C``), one predicate (``C`` bytes), a
+    relu tile and a key-scale tile (f32, 512 each), and a few columns.
+    """
+    d_tiles = _ceil_div(dim, KERNEL_TILE)
+    group_tokens = max(1, KERNEL_TILE // heads)
+    groups = _ceil_div(tile_tokens, group_tokens)
+    q = d_tiles * tile_tokens * heads * 2
+    weights = groups * tile_tokens * 4
+    candidates = 2 * 4 * (topk8 + chunk)
+    running = 3 * 4 * topk8
+    keys = d_tiles * chunk * 2
+    work = chunk + 2 * 4 * ROWS_PER_MATMUL + 64
+    return q + weights + candidates + running + keys + work
+
+
+def plan_indexer(tokens_per_program: int, heads: int, dim: int, rows: int, topk: int,
+                 budget: int = SBUF_BYTES_PER_PARTITION) -> IndexerPlan:  # fmt: skip
+    """The sizes for ``tokens_per_program`` tokens, ``heads`` x ``dim`` queries, ``rows`` keys and
+    ``topk``: the largest chunk (a multiple of 512, at most what max8 allows beside the running
+    selection) whose working set fits ``budget`` (default the smallest target's SBUF, trn1, so
+    one plan holds everywhere), then the chunk evened out over the rows. Raises ``ValueError``
+    naming the argument when no chunk fits."""
+    if not 0 < heads <= KERNEL_TILE:
+        raise ValueError(f"the indexer kernel takes 1 to {KERNEL_TILE} heads, got Hi={heads}")
+    group_tokens = KERNEL_TILE // heads
+    tile_tokens = min(KERNEL_TILE, _round_up(max(tokens_per_program, 1), group_tokens))
+    tile_tokens = tile_tokens // group_tokens * group_tokens
+    topk8 = _round_up(max(topk, 1), SELECTED_PER_ROUND)
+    rows_needed = _round_up(max(rows, 1), ROWS_PER_MATMUL)
+    cap = (SELECT_MAX_ELEMENTS - topk8) // ROWS_PER_MATMUL * ROWS_PER_MATMUL
+    if cap < ROWS_PER_MATMUL:
+        raise ValueError(
+            f"topk={topk} is too large for the indexer kernel: max8 reads at most "
+            f"{SELECT_MAX_ELEMENTS} candidates per partition (ISA max8 page), so topk <= "
+            f"{SELECT_MAX_ELEMENTS - ROWS_PER_MATMUL}"
+        )
+    chunk = min(cap, rows_needed)
+    while chunk > ROWS_PER_MATMUL and sbuf_bytes_per_partition(
+        tile_tokens, heads, dim, topk8, chunk
+    ) > budget:
+        chunk -= ROWS_PER_MATMUL
+    if sbuf_bytes_per_partition(tile_tokens, heads, dim, topk8, chunk) > budget:
+        raise ValueError(
+            f"the indexer kernel does not fit SBUF at Hi={heads}, Di={dim}, topk={topk}: "
+            f"{sbuf_bytes_per_partition(tile_tokens, heads, dim, topk8, chunk)} bytes per "
+            f"partition, {budget} available"
+        )
+    chunks = _ceil_div(rows_needed, chunk)
+    chunk = _round_up(_ceil_div(rows_needed, chunks), ROWS_PER_MATMUL)  # even the chunks out
+    return IndexerPlan(tile_tokens, group_tokens, heads, dim, topk, topk8, chunk, chunks)
+
+
+def _d_chunks(dim: int):
+    """``(dc, d0, width)`` of the contraction's chunks of at most 128 rows."""
+    return [(dc, dc * KERNEL_TILE, min(KERNEL_TILE, dim - dc * KERNEL_TILE))
+            for dc in range(_ceil_div(dim, KERNEL_TILE))]  # fmt: skip
+
+
+def _tile_block(tensor, tile, rows: int, cols: int, offset: int = 0, row_stride=None):
+    """``tensor[tile]``'s ``rows x cols`` block at ``offset`` (a runtime address: the access
+    pattern's ``scalar_offset`` moves it by ``tile * prod(tensor.shape[1:])``,
+    nki/deep-dives/nki-aps.rst); ``row_stride=0`` repeats one row on every partition."""
+    stride = cols if row_stride is None else row_stride
+    return tensor.ap(pattern=[[stride, rows], [1, cols]], offset=offset, scalar_offset=tile,
+                     indirect_dim=0)  # fmt: skip
+
+
+def _score_chunk(plan: IndexerPlan, q_sb, w_sb, keys_sb, key_scale, chunk_index, cand, c_base):
+    """The chunk's scores ``I = (sum_j w'_j relu(q_j . k)) * key_scale`` into
+    ``cand[:, c_base : c_base + C]`` (f32), 512 rows at a time (module docstring, step 1)."""
+    tt, gp = plan.tile_tokens, plan.group_partitions
+    for s in range(plan.chunk // ROWS_PER_MATMUL):
+        r0 = s * ROWS_PER_MATMUL
+        scores = nl.ndarray((tt, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
+        for g in range(plan.groups):
+            dots = nl.ndarray((gp, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
+            for dc, _, dw in _d_chunks(plan.dim):
+                nisa.nc_matmul(dst=dots, stationary=q_sb[0:dw, dc, g * gp : (g + 1) * gp],
+                               moving=keys_sb[0:dw, dc, r0 : r0 + ROWS_PER_MATMUL],
+                               accumulate=dc > 0)  # fmt: skip
+            relu = nl.ndarray((gp, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=relu, op=nl.relu, data=dots)
+            # The head sum on the TensorEngine: fp32 operands keep the products exact in fp32.
+            nisa.nc_matmul(dst=scores, stationary=w_sb[:, g, :], moving=relu, accumulate=g > 0)
+        scale_row = nl.ndarray((tt, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=scale_row, src=key_scale.ap(
+            pattern=[[0, tt], [1, ROWS_PER_MATMUL]], offset=r0, scalar_offset=chunk_index,
+            indirect_dim=0))  # fmt: skip
+        nisa.tensor_tensor(dst=cand[:, c_base + r0 : c_base + r0 + ROWS_PER_MATMUL],
+                           data1=scores, data2=scale_row, op=nl.multiply)  # fmt: skip
+
+
+def select_key(plan: IndexerPlan, keys, rows, n_valid_col):
+    """Scores -> selection keys in place (module docstring, step 2; docs/indexer-kernel.md).
+
+    ``keys [TT, C]`` f32 scores, ``rows [TT, C]`` f32 their row numbers, ``n_valid_col [TT, 1]``.
+    Every replacement is a select, so a NaN or inf in a row that is invalid never matters.
+    """
+    tt, c = plan.tile_tokens, plan.chunk
+    # Halved, and -inf lifted to its key (max with NEG_INF_KEY; NaN stays NaN here).
+    nisa.tensor_scalar(dst=keys, data=keys, op0=nl.multiply, operand0=KEY_FACTOR,
+                       op1=nl.maximum, operand1=NEG_INF_KEY, engine=nisa.engine.gpsimd)  # fmt: skip
+    predicate = nl.ndarray((tt, c), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=predicate, data1=keys, data2=keys, op=nl.equal,
+                       engine=nisa.engine.gpsimd)  # NaN != NaN  # fmt: skip
+    nisa.select_reduce(dst=keys, predicate=predicate, on_true=keys, on_false=NAN_KEY)
+    nisa.tensor_scalar(dst=predicate, data=rows, op0=nl.less, operand0=n_valid_col,
+                       engine=nisa.engine.gpsimd)  # fmt: skip
+    nisa.select_reduce(dst=keys, predicate=predicate, on_true=keys, on_false=MARKER)
+
+
+def _merge(plan: IndexerPlan, cand, cand_rows, best_keys, positions, best_rows):
+    """The running ``K8`` best of ``cand`` (keys) and their rows, back into ``cand[:, :K8]`` and
+    ``cand_rows[:, :K8]`` (module docstring, step 3)."""
+    k8 = plan.topk8
+    for i in range(k8 // SELECTED_PER_ROUND):
+        cols = slice(i * SELECTED_PER_ROUND, (i + 1) * SELECTED_PER_ROUND)
+        nisa.max8(dst=best_keys[:, cols], src=cand)
+        nisa.nc_find_index8(dst=positions[:, cols], data=cand, vals=best_keys[:, cols])
+        nisa.nc_match_replace8(dst=cand, data=cand, vals=best_keys[:, cols], imm=MARKER)
+    nisa.nc_n_gather(dst=best_rows, data=cand_rows, indices=positions)
+    nisa.tensor_copy(dst=cand[:, 0:k8], src=best_keys, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=cand_rows[:, 0:k8], src=best_rows, engine=nisa.engine.gpsimd)
+
+
+def indexer_topk_kernel(q_t, w_bd, keys_t, key_scale, n_valid, chunk_counts, topk, chunk):
+    """The indexer's top-k (module docstring): returns ``(keys_out, idx)`` in shared HBM.
+
+    Args: as the module docstring's interface; ``topk`` (K) and ``chunk`` (C) compile-time ints.
+    Launch as ``kernel[n]`` with ``n`` the physical cores per logical core; ``tiles`` a multiple
+    of ``n``.
+    """
+    tiles, dim, cols = q_t.shape
+    _, groups, gp, tt = w_bd.shape
+    n_chunks = keys_t.shape[1]
+    heads = cols // tt
+    topk8 = _round_up(max(topk, 1), SELECTED_PER_ROUND)
+    plan = IndexerPlan(tt, gp // heads, heads, dim, topk, topk8, chunk, n_chunks)
+    assert plan.groups == groups and gp == plan.group_partitions and gp <= KERNEL_TILE, (
+        f"w_bd {w_bd.shape} does not match q_t {q_t.shape}"
+    )
+    assert tuple(keys_t.shape) == (dim, n_chunks, chunk), f"keys_t {keys_t.shape} vs chunk {chunk}"
+    assert tuple(key_scale.shape) == (n_chunks, chunk), f"key_scale {key_scale.shape}"
+    assert tuple(n_valid.shape) == (tiles, tt, 1) and tuple(chunk_counts.shape) == (tiles, 1)
+    assert chunk % ROWS_PER_MATMUL == 0 and topk8 + chunk <= SELECT_MAX_ELEMENTS
+    programs, program = nl.num_programs(), nl.program_id(0)
+    assert tiles % programs == 0, f"{tiles} tiles must be a multiple of the {programs} programs"
+    per_program = tiles // programs
+
+    keys_out = nl.ndarray((tiles, tt, topk), dtype=nl.float32, buffer=nl.shared_hbm)
+    idx_out = nl.ndarray((tiles, tt, topk), dtype=nl.int32, buffer=nl.shared_hbm)
+    d_tiles = _ceil_div(dim, KERNEL_TILE)
+    # State carried through the loops (allocated outside them: a fori_loop body's tensors die
+    # with its iteration, nki.language.fori_loop page).
+    q_sb = nl.ndarray((KERNEL_TILE, d_tiles, cols), dtype=nl.bfloat16, buffer=nl.sbuf)
+    w_sb = nl.ndarray((gp, groups, tt), dtype=nl.float32, buffer=nl.sbuf)
+    n_valid_col = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+    row_base = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
+    count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    cand = nl.ndarray((tt, topk8 + chunk), dtype=nl.float32, buffer=nl.sbuf)
+    cand_rows = nl.ndarray((tt, topk8 + chunk), dtype=nl.float32, buffer=nl.sbuf)
+    best_keys = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
+    positions = nl.ndarray((tt, topk8), dtype=nl.uint32, buffer=nl.sbuf)
+    best_rows = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
+    keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=nl.bfloat16, buffer=nl.sbuf)
+
+    def one_chunk(c):
+        for dc, d0, dw in _d_chunks(dim):
+            nisa.dma_copy(dst=keys_sb[0:dw, dc, :], src=keys_t.ap(
+                pattern=[[n_chunks * chunk, dw], [1, chunk]], offset=d0 * n_chunks * chunk,
+                scalar_offset=c, indirect_dim=1))  # fmt: skip
+        _score_chunk(plan, q_sb, w_sb, keys_sb, key_scale, c, cand, topk8)
+        rows = cand_rows[:, topk8 : topk8 + chunk]
+        nisa.iota(dst=rows, pattern=[[1, chunk]], offset=0)
+        nisa.tensor_scalar(dst=rows, data=rows, op0=nl.add, operand0=row_base,
+                           engine=nisa.engine.gpsimd)  # fmt: skip
+        select_key(plan, cand[:, topk8 : topk8 + chunk], rows, n_valid_col)
+        _merge(plan, cand, cand_rows, best_keys, positions, best_rows)
+        nisa.tensor_scalar(dst=row_base, data=row_base, op0=nl.add, operand0=float(chunk),
+                           engine=nisa.engine.gpsimd)  # fmt: skip
+
+    def one_tile(tile):
+        for dc, d0, dw in _d_chunks(dim):
+            nisa.dma_copy(dst=q_sb[0:dw, dc, :], src=_tile_block(q_t, tile, dw, cols, d0 * cols))
+        for g in range(groups):
+            nisa.dma_copy(dst=w_sb[:, g, :], src=_tile_block(w_bd, tile, gp, tt, g * gp * tt))
+        nisa.dma_copy(dst=n_valid_col, src=_tile_block(n_valid, tile, tt, 1))
+        nisa.dma_copy(dst=count, src=_tile_block(chunk_counts, tile, 1, 1))
+        chunks_here = nisa.register_alloc(None)
+        nisa.register_load(chunks_here, count)
+        nisa.memset(dst=cand[:, 0:topk8], value=MARKER)
+        nisa.memset(dst=cand_rows[:, 0:topk8], value=0.0)
+        nisa.memset(dst=row_base, value=0.0)
+        nl.fori_loop(0, chunks_here, one_chunk)
+        # idx = row where the key is a real row's (above MARKER), else -1.
+        valid = nl.ndarray((tt, topk8), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=valid, data=cand[:, 0:topk8], op0=nl.greater, operand0=MARKER,
+                           engine=nisa.engine.gpsimd)  # fmt: skip
+        chosen = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.select_reduce(dst=chosen, predicate=valid, on_true=cand_rows[:, 0:topk8],
+                           on_false=-1.0)  # fmt: skip
+        chosen_i32 = nl.ndarray((tt, topk8), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=chosen_i32, src=chosen, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=_tile_block(keys_out, tile, tt, topk), src=cand[:, 0:topk])
+        nisa.dma_copy(dst=_tile_block(idx_out, tile, tt, topk), src=chosen_i32[:, 0:topk])
+
+    nl.fori_loop(program * per_program, (program + 1) * per_program, one_tile)
+    return keys_out, idx_out
