@@ -1,13 +1,12 @@
 """The NKI kernel of the indexer (``indexer_topk``): scores on the TensorEngine, an exact running
 top-k on the VectorEngine (docs/indexer-kernel.md describes the design, its cost and its floor).
 
-Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`; ``TT`` tokens per tile, ``TP``
-tokens per head group, ``GP = TP * Hi <= 128`` partitions of a group, ``G = TT / TP`` groups)::
+Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`; ``TT`` tokens per tile,
+``Hi <= 128``)::
 
     q_t          [tiles, Di, TT*Hi]      bf16  q of the tile's tokens, transposed: column
                                                t*Hi + j holds q[t, j, :]
-    w_bd         [tiles, G, GP, TT]      f32   block-diagonal weights: w_bd[., g, (t-g*TP)*Hi+j, t]
-                                               = w'[t, j] (scale folded in), 0 elsewhere
+    w_t          [tiles, Hi, TT]         f32   the weights w' (scale folded in), transposed
     keys_t       [Di, n_chunks, C]       bf16  the keys transposed, padded to n_chunks * C rows
     key_scale    [n_chunks, C]           f32   (ones when the op has none)
     n_valid      [tiles, TT, 1]          f32   valid rows of each token (rows 0 .. n_valid-1)
@@ -18,10 +17,10 @@ Per tile (a hardware loop, ``nl.fori_loop``; the programs of an LNC=2 launch tak
 shares of the tiles) and per chunk of ``C`` rows (a hardware loop whose trip count is the tile's
 ``chunk_counts`` entry, so chunks past every token's position are never scored or read):
 
-1. per 512 rows and head group: ``d = q . k`` (bf16 ``nc_matmul``, q stationary, fp32 PSUM), a
-   ScalarE relu into fp32, then the head sum as a second (fp32) matmul with the block-diagonal
-   weights stationary, accumulating every group into one ``[TT, 512]`` PSUM tile of scores;
-   times ``key_scale`` on the way into the candidate buffer;
+1. per 512 rows and token: ``d = q . k`` (``nc_matmul`` in q's 16-bit dtype, q stationary, fp32
+   PSUM ``[Hi, 512]``), a ScalarE relu into fp32, then the head sum as a second (fp32) matmul
+   with the token's weights stationary, into the token's partition of one ``[TT, 512]`` PSUM tile
+   of scores; times ``key_scale`` on the way into the candidate buffer;
 2. the scores become selection keys (``select_key``): halved (room below every finite value),
    ``-inf`` -> ``NEG_INF_KEY``, NaN -> ``NAN_KEY``, rows outside ``n_valid`` -> ``MARKER`` by
    selects, so garbage in an invalid row never reaches a key;
@@ -67,6 +66,8 @@ KEY_FACTOR = 0.5
 SELECT_MAX_ELEMENTS = 16384
 ROWS_PER_MATMUL = PSUM_BANK_FP32  # one fp32 PSUM bank of scores per matmul
 SELECTED_PER_ROUND = 8  # max8 finds 8 values per round
+# Tokens per tile: the partitions of the score tile and of the running selection.
+TILE_TOKENS_MAX = KERNEL_TILE
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -81,27 +82,17 @@ def _round_up(a: int, b: int) -> int:
 class IndexerPlan:
     """Compile-time sizes of one kernel launch.
 
-    ``tile_tokens`` (TT) tokens per tile, ``group_tokens`` (TP) tokens per head group,
-    ``heads``/``dim`` (Hi, Di), ``topk`` (K) and ``topk8`` (K rounded up to 8), ``chunk`` (C)
+    ``tile_tokens`` (TT) tokens per tile, ``heads``/``dim`` (Hi, Di), ``topk`` (K) and ``topk8`` (K rounded up to 8), ``chunk`` (C)
     rows per chunk (a multiple of 512), ``chunks`` of them covering the padded rows.
     """
 
     tile_tokens: int
-    group_tokens: int
     heads: int
     dim: int
     topk: int
     topk8: int
     chunk: int
     chunks: int
-
-    @property
-    def groups(self) -> int:
-        return self.tile_tokens // self.group_tokens
-
-    @property
-    def group_partitions(self) -> int:
-        return self.group_tokens * self.heads
 
     @property
     def rows_padded(self) -> int:
@@ -111,16 +102,14 @@ class IndexerPlan:
 def sbuf_bytes_per_partition(tile_tokens: int, heads: int, dim: int, topk8: int, chunk: int) -> int:
     """SBUF bytes per partition of the kernel's live tiles at their peak (an upper estimate).
 
-    q (bf16, ``D/128 * TT*Hi``), the block-diagonal weights (f32, ``G * TT``), the candidates
+    q (16-bit, ``D/128 * TT*Hi``), the weights (f32, ``TT``), the candidates
     and their rows (f32, ``2 * (K8 + C)``), the new running part (keys, positions, rows:
     ``3 * K8`` 4-byte), a chunk of keys (bf16, ``D/128 * C``), one predicate (``C`` bytes), a
     relu tile and a key-scale tile (f32, 512 each), and a few columns.
     """
     d_tiles = _ceil_div(dim, KERNEL_TILE)
-    group_tokens = max(1, KERNEL_TILE // heads)
-    groups = _ceil_div(tile_tokens, group_tokens)
     q = d_tiles * tile_tokens * heads * 2
-    weights = groups * tile_tokens * 4
+    weights = tile_tokens * 4
     candidates = 2 * 4 * (topk8 + chunk)
     running = 3 * 4 * topk8
     keys = d_tiles * chunk * 2
@@ -137,9 +126,7 @@ def plan_indexer(tokens_per_program: int, heads: int, dim: int, rows: int, topk:
     naming the argument when no chunk fits."""
     if not 0 < heads <= KERNEL_TILE:
         raise ValueError(f"the indexer kernel takes 1 to {KERNEL_TILE} heads, got Hi={heads}")
-    group_tokens = KERNEL_TILE // heads
-    tile_tokens = min(KERNEL_TILE, _round_up(max(tokens_per_program, 1), group_tokens))
-    tile_tokens = tile_tokens // group_tokens * group_tokens
+    tile_tokens = min(TILE_TOKENS_MAX, max(tokens_per_program, 1))
     topk8 = _round_up(max(topk, 1), SELECTED_PER_ROUND)
     rows_needed = _round_up(max(rows, 1), ROWS_PER_MATMUL)
     cap = (SELECT_MAX_ELEMENTS - topk8) // ROWS_PER_MATMUL * ROWS_PER_MATMUL
@@ -162,7 +149,7 @@ def plan_indexer(tokens_per_program: int, heads: int, dim: int, rows: int, topk:
         )
     chunks = _ceil_div(rows_needed, chunk)
     chunk = _round_up(_ceil_div(rows_needed, chunks), ROWS_PER_MATMUL)  # even the chunks out
-    return IndexerPlan(tile_tokens, group_tokens, heads, dim, topk, topk8, chunk, chunks)
+    return IndexerPlan(tile_tokens, heads, dim, topk, topk8, chunk, chunks)
 
 
 def _d_chunks(dim: int):
@@ -182,21 +169,27 @@ def _tile_block(tensor, tile, rows: int, cols: int, offset: int = 0, row_stride=
 
 def _score_chunk(plan: IndexerPlan, q_sb, w_sb, keys_sb, key_scale, chunk_index, cand, c_base):
     """The chunk's scores ``I = (sum_j w'_j relu(q_j . k)) * key_scale`` into
-    ``cand[:, c_base : c_base + C]`` (f32), 512 rows at a time (module docstring, step 1)."""
-    tt, gp = plan.tile_tokens, plan.group_partitions
+    ``cand[:, c_base : c_base + C]`` (f32), 512 rows at a time (module docstring, step 1).
+
+    One token per matmul pair: its head sum must not meet another token's dot products, since
+    ``0 * inf`` is NaN (a row holding inf would make a zero weight of another token poison it).
+    """
+    tt, heads = plan.tile_tokens, plan.heads
     for s in range(plan.chunk // ROWS_PER_MATMUL):
         r0 = s * ROWS_PER_MATMUL
         scores = nl.ndarray((tt, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
-        for g in range(plan.groups):
-            dots = nl.ndarray((gp, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
+        for t in range(tt):
+            dots = nl.ndarray((heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
             for dc, _, dw in _d_chunks(plan.dim):
-                nisa.nc_matmul(dst=dots, stationary=q_sb[0:dw, dc, g * gp : (g + 1) * gp],
+                nisa.nc_matmul(dst=dots, stationary=q_sb[0:dw, dc, t * heads : (t + 1) * heads],
                                moving=keys_sb[0:dw, dc, r0 : r0 + ROWS_PER_MATMUL],
                                accumulate=dc > 0)  # fmt: skip
-            relu = nl.ndarray((gp, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
+            relu = nl.ndarray((heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=relu, op=nl.relu, data=dots)
-            # The head sum on the TensorEngine: fp32 operands keep the products exact in fp32.
-            nisa.nc_matmul(dst=scores, stationary=w_sb[:, g, :], moving=relu, accumulate=g > 0)
+            # The head sum on the TensorEngine, the weights stationary: fp32 operands keep the
+            # products exact in fp32; the result is the token's partition of the score tile.
+            nisa.nc_matmul(dst=scores[t : t + 1, :], stationary=w_sb[:, t : t + 1], moving=relu,
+                           accumulate=False)  # fmt: skip
         scale_row = nl.ndarray((tt, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=scale_row, src=key_scale.ap(
             pattern=[[0, tt], [1, ROWS_PER_MATMUL]], offset=r0, scalar_offset=chunk_index,
@@ -238,7 +231,7 @@ def _merge(plan: IndexerPlan, cand, cand_rows, best_keys, positions, best_rows):
     nisa.tensor_copy(dst=cand_rows[:, 0:k8], src=best_rows, engine=nisa.engine.gpsimd)
 
 
-def indexer_topk_kernel(q_t, w_bd, keys_t, key_scale, n_valid, chunk_counts, topk, chunk):
+def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk, chunk):
     """The indexer's top-k (module docstring): returns ``(keys_out, idx)`` in shared HBM.
 
     Args: as the module docstring's interface; ``topk`` (K) and ``chunk`` (C) compile-time ints.
@@ -246,13 +239,12 @@ def indexer_topk_kernel(q_t, w_bd, keys_t, key_scale, n_valid, chunk_counts, top
     of ``n``.
     """
     tiles, dim, cols = q_t.shape
-    _, groups, gp, tt = w_bd.shape
+    heads, tt = w_t.shape[1:]
     n_chunks = keys_t.shape[1]
-    heads = cols // tt
     topk8 = _round_up(max(topk, 1), SELECTED_PER_ROUND)
-    plan = IndexerPlan(tt, gp // heads, heads, dim, topk, topk8, chunk, n_chunks)
-    assert plan.groups == groups and gp == plan.group_partitions and gp <= KERNEL_TILE, (
-        f"w_bd {w_bd.shape} does not match q_t {q_t.shape}"
+    plan = IndexerPlan(tt, heads, dim, topk, topk8, chunk, n_chunks)
+    assert cols == tt * heads and heads <= KERNEL_TILE and tuple(w_t.shape) == (tiles, heads, tt), (
+        f"w_t {w_t.shape} does not match q_t {q_t.shape}"
     )
     assert tuple(keys_t.shape) == (dim, n_chunks, chunk), f"keys_t {keys_t.shape} vs chunk {chunk}"
     assert tuple(key_scale.shape) == (n_chunks, chunk), f"key_scale {key_scale.shape}"
@@ -267,8 +259,8 @@ def indexer_topk_kernel(q_t, w_bd, keys_t, key_scale, n_valid, chunk_counts, top
     d_tiles = _ceil_div(dim, KERNEL_TILE)
     # State carried through the loops (allocated outside them: a fori_loop body's tensors die
     # with its iteration, nki.language.fori_loop page).
-    q_sb = nl.ndarray((KERNEL_TILE, d_tiles, cols), dtype=nl.bfloat16, buffer=nl.sbuf)
-    w_sb = nl.ndarray((gp, groups, tt), dtype=nl.float32, buffer=nl.sbuf)
+    q_sb = nl.ndarray((KERNEL_TILE, d_tiles, cols), dtype=q_t.dtype, buffer=nl.sbuf)
+    w_sb = nl.ndarray((heads, tt), dtype=nl.float32, buffer=nl.sbuf)
     n_valid_col = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
     row_base = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
     count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -277,7 +269,7 @@ def indexer_topk_kernel(q_t, w_bd, keys_t, key_scale, n_valid, chunk_counts, top
     best_keys = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
     positions = nl.ndarray((tt, topk8), dtype=nl.uint32, buffer=nl.sbuf)
     best_rows = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
-    keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=nl.bfloat16, buffer=nl.sbuf)
+    keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=keys_t.dtype, buffer=nl.sbuf)
 
     def one_chunk(c):
         for dc, d0, dw in _d_chunks(dim):
@@ -297,8 +289,7 @@ def indexer_topk_kernel(q_t, w_bd, keys_t, key_scale, n_valid, chunk_counts, top
     def one_tile(tile):
         for dc, d0, dw in _d_chunks(dim):
             nisa.dma_copy(dst=q_sb[0:dw, dc, :], src=_tile_block(q_t, tile, dw, cols, d0 * cols))
-        for g in range(groups):
-            nisa.dma_copy(dst=w_sb[:, g, :], src=_tile_block(w_bd, tile, gp, tt, g * gp * tt))
+        nisa.dma_copy(dst=w_sb, src=_tile_block(w_t, tile, heads, tt))
         nisa.dma_copy(dst=n_valid_col, src=_tile_block(n_valid, tile, tt, 1))
         nisa.dma_copy(dst=count, src=_tile_block(chunk_counts, tile, 1, 1))
         chunks_here = nisa.register_alloc(None)

@@ -1,0 +1,172 @@
+"""The indexer's NKI kernel under the emulator against a float64 numpy oracle (docs/indexer.md).
+
+Integer-valued inputs make every score exact in f32 and in float64, so the kernel's selection
+must equal the oracle's exactly, ties (to the lower row) and order included; random inputs are
+compared wherever the scores are farther apart than f32 rounding can explain.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_sparse_attn.indexer import kernel as indexer_kernel
+from jax_sparse_attn.indexer.neuron import indexer_topk_neuron
+
+BF16 = ml_dtypes.bfloat16
+
+
+def oracle_scores(q, weights, keys, key_scale=None):
+    """float64 ``I[t, r] = sum_j w[t, j] relu(q[t, j] . k[r]) * key_scale[r]``."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(keys, np.float64)
+    with np.errstate(all="ignore"):
+        d = np.einsum("tjd,rd->tjr", q, k)
+        h = np.einsum("tj,tjr->tr", np.asarray(weights, np.float64), np.maximum(d, 0.0))
+        if key_scale is not None:
+            h = h * np.asarray(key_scale, np.float64)[None, :]
+    return h
+
+
+def oracle_topk(scores, positions, topk, ratio=1):
+    """Rows by score descending, NaN below every number, ties to the lower row; -1 padded."""
+    T, R = scores.shape
+    out = np.full((T, topk), -1, np.int64)
+    for t in range(T):
+        n = 0 if positions[t] < 0 else min(R, (int(positions[t]) + 1) // ratio)
+        rows = list(range(n))
+        rows.sort(key=lambda r: (np.isnan(scores[t, r]), -np.nan_to_num(scores[t, r], nan=0.0,
+                                                                         neginf=-np.inf), r))
+        picked = rows[:topk]
+        out[t, : len(picked)] = picked
+    return out
+
+
+def run_kernel(q, weights, keys, positions, topk, ratio=1, key_scale=None, dtype=BF16):
+    import jax.numpy as jnp
+
+    idx, scores = indexer_topk_neuron(
+        jnp.asarray(np.asarray(q, dtype)), jnp.asarray(np.asarray(weights, np.float32)),
+        jnp.asarray(np.asarray(keys, dtype)),
+        None if key_scale is None else jnp.asarray(np.asarray(key_scale, np.float32)),
+        jnp.asarray(np.asarray(positions, np.int32)), topk=topk, compress_ratio=ratio,
+        emulated=True,
+    )  # fmt: skip
+    return np.asarray(idx), np.asarray(scores)
+
+
+def integer_case(rng, T, Hi, Di, R, levels=2):
+    q = rng.integers(-levels, levels + 1, (T, Hi, Di)).astype(np.float32)
+    keys = rng.integers(-levels, levels + 1, (R, Di)).astype(np.float32)
+    weights = rng.choice([-1.0, 0.5, 1.0, 2.0], (T, Hi)).astype(np.float32)
+    return q, weights, keys
+
+
+@pytest.fixture(params=["trn2", "trn3", "trn1"])
+def target(request, monkeypatch):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", request.param)
+    return request.param
+
+
+def test_exact_integer_scores_match_the_oracle_with_ties(target):
+    rng = np.random.default_rng(0)
+    T, Hi, Di, R, K = 5, 4, 16, 700, 24
+    q, w, keys = integer_case(rng, T, Hi, Di, R)
+    positions = np.array([699, 3, 650, 40, -1])
+    idx, scores = run_kernel(q, w, keys, positions, K)
+    s64 = oracle_scores(q, w, keys)
+    want = oracle_topk(s64, positions, K)
+    np.testing.assert_array_equal(idx, want)
+    got = np.where(want >= 0, s64[np.arange(T)[:, None], np.maximum(want, 0)], -np.inf)
+    np.testing.assert_array_equal(scores, got.astype(np.float32))
+
+
+def test_several_chunks_and_compressed_blocks(monkeypatch):
+    """R spread over several chunks (a running selection across merges) and ratio 4."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.setattr(indexer_kernel, "SELECT_MAX_ELEMENTS", 1024 + 16)
+    rng = np.random.default_rng(1)
+    T, Hi, Di, R, K = 3, 2, 8, 2300, 16
+    q, w, keys = integer_case(rng, T, Hi, Di, R, levels=1)
+    positions = np.array([9199, 5000, 12])
+    idx, _ = run_kernel(q, w, keys, positions, K, ratio=4)
+    np.testing.assert_array_equal(idx, oracle_topk(oracle_scores(q, w, keys), positions, K, 4))
+
+
+def test_random_scores_agree_where_f32_separates_them(target):
+    rng = np.random.default_rng(2)
+    T, Hi, Di, R, K = 4, 8, 160, 900, 40  # Di > 128: the contraction runs in two chunks
+    q = rng.standard_normal((T, Hi, Di)).astype(BF16)
+    keys = rng.standard_normal((R, Di)).astype(BF16)
+    w = (rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
+    ks = rng.uniform(0.5, 2.0, R).astype(np.float32)
+    positions = np.array([899, 500, 100, 30])
+    idx, scores = run_kernel(q, w, keys, positions, K, key_scale=ks)
+    s64 = oracle_scores(q, w, keys, ks)
+    tol = 1e-5 * np.abs(s64).max()
+    for t in range(T):
+        n = min(R, positions[t] + 1)
+        chosen = idx[t][idx[t] >= 0]
+        assert len(chosen) == min(K, n) and len(set(chosen)) == len(chosen)
+        assert chosen.max() < n
+        kth = np.sort(s64[t, :n])[::-1][min(K, n) - 1]
+        must = set(np.flatnonzero(s64[t, :n] > kth + tol))
+        never = set(np.flatnonzero(s64[t, :n] < kth - tol))
+        assert must <= set(chosen) and not (never & set(chosen))
+        np.testing.assert_allclose(scores[t, : len(chosen)], s64[t, chosen], rtol=0, atol=tol)
+        assert np.all(np.diff(scores[t, : len(chosen)]) <= 0)
+
+
+def test_garbage_in_invalid_rows_never_matters():
+    rng = np.random.default_rng(3)
+    T, Hi, Di, R, K = 2, 4, 8, 600, 12
+    q, w, keys = integer_case(rng, T, Hi, Di, R)
+    positions = np.array([300, 17])
+    clean, clean_scores = run_kernel(q, w, keys, positions, K)
+    dirty = keys.copy()
+    dirty[301:] = np.nan
+    dirty[400:, :3] = np.inf
+    got, got_scores = run_kernel(q, w, dirty, positions, K)
+    np.testing.assert_array_equal(got, clean)
+    np.testing.assert_array_equal(got_scores, clean_scores)
+
+
+def test_nan_and_minus_inf_scores_rank_as_the_contract_says():
+    """-inf is a score like any other (selected, below every number), NaN ranks below -inf."""
+    rng = np.random.default_rng(4)
+    T, Hi, Di, R, K = 1, 2, 4, 40, 40
+    q = np.abs(rng.integers(1, 3, (T, Hi, Di))).astype(np.float32)
+    keys = rng.integers(-2, 3, (R, Di)).astype(np.float32)
+    keys[[5, 9]] = np.inf  # d = +inf, weights negative: score -inf
+    keys[[2, 30], 1] = np.nan
+    w = np.array([[-1.0, -0.5]], np.float32)
+    positions = np.array([R - 1])
+    idx, scores = run_kernel(q, w, keys, positions, K)
+    s64 = oracle_scores(q, w, keys)
+    assert np.isneginf(s64[0, [5, 9]]).all() and np.isnan(s64[0, [2, 30]]).all()
+    np.testing.assert_array_equal(idx, oracle_topk(s64, positions, K))
+    np.testing.assert_array_equal(idx[0, -4:], [5, 9, 2, 30])
+    assert np.isneginf(scores[0, -4:-2]).all() and np.isnan(scores[0, -2:]).all()
+
+
+def test_topk_beyond_the_valid_rows_pads_with_minus_one():
+    rng = np.random.default_rng(5)
+    q, w, keys = integer_case(rng, 2, 2, 8, 10)
+    idx, scores = run_kernel(q, w, keys, np.array([3, 9]), 13)
+    assert (idx[0, 4:] == -1).all() and np.isneginf(scores[0, 4:]).all()
+    assert (idx[1, 10:] == -1).all() and sorted(idx[1, :10]) == list(range(10))
+
+
+def test_compiled_program_does_not_grow_with_tokens_or_rows(monkeypatch):
+    from jax_sparse_attn import nki_emulator
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.setattr(indexer_kernel, "SELECT_MAX_ELEMENTS", 512 + 8)
+    monkeypatch.setattr(indexer_kernel, "TILE_TOKENS_MAX", 2)
+    rng = np.random.default_rng(6)
+    counts = []
+    for T, R in ((4, 512), (12, 2048)):
+        q, w, keys = integer_case(rng, T, 64, 8, R)
+        with nki_emulator.recording() as rec:
+            run_kernel(q, w, keys, np.full(T, R - 1), 8)
+        counts.append(max(r.compiled_instructions_per_program for r in rec.runs))
+    assert counts[0] == counts[1]
