@@ -80,6 +80,7 @@ def test_exact_integer_scores_match_the_oracle_with_ties(target):
     np.testing.assert_array_equal(scores, got.astype(np.float32))
 
 
+@pytest.mark.slow
 def test_several_chunks_and_compressed_blocks(monkeypatch):
     """R spread over several chunks (a running selection across merges) and ratio 4."""
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
@@ -92,6 +93,7 @@ def test_several_chunks_and_compressed_blocks(monkeypatch):
     np.testing.assert_array_equal(idx, oracle_topk(oracle_scores(q, w, keys), positions, K, 4))
 
 
+@pytest.mark.slow
 def test_random_scores_agree_where_f32_separates_them(target):
     rng = np.random.default_rng(2)
     T, Hi, Di, R, K = 4, 8, 160, 900, 40  # Di > 128: the contraction runs in two chunks
@@ -116,6 +118,7 @@ def test_random_scores_agree_where_f32_separates_them(target):
         assert np.all(np.diff(scores[t, : len(chosen)]) <= 0)
 
 
+@pytest.mark.slow
 def test_garbage_in_invalid_rows_never_matters():
     rng = np.random.default_rng(3)
     T, Hi, Di, R, K = 2, 4, 8, 600, 12
@@ -156,6 +159,7 @@ def test_topk_beyond_the_valid_rows_pads_with_minus_one():
     assert (idx[1, 10:] == -1).all() and sorted(idx[1, :10]) == list(range(10))
 
 
+@pytest.mark.slow
 def test_compiled_program_does_not_grow_with_tokens_or_rows(monkeypatch):
     from jax_sparse_attn import nki_emulator
 
