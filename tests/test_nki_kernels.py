@@ -19,8 +19,21 @@ from jax_sparse_attn.constants import (
     BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL, UP_COLS,
 )  # fmt: skip
 from jax_sparse_attn.neuron import kernels
+from jax_sparse_attn.nki_emulator import versions
 
 BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture(autouse=True, params=[
+    v if v == versions.DEFAULT_VERSION else pytest.param(v, marks=pytest.mark.slow)
+    for v in versions.SUPPORTED_VERSIONS
+])  # fmt: skip
+def nki_version(request, monkeypatch):
+    """Every test here runs under each NKI version the kernels support (README, "Running on
+    Trainium"): the newest in the default run, the others in the slow run. The environment
+    variable (not a thread-local) so that the host callbacks of nki_emulated see it too."""
+    monkeypatch.setenv(versions.VERSION_ENV, request.param)
+    return request.param
 
 
 def bf16(x):
@@ -220,6 +233,29 @@ KERNEL_SHAPES = [
     pytest.param(3, 1, 576, 128, 1000, id="H1-D576-K128"),
     pytest.param(4, 8, 100, 256, 500, id="H8-D100-K256"),
 ]
+
+
+@pytest.mark.parametrize("version", versions.KNOWN_VERSIONS)
+def test_kernels_under_each_nki_version(version):
+    """The kernels run under every supported NKI version (the default run checks them all on one
+    small shape), and an older NKI rejects them for the loop it lacks, with the emulator's
+    message naming it (docs/neuron-kernel.md, "NKI versions")."""
+    from jax_sparse_attn.nki_emulator import NkiUnsupportedError, simulate
+
+    rng = np.random.default_rng(7)
+    ops, case = kernel_inputs(rng, 2, 16, 128, 256, 500)
+    run = simulate(kernels.gathered_attn_idx_kernel, target="trn2", nki_version=version)[2]
+    args = (ops["q"], ops["kv"], ops["idx"], ops["bias"], ops["sink"])
+    if version not in versions.SUPPORTED_VERSIONS:
+        with pytest.raises(NkiUnsupportedError, match="nl.fori_loop needs NKI >= 0.6"):
+            run(*args)
+        return
+    out, lse = run(*args)
+    expected, expected_lse = contract_model(**case, with_lse=True)
+    assert_matches_contract(np.asarray(out).astype(np.float32).reshape(-1, 128),
+                            expected.reshape(-1, 128))  # fmt: skip
+    assert_lse_matches(np.asarray(lse, np.float64), expected_lse, case["valid"])
+    assert run.last_run.nki_version == version
 
 
 @pytest.mark.parametrize("runner", RUNNERS)

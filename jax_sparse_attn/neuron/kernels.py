@@ -124,7 +124,7 @@ def sbuf_bytes_per_partition(
     k_tiles, d_tiles = chunk // KERNEL_TILE, _ceil_div(dim, KERNEL_TILE)
     q_transposed = d_tiles * heads * 2
     indices = 4 * (slots // KERNEL_TILE) if indexed else 0
-    columns = 4 * (3 + chunks)  # sink, token counter, -max; chunk maxima
+    columns = 4 * (2 + chunks)  # sink, -max; chunk maxima
     token = q_transposed + BIAS_PREFIX_COLS * 4 + indices + columns
     token += slots * 4 if scores_in_sbuf else 0
     rows = k_tiles * dim * 2
@@ -211,7 +211,7 @@ class _Engines:
 
 @dataclasses.dataclass
 class _Source:
-    """The kernel's HBM operands, sizes and the per-program token counter."""
+    """The kernel's HBM operands, sizes and engine choices; ``token`` is set per loop iteration."""
 
     q: object  # [T, H, D]
     slot_rows: object  # kv [R, D] (indexed) or g [T, Kp, D]
@@ -220,8 +220,8 @@ class _Source:
     heads: int
     dim: int
     slots: int
-    token: object  # [1, 1] int32 SBUF: the token this iteration computes
-    copy_engine: object
+    token: object  # the loop's register: the token this iteration computes (None outside it)
+    psum_engine: object  # engines that read PSUM tiles out, in turn (PSUM_READ_ENGINES)
     clamp_engine: object
     value_shift: int  # the value product's guard: probabilities scaled by 2**-value_shift
     row_scale: object = None  # FP8 kernel: the slots' scales [T, 128, Kp/128 * n] f32 in HBM
@@ -252,6 +252,22 @@ def _d_chunks(dim: int):
             for dc in range(_ceil_div(dim, KERNEL_TILE))]  # fmt: skip
 
 
+def _from_psum(src: _Source, dst, psum, scale: float = 1.0):
+    """``dst = psum * scale`` (``scale`` a power of two, exact) out of PSUM, on the next engine of
+    ``PSUM_READ_ENGINES``: the Scalar engine by ``activation(op=nl.copy)``, which every target has
+    (``tensor_copy`` is not supported on the NeuronCore-v2 Scalar engine; its page names
+    ``activation`` with ``nl.copy`` instead), or the Vector engine by ``tensor_copy`` /
+    ``tensor_scalar``. Never GpSimd: "GpSimd Engine cannot access PSUM" (nki.isa.tensor_copy)."""
+    engine = src.psum_engine()
+    if engine == "scalar":
+        nisa.activation(dst=dst, op=nl.copy, data=psum, scale=scale)
+    elif scale == 1.0:
+        nisa.tensor_copy(dst=dst, src=psum, engine=nisa.engine.vector)
+    else:
+        nisa.tensor_scalar(dst=dst, data=psum, op0=nl.multiply, operand0=scale,
+                           engine=nisa.engine.vector)  # fmt: skip
+
+
 def _transposed_q(src: _Source):
     """The token's q as ``[128 (d), D/128, H]`` bf16: the contraction dim on the partitions.
 
@@ -265,8 +281,7 @@ def _transposed_q(src: _Source):
     q_psum = nl.ndarray((KERNEL_TILE, heads), dtype=nl.bfloat16, buffer=nl.psum)
     for dc, d0, dw in _d_chunks(src.dim):
         nisa.nc_transpose(dst=q_psum[0:dw, :], data=q_rows[:, d0 : d0 + dw])
-        nisa.tensor_copy(dst=q_t[0:dw, dc, :], src=q_psum[0:dw, :],
-                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        _from_psum(src, q_t[0:dw, dc, :], q_psum[0:dw, :])
     return q_t
 
 
@@ -297,7 +312,7 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
     # GpSimd: the VectorEngine carries more of the elementwise work.
     nisa.memset(dst=rows, value=0.0, engine=nisa.engine.gpsimd)
     first_tile = c0 // KERNEL_TILE
-    for kc in nl.static_range(k_tiles):
+    for kc in range(k_tiles):
         nisa.dma_copy(
             dst=rows[:, kc, :],
             src=src.slot_rows.ap(
@@ -331,7 +346,7 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=raw, src=src.fp8_zeros[:, 0:k_tiles, :])
     first_tile = c0 // KERNEL_TILE
-    for kc in nl.static_range(k_tiles):
+    for kc in range(k_tiles):
         nisa.dma_copy(
             dst=raw[:, kc, :],
             src=src.slot_rows.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
@@ -340,8 +355,8 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
             oob_mode=nisa.oob_mode.skip,
         )  # fmt: skip
     rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
-    for kc in nl.static_range(k_tiles):
-        for g in nl.static_range(groups):
+    for kc in range(k_tiles):
+        for g in range(groups):
             cols = slice(g * group_width, (g + 1) * group_width)
             column = (first_tile + kc) * groups + g
             nisa.tensor_scalar(dst=rows[:, kc, cols], data=raw[:, kc, cols], op0=nl.multiply,
@@ -362,18 +377,15 @@ def _transposed_rows(src: _Source, rows, width: int):
     group = min(TRANSPOSES_PER_COPY, k_tiles)
     psum = nl.ndarray((KERNEL_TILE, group * KERNEL_TILE), dtype=nl.bfloat16, buffer=nl.psum)
     for dc, d0, dw in _d_chunks(src.dim):
-        for k0 in nl.static_range(0, k_tiles, group):
+        for k0 in range(0, k_tiles, group):
             n = min(group, k_tiles - k0)
-            for i in nl.static_range(n):
+            for i in range(n):
                 nisa.nc_transpose(
                     dst=psum[0:dw, i * KERNEL_TILE : (i + 1) * KERNEL_TILE],
                     data=rows[:, k0 + i, d0 : d0 + dw],
                 )
-            nisa.tensor_copy(
-                dst=rows_t[0:dw, dc, k0 * KERNEL_TILE : (k0 + n) * KERNEL_TILE],
-                src=psum[0:dw, 0 : n * KERNEL_TILE],
-                engine=getattr(nisa.engine, src.copy_engine()),
-            )
+            _from_psum(src, rows_t[0:dw, dc, k0 * KERNEL_TILE : (k0 + n) * KERNEL_TILE],
+                       psum[0:dw, 0 : n * KERNEL_TILE])
     return rows_t
 
 
@@ -403,7 +415,7 @@ def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst
     heads = src.heads
     score_psum = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.psum)
     saturated = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.sbuf)
-    for nb in nl.static_range(_ceil_div(width, MATMUL_MAX_N)):
+    for nb in range(_ceil_div(width, MATMUL_MAX_N)):
         n0 = nb * MATMUL_MAX_N
         n = min(MATMUL_MAX_N, width - n0)
         for dc, _, dw in _d_chunks(src.dim):
@@ -413,23 +425,30 @@ def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst
                 moving=rows_t[0:dw, dc, n0 : n0 + n],
                 accumulate=dc > 0,
             )
-        nisa.tensor_scalar(
-            dst=saturated[:, 0:n], data=score_psum[:, 0:n],
-            op0=nl.multiply, operand0=up1, op1=nl.multiply, operand1=up2,
-            engine=nisa.engine.scalar,
-        )  # fmt: skip
-        nisa.tensor_scalar(
-            dst=saturated[:, 0:n], data=saturated[:, 0:n],
-            op0=nl.maximum, operand0=-FLT_MAX, op1=nl.minimum, operand1=FLT_MAX,
-            engine=getattr(nisa.engine, src.clamp_engine()),
-        )  # fmt: skip
-        nisa.tensor_scalar(
-            dst=saturated[:, 0:n], data=saturated[:, 0:n],
-            op0=nl.multiply, operand0=scale_col, op1=nl.maximum, operand1=-LOGIT_LIMIT,
-            engine=nisa.engine.gpsimd,
-        )  # fmt: skip
+        sat = saturated[:, 0:n]
+        if LOGITS_PSUM_ENGINE == "scalar":
+            # The Scalar engine multiplies by one factor on the way out of PSUM (activation with
+            # a [H, 1] scale column); its tensor_scalar takes no (multiply, multiply) or
+            # (max, min) pair (nki.isa.tensor_scalar page), so the rest runs on the others.
+            nisa.activation(dst=sat, op=nl.copy, data=score_psum[:, 0:n], scale=up1)
+            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.multiply, operand0=up2, op1=nl.maximum,
+                               operand1=-FLT_MAX, engine=getattr(nisa.engine, src.clamp_engine()))
+            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.minimum, operand0=FLT_MAX,
+                               op1=nl.multiply, operand1=scale_col, engine=nisa.engine.gpsimd)
+            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.maximum, operand0=-LOGIT_LIMIT,
+                               engine=getattr(nisa.engine, src.clamp_engine()))  # fmt: skip
+        else:
+            # The Vector engine multiplies back by both factors on the way out of PSUM (GpSimd
+            # cannot read PSUM; the Scalar engine's tensor_scalar has no (multiply, multiply)).
+            nisa.tensor_scalar(dst=sat, data=score_psum[:, 0:n], op0=nl.multiply, operand0=up1,
+                               op1=nl.multiply, operand1=up2, engine=nisa.engine.vector)
+            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.maximum, operand0=-FLT_MAX,
+                               op1=nl.minimum, operand1=FLT_MAX,
+                               engine=getattr(nisa.engine, src.clamp_engine()))  # fmt: skip
+            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.multiply, operand0=scale_col,
+                               op1=nl.maximum, operand1=-LOGIT_LIMIT, engine=nisa.engine.gpsimd)
         nisa.scalar_tensor_tensor(
-            dst=dst[:, n0 : n0 + n], data=saturated[:, 0:n],
+            dst=dst[:, n0 : n0 + n], data=sat,
             op0=nl.minimum, operand0=LOGIT_LIMIT, op1=nl.add, operand1=bias_heads[:, n0 : n0 + n],
         )  # fmt: skip
 
@@ -440,18 +459,16 @@ def _transposed_probs(src: _Source, probs_bf16, width: int):
     probs_t = nl.ndarray((KERNEL_TILE, k_tiles, heads), dtype=nl.bfloat16, buffer=nl.sbuf)
     group = min(TRANSPOSES_PER_COPY, k_tiles)
     psum = nl.ndarray((KERNEL_TILE, group, heads), dtype=nl.bfloat16, buffer=nl.psum)
-    for k0 in nl.static_range(0, k_tiles, group):
+    for k0 in range(0, k_tiles, group):
         n = min(group, k_tiles - k0)
-        for i in nl.static_range(n):
+        for i in range(n):
             kc = k0 + i
             nisa.nc_transpose(
                 dst=psum[:, i, :], data=probs_bf16[:, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE]
             )
         # The value product's overflow guard: probabilities enter it scaled by 2**-value_shift
         # (exact: a power of two), on the way out of PSUM at the cost of the copy.
-        nisa.tensor_scalar(dst=probs_t[:, k0 : k0 + n, :], data=psum[:, 0:n, :],
-                           op0=nl.multiply, operand0=2.0**-src.value_shift,
-                           engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        _from_psum(src, probs_t[:, k0 : k0 + n, :], psum[:, 0:n, :], 2.0**-src.value_shift)
     return probs_t
 
 
@@ -521,8 +538,7 @@ def _value_epilogue(src: _Source, unit: _ValueUnit, acc, inv_denominator, out_ro
     values_t = nl.ndarray((KERNEL_TILE, heads), dtype=nl.float32, buffer=nl.sbuf)
     values_psum = nl.ndarray((heads, KERNEL_TILE), dtype=nl.float32, buffer=nl.psum)
     for j, (d0, dw) in enumerate(unit.blocks):
-        nisa.tensor_copy(dst=values_t[0:dw, :], src=acc[0:dw, j, :],
-                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        _from_psum(src, values_t[0:dw, :], acc[0:dw, j, :])
         nisa.nc_transpose(dst=values_psum[:, 0:dw], data=values_t[0:dw, :])
         nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + dw], data=values_psum[:, 0:dw],
                            op0=nl.multiply, operand0=inv_denominator, op1=nl.multiply,
@@ -534,7 +550,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     heads, dim = src.heads, src.dim
     # The body is compiled once (a hardware loop): every token must use the same engines, so the
     # round-robin choices restart here (the emulator runs the Python body once per token).
-    src.copy_engine.next = src.clamp_engine.next = 0
+    src.psum_engine.next = src.clamp_engine.next = 0
     if src.dequant_engine is not None:
         src.dequant_engine.next = 0
     chunks = plan.chunks
@@ -597,7 +613,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     chunk_sum = nl.ndarray((heads, chunks), dtype=nl.float32, buffer=nl.sbuf)
     inv_denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
-    for g0 in nl.static_range(0, len(units), VALUE_PSUM_BANKS):
+    for g0 in range(0, len(units), VALUE_PSUM_BANKS):
         group = units[g0 : g0 + VALUE_PSUM_BANKS]
         value_psum = [nl.ndarray(u.psum_shape, dtype=nl.float32, buffer=nl.psum) for u in group]
         for c, (c0, width) in enumerate(bounds):
@@ -622,7 +638,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
                 nisa.activation(dst=probs_bf16, op=nl.exp, data=chunk_scores, bias=neg_max)
             probs_t = _transposed_probs(src, probs_bf16, width)
             for unit, acc in zip(group, value_psum):
-                for kc in nl.static_range(width // KERNEL_TILE):
+                for kc in range(width // KERNEL_TILE):
                     _value_matmul(unit, acc, probs_t[:, kc, :], rows[:, kc, :], c > 0 or kc > 0)
             del probs_bf16, probs_t, chunk_scores
             if chunks > 1:
@@ -648,12 +664,15 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     nisa.dma_copy(dst=src.token_rows(lse, heads, 1), src=lse_col)
 
 
-# Engines that copy PSUM tiles to SBUF, in turn (the nki.isa.tensor_copy page lists Vector,
-# Scalar and GpSimd).
-COPY_ENGINES = ("scalar", "scalar", "scalar", "gpsimd")
-# Engines that clamp the multiplied-back dot products, in turn (tensor_scalar runs on Vector,
-# Scalar or GpSimd, nki.isa.tensor_scalar page).
-CLAMP_ENGINES = ("scalar", "vector")
+# Engines that read PSUM tiles out to SBUF, in turn (_from_psum): Scalar (activation) and Vector;
+# GpSimd cannot access PSUM (nki.isa.tensor_copy page).
+PSUM_READ_ENGINES = ("scalar", "scalar", "vector")
+# Which engine takes the logits out of PSUM ("vector": one tensor_scalar multiplies by both
+# factors; "scalar": an activation multiplies by the first, a fourth elementwise step follows).
+LOGITS_PSUM_ENGINE = "vector"
+# Engines that clamp the multiplied-back dot products (SBUF only), in turn (tensor_scalar runs on
+# Vector, Scalar or GpSimd, nki.isa.tensor_scalar page; (max, min) is not a Scalar-engine pair).
+CLAMP_ENGINES = ("gpsimd", "vector")
 # Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd). Weighted
 # towards GpSimd, which the FP8 kernel frees of the rows' memset (9 : 4 : 3 in 16; chosen under the
 # cost model at decode, K=2048, H=128, where the other engines already carry more).
@@ -681,11 +700,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
         scratch = nl.ndarray((programs, heads, slots), dtype=nl.float32, buffer=nl.hbm)
         scratch = scratch[program]
     sink_col = nl.load(sink)
-    # The token counter: int32, updated by an fp32 add, exact below 2**24 tokens.
-    token = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.memset(dst=token, value=program * per_program)
     assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
-    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES),
+    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, None, _Engines(PSUM_READ_ENGINES),
                   _Engines(CLAMP_ENGINES), value_shift, slot_scale,
                   _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
                   scale_groups)  # fmt: skip
@@ -693,13 +709,16 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
                                    dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip
         nisa.memset(dst=src.fp8_zeros, value=0.0, engine=nisa.engine.gpsimd)
-    # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
-    # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
-    # release notes, known issues), so every access to a token's data goes through the counter
-    # `token`, a [1, 1] SBUF tile, as the access pattern's scalar_offset.
-    for _ in nl.dynamic_range(per_program):
-        _attend_one_token(src, plan, sink_col, out, lse, scratch)
-        nisa.tensor_scalar(dst=token, data=token, op0=nl.add, operand0=1)
+
+    # A hardware loop over the program's tokens (nl.fori_loop, NKI >= 0.6): its body is compiled
+    # once, so the kernel's size does not grow with T. The induction variable is a register
+    # holding the token (nki.language.fori_loop page), the scalar_offset of every access to the
+    # token's data. The body returns nothing; what outlives it (out, lse, scratch) was allocated
+    # before the loop.
+    def token_body(token):
+        _attend_one_token(dataclasses.replace(src, token=token), plan, sink_col, out, lse, scratch)
+
+    nl.fori_loop(program * per_program, (program + 1) * per_program, token_body)
     return out, lse
 
 

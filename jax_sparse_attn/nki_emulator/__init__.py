@@ -72,7 +72,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import isa, language
+from . import isa, language, versions
 from ._blas import single_threaded_blas
 from ._core import SHARED_HBM, SBUF_BYTES_PER_PARTITION, Context, Launch, Tensor
 from .errors import (
@@ -87,6 +87,7 @@ from .errors import (
     NkiUnsupportedError,
 )
 from .targets import TARGET_ENV, TARGETS, Target, current_target, resolve_target
+from .versions import NkiDeprecationWarning, nki_version
 
 __all__ = [
     "simulate",
@@ -99,6 +100,9 @@ __all__ = [
     "resolve_target",
     "TARGETS",
     "TARGET_ENV",
+    "versions",
+    "nki_version",
+    "NkiDeprecationWarning",
     "jit",
     "language",
     "isa",
@@ -221,6 +225,7 @@ class RunStats:
 
     target: str
     grid: int
+    nki_version: str = versions.DEFAULT_VERSION  # the NKI version the launch was modelled under
     programs: list[ProgramStats] = field(default_factory=list)
 
     @property
@@ -250,6 +255,7 @@ class RunStats:
             "psum_peak_banks": self.psum_peak_banks,
             "target": self.target,
             "grid": self.grid,
+            "nki_version": self.nki_version,
         }
 
 
@@ -318,8 +324,10 @@ class SimulatedKernel:
     After a call, ``last_run`` holds the :class:`RunStats` and ``last_stats`` the same as a dict.
     """
 
-    def __init__(self, func: types.FunctionType, target: Target, grid: int, stats: bool, cost: bool):
+    def __init__(self, func: types.FunctionType, target: Target, grid: int, stats: bool, cost: bool,
+                 nki_version: str | None = None):  # fmt: skip
         self._func = func
+        self.nki_version = nki_version  # None: versions.nki_version() at each call
         self.target = target
         self.grid = grid
         self._stats = stats
@@ -331,12 +339,13 @@ class SimulatedKernel:
     def __getitem__(self, grid: Any) -> SimulatedKernel:
         """``simulate(kernel)[2]``: the same kernel launched on a grid of 2 programs (LNC=2)."""
         return SimulatedKernel(
-            self._func, self.target, _check_grid(grid, self.target), self._stats, self._cost
+            self._func, self.target, _check_grid(grid, self.target), self._stats, self._cost,
+            self.nki_version,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        launch = Launch(self.target, self.grid)
-        run_stats = RunStats(self.target.name, self.grid)
+        launch = Launch(self.target, self.grid, versions.resolve_version(self.nki_version))
+        run_stats = RunStats(self.target.name, self.grid, launch.nki_version)
         # Inputs live in HBM shared by all programs (lnc.rst: "the inputs and outputs of the
         # kernel should be stored in the Shared HBM").
         host = Context(self.target, 0, launch)
@@ -406,6 +415,7 @@ def simulate(
     grid: Any = 1,
     stats: bool = False,
     cost: bool = False,
+    nki_version: str | None = None,
 ) -> SimulatedKernel:
     """Like ``nki.simulate(kernel)``: a callable running ``kernel`` on numpy arrays on the host.
 
@@ -421,6 +431,9 @@ def simulate(
       stats: if True, a call returns ``(outputs, RunStats)`` instead of the outputs alone.
       cost: record each instruction's modelled cost (see :mod:`.cost`) in
         ``RunStats.programs[i].cost``.
+      nki_version: the NKI version to model (``"0.3"`` .. ``"0.7"``, :mod:`.versions`); default
+        :func:`versions.nki_version` when the kernel is called (``JAX_SPARSE_ATTN_NKI_VERSION``,
+        else ``"0.7"``). What that version removed or lacks raises.
 
     The returned callable takes the kernel's arguments (numpy arrays become HBM tensors; other
     values pass through) and returns the kernel's ``nl.shared_hbm`` outputs as numpy arrays: one
@@ -429,4 +442,5 @@ def simulate(
     instructions by name, SBUF/PSUM peaks) and ``.last_stats`` a dict summary.
     """
     info = resolve_target(target)
-    return SimulatedKernel(_unwrap(kernel), info, _check_grid(grid, info), stats, cost)
+    version = None if nki_version is None else versions.resolve_version(nki_version)
+    return SimulatedKernel(_unwrap(kernel), info, _check_grid(grid, info), stats, cost, version)
