@@ -660,28 +660,3 @@ greater = _binary("greater", compare_values(np.greater))
 greater_equal = _binary("greater_equal", compare_values(np.greater_equal))
 __all__ += ["equal", "not_equal", "less", "less_equal", "greater", "greater_equal"]
 
-
-def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
-    """``nl.fori_loop(lower, upper, body_fun, step=1)`` (NKI 0.6+, nki.language.fori_loop page,
-    v2.32.0): a hardware loop running ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``,
-    its body compiled once; ``lower``/``upper`` ints or VirtualRegisters; ``i`` a VirtualRegister
-    (usable as ``scalar_offset``); the body returns None (state lives in SBUF/HBM).
-
-    A minimal form until the NKI-version work (issue 18) lands its complete one.
-    """
-    from .isa import VirtualRegister
-
-    if not callable(body_fun):
-        raise NkiUnsupportedError(f"nl.fori_loop: body_fun must be callable, got {body_fun!r}")
-    loop = DynamicRange(lower, upper, step)
-    lo, hi = loop._bound(loop.start), loop._bound(loop.stop)
-    ctx = current_context()
-    for n, value in enumerate(range(lo, hi, loop.step)):
-        repeat = 1 if n > 0 else 0
-        ctx.repeat_depth += repeat
-        try:
-            result = body_fun(VirtualRegister(value))
-        finally:
-            ctx.repeat_depth -= repeat
-        if result is not None:  # fori_loop page: "Returns: None"
-            raise NkiUnsupportedError("a fori_loop body returns nothing (nki.language.fori_loop page)")
