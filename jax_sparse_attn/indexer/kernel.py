@@ -217,24 +217,78 @@ def select_key(plan: IndexerPlan, keys, rows, n_valid_col):
     nisa.select_reduce(dst=keys, predicate=predicate, on_true=keys, on_false=MARKER)
 
 
-def _merge(plan: IndexerPlan, cand, cand_rows, best_keys, positions, best_rows):
+def _merge(plan: IndexerPlan, cand, cand_rows, sel):
     """The running ``K8`` best of ``cand`` (keys) and their rows, back into ``cand[:, :K8]`` and
-    ``cand_rows[:, :K8]`` (module docstring, step 3)."""
+    ``cand_rows[:, :K8]`` (module docstring, step 3). ``sel`` holds the merge's tiles and the
+    variant (:class:`_Selection`)."""
     k8 = plan.topk8
     for i in range(k8 // SELECTED_PER_ROUND):
         cols = slice(i * SELECTED_PER_ROUND, (i + 1) * SELECTED_PER_ROUND)
-        nisa.max8(dst=best_keys[:, cols], src=cand)
-        nisa.nc_find_index8(dst=positions[:, cols], data=cand, vals=best_keys[:, cols])
-        nisa.nc_match_replace8(dst=cand, data=cand, vals=best_keys[:, cols], imm=MARKER)
-    nisa.nc_n_gather(dst=best_rows, data=cand_rows, indices=positions)
-    nisa.tensor_copy(dst=cand[:, 0:k8], src=best_keys, engine=nisa.engine.gpsimd)
-    nisa.tensor_copy(dst=cand_rows[:, 0:k8], src=best_rows, engine=nisa.engine.gpsimd)
+        nisa.max8(dst=sel.best_keys[:, cols], src=cand)
+        if sel.match_indices:
+            # The round's 8 keys reversed (ascending): nc_match_replace8 pairs duplicate vals with
+            # positions from its highest column down (its page, v2.32.0), so on the reversed keys
+            # the lowest position lands on the best column once the positions are reversed back.
+            nisa.nc_n_gather(dst=sel.keys_reversed, data=sel.best_keys[:, cols],
+                             indices=sel.reverse8)  # fmt: skip
+            nisa.nc_match_replace8(dst=cand, data=cand, vals=sel.keys_reversed, imm=MARKER,
+                                   dst_idx=sel.positions[:, cols])  # fmt: skip
+        else:
+            # First occurrences, duplicates in ascending order (nc_find_index8, as the
+            # nc_match_replace8 page of v2.32.0 describes it), then the replacement.
+            nisa.nc_find_index8(dst=sel.positions[:, cols], data=cand, vals=sel.best_keys[:, cols])
+            nisa.nc_match_replace8(dst=cand, data=cand, vals=sel.best_keys[:, cols], imm=MARKER)
+    positions = sel.positions
+    if sel.match_indices:
+        nisa.nc_n_gather(dst=sel.positions_fixed, data=sel.positions, indices=sel.reverse_groups)
+        positions = sel.positions_fixed
+    nisa.nc_n_gather(dst=sel.best_rows, data=cand_rows, indices=positions)
+    nisa.tensor_copy(dst=cand[:, 0:k8], src=sel.best_keys, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=cand_rows[:, 0:k8], src=sel.best_rows, engine=nisa.engine.gpsimd)
 
 
-def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk, chunk):
+@dataclasses.dataclass
+class _Selection:
+    """The merge's tiles. ``match_indices``: positions from ``nc_match_replace8(dst_idx=)`` (trn2,
+    trn3: two VectorE passes per round) instead of ``nc_find_index8`` (three passes; the trn1
+    variant: nki-library's own sort takes ``dst_idx`` on NeuronCore-v3+ only, so trn1 keeps to
+    find_index8, an inference, the ISA pages name no generation)."""
+
+    match_indices: bool
+    best_keys: object
+    positions: object
+    best_rows: object
+    keys_reversed: object = None
+    reverse8: object = None
+    positions_fixed: object = None
+    reverse_groups: object = None
+
+
+def _selection_tiles(tt: int, topk8: int, match_indices: bool) -> _Selection:
+    sel = _Selection(
+        match_indices,
+        nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf),
+        nl.ndarray((tt, topk8), dtype=nl.uint32, buffer=nl.sbuf),
+        nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf),
+    )  # fmt: skip
+    if match_indices:
+        sel.keys_reversed = nl.ndarray((tt, SELECTED_PER_ROUND), dtype=nl.float32, buffer=nl.sbuf)
+        sel.reverse8 = nl.ndarray((tt, SELECTED_PER_ROUND), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.iota(dst=sel.reverse8, pattern=[[-1, SELECTED_PER_ROUND]], offset=SELECTED_PER_ROUND - 1)
+        sel.positions_fixed = nl.ndarray((tt, topk8), dtype=nl.uint32, buffer=nl.sbuf)
+        sel.reverse_groups = nl.ndarray((tt, topk8), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.iota(dst=sel.reverse_groups, offset=SELECTED_PER_ROUND - 1,
+                  pattern=[[SELECTED_PER_ROUND, topk8 // SELECTED_PER_ROUND],
+                           [-1, SELECTED_PER_ROUND]])  # fmt: skip
+    return sel
+
+
+def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk, chunk,
+                        match_indices=True):
     """The indexer's top-k (module docstring): returns ``(keys_out, idx)`` in shared HBM.
 
-    Args: as the module docstring's interface; ``topk`` (K) and ``chunk`` (C) compile-time ints.
+    Args: as the module docstring's interface; ``topk`` (K) and ``chunk`` (C) compile-time ints;
+    ``match_indices`` the selection variant (:func:`selection_variant`).
     Launch as ``kernel[n]`` with ``n`` the physical cores per logical core; ``tiles`` a multiple
     of ``n``.
     """
@@ -266,9 +320,7 @@ def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk
     count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     cand = nl.ndarray((tt, topk8 + chunk), dtype=nl.float32, buffer=nl.sbuf)
     cand_rows = nl.ndarray((tt, topk8 + chunk), dtype=nl.float32, buffer=nl.sbuf)
-    best_keys = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
-    positions = nl.ndarray((tt, topk8), dtype=nl.uint32, buffer=nl.sbuf)
-    best_rows = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
+    sel = _selection_tiles(tt, topk8, match_indices)
     keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=keys_t.dtype, buffer=nl.sbuf)
 
     def one_chunk(c):
@@ -282,7 +334,7 @@ def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk
         nisa.tensor_scalar(dst=rows, data=rows, op0=nl.add, operand0=row_base,
                            engine=nisa.engine.gpsimd)  # fmt: skip
         select_key(plan, cand[:, topk8 : topk8 + chunk], rows, n_valid_col)
-        _merge(plan, cand, cand_rows, best_keys, positions, best_rows)
+        _merge(plan, cand, cand_rows, sel)
         nisa.tensor_scalar(dst=row_base, data=row_base, op0=nl.add, operand0=float(chunk),
                            engine=nisa.engine.gpsimd)  # fmt: skip
 
@@ -312,3 +364,8 @@ def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk
 
     nl.fori_loop(program * per_program, (program + 1) * per_program, one_tile)
     return keys_out, idx_out
+
+
+def selection_variant(target: str) -> bool:
+    """``match_indices`` for an NKI target: True on trn2/trn3, False (nc_find_index8) on trn1."""
+    return target != "trn1"

@@ -71,7 +71,8 @@ def _run_on_host(target: str, programs: int, topk: int, chunk: int, *arrays):
     from ..nki_emulator import simulate
 
     run = simulate(_kernel.indexer_topk_kernel, target=target)[programs]
-    keys_out, idx = run(*[np.asarray(a) for a in arrays], topk=topk, chunk=chunk)
+    keys_out, idx = run(*[np.asarray(a) for a in arrays], topk=topk, chunk=chunk,
+                        match_indices=_kernel.selection_variant(target))  # fmt: skip
     # One f32 result (row numbers are exact in f32 below 2**24): JAX 0.7 cannot lower a
     # pure_callback with two results inside shard_map.
     return np.concatenate([keys_out, idx.astype(np.float32)], axis=-1)
@@ -98,11 +99,12 @@ def _jitted():
     return _kernel.nki.jit(_kernel.indexer_topk_kernel)
 
 
-def _call_nki(programs, plan, operands):
+def _call_nki(target, programs, plan, operands):
     jitted = _jitted()
     if programs > 1:
         jitted = jitted[programs]  # one program per physical core (LNC=2)
-    return jitted(*operands, topk=plan.topk, chunk=plan.chunk)
+    return jitted(*operands, topk=plan.topk, chunk=plan.chunk,
+                  match_indices=_kernel.selection_variant(target))  # fmt: skip
 
 
 def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compress_ratio, emulated):
@@ -142,7 +144,7 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
     if emulated:
         keys_out, idx = _call_emulated(target, programs, plan, operands, tiles)
     else:
-        keys_out, idx = _call_nki(programs, plan, operands)
+        keys_out, idx = _call_nki(target, programs, plan, operands)
     keys_out = keys_out.reshape(-1, topk)[:T]
     idx = idx.reshape(-1, topk)[:T]
     return idx, scores_from_keys(keys_out, idx)
