@@ -149,3 +149,46 @@ def test_selection_costs_follow_the_cost_table():
     record = run.last_run.programs[0].cost
     us = record.by_instruction["nisa.max8"][1]
     assert us == pytest.approx(4096 / (cost.HARDWARE["trn2"].vector_ghz * 1e3))
+
+
+def _topk_kernel(n, k):
+    def kernel(x):
+        from jax_sparse_attn.nki_emulator import isa as nisa, language as nl
+
+        src = nl.load(x)
+        vals = nl.ndarray((x.shape[0], k), dtype=nl.bfloat16, buffer=nl.sbuf)
+        idx = nl.ndarray((x.shape[0], k), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.topk(val_dst=vals, idx_dst=idx, src=src, n=n)
+        out_v = nl.ndarray(vals.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        out_i = nl.ndarray(idx.shape, dtype=nl.uint32, buffer=nl.shared_hbm)
+        nl.store(out_v, value=vals)
+        nl.store(out_i, value=idx)
+        return out_v, out_i
+
+    return kernel
+
+
+def test_topk_reads_a_16_partition_snake_and_returns_ascending():
+    rng = np.random.default_rng(2)
+    n, k = 70, 6
+    snakes = [rng.permutation(200)[:n].astype(np.float32) for _ in range(2)]  # distinct values
+    x = np.zeros((32, 5), ml_dtypes.bfloat16)
+    for g, s in enumerate(snakes):
+        padded = np.concatenate([s, np.zeros(80 - n, np.float32)])
+        x[16 * g : 16 * (g + 1)] = padded.reshape(5, 16).T  # element e: partition e % 16
+    vals, idx = nki_emulator.simulate(_topk_kernel(n, k), target="trn2")(x)
+    for g, s in enumerate(snakes):
+        want = np.argsort(s)[-k:]
+        np.testing.assert_array_equal(idx[16 * g], want)
+        np.testing.assert_array_equal(vals[16 * g].astype(np.float32), s[want])
+        assert (idx[16 * g : 16 * (g + 1)] == idx[16 * g]).all()
+
+
+def test_topk_needs_nki_0_6_and_refuses_ties_at_the_cut():
+    from jax_sparse_attn.nki_emulator import versions
+
+    x = np.ones((16, 2), ml_dtypes.bfloat16)
+    with pytest.raises(NkiEmulatorError, match="tie"):
+        nki_emulator.simulate(_topk_kernel(20, 4), target="trn2")(x)
+    with versions.using("0.3"), pytest.raises(NkiEmulatorError, match="NKI >= 0.6"):
+        nki_emulator.simulate(_topk_kernel(20, 4), target="trn2")(np.arange(32).reshape(16, 2).astype(ml_dtypes.bfloat16))

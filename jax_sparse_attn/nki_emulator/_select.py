@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from ..constants import PARTITIONS
 from ._core import F32, ON_CHIP, PSUM, SBUF, Tensor, read, write
 from .errors import (
     NkiDtypeError,
@@ -312,4 +312,77 @@ def select_reduce(
 
 __all__ = ["max8", "nc_find_index8", "nc_match_replace8", "nc_n_gather", "select_reduce",
            "MAX8_MAX_ELEMENTS"]  # fmt: skip
-del PARTITIONS
+
+
+# topk page (v2.32.0): "partition dim must be a multiple of 16" (the snake spans 16 partitions).
+TOPK_SNAKE_PARTITIONS = 16
+TOPK_MAX_N = 65536  # "8 <= n < 65536"
+TOPK_MAX_K = 32768  # "1 <= K < 32768 and K <= n"
+
+
+def topk(val_dst: Tensor, idx_dst: Tensor, src: Tensor, n: int, **kwargs: Any) -> None:
+    """The K largest of ``n`` bf16 values laid out as a 16-partition snake (GpSimd; NKI 0.6+).
+
+    ISA topk page (v2.32.0): element ``e`` of a snake sits at partition ``e % 16`` (of its group
+    of 16), column ``e // 16``; ``n`` active elements, ``8 <= n < 65536``; ``src``, ``val_dst``
+    bf16 and ``idx_dst`` uint32 in SBUF; ``val_dst``/``idx_dst`` ``[par_dim, K]`` with
+    ``1 <= K < 32768``, ``K <= n``; ``src`` at least ``ceil(n / 16)`` columns; partitions a
+    multiple of 16. ``val_dst`` gets the K largest values in ascending order, ``idx_dst`` their
+    0-based snake indices. Inferred (the page is terse): each group of 16 partitions is one
+    problem and all 16 partitions of the group receive its result; a tie at the K-th value
+    between a kept and a dropped element has no documented winner, so the emulator refuses it,
+    as it refuses NaN. The 0.7 form ``sorted=False`` is not emulated.
+    """
+    from . import versions
+
+    instr = "nisa.topk"
+    no_extra(kwargs, instr)
+    versions.requires("nisa.topk")
+    ctx = begin(instr)
+    for arg, t in (("val_dst", val_dst), ("idx_dst", idx_dst), ("src", src)):
+        tensor_arg(t, instr, arg, (SBUF,))
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    if src.dtype != bf16 or val_dst.dtype != bf16:
+        raise NkiDtypeError(f"{instr}: src and val_dst must be bfloat16, got {src.dtype.name}, "
+                            f"{val_dst.dtype.name}")  # fmt: skip
+    if idx_dst.dtype != np.dtype(np.uint32):
+        raise NkiDtypeError(f"{instr}: idx_dst must be uint32, got {idx_dst.dtype.name}")
+    parts = src.shape[0]
+    if parts % TOPK_SNAKE_PARTITIONS or src.ndim != 2:
+        raise NkiShapeError(f"{instr}: src must be [16*g, x] (partitions a multiple of 16), got "
+                            f"{src.describe()}")  # fmt: skip
+    k = val_dst.shape[1] if val_dst.ndim == 2 else 0
+    if val_dst.shape != (parts, k) or idx_dst.shape != (parts, k):
+        raise NkiShapeError(f"{instr}: val_dst and idx_dst must be [{parts}, K]")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 8 <= n < TOPK_MAX_N:
+        raise NkiLimitError(f"{instr}: n must be an int with 8 <= n < {TOPK_MAX_N}, got {n!r}")
+    if not 1 <= k < TOPK_MAX_K or k > n:
+        raise NkiLimitError(f"{instr}: K={k} must satisfy 1 <= K < {TOPK_MAX_K} and K <= n={n}")
+    if src.shape[1] * TOPK_SNAKE_PARTITIONS < n:
+        raise NkiShapeError(f"{instr}: src has {src.shape[1]} columns, n={n} needs "
+                            f"{-(-n // TOPK_SNAKE_PARTITIONS)}")  # fmt: skip
+    values = read(src, instr, "src").astype(F32)
+    vals_out = np.zeros((parts, k), F32)
+    idx_out = np.zeros((parts, k), np.int64)
+    for g in range(parts // TOPK_SNAKE_PARTITIONS):
+        block = values[g * TOPK_SNAKE_PARTITIONS : (g + 1) * TOPK_SNAKE_PARTITIONS]
+        snake = block.T.reshape(-1)[:n]  # element e: partition e % 16, column e // 16
+        if np.isnan(snake).any():
+            raise NkiEmulatorError(f"{instr}: the snake of group {g} holds NaN (no documented order)")
+        order = np.argsort(-snake, kind="stable")
+        if k < n and snake[order[k - 1]] == snake[order[k]]:
+            raise NkiEmulatorError(
+                f"{instr}: a tie at the K-th value ({snake[order[k - 1]]}) in group {g}: the topk "
+                "page documents no tie order (inferred: refused)"
+            )
+        chosen = order[:k][::-1]  # ascending
+        rows = slice(g * TOPK_SNAKE_PARTITIONS, (g + 1) * TOPK_SNAKE_PARTITIONS)
+        vals_out[rows] = snake[chosen]
+        idx_out[rows] = chosen
+    write(val_dst, vals_out)
+    write(idx_dst, idx_out.astype(np.uint32))
+    if ctx.cost is not None:
+        ctx.cost.compute(instr, None, val_dst, [src], value=n)
+
+
+__all__ += ["topk"]

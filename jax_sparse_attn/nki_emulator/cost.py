@@ -135,6 +135,7 @@ class Op:
     n_stationary: int = 0
     n_moving: int = 0
     value: Any = None
+    n_dst: int = 0  # elements per partition of dst
 
     @property
     def all_bf16(self) -> bool:
@@ -230,6 +231,10 @@ COSTS: dict[str, Cost] = {
     # select_reduce: no documented figure. Assumption: max(MIN_II, N) VectorE cycles, as the
     # other one-pass elementwise VectorE instructions (tensor_copy, tensor_scalar).
     "nisa.select_reduce": Cost("vector", _min_ii_n),
+    # [isa] topk (v2.32.0, the page's own "Estimated instruction cost"): 4*n + K GpSimd cycles per
+    # partition (n: elements of the snake, passed as ``value``; K: dst columns); the partitions
+    # run in parallel.
+    "nisa.topk": Cost("gpsimd", lambda o: 4 * o.value + o.n_dst),
     # nl functions, costed as the instruction they lower to (assumption where noted):
     # nl.full / nl.zeros are a memset.
     "nl.full": Cost("vector", _memset),
@@ -322,6 +327,7 @@ class CostRecord:
             n_stationary=n_stationary,
             n_moving=n_moving,
             value=value,
+            n_dst=int(np.prod(dst.shape[1:], dtype=np.int64)) if dst is not None and len(dst.shape) > 1 else 1,
         )
         key = _cost_key(instr + ("+reduce" if reduce else ""), len(inputs), len(inputs))
         cost = COSTS[key]

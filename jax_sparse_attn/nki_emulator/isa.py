@@ -1094,6 +1094,7 @@ from ._select import (  # noqa: E402
     nc_match_replace8,
     nc_n_gather,
     select_reduce,
+    topk,
 )
 
-__all__ += ["max8", "nc_find_index8", "nc_match_replace8", "nc_n_gather", "select_reduce"]
+__all__ += ["max8", "nc_find_index8", "nc_match_replace8", "nc_n_gather", "select_reduce", "topk"]
