@@ -102,28 +102,29 @@ class IndexerPlan:
 def sbuf_bytes_per_partition(tile_tokens: int, heads: int, dim: int, topk8: int, chunk: int) -> int:
     """SBUF bytes per partition of the kernel's live tiles at their peak (an upper estimate).
 
-    q (16-bit, ``D/128 * TT*Hi``), the weights (f32, ``TT``), the candidates
-    and their rows (f32, ``2 * (K8 + C)``), the new running part (keys, positions, rows:
-    ``3 * K8`` 4-byte), a chunk of keys (bf16, ``D/128 * C``), one predicate (``C`` bytes), a
-    relu tile and a key-scale tile (f32, 512 each), and a few columns.
+    q (16-bit, ``D/128 * TT*Hi``), the weights (f32, ``TT``), the candidates and their rows
+    (f32, ``2 * (K8 + C)``), the merge's tiles (five 4-byte ``K8`` rows: keys, positions, rows,
+    reversed positions, their index), a chunk of keys (16-bit, ``D/128 * C``), then the larger of
+    a chunk's work tiles (a ``C``-byte predicate, a relu and a key-scale tile) and the output's
+    (``9 * K8``), and a few columns.
     """
     d_tiles = _ceil_div(dim, KERNEL_TILE)
     q = d_tiles * tile_tokens * heads * 2
     weights = tile_tokens * 4
     candidates = 2 * 4 * (topk8 + chunk)
-    running = 3 * 4 * topk8
+    merge = 5 * 4 * topk8 + 2 * 4 * SELECTED_PER_ROUND
     keys = d_tiles * chunk * 2
-    work = chunk + 2 * 4 * ROWS_PER_MATMUL + 64
-    return q + weights + candidates + running + keys + work
+    work = max(chunk + 2 * 4 * ROWS_PER_MATMUL, 9 * topk8)
+    return q + weights + candidates + merge + keys + work + 64
 
 
 def plan_indexer(tokens_per_program: int, heads: int, dim: int, rows: int, topk: int,
                  budget: int = SBUF_BYTES_PER_PARTITION) -> IndexerPlan:  # fmt: skip
     """The sizes for ``tokens_per_program`` tokens, ``heads`` x ``dim`` queries, ``rows`` keys and
     ``topk``: the largest chunk (a multiple of 512, at most what max8 allows beside the running
-    selection) whose working set fits ``budget`` (default the smallest target's SBUF, trn1, so
-    one plan holds everywhere), then the chunk evened out over the rows. Raises ``ValueError``
-    naming the argument when no chunk fits."""
+    selection) whose working set fits ``budget`` SBUF bytes per partition (the target's:
+    ``nki_emulator.targets``; a larger chunk means fewer merges), then the chunk evened out over
+    the rows. Raises ``ValueError`` naming the argument when no chunk fits."""
     if not 0 < heads <= KERNEL_TILE:
         raise ValueError(f"the indexer kernel takes 1 to {KERNEL_TILE} heads, got Hi={heads}")
     tile_tokens = min(TILE_TOKENS_MAX, max(tokens_per_program, 1))

@@ -138,7 +138,10 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
         raise ValueError(f"keys has {R} rows; the indexer kernel takes fewer than 2**24")
     target = neuron_target()
     programs = launch_programs(target)
-    plan = _kernel.plan_indexer(-(-T // programs), Hi, Di, R, int(topk))
+    from ..nki_emulator.targets import TARGETS
+
+    plan = _kernel.plan_indexer(-(-T // programs), Hi, Di, R, int(topk),
+                                budget=TARGETS[target].sbuf_bytes_per_partition)  # fmt: skip
     n_valid = valid_rows(positions, R, int(compress_ratio))
     operands, tiles = _pack(plan, programs, q, weights, keys, key_scale, n_valid)
     if emulated:
