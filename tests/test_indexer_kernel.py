@@ -174,3 +174,28 @@ def test_compiled_program_does_not_grow_with_tokens_or_rows(monkeypatch):
             run_kernel(q, w, keys, np.full(T, R - 1), 8)
         counts.append(max(r.compiled_instructions_per_program for r in rec.runs))
     assert counts[0] == counts[1]
+
+
+def test_indexer_topk_nki_emulated_equals_the_reference_through_the_primitive(monkeypatch):
+    """implementation="nki_emulated" of the public op (jitted) runs this kernel and equals
+    implementation="reference" (the scores are integers: exact in every backend)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_sparse_attn import indexer_topk, nki_emulator
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    rng = np.random.default_rng(7)
+    q, w, keys = integer_case(rng, 6, 4, 16, 300)
+    positions = jnp.asarray([299, 0, 150, -3, 77, 298], jnp.int32)
+    args = (jnp.asarray(q, jnp.bfloat16), jnp.asarray(w), jnp.asarray(keys, jnp.bfloat16), positions)
+    run = jax.jit(lambda *a: indexer_topk(*a, 20, scale=1.0, return_scores=True,
+                                          implementation="nki_emulated"))  # fmt: skip
+    with nki_emulator.recording(cost=False) as rec:
+        idx, scores = run(*args)
+        idx = np.asarray(idx)
+    assert rec.runs, "the kernel did not run"
+    want_idx, want_scores = indexer_topk(*args, 20, scale=1.0, return_scores=True,
+                                         implementation="reference")  # fmt: skip
+    np.testing.assert_array_equal(idx, np.asarray(want_idx))
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(want_scores))
