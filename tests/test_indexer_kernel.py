@@ -151,6 +151,7 @@ def test_nan_and_minus_inf_scores_rank_as_the_contract_says():
     assert np.isneginf(scores[0, -4:-2]).all() and np.isnan(scores[0, -2:]).all()
 
 
+@pytest.mark.slow
 def test_topk_beyond_the_valid_rows_pads_with_minus_one():
     rng = np.random.default_rng(5)
     q, w, keys = integer_case(rng, 2, 2, 8, 10)
@@ -199,3 +200,24 @@ def test_indexer_topk_nki_emulated_equals_the_reference_through_the_primitive(mo
                                          implementation="reference")  # fmt: skip
     np.testing.assert_array_equal(idx, np.asarray(want_idx))
     np.testing.assert_array_equal(np.asarray(scores), np.asarray(want_scores))
+
+
+def test_valid_rows_follow_the_rule_without_overflow():
+    import jax.numpy as jnp
+
+    from jax_sparse_attn.indexer.neuron import valid_rows
+
+    pos = np.array([-(2**31), -5, -1, 0, 2, 3, 6, 7, 1000, 2**31 - 1], np.int64)
+    for ratio in (1, 4):
+        want = [0 if p < 0 else min(50, (int(p) + 1) // ratio) for p in pos]
+        got = np.asarray(valid_rows(jnp.asarray(pos, jnp.int32), 50, ratio))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_kernel_limits_are_clear_errors():
+    from jax_sparse_attn.indexer.kernel import plan_indexer
+
+    with pytest.raises(ValueError, match="topk"):
+        plan_indexer(1, 64, 128, 1000, 16000)
+    with pytest.raises(ValueError, match="heads"):
+        plan_indexer(1, 129, 128, 1000, 8)

@@ -32,7 +32,10 @@ def valid_rows(positions, rows: int, compress_ratio: int):
     ``position + 1``, which would overflow at INT32_MAX)."""
     pos = positions.astype(jnp.int32)
     ratio = jnp.int32(compress_ratio)
-    n = pos // ratio + (pos % ratio == ratio - 1).astype(jnp.int32)
+    whole = pos // ratio  # complete blocks before the position's own
+    # The position's own block counts when it is complete; capped at R before adding, so that
+    # INT32_MAX // 1 + 1 cannot wrap.
+    n = jnp.where(whole >= rows, rows, whole + (pos % ratio == ratio - 1).astype(jnp.int32))
     return jnp.where(pos < 0, 0, jnp.minimum(n, rows)).astype(jnp.int32)
 
 
