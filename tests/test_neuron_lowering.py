@@ -234,3 +234,23 @@ def test_trn1_runs_only_the_kernel_without_indirect_dma():
     idx = rng.integers(0, R, (T, 128, Kp // 128)).astype(np.uint32)
     with pytest.raises(NkiEmulatorError):
         simulate(kernels.gathered_attn_idx_kernel, target="trn1")(q, kv, idx, bias, sink)
+
+
+def test_the_neuron_extra_is_the_supported_range():
+    """pyproject's `neuron` extra, the install hint and the emulator's version table say the same
+    (README, "Running on Trainium"): one list, NEURON_REQUIREMENTS."""
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    from jax_sparse_attn.nki_emulator import versions
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert tuple(extras["neuron"]) == versions.NEURON_REQUIREMENTS
+    for requirement in versions.NEURON_REQUIREMENTS:
+        assert f"'{requirement}'" in lowering.install_hint()
+    assert set(versions.SDK_RELEASES) == set(versions.SUPPORTED_VERSIONS)
+    for version, release in versions.SDK_RELEASES.items():
+        assert release.nki.startswith(version + ".")
+        assert release.sdk.startswith(versions.SDK_OF_VERSION[version] + ".")
+        assert f"{release.sdk} (NKI {release.nki})" in lowering.install_hint()

@@ -1241,7 +1241,8 @@ def test_reject_nl_rules_of_nki_0_3():
     _reject(broadcast_add, x, error=NkiShapeError, match="do not broadcast")
     for kernel in (divide, true_divide, mod, fmod):
         _reject(kernel, x, error=NkiUnsupportedError, match="no hardware instruction")
-    _reject(copy_psum, x, error=NkiMemorySpaceError, match="nl.copy x must be in sbuf")
+    with versions.using("0.5"):  # nl.copy reads PSUM from NKI 0.6 (test_version_dependent_forms)
+        _reject(copy_psum, x, error=NkiMemorySpaceError, match="nl.copy x must be in sbuf")
     _reject(memset_float_into_int, x, error=NkiDtypeError, match="matching types")
 
 
@@ -1399,3 +1400,57 @@ def test_scalar_engine_tensor_scalar_takes_three_operator_pairs(target, rng):
         return out
 
     np.testing.assert_array_equal(simulate(on_vector, target=target)(x), np.clip(x, -1, 1))
+
+
+def test_version_dependent_forms(rng):
+    """nl.copy reads PSUM from NKI 0.6 (on VectorE; ScalarE and SBUF only before); nc_matmul
+    writes a bf16 PSUM dst on NeuronCore-v4 only; the indirect dma_transpose takes fewer than 128
+    columns from NKI 0.4."""
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+
+    def copy_from_psum(x):
+        psum = nl.ndarray((16, 8), x.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=psum, data=nl.load(x))
+        out = nl.ndarray((16, 8), x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.copy(psum))
+        return out
+
+    got, stats = simulate(copy_from_psum, nki_version="0.6", stats=True, cost=True)(x)
+    np.testing.assert_array_equal(got, x.T)
+    assert stats.programs[0].cost.by_instruction["nl.copy"][1] > 0
+    assert stats.programs[0].cost.engine_us["scalar"] == 0  # nl.copy on VectorE from 0.6
+    with pytest.raises(NkiMemorySpaceError, match="nl.copy x must be in sbuf"):
+        simulate(copy_from_psum, nki_version="0.5")(x)
+
+    a = rng.standard_normal((16, 8)).astype(BF16)
+    b = rng.standard_normal((16, 32)).astype(BF16)
+
+    def matmul_bf16_dst(a, b):
+        acc = nl.ndarray((8, 32), nl.bfloat16, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=nl.load(a), moving=nl.load(b), accumulate=False)
+        staged = nl.ndarray((8, 32), nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=staged, src=acc)
+        out = nl.ndarray((8, 32), nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(out, value=staged)
+        return out
+
+    expected = bf16_rne((as64(a).T @ as64(b)).astype(np.float32))
+    np.testing.assert_array_equal(as64(simulate(matmul_bf16_dst, target="trn3")(a, b)), expected)
+    for target in ("trn1", "trn2"):
+        _reject(matmul_bf16_dst, a, b, error=NkiDtypeError, match="must be float32", target=target)
+
+    kv = rng.standard_normal((64, 100)).astype(BF16)
+    idx = rng.integers(0, 64, (16, 1)).astype(np.uint32)
+
+    def gather_transpose(kv, idx):
+        xt = nl.ndarray((64, 16), kv.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=xt, src=kv.ap([[100, 16], [1, 64]], offset=0,
+                                             vector_offset=nl.load(idx), indirect_dim=0))
+        out = nl.ndarray((64, 16), kv.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=xt)
+        return out
+
+    got = simulate(gather_transpose, nki_version="0.4")(kv, idx)
+    np.testing.assert_array_equal(as64(got), as64(kv[idx[:, 0], :64]).T)
+    with pytest.raises(NkiShapeError, match=r"src.shape\[-1\] == 128 in NKI 0.3"):
+        simulate(gather_transpose, nki_version="0.3")(kv, idx)

@@ -142,7 +142,7 @@ def run_kernel(runner, kernel, *arrays, target="trn2", programs=1, **options):
         return simulate_with_emulator(kernel, *arrays, target=target, programs=programs, **options)
     nki = pytest.importorskip(
         "nki",
-        reason="the Neuron SDK (nki >= 0.3) is only installable on a Trainium host from the Neuron "
+        reason="the Neuron SDK (nki 0.6 or 0.7) is only installable on a Trainium host from the Neuron "
         "pip repository; the kernels run under the project's emulator here",
     )
     import os
@@ -297,6 +297,22 @@ def test_unselected_cache_rows_never_reach_the_output(target, poison):
         np.testing.assert_array_equal(poisoned[name][0], clean[name][0])
         np.testing.assert_array_equal(poisoned[name][1], clean[name][1])
         assert_matches_contract(poisoned[name][0], contract_model(**case).reshape(T * H, D))
+
+
+@pytest.mark.parametrize("poison", [None, np.nan])
+def test_dma_transposed_rows_variant_keeps_the_contract(monkeypatch, poison):
+    """The variant that gathers the logits' operand by indirect dma_transpose instead of PE
+    transposes (ROW_TRANSPOSES = "dma", kept for the cost comparison of docs/neuron-kernel.md):
+    the same contract, and a poisoned unselected row still reaches nothing."""
+    monkeypatch.setattr(kernels, "ROW_TRANSPOSES", "dma")
+    T, H, D, Kp, R = 2, 16, 576, 256, 500
+    ops, case = kernel_inputs(np.random.default_rng(11), T, H, D, Kp, R, empty_fraction=0.5,
+                              poison=poison)  # fmt: skip
+    out, lse = run_kernel("emulator", kernels.gathered_attn_idx_kernel, ops["q"], ops["kv"],
+                          ops["idx"], ops["bias"], ops["sink"], target="trn2", programs=2)
+    expected, expected_lse = contract_model(**case, with_lse=True)
+    assert_matches_contract(out.reshape(T * H, D), expected.reshape(T * H, D))
+    assert_lse_matches(lse, expected_lse, case["valid"])
 
 
 def overflowing_rows(rng, rows, dim):

@@ -229,6 +229,7 @@ class _Source:
     scale_groups: int = 0  # FP8 kernel: scales per row (n)
     fp8_zeros: object = None  # FP8 kernel: a zero FP8 tile [128, C/128, D], set once per program
     token_scales: object = None  # FP8 kernel: this token's scales [128, Kp/128 * n] f32 (SBUF)
+    logits_engine: object = None  # engines that take the logits out of PSUM (LOGITS_PSUM_ENGINES)
 
     @property
     def indexed(self) -> bool:
@@ -252,8 +253,8 @@ def _d_chunks(dim: int):
             for dc in range(_ceil_div(dim, KERNEL_TILE))]  # fmt: skip
 
 
-def _from_psum(src: _Source, dst, psum, scale: float = 1.0):
-    """``dst = psum * scale`` (``scale`` a power of two, exact) out of PSUM, on the next engine of
+def _from_psum(src: _Source, dst, psum, scale=1.0):
+    """``dst = psum * scale`` (``scale`` a number or an ``[P, 1]`` column) out of PSUM, on the next engine of
     ``PSUM_READ_ENGINES``: the Scalar engine by ``activation(op=nl.copy)``, which every target has
     (``tensor_copy`` is not supported on the NeuronCore-v2 Scalar engine; its page names
     ``activation`` with ``nl.copy`` instead), or the Vector engine by ``tensor_copy`` /
@@ -261,7 +262,7 @@ def _from_psum(src: _Source, dst, psum, scale: float = 1.0):
     engine = src.psum_engine()
     if engine == "scalar":
         nisa.activation(dst=dst, op=nl.copy, data=psum, scale=scale)
-    elif scale == 1.0:
+    elif isinstance(scale, float) and scale == 1.0:
         nisa.tensor_copy(dst=dst, src=psum, engine=nisa.engine.vector)
     else:
         nisa.tensor_scalar(dst=dst, data=psum, op0=nl.multiply, operand0=scale,
@@ -389,6 +390,34 @@ def _transposed_rows(src: _Source, rows, width: int):
     return rows_t
 
 
+def _gathered_transposed_rows(src: _Source, row_index, c0: int, width: int):
+    """The variant without TensorEngine row transposes (``ROW_TRANSPOSES = "dma"``, indexed bf16
+    kernel only): ``[128 (d), D/128, width]`` gathered and transposed from the cache by one
+    indirect ``dma_transpose`` per 128 slots and 128 columns (nki.isa.dma_transpose, "DMA Indirect
+    Transpose Constraints": 2-byte dtype, ``src.shape[-1] <= 128`` from NKI 0.4, uint32 indices
+    ``[128, 1]``, software DGE, trn2+), into a zeroed tile with ``oob_mode=skip`` so that an empty
+    slot's column stays 0. The rows are still gathered slot-major for the value product: every
+    selected row crosses the DMA queues twice. Slower under the cost model (docs/neuron-kernel.md,
+    "Modelled cost"), so not the default.
+    """
+    k_tiles, d_tiles = width // KERNEL_TILE, _ceil_div(src.dim, KERNEL_TILE)
+    rows_t = nl.ndarray((KERNEL_TILE, d_tiles, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=rows_t, value=0.0, engine=nisa.engine.gpsimd)
+    first_tile = c0 // KERNEL_TILE
+    for dc, d0, dw in _d_chunks(src.dim):
+        for kc in range(k_tiles):
+            nisa.dma_transpose(
+                dst=rows_t[0:dw, dc, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE],
+                src=src.slot_rows.ap(
+                    pattern=[[src.dim, KERNEL_TILE], [1, dw]], offset=d0,
+                    vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
+                    indirect_dim=0,
+                ),
+                oob_mode=nisa.oob_mode.skip,
+            )  # fmt: skip
+    return rows_t
+
+
 def _bias_row(src: _Source, c0: int, width: int, with_prefix: bool):
     """The token's bias columns for slots ``c0 .. c0 + width`` as one ``[1, n]`` f32 row (one DMA
     at the token's runtime address); with ``with_prefix`` the 16 prefix columns (the scale) lead."""
@@ -426,7 +455,7 @@ def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst
                 accumulate=dc > 0,
             )
         sat = saturated[:, 0:n]
-        if LOGITS_PSUM_ENGINE == "scalar":
+        if src.logits_engine() == "scalar":
             # The Scalar engine multiplies by one factor on the way out of PSUM (activation with
             # a [H, 1] scale column); its tensor_scalar takes no (multiply, multiply) or
             # (max, min) pair (nki.isa.tensor_scalar page), so the rest runs on the others.
@@ -521,28 +550,26 @@ def _value_matmul(unit: _ValueUnit, acc, probs_tile, rows_tile, accumulate: bool
                        moving=probs_tile, accumulate=accumulate)  # fmt: skip
 
 
-def _value_epilogue(src: _Source, unit: _ValueUnit, acc, inv_denominator, out_rows):
-    """``out_rows[:, columns] = bf16(value * (1 / den))`` for the columns of ``unit``.
+def _value_epilogue(src: _Source, unit: _ValueUnit, acc, out_scale, out_rows):
+    """``out_rows[:, columns] = bf16(value * out_scale)`` for the columns of ``unit``, with
+    ``out_scale = (1 / den) * 2**value_shift`` (``[H, 1]``; exact: a power of two): one multiply,
+    so the Scalar engine can take it out of PSUM as well as the Vector engine.
 
     A transposed accumulator ``[d, H]`` goes to SBUF and back through a PE transpose (fp32,
-    bit-exact from NeuronCore-v3, nki.isa.nc_transpose page) so that ``1 / den`` is a
+    bit-exact from NeuronCore-v3, nki.isa.nc_transpose page) so that ``out_scale`` is a
     per-partition column again; one rounding to bf16 either way.
     """
     heads = src.heads
     if not unit.transposed:
         d0, n = unit.blocks[0]
-        nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + n], data=acc[:, 0:n], op0=nl.multiply,
-                           operand0=inv_denominator, op1=nl.multiply,
-                           operand1=2.0**src.value_shift)  # fmt: skip
+        _from_psum(src, out_rows[:, d0 : d0 + n], acc[:, 0:n], out_scale)
         return
     values_t = nl.ndarray((KERNEL_TILE, heads), dtype=nl.float32, buffer=nl.sbuf)
     values_psum = nl.ndarray((heads, KERNEL_TILE), dtype=nl.float32, buffer=nl.psum)
     for j, (d0, dw) in enumerate(unit.blocks):
         _from_psum(src, values_t[0:dw, :], acc[0:dw, j, :])
         nisa.nc_transpose(dst=values_psum[:, 0:dw], data=values_t[0:dw, :])
-        nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + dw], data=values_psum[:, 0:dw],
-                           op0=nl.multiply, operand0=inv_denominator, op1=nl.multiply,
-                           operand1=2.0**src.value_shift)  # fmt: skip
+        _from_psum(src, out_rows[:, d0 : d0 + dw], values_psum[:, 0:dw], out_scale)
 
 
 def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch):
@@ -550,7 +577,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     heads, dim = src.heads, src.dim
     # The body is compiled once (a hardware loop): every token must use the same engines, so the
     # round-robin choices restart here (the emulator runs the Python body once per token).
-    src.psum_engine.next = src.clamp_engine.next = 0
+    src.psum_engine.next = src.clamp_engine.next = src.logits_engine.next = 0
     if src.dequant_engine is not None:
         src.dequant_engine.next = 0
     chunks = plan.chunks
@@ -588,7 +615,10 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         bias_heads = nl.broadcast_to(bias_row[:, first : first + width], shape=(heads, width))
         del bias_row
         rows = _fetch_slot_rows(src, row_index, c0, width)
-        rows_t = _transposed_rows(src, rows, width)
+        if ROW_TRANSPOSES == "dma" and src.indexed and src.row_scale is None:
+            rows_t = _gathered_transposed_rows(src, row_index, c0, width)
+        else:
+            rows_t = _transposed_rows(src, rows, width)
         if plan.scores_in_sbuf:
             chunk_scores = scores[:, c0 : c0 + width]
         else:
@@ -612,6 +642,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     out_rows = nl.ndarray((heads, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     chunk_sum = nl.ndarray((heads, chunks), dtype=nl.float32, buffer=nl.sbuf)
     inv_denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
+    out_scale = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     for g0 in range(0, len(units), VALUE_PSUM_BANKS):
         group = units[g0 : g0 + VALUE_PSUM_BANKS]
@@ -651,8 +682,10 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
             nisa.activation(dst=sink_term, op=nl.exp, data=sink_col, bias=neg_max, scale=1.0)
             nisa.tensor_tensor(dst=denominator, data1=slot_sum, data2=sink_term, op=nl.add)
             nisa.reciprocal(dst=inv_denominator, data=denominator)
+            nisa.tensor_scalar(dst=out_scale, data=inv_denominator, op0=nl.multiply,
+                               operand0=2.0**src.value_shift)  # fmt: skip
         for unit, acc in zip(group, value_psum):
-            _value_epilogue(src, unit, acc, inv_denominator, out_rows)
+            _value_epilogue(src, unit, acc, out_scale, out_rows)
         del value_psum
     nisa.dma_copy(dst=src.token_rows(out, heads, dim), src=out_rows)
 
@@ -664,15 +697,23 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     nisa.dma_copy(dst=src.token_rows(lse, heads, 1), src=lse_col)
 
 
-# Engines that read PSUM tiles out to SBUF, in turn (_from_psum): Scalar (activation) and Vector;
-# GpSimd cannot access PSUM (nki.isa.tensor_copy page).
-PSUM_READ_ENGINES = ("scalar", "scalar", "vector")
-# Which engine takes the logits out of PSUM ("vector": one tensor_scalar multiplies by both
-# factors; "scalar": an activation multiplies by the first, a fourth elementwise step follows).
-LOGITS_PSUM_ENGINE = "vector"
+# Engines that read PSUM tiles out to SBUF, in turn (_from_psum): Scalar (activation) or Vector;
+# GpSimd cannot access PSUM (nki.isa.tensor_copy page). All on the Scalar engine: the Vector
+# engine carries the logits' first step, their max, the bias broadcast and the bias add, and the
+# cost model puts every engine below the TensorEngine at H=128 decode this way (docs/neuron-kernel.md).
+PSUM_READ_ENGINES = ("scalar",)
+# Which engine takes each 512-slot block of logits out of PSUM, in turn ("vector": one
+# tensor_scalar multiplies by both factors; "scalar": an activation multiplies by the first and a
+# fourth elementwise step follows).
+LOGITS_PSUM_ENGINES = ("vector",)
 # Engines that clamp the multiplied-back dot products (SBUF only), in turn (tensor_scalar runs on
 # Vector, Scalar or GpSimd, nki.isa.tensor_scalar page; (max, min) is not a Scalar-engine pair).
-CLAMP_ENGINES = ("gpsimd", "vector")
+CLAMP_ENGINES = ("gpsimd",)
+# How the logits' operand [128 (d), D/128, C] is made from the gathered rows: "tensor" (PE
+# transposes of the slot-major rows, the default) or "dma" (the indexed bf16 kernel gathers it a
+# second time by indirect dma_transpose, _gathered_transposed_rows). The default is the one that
+# models faster (docs/neuron-kernel.md, "Modelled cost").
+ROW_TRANSPOSES = "tensor"
 # Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd). Weighted
 # towards GpSimd, which the FP8 kernel frees of the rows' memset (9 : 4 : 3 in 16; chosen under the
 # cost model at decode, K=2048, H=128, where the other engines already carry more).
@@ -705,6 +746,7 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
                   _Engines(CLAMP_ENGINES), value_shift, slot_scale,
                   _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
                   scale_groups)  # fmt: skip
+    src.logits_engine = _Engines(LOGITS_PSUM_ENGINES)
     if slot_scale is not None:
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
                                    dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip

@@ -44,13 +44,20 @@ from .packing import (
 
 NEURON_PLATFORM = "neuron"
 
-NEURON_INSTALL_HINT = (
-    "install the Neuron SDK on a Trainium host from the Neuron pip repository: "
-    "pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
-    "'nki>=0.3' 'jax-neuronx>=0.7' 'libneuronxla>=2.2' 'neuronx-cc>=2.24' (Neuron SDK >= 2.29; "
-    "'.[neuron]' in a clone of this repository installs the same). implementation='nki_emulated' "
-    "runs the kernel source on the host."
-)
+def install_hint() -> str:
+    """What to install for the NKI kernel: the supported Neuron SDKs' packages (from
+    ``nki_emulator.versions``, imported only when a message needs it)."""
+    from ..nki_emulator.versions import NEURON_REQUIREMENTS, SDK_RELEASES
+
+    sdks = " or ".join(f"{r.sdk} (NKI {r.nki})" for r in SDK_RELEASES.values())
+    return (
+        "install the Neuron SDK on a Trainium host from the Neuron pip repository: "
+        "pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
+        + " ".join(f"'{r}'" for r in NEURON_REQUIREMENTS)
+        + f" (Neuron SDK {sdks}; '.[neuron]' in a clone of this repository installs the same). "
+        "implementation='nki_emulated' runs the kernel source on the host."
+    )
+
 
 KernelCall = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -215,7 +222,7 @@ def _jitted_kernel(kernel):
 
     if kernels.nki is None:
         raise RuntimeError(
-            f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}"
+            f"the NKI kernel needs the Neuron SDK (`import nki` failed): {install_hint()}"
         )
     return kernels.nki.jit(kernel)
 

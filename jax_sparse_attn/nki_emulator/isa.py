@@ -15,6 +15,7 @@ import numpy as np
 
 from ..constants import PARTITIONS, PSUM_BANK_FP32
 from . import language as nl
+from . import versions
 from ._core import (
     _FP8_E4M3,
     F32,
@@ -526,6 +527,12 @@ def _check_indirect_transpose(instr: str, src: AccessPattern, dge: Any) -> None:
     count = src.shape[0]
     if count % 16:
         raise NkiShapeError(f"{instr}: the gathered row count {count} must be a multiple of 16")
+    if src.shape[1] != PARTITIONS and not versions.has("dma_transpose indirect src.shape[-1] < 128"):
+        # NKI 0.4 release notes: the indirect form's innermost dimension was "exactly 128" before.
+        raise NkiShapeError(
+            f"{instr}: an indirect transpose needs src.shape[-1] == 128 in NKI "
+            f"{versions.nki_version()} (<= 128 from NKI 0.4), got {src.shape}"
+        )
     if i0 * i1 < count:
         raise NkiShapeError(
             f"{instr}: index tile {idx.shape} holds {i0 * i1} indices, fewer than the {count} "
@@ -617,10 +624,15 @@ def nc_matmul(
             f"{instr}: an fp32 matmul needs both inputs fp32, got {stationary.dtype.name} and "
             f"{moving.dtype.name}"
         )
-    if dst.dtype != F32:
-        # nc_matmul page: dst "must be a float32 tile in NeuronCore-v2 and NeuronCore-v3" (v4 also
-        # allows bf16; the emulator requires fp32 everywhere: stricter).
-        raise NkiDtypeError(f"{instr}: the PSUM dst accumulates in fp32, got {dst.dtype.name}")
+    nc_version = ctx.target_info.nc_version
+    if dst.dtype != F32 and not (nc_version >= 4 and dst.dtype == np.dtype(ml_dtypes.bfloat16)):
+        # nc_matmul page: dst "must be a float32 tile in NeuronCore-v2 and NeuronCore-v3.
+        # Starting NeuronCore-v4, dst can either be a float32 or bfloat16 tile" (the internal
+        # accumulation is fp32; a bf16 dst rounds each write).
+        raise NkiDtypeError(
+            f"{instr}: the PSUM dst must be float32 on {ctx.target} (NeuronCore-v{nc_version}; "
+            f"bfloat16 too from NeuronCore-v4), got {dst.dtype.name}"
+        )
     check_dst_shape(instr, dst, (m, n))
     same_base_partition(instr, stationary, moving)
     # An fp32 sum that overflows gives inf, as the PE's accumulator does: no numpy warning.

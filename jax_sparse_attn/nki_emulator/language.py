@@ -448,13 +448,20 @@ def store(dst: Tensor, value: Tensor, **kwargs: Any) -> None:
 
 
 def copy(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    """A new SBUF tile copied (and cast) from the SBUF tile ``x`` (PSUM: use nisa.tensor_copy)."""
+    """A new SBUF tile copied (and cast) from ``x``: an SBUF tile, or from NKI 0.6 also a PSUM
+    tile (before 0.6 use nisa.tensor_copy for PSUM). On the Scalar engine before 0.6, the Vector
+    engine (``tensor_copy``) from 0.6 (versions.py, "nl.copy on VectorE")."""
     instr = "nl.copy"
     no_extra(kwargs, instr)
     ctx = begin(instr)
-    # NKI 0.3 release notes, known issues (Data Movement): nl.copy "cross-buffer copies (e.g.,
-    # PSUM to SBUF) are not supported"; the result is an SBUF tile, so x must be in SBUF.
-    tensor_arg(x, instr, "x", (SBUF,))
+    if versions.has("nl.copy on VectorE"):
+        # NKI 0.6 release notes (new features): nl.copy "creates a copy of an SBUF or PSUM tile on
+        # SBUF ... It uses the Vector engine (tensor_copy)".
+        tensor_arg(x, instr, "x", ON_CHIP)
+    else:
+        # NKI 0.3 release notes, known issues (Data Movement): nl.copy "cross-buffer copies (e.g.,
+        # PSUM to SBUF) are not supported"; the result is an SBUF tile, so x must be in SBUF.
+        tensor_arg(x, instr, "x", (SBUF,))
     values = read(x, instr, "x")
     tile = ctx.allocate(x.shape, x.dtype if dtype is None else dtype, SBUF, "nl.copy")
     write(tile, values)

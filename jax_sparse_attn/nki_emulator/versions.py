@@ -40,6 +40,40 @@ SUPPORTED_VERSIONS = ("0.6", "0.7")
 DEFAULT_VERSION = SUPPORTED_VERSIONS[-1]
 
 
+@dataclass(frozen=True)
+class SdkRelease:
+    """The Neuron SDK release that ships one supported NKI version, and its JAX packages."""
+
+    nki: str
+    sdk: str
+    jax_neuronx: str
+    jax: str  # the JAX versions its release notes support
+    libneuronxla: str
+    neuronx_cc: str
+    python: str
+    source: str
+
+
+# SDK 2.32: release-notes/components/jax.rst ("continues support for JAX versions 0.7.0 to 0.10.0
+# ... you must have libneuronxla version 3.*") and src/helperscripts/n2-manifest.json (package
+# versions) at v2.32.0. SDK 2.33: readthedocs v2.33.0, release-notes/components/index (JAX NeuronX
+# 0.10.0.1.0.14198 "supports JAX 0.7.0 to 0.10.0", NKI 0.7.0, Neuron Compiler 2.28.7631.0) and
+# setup/jax/index (Python 3.11 to 3.14); its libneuronxla version is not in the stored pages: 3.*,
+# as 2.30 to 2.32 require for JAX >= 0.8.2, is inferred.
+SDK_RELEASES = {
+    "0.6": SdkRelease("0.6.0", "2.32.0", "0.10.0.1.0.11459", "0.7.0 to 0.10.0", "3.0.5356.0",
+                      "2.27.5334.0", "3.11 to 3.13",
+                      "release-notes/components/jax.rst, src/helperscripts/n2-manifest.json @v2.32.0"),
+    "0.7": SdkRelease("0.7.0", "2.33.0", "0.10.0.1.0.14198", "0.7.0 to 0.10.0", "3.* (inferred)",
+                      "2.28.7631.0", "3.11 to 3.14",
+                      "readthedocs v2.33.0: release-notes/components/index, setup/jax/index"),
+}  # fmt: skip
+# The pip requirements of the project's `neuron` extra (pyproject.toml holds the same list; a test
+# checks it): the supported NKI versions and the lowest package versions of their SDKs.
+NEURON_REQUIREMENTS = ("nki>=0.6,<0.8", "jax-neuronx>=0.10.0.1.0", "libneuronxla>=3,<4",
+                       "neuronx-cc>=2.27")  # fmt: skip
+
+
 class NkiDeprecationWarning(DeprecationWarning):
     """An API the modelled NKI version deprecates (NKI itself warns; the emulator does too)."""
 
