@@ -118,16 +118,17 @@ def sbuf_bytes_per_partition(tile_tokens: int, heads: int, dim: int, topk8: int,
     return q + weights + candidates + merge + keys + work + 64
 
 
-def plan_indexer(tokens_per_program: int, heads: int, dim: int, rows: int, topk: int,
-                 budget: int = SBUF_BYTES_PER_PARTITION) -> IndexerPlan:  # fmt: skip
-    """The sizes for ``tokens_per_program`` tokens, ``heads`` x ``dim`` queries, ``rows`` keys and
+def plan_indexer(tokens: int, heads: int, dim: int, rows: int, topk: int,
+                 budget: int = SBUF_BYTES_PER_PARTITION, shares: int = 1) -> IndexerPlan:  # fmt: skip
+    """The sizes for ``tokens`` tokens (in tiles of up to 128), split over ``shares`` programs by
+    rows (the chunk count a multiple of ``shares``), ``heads`` x ``dim`` queries, ``rows`` keys and
     ``topk``: the largest chunk (a multiple of 512, at most what max8 allows beside the running
     selection) whose working set fits ``budget`` SBUF bytes per partition (the target's:
     ``nki_emulator.targets``; a larger chunk means fewer merges), then the chunk evened out over
     the rows. Raises ``ValueError`` naming the argument when no chunk fits."""
     if not 0 < heads <= KERNEL_TILE:
         raise ValueError(f"the indexer kernel takes 1 to {KERNEL_TILE} heads, got Hi={heads}")
-    tile_tokens = min(TILE_TOKENS_MAX, max(tokens_per_program, 1))
+    tile_tokens = min(TILE_TOKENS_MAX, max(tokens, 1))
     topk8 = _round_up(max(topk, 1), SELECTED_PER_ROUND)
     rows_needed = _round_up(max(rows, 1), ROWS_PER_MATMUL)
     cap = (SELECT_MAX_ELEMENTS - topk8) // ROWS_PER_MATMUL * ROWS_PER_MATMUL
@@ -148,7 +149,7 @@ def plan_indexer(tokens_per_program: int, heads: int, dim: int, rows: int, topk:
             f"{sbuf_bytes_per_partition(tile_tokens, heads, dim, topk8, chunk)} bytes per "
             f"partition, {budget} available"
         )
-    chunks = _ceil_div(rows_needed, chunk)
+    chunks = _round_up(_ceil_div(rows_needed, chunk), shares)
     chunk = _round_up(_ceil_div(rows_needed, chunks), ROWS_PER_MATMUL)  # even the chunks out
     return IndexerPlan(tile_tokens, heads, dim, topk, topk8, chunk, chunks)
 
@@ -284,14 +285,34 @@ def _selection_tiles(tt: int, topk8: int, match_indices: bool) -> _Selection:
     return sel
 
 
-def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk, chunk,
-                        match_indices=True):
-    """The indexer's top-k (module docstring): returns ``(keys_out, idx)`` in shared HBM.
+def _store_partial(part, program: int, tile, src, tt: int, width: int):
+    """``part[program, tile] = src`` (``part [P, tiles, TT, width]``; ``tile`` a register:
+    ``scalar_offset`` on axis 1 moves by ``TT * width`` per tile, nki/deep-dives/nki-aps.rst)."""
+    tiles = part.shape[1]
+    nisa.dma_copy(dst=part.ap(pattern=[[width, tt], [1, width]],
+                              offset=program * tiles * tt * width, scalar_offset=tile,
+                              indirect_dim=1), src=src)  # fmt: skip
 
-    Args: as the module docstring's interface; ``topk`` (K) and ``chunk`` (C) compile-time ints;
-    ``match_indices`` the selection variant (:func:`selection_variant`).
-    Launch as ``kernel[n]`` with ``n`` the physical cores per logical core; ``tiles`` a multiple
-    of ``n``.
+
+def _load_partial(dst, part, program: int, tile, tt: int, width: int):
+    tiles = part.shape[1]
+    nisa.dma_copy(dst=dst, src=part.ap(pattern=[[width, tt], [1, width]],
+                                       offset=program * tiles * tt * width, scalar_offset=tile,
+                                       indirect_dim=1))  # fmt: skip
+
+
+def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_ends, topk, chunk,
+                        match_indices=True):
+    """The indexer's running top-k over each program's share of the rows (module docstring).
+
+    Args: as the module docstring's interface, except ``chunk_ends [P, tiles, 1]`` int32: program
+    ``p`` scores chunks ``p * n_chunks / P`` up to ``chunk_ends[p, tile]`` (exclusive) of each
+    tile, so the programs of an LNC=2 launch split the rows, not the tokens (the VectorE's
+    selection costs the same for 1 or 128 token partitions); ``topk`` (K) and ``chunk`` (C)
+    compile-time ints; ``match_indices`` the selection variant (:func:`selection_variant`).
+    Launch as ``kernel[P]``. Returns ``(part_keys, part_rows)``, each ``[P, tiles, TT, K8]`` f32
+    in shared HBM: every program's running ``K8`` best keys (descending) and their rows;
+    :func:`indexer_merge_kernel` merges them (with one program they are the result).
     """
     tiles, dim, cols = q_t.shape
     heads, tt = w_t.shape[1:]
@@ -303,14 +324,15 @@ def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk
     )
     assert tuple(keys_t.shape) == (dim, n_chunks, chunk), f"keys_t {keys_t.shape} vs chunk {chunk}"
     assert tuple(key_scale.shape) == (n_chunks, chunk), f"key_scale {key_scale.shape}"
-    assert tuple(n_valid.shape) == (tiles, tt, 1) and tuple(chunk_counts.shape) == (tiles, 1)
-    assert chunk % ROWS_PER_MATMUL == 0 and topk8 + chunk <= SELECT_MAX_ELEMENTS
     programs, program = nl.num_programs(), nl.program_id(0)
-    assert tiles % programs == 0, f"{tiles} tiles must be a multiple of the {programs} programs"
-    per_program = tiles // programs
+    assert tuple(n_valid.shape) == (tiles, tt, 1)
+    assert tuple(chunk_ends.shape) == (programs, tiles, 1), f"chunk_ends {chunk_ends.shape}"
+    assert chunk % ROWS_PER_MATMUL == 0 and topk8 + chunk <= SELECT_MAX_ELEMENTS
+    assert n_chunks % programs == 0, f"{n_chunks} chunks must be a multiple of {programs} programs"
+    first_chunk = program * (n_chunks // programs)
 
-    keys_out = nl.ndarray((tiles, tt, topk), dtype=nl.float32, buffer=nl.shared_hbm)
-    idx_out = nl.ndarray((tiles, tt, topk), dtype=nl.int32, buffer=nl.shared_hbm)
+    part_keys = nl.ndarray((programs, tiles, tt, topk8), dtype=nl.float32, buffer=nl.shared_hbm)
+    part_rows = nl.ndarray((programs, tiles, tt, topk8), dtype=nl.float32, buffer=nl.shared_hbm)
     d_tiles = _ceil_div(dim, KERNEL_TILE)
     # State carried through the loops (allocated outside them: a fori_loop body's tensors die
     # with its iteration, nki.language.fori_loop page).
@@ -318,7 +340,7 @@ def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk
     w_sb = nl.ndarray((heads, tt), dtype=nl.float32, buffer=nl.sbuf)
     n_valid_col = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
     row_base = nl.ndarray((tt, 1), dtype=nl.float32, buffer=nl.sbuf)
-    count = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    end = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     cand = nl.ndarray((tt, topk8 + chunk), dtype=nl.float32, buffer=nl.sbuf)
     cand_rows = nl.ndarray((tt, topk8 + chunk), dtype=nl.float32, buffer=nl.sbuf)
     sel = _selection_tiles(tt, topk8, match_indices)
@@ -344,24 +366,61 @@ def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_counts, topk
             nisa.dma_copy(dst=q_sb[0:dw, dc, :], src=_tile_block(q_t, tile, dw, cols, d0 * cols))
         nisa.dma_copy(dst=w_sb, src=_tile_block(w_t, tile, heads, tt))
         nisa.dma_copy(dst=n_valid_col, src=_tile_block(n_valid, tile, tt, 1))
-        nisa.dma_copy(dst=count, src=_tile_block(chunk_counts, tile, 1, 1))
-        chunks_here = nisa.register_alloc(None)
-        nisa.register_load(chunks_here, count)
+        nisa.dma_copy(dst=end, src=chunk_ends.ap(pattern=[[1, 1], [1, 1]], offset=program * tiles,
+                                                 scalar_offset=tile, indirect_dim=1))  # fmt: skip
+        chunks_end = nisa.register_alloc(None)
+        nisa.register_load(chunks_end, end)
         nisa.memset(dst=cand[:, 0:topk8], value=MARKER)
         nisa.memset(dst=cand_rows[:, 0:topk8], value=0.0)
-        nisa.memset(dst=row_base, value=0.0)
-        nl.fori_loop(0, chunks_here, one_chunk)
-        # idx = row where the key is a real row's (above MARKER), else -1.
-        valid = nl.ndarray((tt, topk8), dtype=nl.uint8, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=valid, data=cand[:, 0:topk8], op0=nl.greater, operand0=MARKER,
-                           engine=nisa.engine.gpsimd)  # fmt: skip
-        chosen = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.select_reduce(dst=chosen, predicate=valid, on_true=cand_rows[:, 0:topk8],
-                           on_false=-1.0)  # fmt: skip
-        chosen_i32 = nl.ndarray((tt, topk8), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=chosen_i32, src=chosen, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=_tile_block(keys_out, tile, tt, topk), src=cand[:, 0:topk])
-        nisa.dma_copy(dst=_tile_block(idx_out, tile, tt, topk), src=chosen_i32[:, 0:topk])
+        nisa.memset(dst=row_base, value=float(first_chunk * chunk))
+        nl.fori_loop(first_chunk, chunks_end, one_chunk)
+        _store_partial(part_keys, program, tile, cand[:, 0:topk8], tt, topk8)
+        _store_partial(part_rows, program, tile, cand_rows[:, 0:topk8], tt, topk8)
+
+    nl.fori_loop(0, tiles, one_tile)
+    return part_keys, part_rows
+
+
+def _emit(cand, cand_rows, keys_out, idx_out, tile, tt: int, topk: int, topk8: int):
+    """``keys_out[tile]`` and ``idx_out[tile]`` (row where the key is a real row's, above
+    ``MARKER``, else -1) from the running part of ``cand`` / ``cand_rows``."""
+    valid = nl.ndarray((tt, topk8), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=valid, data=cand[:, 0:topk8], op0=nl.greater, operand0=MARKER,
+                       engine=nisa.engine.gpsimd)  # fmt: skip
+    chosen = nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.select_reduce(dst=chosen, predicate=valid, on_true=cand_rows[:, 0:topk8], on_false=-1.0)
+    chosen_i32 = nl.ndarray((tt, topk8), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=chosen_i32, src=chosen, engine=nisa.engine.gpsimd)
+    nisa.dma_copy(dst=_tile_block(keys_out, tile, tt, topk), src=cand[:, 0:topk])
+    nisa.dma_copy(dst=_tile_block(idx_out, tile, tt, topk), src=chosen_i32[:, 0:topk])
+
+
+def indexer_merge_kernel(part_keys, part_rows, topk, match_indices=True):
+    """Merges the ``S`` partial selections of :func:`indexer_topk_kernel` (``[S, tiles, TT, K8]``
+    keys and rows, program ``s`` holding rows below program ``s+1``'s) into ``(keys_out, idx)``,
+    each ``[tiles, TT, K]`` (f32, int32) in shared HBM: one merge over the ``S * K8`` candidates
+    per tile, concatenated in row order so first occurrences stay the lower rows. Launch as
+    ``kernel[n]``; ``tiles`` a multiple of ``n`` (each program merges its share of the tiles)."""
+    shares, tiles, tt, topk8 = part_keys.shape
+    assert tuple(part_rows.shape) == tuple(part_keys.shape)
+    assert shares * topk8 <= SELECT_MAX_ELEMENTS, f"{shares} x {topk8} candidates exceed max8's"
+    programs, program = nl.num_programs(), nl.program_id(0)
+    assert tiles % programs == 0, f"{tiles} tiles must be a multiple of the {programs} programs"
+    per_program = tiles // programs
+    plan = IndexerPlan(tt, 1, 1, topk, topk8, (shares - 1) * topk8, 1)
+    keys_out = nl.ndarray((tiles, tt, topk), dtype=nl.float32, buffer=nl.shared_hbm)
+    idx_out = nl.ndarray((tiles, tt, topk), dtype=nl.int32, buffer=nl.shared_hbm)
+    cand = nl.ndarray((tt, shares * topk8), dtype=nl.float32, buffer=nl.sbuf)
+    cand_rows = nl.ndarray((tt, shares * topk8), dtype=nl.float32, buffer=nl.sbuf)
+    sel = _selection_tiles(tt, topk8, match_indices)
+
+    def one_tile(tile):
+        for s in range(shares):
+            cols = slice(s * topk8, (s + 1) * topk8)
+            _load_partial(cand[:, cols], part_keys, s, tile, tt, topk8)
+            _load_partial(cand_rows[:, cols], part_rows, s, tile, tt, topk8)
+        _merge(plan, cand, cand_rows, sel)
+        _emit(cand, cand_rows, keys_out, idx_out, tile, tt, topk, topk8)
 
     nl.fori_loop(program * per_program, (program + 1) * per_program, one_tile)
     return keys_out, idx_out

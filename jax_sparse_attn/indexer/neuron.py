@@ -39,8 +39,9 @@ def valid_rows(positions, rows: int, compress_ratio: int):
     return jnp.where(pos < 0, 0, jnp.minimum(n, rows)).astype(jnp.int32)
 
 
-def _pack(plan, programs: int, q, weights, keys, key_scale, n_valid):
-    """The kernel's operands (kernel module docstring, "Interface")."""
+def _pack(plan, shares: int, programs: int, q, weights, keys, key_scale, n_valid):
+    """The first kernel's operands (kernel module docstring, "Interface"); the tiles padded to a
+    multiple of the merge kernel's ``programs``."""
     T, Hi, Di = q.shape
     tt = plan.tile_tokens
     tiles = _round_up(-(-T // tt), programs)
@@ -56,8 +57,14 @@ def _pack(plan, programs: int, q, weights, keys, key_scale, n_valid):
     scale = jnp.ones((R,), jnp.float32) if key_scale is None else key_scale.astype(jnp.float32)
     scale = jnp.pad(scale, (0, pad_r), constant_values=1.0).reshape(plan.chunks, plan.chunk)
     nv = jnp.pad(n_valid, (0, pad_t)).reshape(tiles, tt)
-    counts = (-(-jnp.max(nv, axis=1) // plan.chunk)).astype(jnp.int32).reshape(tiles, 1)
-    return (q_t, w_t, keys_t, scale, nv.astype(jnp.float32)[..., None], counts), tiles
+    # Chunks holding a valid row for some token of the tile; share s scores chunks
+    # [s * per_share, end_s): the rows split between the programs.
+    needed = -(-jnp.max(nv, axis=1) // plan.chunk)
+    per_share = plan.chunks // shares
+    starts = jnp.arange(shares)[:, None] * per_share
+    ends = jnp.clip(needed[None, :], starts, starts + per_share).astype(jnp.int32)
+    operands = (q_t, w_t, keys_t, scale, nv.astype(jnp.float32)[..., None], ends[..., None])
+    return operands, tiles
 
 
 def scores_from_keys(keys, idx):
@@ -70,44 +77,72 @@ def scores_from_keys(keys, idx):
     return jnp.where(idx < 0, -jnp.inf, score).astype(jnp.float32)
 
 
-def _run_on_host(target: str, programs: int, topk: int, chunk: int, *arrays):
+def _finish_on_host(part_keys, part_rows, topk: int):
+    """One share's partial selection is the result: keys and ``idx`` (row, or -1 at MARKER)."""
+    keys = part_keys[0][..., :topk]
+    idx = np.where(keys > np.float32(_kernel.MARKER), part_rows[0][..., :topk], -1.0)
+    return keys, idx.astype(np.int32)
+
+
+def _run_on_host(target: str, shares: int, programs: int, topk: int, chunk: int, *arrays):
     from ..nki_emulator import simulate
 
-    run = simulate(_kernel.indexer_topk_kernel, target=target)[programs]
-    keys_out, idx = run(*[np.asarray(a) for a in arrays], topk=topk, chunk=chunk,
-                        match_indices=_kernel.selection_variant(target))  # fmt: skip
+    match = _kernel.selection_variant(target)
+    first = simulate(_kernel.indexer_topk_kernel, target=target)[shares]
+    part_keys, part_rows = first(*[np.asarray(a) for a in arrays], topk=topk, chunk=chunk,
+                                 match_indices=match)  # fmt: skip
+    if shares > 1:
+        merge = simulate(_kernel.indexer_merge_kernel, target=target)[programs]
+        keys_out, idx = merge(part_keys, part_rows, topk=topk, match_indices=match)
+    else:
+        keys_out, idx = _finish_on_host(part_keys, part_rows, topk)
     # One f32 result (row numbers are exact in f32 below 2**24): JAX 0.7 cannot lower a
     # pure_callback with two results inside shard_map.
     return np.concatenate([keys_out, idx.astype(np.float32)], axis=-1)
 
 
-def _call_emulated(target, programs, plan, operands, tiles):
+def _call_emulated(target, shares, programs, plan, operands, tiles):
     tt, k = plan.tile_tokens, plan.topk
     result = jax.ShapeDtypeStruct((tiles, tt, 2 * k), jnp.float32)
     packed = jax.pure_callback(
-        functools.partial(_run_on_host, target, programs, k, plan.chunk), result, *operands,
-        vmap_method="sequential",
+        functools.partial(_run_on_host, target, shares, programs, k, plan.chunk), result,
+        *operands, vmap_method="sequential",
     )  # fmt: skip
     return packed[..., :k], packed[..., k:].astype(jnp.int32)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted():
+def _jitted(kernel):
     if _kernel.nki is None:
         from ..neuron.lowering import NEURON_INSTALL_HINT
 
         raise RuntimeError(
             f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}"
         )
-    return _kernel.nki.jit(_kernel.indexer_topk_kernel)
+    return _kernel.nki.jit(kernel)
 
 
-def _call_nki(target, programs, plan, operands):
-    jitted = _jitted()
+def _call_nki(target, shares, programs, plan, operands):
+    match = _kernel.selection_variant(target)
+    first = _jitted(_kernel.indexer_topk_kernel)
+    if shares > 1:
+        first = first[shares]  # one program per physical core (LNC=2), each a share of the rows
+    part_keys, part_rows = first(*operands, topk=plan.topk, chunk=plan.chunk, match_indices=match)
+    if shares == 1:
+        keys = part_keys[0][..., : plan.topk]
+        idx = jnp.where(keys > jnp.float32(_kernel.MARKER), part_rows[0][..., : plan.topk], -1.0)
+        return keys, idx.astype(jnp.int32)
+    merge = _jitted(_kernel.indexer_merge_kernel)
     if programs > 1:
-        jitted = jitted[programs]  # one program per physical core (LNC=2)
-    return jitted(*operands, topk=plan.topk, chunk=plan.chunk,
-                  match_indices=_kernel.selection_variant(target))  # fmt: skip
+        merge = merge[programs]
+    return merge(part_keys, part_rows, topk=plan.topk, match_indices=match)
+
+
+def shares_for(programs: int, topk: int) -> int:
+    """How many programs split the rows: all of the launch grid, unless their partial
+    selections together exceed what one max8 merge reads (``programs * K8 > 16384``)."""
+    topk8 = -(-max(topk, 1) // _kernel.SELECTED_PER_ROUND) * _kernel.SELECTED_PER_ROUND
+    return programs if programs * topk8 <= _kernel.SELECT_MAX_ELEMENTS else 1
 
 
 def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compress_ratio, emulated):
@@ -139,18 +174,20 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
         return idx, jnp.full((T, topk), -jnp.inf, jnp.float32)
     if R >= MAX_KERNEL_ROWS:
         raise ValueError(f"keys has {R} rows; the indexer kernel takes fewer than 2**24")
-    target = neuron_target()
-    programs = launch_programs(target)
     from ..nki_emulator.targets import TARGETS
 
-    plan = _kernel.plan_indexer(-(-T // programs), Hi, Di, R, int(topk),
+    target = neuron_target()
+    programs = launch_programs(target)
+    shares = shares_for(programs, int(topk))
+    merge_programs = programs if shares > 1 else 1
+    plan = _kernel.plan_indexer(T, Hi, Di, R, int(topk), shares=shares,
                                 budget=TARGETS[target].sbuf_bytes_per_partition)  # fmt: skip
     n_valid = valid_rows(positions, R, int(compress_ratio))
-    operands, tiles = _pack(plan, programs, q, weights, keys, key_scale, n_valid)
+    operands, tiles = _pack(plan, shares, merge_programs, q, weights, keys, key_scale, n_valid)
     if emulated:
-        keys_out, idx = _call_emulated(target, programs, plan, operands, tiles)
+        keys_out, idx = _call_emulated(target, shares, merge_programs, plan, operands, tiles)
     else:
-        keys_out, idx = _call_nki(target, programs, plan, operands)
+        keys_out, idx = _call_nki(target, shares, merge_programs, plan, operands)
     keys_out = keys_out.reshape(-1, topk)[:T]
     idx = idx.reshape(-1, topk)[:T]
     return idx, scores_from_keys(keys_out, idx)
