@@ -10,12 +10,16 @@ Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`; ``TT`` tokens per 
     keys_t       [Di, n_chunks, C]       bf16  the keys transposed, padded to n_chunks * C rows
     key_scale    [n_chunks, C]           f32   (ones when the op has none)
     n_valid      [tiles, TT, 1]          f32   valid rows of each token (rows 0 .. n_valid-1)
-    chunk_counts [tiles, 1]              int32 chunks holding a valid row for some token of the tile
-    -> keys_out [tiles, TT, K] f32 (the selection keys, best first) and idx [tiles, TT, K] int32
+    chunk_ends   [P, tiles, 1]           int32 program p scores chunks p*n_chunks/P .. end - 1
+    -> part_keys, part_rows [P, tiles, TT, K8] f32: each program's running selection
+    indexer_merge_kernel(part_keys, part_rows) -> keys [tiles, TT, K] f32, idx [tiles, TT, K] int32
 
-Per tile (a hardware loop, ``nl.fori_loop``; the programs of an LNC=2 launch take alternate
-shares of the tiles) and per chunk of ``C`` rows (a hardware loop whose trip count is the tile's
-``chunk_counts`` entry, so chunks past every token's position are never scored or read):
+Launch: the P programs of an LNC=2 launch split the rows (chunks), not the tokens: the
+VectorE's selection instructions cost the same whatever the partition count, so one tile of up to
+128 tokens per chunk is the cheapest arrangement. A second launch merges the programs' partial
+selections (with one program the partial selection is the result). Per tile (a hardware loop,
+``nl.fori_loop``) and per chunk of ``C`` rows (a hardware loop whose end is the tile's
+``chunk_ends`` entry, so chunks past every token's position are never scored or read):
 
 1. per 512 rows and token: ``d = q . k`` (``nc_matmul`` in q's 16-bit dtype, q stationary, fp32
    PSUM ``[Hi, 512]``), a ScalarE relu into fp32, then the head sum as a second (fp32) matmul
