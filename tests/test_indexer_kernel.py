@@ -169,12 +169,26 @@ def test_compiled_program_does_not_grow_with_tokens_or_rows(monkeypatch):
     monkeypatch.setattr(indexer_kernel, "TILE_TOKENS_MAX", 2)
     rng = np.random.default_rng(6)
     counts = []
-    for T, R in ((4, 512), (12, 2048)):
+    for T, R in ((4, 512), (12, 2048)):  # 2 and 6 tiles of 2 tokens; 2 and 4 chunks
         q, w, keys = integer_case(rng, T, 64, 8, R)
+        positions = np.full(T, R - 1) - np.arange(T) * 37
         with nki_emulator.recording() as rec:
-            run_kernel(q, w, keys, np.full(T, R - 1), 8)
+            idx, _ = run_kernel(q, w, keys, positions, 8)
         counts.append(max(r.compiled_instructions_per_program for r in rec.runs))
+        np.testing.assert_array_equal(idx, oracle_topk(oracle_scores(q, w, keys), positions, 8))
     assert counts[0] == counts[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_f16_and_f32_operands(dtype, monkeypatch):
+    """The matmuls run in q's dtype (f32 inputs: the fp32 matmul), exact on integer inputs."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    rng = np.random.default_rng(8)
+    q, w, keys = integer_case(rng, 3, 4, 16, 600, levels=3)
+    positions = np.array([599, 100, 7])
+    idx, _ = run_kernel(q, w, keys, positions, 16, dtype=dtype)
+    np.testing.assert_array_equal(idx, oracle_topk(oracle_scores(q, w, keys), positions, 16))
 
 
 def test_indexer_topk_nki_emulated_equals_the_reference_through_the_primitive(monkeypatch):
