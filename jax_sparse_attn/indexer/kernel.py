@@ -29,10 +29,10 @@ selections (with one program the partial selection is the result). Per tile (a h
    ``-inf`` -> ``NEG_INF_KEY``, NaN -> ``NAN_KEY``, rows outside ``n_valid`` -> ``MARKER`` by
    selects, so garbage in an invalid row never reaches a key;
 3. a merge: the running ``K8`` best (keys and rows) and the chunk's ``C`` keys form one buffer;
-   ``K8 / 8`` rounds of ``max8`` (the next 8 keys), ``nc_find_index8`` (their positions: first
-   occurrences, duplicates in ascending order, so exact ties go to the lower row) and
-   ``nc_match_replace8`` (those positions become ``MARKER``); ``nc_n_gather`` maps positions to
-   rows. The running part stays sorted by (key descending, row ascending), and its rows all
+   ``K8 / 8`` rounds of ``max8`` (the next 8 keys), their positions (first occurrences, so exact
+   ties go to the lower row: ``nc_match_replace8(dst_idx=)`` on trn2/trn3, ``nc_find_index8`` on
+   trn1, see :class:`_Selection`) and ``nc_match_replace8`` (those positions become ``MARKER``);
+   ``nc_n_gather`` maps positions to rows. The running part stays sorted by (key descending, row ascending), and its rows all
    precede the chunk's, which keeps the tie rule across merges.
 
 After the last chunk: ``idx = row`` where the key is above ``MARKER`` (a real, valid row), else
@@ -46,7 +46,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..constants import FLT_MAX, KERNEL_TILE, PSUM_BANK_FP32, SBUF_BYTES_PER_PARTITION
+from ..constants import (
+    FLT_MAX,
+    KERNEL_TILE,
+    MAX8_ELEMENTS,
+    PSUM_BANK_FP32,
+    SBUF_BYTES_PER_PARTITION,
+)
 
 try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
     import nki
@@ -56,7 +62,7 @@ except ImportError:
     nki = nl = nisa = None
 
 # The replace marker and the fill of invalid rows: below every key (docs/indexer-kernel.md,
-# "Selection keys"). -FLT_MAX, not -inf: a real -inf score has its own key above it.
+# "Per tile and chunk", step 2). -FLT_MAX, not -inf: a real -inf score has its own key above it.
 MARKER = -FLT_MAX
 # Keys of the non-finite scores, below every halved finite score (>= -FLT_MAX / 2) and above
 # MARKER, in the contract's order: a -inf score ranks above a NaN score.
@@ -65,9 +71,8 @@ NAN_KEY = -0.75 * FLT_MAX
 # Finite scores enter as score * KEY_FACTOR (exact for |score| >= 2**-125; below that a tie
 # within one subnormal step can appear).
 KEY_FACTOR = 0.5
-# max8 / nc_find_index8 / nc_match_replace8 read at most this many elements per partition (their
-# ISA pages, v2.32.0): the running selection plus a chunk must fit.
-SELECT_MAX_ELEMENTS = 16384
+# The running selection plus a chunk must fit what max8 / nc_find_index8 / nc_match_replace8 read.
+SELECT_MAX_ELEMENTS = MAX8_ELEMENTS
 ROWS_PER_MATMUL = PSUM_BANK_FP32  # one fp32 PSUM bank of scores per matmul
 SELECTED_PER_ROUND = 8  # max8 finds 8 values per round
 # Tokens per tile: the partitions of the score tile and of the running selection.

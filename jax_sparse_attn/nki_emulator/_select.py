@@ -21,6 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ..constants import MAX8_ELEMENTS
 from ._core import F32, ON_CHIP, PSUM, SBUF, Tensor, read, write
 from .errors import (
     NkiDtypeError,
@@ -35,7 +36,7 @@ from .language import begin, no_extra, same_base_partition, tensor_arg
 # max8 / nc_find_index8 pages: "between 8 and 16,384 elements per partition"; nc_match_replace8
 # page: "no more than 16,384 elements per partition".
 MAX8_MIN_ELEMENTS = 8
-MAX8_MAX_ELEMENTS = 16384
+MAX8_MAX_ELEMENTS = MAX8_ELEMENTS
 # The "8" of max8 / find_index8 / match_replace8: values per partition in and out.
 EIGHT = 8
 
