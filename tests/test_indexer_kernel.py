@@ -235,3 +235,15 @@ def test_kernel_limits_are_clear_errors():
         plan_indexer(1, 64, 128, 1000, 16000)
     with pytest.raises(ValueError, match="heads"):
         plan_indexer(1, 129, 128, 1000, 8)
+
+
+@pytest.mark.parametrize("heads, dim", [(0, 8), (3, 0)])
+def test_empty_head_sum_selects_the_first_valid_rows(heads, dim):
+    """No heads or an empty contraction: every score is 0, so the valid rows in order."""
+    q = np.zeros((3, heads, dim), np.float32)
+    keys = np.ones((20, dim), np.float32)
+    positions = np.array([5, -1, 30])
+    idx, scores = run_kernel(q, np.zeros((3, heads), np.float32), keys, positions, 8)
+    want = oracle_topk(oracle_scores(q, np.zeros((3, heads)), keys), positions, 8)
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(scores, np.where(want >= 0, 0.0, -np.inf))

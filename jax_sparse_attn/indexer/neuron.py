@@ -169,9 +169,15 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
         raise ValueError(f"topk must be a static int >= 0, got {topk!r}")
     if not isinstance(compress_ratio, (int, np.integer)) or compress_ratio < 1:
         raise ValueError(f"compress_ratio must be a static int >= 1, got {compress_ratio!r}")
-    if T == 0 or topk == 0 or R == 0 or Di == 0 or Hi == 0:
+    if T == 0 or topk == 0 or R == 0:
         idx = jnp.full((T, topk), -1, jnp.int32)
         return idx, jnp.full((T, topk), -jnp.inf, jnp.float32)
+    if Di == 0 or Hi == 0:
+        # Every score is an empty sum, 0: the valid rows in order (ties to the lower row).
+        rows = jnp.arange(topk, dtype=jnp.int32)[None, :]
+        nv = valid_rows(positions, R, int(compress_ratio))[:, None]
+        idx = jnp.where(rows < nv, rows, -1)
+        return idx, jnp.where(idx >= 0, 0.0, -jnp.inf).astype(jnp.float32)
     if R >= MAX_KERNEL_ROWS:
         raise ValueError(f"keys has {R} rows; the indexer kernel takes fewer than 2**24")
     from ..nki_emulator.targets import TARGETS
