@@ -1,4 +1,4 @@
-"""NKI kernels (NKI >= 0.3) for top-k sparse attention with per-head sinks.
+"""NKI kernels (NKI 0.6 and 0.7, Neuron SDK 2.32 and 2.33) for top-k sparse attention with sinks.
 
 Two kernels share one body (docs/neuron-kernel.md describes the interface, the variants per
 target, the launch and the instruction pattern); they differ in how a token's slot rows reach SBUF:
@@ -30,9 +30,10 @@ Common interface::
 Requirements: ``Kp % 128 == 0``, ``H <= 128``, ``R > 0``, ``T`` a multiple of the launch grid. A
 row whose slots are all empty has no meaningful output or lse (the packing overwrites both).
 
-Launch: ``kernel[n]``, one SPMD program per physical core of the logical core (``n = 2`` on trn2
-and trn3 by default); program p takes the p-th share of the tokens and runs them in a hardware
-loop (``nl.dynamic_range``), so the compiled program does not grow with T.
+Launch: ``kernel[n]``, one SPMD program per physical core of the logical core (``n`` the
+compiler's LNC: 2 on trn2 and trn3 by default); program p takes the p-th share of the tokens and
+runs them in a hardware loop (``nl.fori_loop``, its register the tokens' ``scalar_offset``), so
+the compiled program does not grow with T.
 
 Per token (one pass when the token's slots fit in SBUF, else a pass per chunk of slots for the
 logits and their max, then a second pass for exp and the values, so the arithmetic is the same):
@@ -229,7 +230,6 @@ class _Source:
     scale_groups: int = 0  # FP8 kernel: scales per row (n)
     fp8_zeros: object = None  # FP8 kernel: a zero FP8 tile [128, C/128, D], set once per program
     token_scales: object = None  # FP8 kernel: this token's scales [128, Kp/128 * n] f32 (SBUF)
-    logits_engine: object = None  # engines that take the logits out of PSUM (LOGITS_PSUM_ENGINES)
 
     @property
     def indexed(self) -> bool:
@@ -254,11 +254,13 @@ def _d_chunks(dim: int):
 
 
 def _from_psum(src: _Source, dst, psum, scale=1.0):
-    """``dst = psum * scale`` (``scale`` a number or an ``[P, 1]`` column) out of PSUM, on the next engine of
-    ``PSUM_READ_ENGINES``: the Scalar engine by ``activation(op=nl.copy)``, which every target has
-    (``tensor_copy`` is not supported on the NeuronCore-v2 Scalar engine; its page names
-    ``activation`` with ``nl.copy`` instead), or the Vector engine by ``tensor_copy`` /
-    ``tensor_scalar``. Never GpSimd: "GpSimd Engine cannot access PSUM" (nki.isa.tensor_copy)."""
+    """``dst = psum * scale`` out of PSUM (``scale`` a number or an ``[P, 1]`` column: a power of
+    two, or ``(1 / den) * 2**c``), on the next engine of ``PSUM_READ_ENGINES``.
+
+    The Scalar engine by ``activation(op=nl.copy)``, which every target has (``tensor_copy`` is not
+    supported on the NeuronCore-v2 Scalar engine; its page names ``activation`` with ``nl.copy``
+    instead), or the Vector engine by ``tensor_copy`` / ``tensor_scalar``. Never GpSimd: "GpSimd
+    Engine cannot access PSUM" (nki.isa.tensor_copy page)."""
     engine = src.psum_engine()
     if engine == "scalar":
         nisa.activation(dst=dst, op=nl.copy, data=psum, scale=scale)
@@ -455,27 +457,16 @@ def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst
                 accumulate=dc > 0,
             )
         sat = saturated[:, 0:n]
-        if src.logits_engine() == "scalar":
-            # The Scalar engine multiplies by one factor on the way out of PSUM (activation with
-            # a [H, 1] scale column); its tensor_scalar takes no (multiply, multiply) or
-            # (max, min) pair (nki.isa.tensor_scalar page), so the rest runs on the others.
-            nisa.activation(dst=sat, op=nl.copy, data=score_psum[:, 0:n], scale=up1)
-            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.multiply, operand0=up2, op1=nl.maximum,
-                               operand1=-FLT_MAX, engine=getattr(nisa.engine, src.clamp_engine()))
-            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.minimum, operand0=FLT_MAX,
-                               op1=nl.multiply, operand1=scale_col, engine=nisa.engine.gpsimd)
-            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.maximum, operand0=-LOGIT_LIMIT,
-                               engine=getattr(nisa.engine, src.clamp_engine()))  # fmt: skip
-        else:
-            # The Vector engine multiplies back by both factors on the way out of PSUM (GpSimd
-            # cannot read PSUM; the Scalar engine's tensor_scalar has no (multiply, multiply)).
-            nisa.tensor_scalar(dst=sat, data=score_psum[:, 0:n], op0=nl.multiply, operand0=up1,
-                               op1=nl.multiply, operand1=up2, engine=nisa.engine.vector)
-            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.maximum, operand0=-FLT_MAX,
-                               op1=nl.minimum, operand1=FLT_MAX,
-                               engine=getattr(nisa.engine, src.clamp_engine()))  # fmt: skip
-            nisa.tensor_scalar(dst=sat, data=sat, op0=nl.multiply, operand0=scale_col,
-                               op1=nl.maximum, operand1=-LOGIT_LIMIT, engine=nisa.engine.gpsimd)
+        # Out of PSUM on the Vector engine, multiplied back by both factors: GpSimd cannot read
+        # PSUM and the Scalar engine's tensor_scalar has no (multiply, multiply) pair (nki.isa
+        # tensor_copy and tensor_scalar pages). The clamps then run on SBUF, on GpSimd.
+        nisa.tensor_scalar(dst=sat, data=score_psum[:, 0:n], op0=nl.multiply, operand0=up1,
+                           op1=nl.multiply, operand1=up2, engine=nisa.engine.vector)
+        nisa.tensor_scalar(dst=sat, data=sat, op0=nl.maximum, operand0=-FLT_MAX,
+                           op1=nl.minimum, operand1=FLT_MAX,
+                           engine=getattr(nisa.engine, src.clamp_engine()))  # fmt: skip
+        nisa.tensor_scalar(dst=sat, data=sat, op0=nl.multiply, operand0=scale_col,
+                           op1=nl.maximum, operand1=-LOGIT_LIMIT, engine=nisa.engine.gpsimd)
         nisa.scalar_tensor_tensor(
             dst=dst[:, n0 : n0 + n], data=sat,
             op0=nl.minimum, operand0=LOGIT_LIMIT, op1=nl.add, operand1=bias_heads[:, n0 : n0 + n],
@@ -577,7 +568,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     heads, dim = src.heads, src.dim
     # The body is compiled once (a hardware loop): every token must use the same engines, so the
     # round-robin choices restart here (the emulator runs the Python body once per token).
-    src.psum_engine.next = src.clamp_engine.next = src.logits_engine.next = 0
+    src.psum_engine.next = src.clamp_engine.next = 0
     if src.dequant_engine is not None:
         src.dequant_engine.next = 0
     chunks = plan.chunks
@@ -702,10 +693,6 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
 # engine carries the logits' first step, their max, the bias broadcast and the bias add, and the
 # cost model puts every engine below the TensorEngine at H=128 decode this way (docs/neuron-kernel.md).
 PSUM_READ_ENGINES = ("scalar",)
-# Which engine takes each 512-slot block of logits out of PSUM, in turn ("vector": one
-# tensor_scalar multiplies by both factors; "scalar": an activation multiplies by the first and a
-# fourth elementwise step follows).
-LOGITS_PSUM_ENGINES = ("vector",)
 # Engines that clamp the multiplied-back dot products (SBUF only), in turn (tensor_scalar runs on
 # Vector, Scalar or GpSimd, nki.isa.tensor_scalar page; (max, min) is not a Scalar-engine pair).
 CLAMP_ENGINES = ("gpsimd",)
@@ -714,10 +701,12 @@ CLAMP_ENGINES = ("gpsimd",)
 # second time by indirect dma_transpose, _gathered_transposed_rows). The default is the one that
 # models faster (docs/neuron-kernel.md, "Modelled cost").
 ROW_TRANSPOSES = "tensor"
-# Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd). Weighted
-# towards GpSimd, which the FP8 kernel frees of the rows' memset (9 : 4 : 3 in 16; chosen under the
-# cost model at decode, K=2048, H=128, where the other engines already carry more).
-DEQUANT_ENGINES = ("gpsimd", "vector", "gpsimd", "scalar") * 3 + ("gpsimd", "vector", "gpsimd", "gpsimd")
+# Engines that dequantise FP8 rows (SBUF only), in turn (tensor_scalar multiply: Vector, Scalar or
+# GpSimd). Weighted towards GpSimd, which the FP8 kernel frees of the rows' memset, and away from
+# the Vector and Scalar engines, which carry the logits' first step and every PSUM read (11 : 3 : 2
+# GpSimd : Scalar : Vector in 16; chosen under the cost model at decode, K=2048, H=64 and 128).
+DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "gpsimd", "vector", "gpsimd", "gpsimd", "scalar",
+                   "gpsimd", "gpsimd", "vector", "gpsimd", "gpsimd", "scalar", "gpsimd", "gpsimd")
 
 
 def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk,
@@ -746,7 +735,6 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
                   _Engines(CLAMP_ENGINES), value_shift, slot_scale,
                   _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
                   scale_groups)  # fmt: skip
-    src.logits_engine = _Engines(LOGITS_PSUM_ENGINES)
     if slot_scale is not None:
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
                                    dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip

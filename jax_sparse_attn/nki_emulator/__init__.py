@@ -23,13 +23,18 @@ What is emulated:
 
 * Targets ``trn1``/``trn2``/``trn3`` (:mod:`.targets`; default from NKI's
   ``NEURON_PLATFORM_TARGET_OVERRIDE``): SBUF size, the NeuronCore-v3-only DMA forms, the launch grid.
+* NKI versions 0.3 to 0.7 (:mod:`.versions`; default 0.7, ``JAX_SPARSE_ATTN_NKI_VERSION`` or
+  ``simulate(kernel, nki_version=...)`` selects another): what the version removed or lacks raises,
+  what it deprecates warns.
 * Launch: ``simulate(kernel)[n]`` with ``nl.program_id`` / ``nl.num_programs``; per-program
-  instruction counts, with ``nl.dynamic_range`` bodies counted once per compiled body.
+  instruction counts, with hardware-loop bodies (``nl.fori_loop``, ``nl.dynamic_range``) counted
+  once per compiled body.
 * ``nl``: dtypes (``bfloat16`` is ``ml_dtypes.bfloat16``, rounded to nearest even), buffers
   (``sbuf``, ``psum``, ``hbm``, ``shared_hbm``), ``ndarray``, ``zeros``, ``full``, ``load``,
   ``store``, ``copy``, ``broadcast_to``, elementwise ``add``/``subtract``/``multiply``/
   ``maximum``/``minimum``/``negative``/``exp``/..., free-axis reductions ``max``/``min``/``sum``,
-  ``static_range``/``affine_range``/``sequential_range`` (unrolled), ``dynamic_range`` (not).
+  ``static_range``/``affine_range``/``sequential_range`` (unrolled; deprecated from 0.6),
+  ``fori_loop`` (0.6+) and ``dynamic_range`` (0.3 to 0.6), not unrolled.
 * ``nisa``: ``dma_copy`` (``tensor.ap(...)`` patterns with ``scalar_offset`` or an indirect
   ``vector_offset`` row gather, ``oob_mode``), ``dma_transpose`` (direct and indirect),
   ``tensor_copy``, ``nc_matmul``, ``nc_transpose``, ``activation`` (and ``activation_reduce``),
@@ -57,7 +62,8 @@ for such casts is not modelled.
 
 Not emulated (raises :class:`NkiUnsupportedError`): masks, ``tensor.ap`` on on-chip tensors or
 on views, scatter (indirect destinations), ``t[...] = value`` assignment, ``while`` loops over
-registers, and the NKI functions not listed above.
+registers and ``nl.while_loop``, NKI 0.7's ``NkiScalar`` arithmetic, and the NKI functions not
+listed above.
 """
 
 from __future__ import annotations
@@ -203,10 +209,9 @@ class ProgramStats:
     """What one program instance (one physical core) executed.
 
     ``instructions``: every instruction executed. ``compiled_instructions``: the instructions of
-    the compiled program text: an ``nl.dynamic_range`` body (a hardware loop, never unrolled,
-    ``nki/deep-dives/nki-dynamic-loops.rst``) counts once however often it runs, while Python
-    loops and ``nl.static_range``/``affine_range``/``sequential_range`` (unrolled) count every
-    iteration. ``ops``: executed instructions by name (``"nisa.nc_matmul"``, ``"nl.load"``, ...).
+    the compiled program text: an ``nl.fori_loop`` or ``nl.dynamic_range`` body (a hardware loop,
+    never unrolled) counts once however often it runs, while Python loops and
+    ``nl.static_range``/``affine_range``/``sequential_range`` (unrolled) count every iteration. ``ops``: executed instructions by name (``"nisa.nc_matmul"``, ``"nl.load"``, ...).
     ``cost``: the program's :class:`cost.CostRecord` when the run recorded costs, else None.
     """
 
@@ -269,7 +274,7 @@ def _check_grid(grid: Any, target: Target) -> int:
         raise NkiUnsupportedError(
             f"launch grid {grid}: NKI >= 0.3 launches kernel[n] with one number, the physical "
             "cores per logical core (nki/get-started/about/lnc.rst); for a loop that is not "
-            "unrolled use nl.dynamic_range (nki/deep-dives/nki-dynamic-loops.rst)"
+            "unrolled use nl.fori_loop (NKI >= 0.6, nki.language.fori_loop page)"
         )
     if isinstance(grid, bool) or not isinstance(grid, (int, np.integer)) or grid < 1:
         raise NkiUnsupportedError(f"launch grid must be a positive int, got {grid!r}")

@@ -20,6 +20,9 @@ Sources (Neuron SDK docs, repository aws-neuron/aws-neuron-sdk):
   DMA takes about 600 ns; two DGE instances per NeuronCore-v3.
 * [lnc] ``about-neuron/arch/neuron-features/logical-neuroncore-config.rst``: LNC=2 on trn2 by
   default (two physical cores, one logical core).
+* NKI 0.4 to 0.7 (``release-notes/components/nki.rst`` at v2.32.0; readthedocs v2.33.0): no new
+  cost formulas; what they change in the model (``nl.copy`` on VectorE from 0.6, a bf16 matmul
+  dst on NeuronCore-v4, the gather-transpose ``dma_transpose``) is noted at its entry below.
 
 To cost a new instruction: add one line to :data:`COSTS` (engine, cycles as a function of the
 :class:`Op` summary) and call ``ctx.cost.compute(instr, engine, dst, inputs)`` in the emulated
