@@ -673,8 +673,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    default="bfloat16", help="with --model: the cache dtype (FP8 with f32 scales)")
     p.add_argument("--scale-groups", type=int, default=1,
                    help="with --model and an FP8 --kv-dtype: f32 scales per cache row")
+    p.add_argument("--op", choices=("attention", "indexer"), default="attention",
+                   help="with --model: the op to model; for indexer, --shape is T,R,Hi,Di,K "
+                   "(jax_sparse_attn/indexer/bench_model.py)")
     a = p.parse_args(argv)
 
+    if a.model and a.op == "indexer":
+        from .indexer.bench_model import run_indexer_model
+
+        # --shape parses five integers; for the indexer they are T, R, Hi, Di, K.
+        shapes = [(s.T, s.H, s.D, s.K, s.R) for s in a.shape] if a.shape else None
+        return run_indexer_model(a.model, shapes, a.json)
     if a.model:
         from .bench_model import run_model
 
