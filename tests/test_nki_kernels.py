@@ -305,7 +305,7 @@ def test_dma_transposed_rows_variant_keeps_the_contract(monkeypatch, poison):
     transposes (ROW_TRANSPOSES = "dma", kept for the cost comparison of docs/neuron-kernel.md):
     the same contract, and a poisoned unselected row still reaches nothing."""
     monkeypatch.setattr(kernels, "ROW_TRANSPOSES", "dma")
-    T, H, D, Kp, R = 2, 16, 576, 256, 500
+    T, H, D, Kp, R = 2, 8, 192, 256, 500  # D: a full and a narrower 128-column block
     ops, case = kernel_inputs(np.random.default_rng(11), T, H, D, Kp, R, empty_fraction=0.5,
                               poison=poison)  # fmt: skip
     out, lse = run_kernel("emulator", kernels.gathered_attn_idx_kernel, ops["q"], ops["kv"],
@@ -395,7 +395,7 @@ def test_large_shapes_run_in_chunks(target, H, D, Kp):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_compiled_instructions_do_not_grow_with_tokens(target):
-    """Tokens run in a hardware loop (nl.dynamic_range): the compiled program of each core holds
+    """Tokens run in a hardware loop (nl.fori_loop): the compiled program of each core holds
     one token's instructions whatever T is, while the executed count grows with T."""
     from jax_sparse_attn.nki_emulator import simulate
 

@@ -62,7 +62,8 @@ for such casts is not modelled.
 
 Not emulated (raises :class:`NkiUnsupportedError`): masks, ``tensor.ap`` on on-chip tensors or
 on views, scatter (indirect destinations), ``t[...] = value`` assignment, ``while`` loops over
-registers, and the NKI functions not listed above.
+registers and ``nl.while_loop``, NKI 0.7's ``NkiScalar`` arithmetic, and the NKI functions not
+listed above.
 """
 
 from __future__ import annotations

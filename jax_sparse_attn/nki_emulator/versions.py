@@ -116,7 +116,7 @@ _FEATURES = [
     Feature("nisa.topk", added="0.6", source="NKI 0.6 release notes, new features; nki.isa.topk"),
     Feature("nisa.topk(sorted=False)", added="0.7",
             source="NKI 0.7 release notes; nki.isa.topk page (v2.33.0)"),
-    Feature("nc_matmul bf16 PSUM dst", added="0.5",
+    Feature("nc_matmul 8192-element bf16 dst (NeuronCore-v4)", added="0.5",
             source="NKI 0.5 release notes, new features: 8192 elements for a bfloat16 dst"),
     Feature("dma_transpose indirect src.shape[-1] < 128", added="0.4",
             source="NKI 0.4 release notes: the indirect form's innermost dimension relaxed from "
