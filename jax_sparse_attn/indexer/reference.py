@@ -65,6 +65,9 @@ CHUNK_BYTES = 4 * 2**20
 # Largest candidate buffer per token: the LSD sort packs a buffer position in 16 bits.
 MAX_BUFFER = 2**16
 MIN_BLOCK_ROWS = 256
+# Blocks score a multiple of 16 rows: XLA:CPU's f32 dot sums in another order when the row count
+# is not one (measured on jaxlib 0.10, AVX2), which would break bit-identity across plans.
+DOT_ROWS_MULTIPLE = 16
 MAX_BLOCK_ROWS = 8192
 MAX_CHUNK_TOKENS = 256
 
@@ -109,21 +112,79 @@ def sort_best_first(keys, rows):
     return jnp.take_along_axis(keys, perm, axis=1), jnp.take_along_axis(rows, perm, axis=1)
 
 
+# Segment length of ``prefix_counts``' triangular products (exact: f32 sums of at most 64 ones).
+PREFIX_SEGMENT = 64
+
+
+def prefix_counts(mask):
+    """Inclusive prefix counts of ``mask [N, L]`` bool along its rows -> int32 ``[N, L]``.
+
+    XLA:CPU's ``cumsum`` is slow (a reduce-window); this is two small products instead: within
+    segments of ``PREFIX_SEGMENT`` entries by an upper-triangular matrix of ones (exact: integer
+    sums below 2**24 in f32), then the segment totals' running sum.
+    """
+    N, L = mask.shape
+    S = min(PREFIX_SEGMENT, L)
+    G = -(-L // S)
+    m = mask.astype(jnp.float32)
+    if G * S != L:
+        m = jnp.pad(m, ((0, 0), (0, G * S - L)))
+    tri = jnp.triu(jnp.ones((S, S), jnp.float32))
+    within = jnp.einsum("ngs,su->ngu", m.reshape(N, G, S), tri, precision=_EXACT)
+    totals = within[:, :, -1].astype(jnp.int32)
+    before = jnp.cumsum(totals, axis=1) - totals
+    out = within.astype(jnp.int32) + before[:, :, None]
+    return out.reshape(N, G * S)[:, :L]
+
+
+def _unsigned(keys):
+    """int32 order keys -> uint32 in the same order (``INVALID_KEY`` -> 0)."""
+    return jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
 def kth_largest(keys, k: int):
-    """The k-th largest key of each row of ``keys [N, M]`` (``INVALID_KEY`` rows count)."""
-    return jax.lax.sort(keys, dimension=1)[:, keys.shape[1] - k]
+    """The k-th largest key of each row of ``keys [N, M]`` int32 (``INVALID_KEY`` entries count;
+    ``k <= M``): the largest ``x`` with ``count(keys >= x) >= k``.
+
+    A bisection on the key's 32 bits, each step one fused compare-and-count over the row (XLA's
+    sorts and ``top_k`` are far slower on CPU); it stops as soon as every row has converged.
+    """
+    u = _unsigned(keys)
+    k = jnp.int32(k)
+
+    def cond(state):
+        lo, hi = state
+        return jnp.any(lo < hi)
+
+    def body(state):
+        lo, hi = state
+        mid = lo + (hi - lo) // 2 + jnp.where(lo < hi, jnp.uint32(1), jnp.uint32(0))
+        ok = jnp.sum(u >= mid[:, None], axis=1, dtype=jnp.int32) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo = jnp.zeros(keys.shape[:1], jnp.uint32)
+    hi = jnp.max(u, axis=1)
+    lo, _ = jax.lax.while_loop(cond, body, (lo, hi))
+    return jax.lax.bitcast_convert_type(lo ^ jnp.uint32(0x80000000), jnp.int32)
 
 
-def compact(keys, rows, keep, size: int):
-    """The entries where ``keep``, moved to the front in their order; ``size`` wide, the rest
-    ``INVALID_KEY``. Returns ``(keys, rows, count)``."""
+def compact(keys, rows, keep, size: int, offset=None):
+    """The entries where ``keep``, moved to the front in their order (after ``offset`` [N]
+    entries of ``out``, when given as ``(offset, out_keys, out_rows)``); ``size`` wide, the rest
+    ``INVALID_KEY``. Returns ``(keys, rows)``."""
     N = keys.shape[0]
-    dest = jnp.cumsum(keep.astype(jnp.int32), axis=1) - 1
+    dest = prefix_counts(keep) - 1
+    if offset is None:
+        out_k = jnp.full((N, size), INVALID_KEY, jnp.int32)
+        out_r = jnp.zeros((N, size), jnp.int32)
+    else:
+        count, out_k, out_r = offset
+        dest = dest + count[:, None]
     dest = jnp.where(keep, dest, size)
     tok = jnp.arange(N, dtype=jnp.int32)[:, None]
-    out_k = jnp.full((N, size), INVALID_KEY, jnp.int32).at[tok, dest].set(keys, mode="drop")
-    out_r = jnp.zeros((N, size), jnp.int32).at[tok, dest].set(rows, mode="drop")
-    return out_k, out_r, jnp.minimum(jnp.sum(keep, axis=1, dtype=jnp.int32), size)
+    out_k = out_k.at[tok, dest].set(keys, mode="drop", unique_indices=True)
+    out_r = out_r.at[tok, dest].set(rows, mode="drop", unique_indices=True)
+    return out_k, out_r
 
 
 def _cut_to_topk(keys, rows, k: int, size: int):
@@ -131,11 +192,16 @@ def _cut_to_topk(keys, rows, k: int, size: int):
     ``size`` wide. Returns ``(keys, rows, count, tau)`` with ``tau`` the k-th best key."""
     tau = kth_largest(keys, k)
     above = keys > tau[:, None]
-    ties = keys == tau[:, None]
+    ties = (keys == tau[:, None]) & (keys != INVALID_KEY)
     room = k - jnp.sum(above, axis=1, dtype=jnp.int32)
-    keep = above | (ties & (jnp.cumsum(ties.astype(jnp.int32), axis=1) <= room[:, None]))
-    keep = keep & (keys != INVALID_KEY)
-    out_k, out_r, count = compact(keys, rows, keep, size)
+    n_ties = jnp.sum(ties, axis=1, dtype=jnp.int32)
+
+    def trim_ties(_):  # more ties at tau than room: the earliest ones
+        return above | (ties & (prefix_counts(ties) <= room[:, None]))
+
+    keep = jax.lax.cond(jnp.any(n_ties > room), trim_ties, lambda _: above | ties, None)
+    out_k, out_r = compact(keys, rows, keep, size)
+    count = jnp.minimum(jnp.sum(keep, axis=1, dtype=jnp.int32), size)
     return out_k, out_r, count, tau
 
 
@@ -187,15 +253,21 @@ def block_scores(q, w, keys, key_scale, widen: bool):
     return h * key_scale[None, :]
 
 
+def block_rows(plan: ChunkPlan) -> int:
+    """The rows a block really scores: ``plan.rows`` rounded up to ``DOT_ROWS_MULTIPLE``."""
+    return -(-max(plan.rows, 1) // DOT_ROWS_MULTIPLE) * DOT_ROWS_MULTIPLE
+
+
 def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, widen: bool):
     """Exact top-k of one token chunk: q ``[Tc, Hi, Di]``, w ``[Tc, Hi]``, limit ``[Tc]`` ->
-    ``(keys [Tc, topk] int32, rows [Tc, topk] int32)`` best first."""
+    ``(keys [Tc, topk] int32, rows [Tc, topk] int32)`` best first. ``keys`` has at least
+    ``block_rows(plan)`` rows."""
     Tc = q.shape[0]
     R, Di = keys.shape
-    Rb, M = plan.rows, plan.buffer
+    Rb = block_rows(plan)
+    M = max(plan.buffer, topk + Rb)
     nblocks = (jnp.max(limit) + Rb - 1) // Rb
-    tok = jnp.arange(Tc, dtype=jnp.int32)[:, None]
-    block_rows = jnp.arange(Rb, dtype=jnp.int32)[None, :]
+    block_row = jnp.arange(Rb, dtype=jnp.int32)[None, :]
 
     def step(b, state):
         buf_k, buf_r, count, tau = state
@@ -203,7 +275,7 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
         start = jnp.minimum(first, R - Rb)  # the last block may overlap the one before it
         kb = jax.lax.dynamic_slice_in_dim(keys, start, Rb, axis=0)
         sb = jax.lax.dynamic_slice_in_dim(key_scale, start, Rb, axis=0)
-        rows = start + block_rows
+        rows = start + block_row
         valid = (rows < limit[:, None]) & (rows >= first)
         new = jnp.where(valid, order_keys(block_scores(q, w, kb, sb, widen)), INVALID_KEY)
         arrivals = jnp.sum(new > tau[:, None], axis=1, dtype=jnp.int32)
@@ -216,9 +288,8 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
             jnp.any(count + arrivals > M), cut, lambda s: s, (buf_k, buf_r, count, tau)
         )
         take = new > tau[:, None]
-        dest = jnp.where(take, count[:, None] + jnp.cumsum(take.astype(jnp.int32), axis=1) - 1, M)
-        buf_k = buf_k.at[tok, dest].set(new, mode="drop")
-        buf_r = buf_r.at[tok, dest].set(jnp.broadcast_to(rows, new.shape), mode="drop")
+        buf_k, buf_r = compact(new, jnp.broadcast_to(rows, new.shape), take, M,
+                               offset=(count, buf_k, buf_r))
         count = count + jnp.sum(take, axis=1, dtype=jnp.int32)
         return buf_k, buf_r, count, tau
 
@@ -275,6 +346,9 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
         limit = jnp.pad(limit, (0, pad))
     Hi, Di = q.shape[1:]
+    if R < block_rows(plan):  # a cache smaller than one block: pad it (never valid rows)
+        keys = jnp.pad(keys, ((0, block_rows(plan) - R), (0, 0)))
+        key_scale = jnp.pad(key_scale, (0, block_rows(plan) - R))
 
     def one(args):
         q_c, w_c, l_c = args
