@@ -68,8 +68,11 @@ MIN_BLOCK_ROWS = 256
 # Blocks score a multiple of 16 rows: XLA:CPU's f32 dot sums in another order when the row count
 # is not one (measured on jaxlib 0.10, AVX2), which would break bit-identity across plans.
 DOT_ROWS_MULTIPLE = 16
+# Working-set target of one product ``[Tc, Hi, rows]`` f32 (a block is scored in such pieces).
+DOT_BYTES = 2**20
 MAX_BLOCK_ROWS = 8192
 MAX_CHUNK_TOKENS = 256
+MAX_WIDE_BLOCK_ROWS = 16384
 
 
 def order_keys(scores):
@@ -223,6 +226,10 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
     Rb = min(Rb, MAX_BUFFER - topk) if topk < MAX_BUFFER else 1
     Tc = budget // (4 * max(heads, 1) * Rb)
     Tc = int(max(1, min(num_tokens, MAX_CHUNK_TOKENS, Tc)))
+    # A small chunk (a decode step) takes longer blocks, scored in pieces: fewer loop steps.
+    wide = min(max(rows, 1), MAX_WIDE_BLOCK_ROWS, budget // (4 * max(heads, 1) * Tc))
+    if topk < MAX_BUFFER:
+        Rb = max(Rb, min(wide, MAX_BUFFER - topk))
     return ChunkPlan(Tc, max(Rb, 1), topk + max(Rb, 1))
 
 
@@ -253,9 +260,22 @@ def block_scores(q, w, keys, key_scale, widen: bool):
     return h * key_scale[None, :]
 
 
-def block_rows(plan: ChunkPlan) -> int:
-    """The rows a block really scores: ``plan.rows`` rounded up to ``DOT_ROWS_MULTIPLE``."""
-    return -(-max(plan.rows, 1) // DOT_ROWS_MULTIPLE) * DOT_ROWS_MULTIPLE
+def _round_up(n: int, m: int) -> int:
+    return -(-max(n, 1) // m) * m
+
+
+def dot_rows(plan: ChunkPlan, heads: int) -> int:
+    """Rows per product of a block: ``[Tc, Hi, rows]`` f32 within ``DOT_BYTES``, a multiple of
+    ``DOT_ROWS_MULTIPLE``; a block is scored in such pieces (those past every token's last valid
+    row are skipped, so a causal chunk scores little more than its valid rows)."""
+    rows = _round_up(plan.rows, DOT_ROWS_MULTIPLE)
+    pieces = -(-4 * plan.tokens * max(heads, 1) * rows // DOT_BYTES)
+    return _round_up(-(-rows // pieces), DOT_ROWS_MULTIPLE)
+
+
+def block_rows(plan: ChunkPlan, heads: int) -> int:
+    """The rows a block really selects from: ``plan.rows`` rounded up to whole products."""
+    return _round_up(plan.rows, dot_rows(plan, heads))
 
 
 def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, widen: bool):
@@ -264,8 +284,10 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     ``block_rows(plan)`` rows."""
     Tc = q.shape[0]
     R, Di = keys.shape
-    Rb = block_rows(plan)
+    Rb = block_rows(plan, q.shape[1])
+    Rd = dot_rows(plan, q.shape[1])
     M = max(plan.buffer, topk + Rb)
+    last = jnp.max(limit)
     nblocks = (jnp.max(limit) + Rb - 1) // Rb
     block_row = jnp.arange(Rb, dtype=jnp.int32)[None, :]
 
@@ -273,11 +295,22 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
         buf_k, buf_r, count, tau = state
         first = b * Rb
         start = jnp.minimum(first, R - Rb)  # the last block may overlap the one before it
-        kb = jax.lax.dynamic_slice_in_dim(keys, start, Rb, axis=0)
-        sb = jax.lax.dynamic_slice_in_dim(key_scale, start, Rb, axis=0)
         rows = start + block_row
         valid = (rows < limit[:, None]) & (rows >= first)
-        new = jnp.where(valid, order_keys(block_scores(q, w, kb, sb, widen)), INVALID_KEY)
+
+        def piece(lo):
+            def score(_):
+                kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
+                sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
+                return order_keys(block_scores(q, w, kb, sb, widen))
+            if Rd == Rb:
+                return score(None)
+            return jax.lax.cond(lo < last, score,
+                                lambda _: jnp.full((Tc, Rd), INVALID_KEY, jnp.int32), None)
+
+        scored = [piece(start + i) for i in range(0, Rb, Rd)]
+        scored = scored[0] if len(scored) == 1 else jnp.concatenate(scored, axis=1)
+        new = jnp.where(valid, scored, INVALID_KEY)
         arrivals = jnp.sum(new > tau[:, None], axis=1, dtype=jnp.int32)
 
         def cut(state):
@@ -346,9 +379,10 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
         limit = jnp.pad(limit, (0, pad))
     Hi, Di = q.shape[1:]
-    if R < block_rows(plan):  # a cache smaller than one block: pad it (never valid rows)
-        keys = jnp.pad(keys, ((0, block_rows(plan) - R), (0, 0)))
-        key_scale = jnp.pad(key_scale, (0, block_rows(plan) - R))
+    Rb = block_rows(plan, Hi)
+    if R < Rb:  # a cache smaller than one block: pad it (never valid rows)
+        keys = jnp.pad(keys, ((0, Rb - R), (0, 0)))
+        key_scale = jnp.pad(key_scale, (0, Rb - R))
 
     def one(args):
         q_c, w_c, l_c = args
