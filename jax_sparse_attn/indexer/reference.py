@@ -185,9 +185,10 @@ def compact(keys, rows, keep, size: int, offset=None):
         dest = dest + count[:, None]
     dest = jnp.where(keep, dest, size)
     tok = jnp.arange(N, dtype=jnp.int32)[:, None]
-    out_k = out_k.at[tok, dest].set(keys, mode="drop", unique_indices=True)
-    out_r = out_r.at[tok, dest].set(rows, mode="drop", unique_indices=True)
-    return out_k, out_r
+    # One scatter of (key, row) pairs: XLA:CPU's scatter costs per index, not per byte.
+    out = jnp.stack([out_k, out_r], axis=-1).at[tok, dest].set(
+        jnp.stack([keys, rows], axis=-1), mode="drop", unique_indices=True)
+    return out[..., 0], out[..., 1]
 
 
 def _cut_to_topk(keys, rows, k: int, size: int):
@@ -311,6 +312,17 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
         scored = [piece(start + i) for i in range(0, Rb, Rd)]
         scored = scored[0] if len(scored) == 1 else jnp.concatenate(scored, axis=1)
         new = jnp.where(valid, scored, INVALID_KEY)
+        if Rb // 2 >= topk:
+            # Before a token's first cut: the k-th best of the block's pair maxima bounds its k-th
+            # best key from below (k distinct rows reach it), so the block's first flood of
+            # candidates shrinks to about topk.
+            floor = jax.lax.cond(
+                jnp.any(tau == INVALID_KEY),
+                lambda n: kth_largest(jnp.maximum(n[:, 0::2], n[:, 1::2]), topk),
+                lambda n: jnp.full((Tc,), INVALID_KEY, jnp.int32), new)
+            new = jnp.where(new >= floor[:, None], new, INVALID_KEY)
+        else:
+            floor = None
         arrivals = jnp.sum(new > tau[:, None], axis=1, dtype=jnp.int32)
 
         def cut(state):
@@ -324,6 +336,8 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
         buf_k, buf_r = compact(new, jnp.broadcast_to(rows, new.shape), take, M,
                                offset=(count, buf_k, buf_r))
         count = count + jnp.sum(take, axis=1, dtype=jnp.int32)
+        if floor is not None:  # a later row equal to the floor loses to the k rows before it
+            tau = jnp.maximum(tau, floor)
         return buf_k, buf_r, count, tau
 
     state = (
