@@ -145,9 +145,10 @@ def _unsigned(keys):
     return jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-def kth_largest(keys, k: int):
+def kth_largest(keys, k: int, below=None):
     """The k-th largest key of each row of ``keys [N, M]`` int32 (``INVALID_KEY`` entries count;
-    ``k <= M``): the largest ``x`` with ``count(keys >= x) >= k``.
+    ``k <= M``): the largest ``x`` with ``count(keys >= x) >= k``. ``below [N]``, when given, is a
+    key known to satisfy that count (the search starts there).
 
     A bisection on the key's 32 bits, each step one fused compare-and-count over the row (XLA's
     sorts and ``top_k`` are far slower on CPU); it stops as soon as every row has converged.
@@ -165,7 +166,7 @@ def kth_largest(keys, k: int):
         ok = jnp.sum(u >= mid[:, None], axis=1, dtype=jnp.int32) >= k
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
-    lo = jnp.zeros(keys.shape[:1], jnp.uint32)
+    lo = jnp.zeros(keys.shape[:1], jnp.uint32) if below is None else _unsigned(below)
     hi = jnp.max(u, axis=1)
     lo, _ = jax.lax.while_loop(cond, body, (lo, hi))
     return jax.lax.bitcast_convert_type(lo ^ jnp.uint32(0x80000000), jnp.int32)
@@ -191,10 +192,11 @@ def compact(keys, rows, keep, size: int, offset=None):
     return out[..., 0], out[..., 1]
 
 
-def _cut_to_topk(keys, rows, k: int, size: int):
+def _cut_to_topk(keys, rows, k: int, size: int, below=None):
     """Keeps each row's best ``k`` entries in their buffer order (ties: the earlier positions),
-    ``size`` wide. Returns ``(keys, rows, count, tau)`` with ``tau`` the k-th best key."""
-    tau = kth_largest(keys, k)
+    ``size`` wide. Returns ``(keys, rows, count, tau)`` with ``tau`` the k-th best key.
+    ``below``: as for ``kth_largest``."""
+    tau = kth_largest(keys, k, below)
     above = keys > tau[:, None]
     ties = (keys == tau[:, None]) & (keys != INVALID_KEY)
     room = k - jnp.sum(above, axis=1, dtype=jnp.int32)
@@ -279,6 +281,13 @@ def block_rows(plan: ChunkPlan, heads: int) -> int:
     return _round_up(plan.rows, dot_rows(plan, heads))
 
 
+def _known_kth_bound(count, tau, k: int):
+    """A key with at least ``k`` buffer entries at or above it: ``tau`` once ``k`` entries are in
+    (every entry joined above ``tau``, or above a floor that ``k`` entries reach), else the
+    lowest key."""
+    return jnp.where(count >= k, tau, INVALID_KEY)
+
+
 def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, widen: bool):
     """Exact top-k of one token chunk: q ``[Tc, Hi, Di]``, w ``[Tc, Hi]``, limit ``[Tc]`` ->
     ``(keys [Tc, topk] int32, rows [Tc, topk] int32)`` best first. ``keys`` has at least
@@ -326,8 +335,8 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
         arrivals = jnp.sum(new > tau[:, None], axis=1, dtype=jnp.int32)
 
         def cut(state):
-            buf_k, buf_r, _, _ = state
-            return _cut_to_topk(buf_k, buf_r, topk, M)
+            buf_k, buf_r, count, tau = state
+            return _cut_to_topk(buf_k, buf_r, topk, M, _known_kth_bound(count, tau, topk))
 
         buf_k, buf_r, count, tau = jax.lax.cond(
             jnp.any(count + arrivals > M), cut, lambda s: s, (buf_k, buf_r, count, tau)
@@ -346,9 +355,10 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
         jnp.zeros((Tc,), jnp.int32),
         jnp.full((Tc,), INVALID_KEY, jnp.int32),
     )
-    buf_k, buf_r, _, _ = jax.lax.fori_loop(0, nblocks, step, state)
+    buf_k, buf_r, count, tau = jax.lax.fori_loop(0, nblocks, step, state)
     if M > topk:
-        buf_k, buf_r, _, _ = _cut_to_topk(buf_k, buf_r, topk, topk)
+        buf_k, buf_r, _, _ = _cut_to_topk(buf_k, buf_r, topk, topk,
+                                          _known_kth_bound(count, tau, topk))
     return sort_best_first(buf_k, buf_r)
 
 
