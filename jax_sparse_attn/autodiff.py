@@ -56,6 +56,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
 
 from . import primitives, reference, sharding
+from .cpu_products import cpu_form
 
 # Operands that have a gradient, and the layout of each cotangent the backward primitive returns.
 # The sink's cotangent is returned per token and summed over tokens outside the primitive, so
@@ -246,7 +247,9 @@ def _over_chunks_per_platform(step, token_arrays, q, num_slots, carry):
     ``step(x_first)`` gives the loop's step for a product form (``reference.slot_products``)."""
     cpu_chunk = _chunk_size(q, num_slots)
     accelerator_chunk = _chunk_size(q, num_slots, reference.accelerator_chunk_bytes())
-    cpu_step = step(reference.cpu_products_by_eigen())
+    # The backward's products are f32 in every form (the slots are widened chunk by chunk in
+    # _recompute); only the dot products' layout follows the CPU's form.
+    cpu_step = step(cpu_form().x_first)
     return reference.per_platform(
         lambda a, c: _over_token_chunks(cpu_step, a, cpu_chunk, c),
         lambda a, c: _over_token_chunks(step(False), a, accelerator_chunk, c),

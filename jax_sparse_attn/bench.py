@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import gathered_attn_idx, reference
+from . import cpu_products, gathered_attn_idx, reference
 
 IMPLEMENTATIONS = ("none", "reference", "nki", "nki_emulated")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
@@ -269,27 +269,50 @@ def _grad_op(impl, scale, cotangent):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 3)))
 
 
+def _compiled_in_form(fn, args, form: str):
+    """``fn`` jitted and compiled for ``args`` with the reference's CPU products in ``form``
+    (``cpu_products.parse_form``), whatever the CPU would pick."""
+    with cpu_products.forced(cpu_products.parse_form(form)):
+        jax.clear_caches()  # lowerings are cached per shape, not per form
+        compiled = jax.jit(fn).lower(*args).compile()
+    jax.clear_caches()
+    return compiled
+
+
 def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int, warmup: int,
                 naive: bool = True, gemm: bool = True, grad: bool = False,
-                sdpa: bool = False) -> dict:
+                sdpa: bool = False, forms: Sequence[str] = ("auto",)) -> dict:
     """Times the op (and, unless disabled, the naive baseline and the f32 GEMM) at one shape.
     With ``grad``: the gradient with respect to q, kv and sink instead, against an f32 GEMM of
-    ``GRAD_FLOPS_FACTOR`` times the forward's FLOPs, and no naive baseline."""
+    ``GRAD_FLOPS_FACTOR`` times the forward's FLOPs, and no naive baseline.
+
+    ``forms``: the reference's CPU product forms to time (``cpu_products.form_name``, or
+    ``auto``), all in the same rounds. The first is the record's ``op``; each further one is
+    timed as ``op[form]`` and summarised under ``other_cpu_products``."""
     dtype = DTYPES[dtype_name]
     q, kv, idx, sink = _inputs(shape, dtype)
+    args = (q, kv, idx, sink)
     scale = shape.D**-0.5
     impl = _implementation_arg(implementation)
-    op = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(q, kv, idx, sink, scale=scale,
-                                                           implementation=impl))
+
+    def forward(q, kv, idx, sink):
+        return gathered_attn_idx(q, kv, idx, sink, scale=scale, implementation=impl)
+
+    op = forward
     if grad:
         cotangent = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
-        forward, op, naive = op, _grad_op(impl, scale, cotangent), False
-    fns = {"op": (op, (q, kv, idx, sink))}
-    compile_start = time.perf_counter()
-    out = jax.block_until_ready(op(q, kv, idx, sink))
-    compile_s = time.perf_counter() - compile_start
-    if grad:
-        out = forward(q, kv, idx, sink)
+        op, naive = _grad_op(impl, scale, cotangent), False
+    names = [cpu_products.form_name(cpu_products.parse_form(f)) for f in forms]
+    fns, outs, compile_s = {}, {}, {}
+    for i, name in enumerate(names):
+        key = "op" if i == 0 else f"op[{name}]"
+        compile_start = time.perf_counter()
+        fns[key] = (_compiled_in_form(op, args, name), args)
+        jax.block_until_ready(fns[key][0](*args))
+        compile_s[key] = time.perf_counter() - compile_start
+        outs[key] = (_compiled_in_form(forward, args, name)(*args) if grad
+                     else fns[key][0](*args))
+    out = outs["op"]
     if naive:
         fns["naive"] = (jax.jit(lambda q, kv, idx, sink: naive_attention(q, kv, idx, sink, scale)),
                         (q, kv, idx, sink))
@@ -315,7 +338,8 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         "implementation": implementation,
         "pass": "grad wrt q, kv, sink" if grad else "forward",
         "flops": flops,
-        "first_call_s": compile_s,
+        "cpu_products": names[0],
+        "first_call_s": compile_s["op"],
         "times_s": times,
         "median_s": med,
         "op_gflops": flops / med["op"] / 1e9,
@@ -351,6 +375,20 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         if cpu_med["op"] > 0 and cpu_med["gemm_f32"] > 0:
             rec["op_fraction_of_gemm_f32_per_cpu_s"] = (
                 (flops / cpu_med["op"]) / (gemm_flops / cpu_med["gemm_f32"]))
+    others = {}
+    for key in fns:
+        if key.startswith("op["):
+            other = {"median_s": med[key], "first_call_s": compile_s[key],
+                     "op_gflops": flops / med[key] / 1e9,
+                     # op's time over this form's, the median of the per-round ratios
+                     "op_over_this": float(np.median(np.array(times["op"])
+                                                     / np.array(times[key]))),
+                     "contract_check": check_contract(outs[key], q, kv, idx, sink, scale)}
+            if gemm:
+                other["op_fraction_of_gemm_f32"] = other["op_gflops"] / rec["gemm_f32_gflops"]
+            others[key[3:-1]] = other
+    if others:
+        rec["other_cpu_products"] = others
     return rec
 
 
@@ -509,6 +547,14 @@ def environment() -> dict:
         "machine": platform.machine(),
         # e.g. --xla_cpu_max_isa=AVX2 to measure what an AVX2-only CPU would run
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        # The reference's CPU product form this process picks (a record's own form is its
+        # "cpu_products"), why, and the override.
+        "cpu_products": {
+            "auto": cpu_products.form_name(cpu_products.cpu_form()),
+            "cpu_reports_native_bf16": cpu_products.cpu_reports_native_bf16(),
+            "products_by_eigen": cpu_products.products_by_eigen(),
+            cpu_products.ENV_VAR: os.environ.get(cpu_products.ENV_VAR),
+        },
     }
 
 
@@ -522,7 +568,7 @@ def _jaxlib_version() -> Optional[str]:
 
 
 def format_table(records: Sequence[dict]) -> str:
-    head = (f"{'case':<14} {'shape':<34} {'impl':<10} {'op ms':>8} {'naive ms':>9} {'vs naive':>9} "
+    head = (f"{'case':<14} {'shape':<34} {'impl':<10} {'products':<14} {'op ms':>8} {'naive ms':>9} {'vs naive':>9} "
             f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'per CPU s':>9} {'cores op/GEMM':>13} "
             f"{'gather GB/s':>11} {'ulp<=1':>7}")
     lines = [head, "-" * len(head)]
@@ -539,10 +585,27 @@ def format_table(records: Sequence[dict]) -> str:
                 else f"{'-':>13}")
         check = r["contract_check"]
         ulp = f"{check['within_one_ulp']:7.4f}" if "within_one_ulp" in check else f"{check['max_rel_error']:7.1e}"
-        lines.append(f"{s.name:<14} {s.describe():<34} {r['implementation']:<10} {med['op'] * 1e3:8.2f} "
+        products = r.get("cpu_products", "-")
+        lines.append(f"{s.name:<14} {s.describe():<34} {r['implementation']:<10} {products:<14} "
+                     f"{med['op'] * 1e3:8.2f} "
                      f"{naive} {ratio} {r['op_gflops']:8.1f} {gemm} {per_cpu} {busy} "
                      f"{r['gather_gbytes_per_s']:11.2f} {ulp}")
+        for name, o in r.get("other_cpu_products", {}).items():  # timed in the same rounds
+            o_gemm = (f"{o['op_fraction_of_gemm_f32']:11.2f}" if "op_fraction_of_gemm_f32" in o
+                      else f"{'-':>11}")
+            o_check = o["contract_check"]
+            o_ulp = (f"{o_check['within_one_ulp']:7.4f}" if "within_one_ulp" in o_check
+                     else f"{o_check['max_rel_error']:7.1e}")
+            lines.append(f"{'':<14} {'':<34} {'':<10} {name:<14} {o['median_s'] * 1e3:8.2f} "
+                         f"{'-':>9} {'-':>9} {o['op_gflops']:8.1f} {o_gemm} {'-':>9} {'-':>13} "
+                         f"{s.T * s.K * s.D * itemsize(r) / o['median_s'] / 1e9:11.2f} "
+                         f"{o_ulp}")
     return "\n".join(lines)
+
+
+def itemsize(record: dict) -> int:
+    """Bytes per element of a record's dtype."""
+    return np.dtype(DTYPES[record["dtype"]]).itemsize
 
 
 def _parse_shape(text: str) -> Shape:
@@ -551,6 +614,16 @@ def _parse_shape(text: str) -> Shape:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--shape wants T,H,D,K,R (five integers); got {text!r}")
     return Shape("custom", T, H, D, K, R)
+
+
+def _parse_forms(text: str) -> list:
+    forms = [f.strip() for f in text.split(",") if f.strip()]
+    try:
+        for f in forms:
+            cpu_products.parse_form(f)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err))
+    return forms or ["auto"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -576,11 +649,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="also time jax.nn.dot_product_attention on the gathered slots (no sink), "
                    "recorded as sdpa_over_op")
     p.add_argument("--no-gemm", action="store_true", help="skip the f32 GEMM baseline")
-    p.add_argument("--cpu-products", choices=("auto", "x-first", "rows-first"), default="auto",
-                   help="the form of the reference's dot products on CPU (reference.slot_products): "
-                   "auto picks x-first where XLA:CPU runs them with Eigen and rows-first where "
-                   "YNNPACK does (reference.cpu_products_by_eigen); the others force one, to "
-                   "compare them")
+    p.add_argument("--cpu-products", type=_parse_forms, default=["auto"], metavar="FORMS",
+                   help="comma-separated forms of the reference's products on CPU, each timed in "
+                   "the same rounds (the first is the table's main row): native (16-bit operands "
+                   "as they are) or f32 (widened in cache), each optionally with -x-first (the "
+                   "layout for XLA's Eigen kernels), or auto: what this process picks "
+                   "(cpu_products.cpu_form; JAX_SPARSE_ATTN_CPU_PRODUCTS overrides it). "
+                   "E.g. --cpu-products native,f32")
     p.add_argument("--grad", action="store_true",
                    help="time jax.grad with respect to q, kv and sink instead of the forward, "
                    f"against an f32 GEMM of {GRAD_FLOPS_FACTOR}x the forward's FLOPs")
@@ -598,8 +673,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    default="bfloat16", help="with --model: the cache dtype (FP8 with f32 scales)")
     p.add_argument("--scale-groups", type=int, default=1,
                    help="with --model and an FP8 --kv-dtype: f32 scales per cache row")
+    p.add_argument("--op", choices=("attention", "indexer"), default="attention",
+                   help="with --model: the op to model; for indexer, --shape is T,R,Hi,Di,K "
+                   "(jax_sparse_attn/indexer/bench_model.py)")
     a = p.parse_args(argv)
 
+    if a.model and a.op == "indexer":
+        from .indexer.bench_model import run_indexer_model
+
+        # --shape parses five integers; for the indexer they are T, R, Hi, Di, K.
+        shapes = [(s.T, s.H, s.D, s.K, s.R) for s in a.shape] if a.shape else None
+        return run_indexer_model(a.model, shapes, a.json)
     if a.model:
         from .bench_model import run_model
 
@@ -622,15 +706,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens, a.grad)))
         return 0
 
-    if a.cpu_products != "auto":  # read when the reference is traced
-        forced = a.cpu_products == "x-first"
-        reference.cpu_products_by_eigen = lambda: forced
     env = environment()
-    env["cpu_products"] = "x-first" if reference.cpu_products_by_eigen() else "rows-first"
-    env["cpu_products_forced"] = a.cpu_products != "auto"
     print(f"# jax {env['jax']} on {env['backend']} ({env['device']}); "
           f"CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}", flush=True)
     result: dict = {"environment": env, "records": []}
+    if a.memory and a.cpu_products != ["auto"]:
+        p.error(f"--cpu-products times forms side by side and does not apply to --memory (a fresh "
+                f"process); set {cpu_products.ENV_VAR}=native or f32 instead")
     if a.memory:
         shape = a.shape[0] if a.shape else (QUICK_SHAPES[1] if a.quick else MEMORY_SHAPE)
         rec = run_memory_check(shape, a.dtype, a.implementation, grad=a.grad)
@@ -661,14 +743,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 rec = bench_shape(shape, a.dtype, a.implementation, repeats, a.warmup,
                                   naive=not a.no_naive, gemm=not a.no_gemm, grad=a.grad,
-                                  sdpa=a.sdpa)
+                                  sdpa=a.sdpa, forms=a.cpu_products)
             except (RuntimeError, NotImplementedError, ValueError) as err:
                 # e.g. implementation="nki" without the Neuron SDK: the library's message says why.
                 print(f"bench: {shape.name} ({shape.describe()}): {err}", file=sys.stderr)
                 return 2
             result["records"].append(rec)
-            print(format_table([rec]).splitlines()[-1] if len(result["records"]) > 1
-                  else format_table([rec]), flush=True)
+            table = format_table([rec]).splitlines()
+            print("\n".join(table[2:] if len(result["records"]) > 1 else table), flush=True)
             if "sdpa_over_op" in rec:
                 print(f"  {shape.name}: jax.nn.dot_product_attention on the gathered slots (no "
                       f"sink) takes {rec['median_s']['sdpa'] * 1e3:.2f} ms, "

@@ -27,8 +27,11 @@ slots and logits stay within ``CHUNK_BYTES`` on CPU: small enough to stay in the
 bound on memory however many tokens there are. On GPU and TPU the budget follows the device's
 memory instead (``accelerator_chunk_bytes``): one batched call when everything fits. The choice is
 made when the program is lowered (``per_platform``). Chunking does not change a single bit, since
-every token is computed independently (``tests/test_reference_chunking.py``). On CPU the dot products take the
-form that XLA's product library runs fastest (``slot_products``, ``cpu_products_by_eigen``).
+every token is computed independently (``tests/test_reference_chunking.py``). On CPU the products take the
+form that the CPU and XLA's product library run fastest (``cpu_products.cpu_form``): on CPUs
+without native bf16 products each chunk's 16-bit operands are widened to f32 and multiplied in
+f32 (exact, so only the summation order differs), and the dot products' layout suits the library
+(``slot_products``).
 
 Memory beyond the inputs and the output, for ``gathered_attn_idx``: one chunk's working set, plus
 either all tokens' gathered slots when they are at most ``PREGATHER_MAX_BYTES`` and smaller than
@@ -39,7 +42,6 @@ when there is more than one chunk.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -47,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
+from .cpu_products import ACCELERATOR_FORM, ProductForm, cpu_form
 
 # Target working set of one token chunk (gathered slots + fp32 logits/probabilities). Small on
 # purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM, which
@@ -74,11 +77,14 @@ ACCELERATOR_CHUNK_BYTES_DEFAULT = 2 * 2**30
 
 
 def token_chunk_size(
-    num_tokens: int, heads: int, slots: int, dim: int, itemsize: int, budget: int | None = None
+    num_tokens: int, heads: int, slots: int, dim: int, itemsize: int, budget: int | None = None,
+    widen: bool = False,
 ) -> int:
     """Tokens per chunk so that one chunk's working set stays near ``budget`` (default
-    ``CHUNK_BYTES``, the CPU budget), at least 1 and at most ``num_tokens``."""
-    per_token = slots * dim * itemsize + 3 * heads * slots * 4 + heads * dim * 4
+    ``CHUNK_BYTES``, the CPU budget), at least 1 and at most ``num_tokens``. ``widen``: the
+    chunk also holds its slots widened to f32 (``ProductForm.widen``)."""
+    row_bytes = itemsize + (4 if widen and itemsize < 4 else 0)
+    per_token = slots * dim * row_bytes + 3 * heads * slots * 4 + heads * dim * 4
     budget = CHUNK_BYTES if budget is None else budget
     return int(max(1, min(num_tokens, budget // max(per_token, 1))))
 
@@ -184,7 +190,7 @@ def slot_products(x, rows, x_first=False):
     dtype -> ``[..., M, K]`` f32 (an f32 accumulator; 16-bit products are exact in it).
 
     ``x_first``: computed as ``x rows^T`` (``[K, D] x [D, M]``) and then transposed, for XLA:CPU's
-    Eigen kernels (``cpu_products_by_eigen``), which run that product two to five times faster
+    Eigen kernels (``cpu_products.products_by_eigen``), which run that product two to five times faster
     than ``rows x^T`` (``[M, D] x [D, K]``) at attention's shapes (M = 16 to 128, K = 2048,
     D = 512). The optimization barrier keeps XLA from folding the transpose back into the
     product; the transpose touches only ``M K`` f32 values. YNNPACK and GPUs run ``rows x^T`` as
@@ -196,26 +202,6 @@ def slot_products(x, rows, x_first=False):
     products = jnp.einsum("...kd,...md->...km", x, rows, preferred_element_type=jnp.float32,
                           precision=_EXACT)
     return jnp.swapaxes(jax.lax.optimization_barrier(products), -1, -2)
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_products_by_eigen() -> bool:
-    """Whether XLA:CPU runs 16-bit matrix products with its Eigen kernels rather than YNNPACK.
-
-    jax 0.10 hands them to YNNPACK by default; earlier releases (0.7 among them), and 0.10 with
-    ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=``, use Eigen. Found once per process by
-    compiling one small bf16 product for the CPU and looking for YNNPACK's fusion in the program.
-    """
-    try:
-        cpu = jax.devices("cpu")[0]
-        sharding = jax.sharding.SingleDeviceSharding(cpu)
-        a = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16, sharding=sharding)
-        b = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16, sharding=sharding)
-        product = jax.jit(lambda a, b: jnp.einsum("md,kd->mk", a, b,
-                                                  preferred_element_type=jnp.float32))
-        return "__ynn_fusion" not in product.lower(a, b).compile().as_text()
-    except Exception:  # no CPU backend, or a JAX without these APIs: keep the default form
-        return False
 
 
 def saturated_logits(z, valid, bias, scale):
@@ -239,10 +225,11 @@ class TokenAttention(NamedTuple):
     den: jax.Array  # [H] f32: sum_j exp(s_j - max) + exp(sink - max)
 
 
-def attend_token(q, x, valid, sink, bias, scale, x_first=False) -> TokenAttention:
+def attend_token(q, x, valid, sink, bias, scale,
+                 form: ProductForm = ACCELERATOR_FORM) -> TokenAttention:
     """The contract for one token. q [H, D], x [K, D] (q's dtype; rows of empty slots are zero),
-    valid [K] bool, sink [H] f32, bias [K] f32, scale [] f32; ``x_first``: the dot products'
-    form (``slot_products``).
+    valid [K] bool, sink [H] f32, bias [K] f32, scale [] f32; ``form``: how the products run
+    (``cpu_products.ProductForm``; widened 16-bit operands give the same products, exactly).
 
     Neither product can overflow f32 however large the inputs are, and neither guard changes a bit
     in the normal range: the dot products run on ``q`` scaled by a power of two and are scaled
@@ -252,17 +239,26 @@ def attend_token(q, x, valid, sink, bias, scale, x_first=False) -> TokenAttentio
     """
     K = x.shape[0]
     q_scaled, up = prescale_queries(q)
-    z = slot_products(x, q_scaled, x_first)
+    operand = _widened if form.widen else (lambda a: a)
+    x_op = operand(x)  # under vmap: the whole chunk's slots at once
+    z = slot_products(x_op, operand(q_scaled), form.x_first)
     s = saturated_logits(scale_up(z, up), valid[None, :], bias[None, :], scale)
     m = jnp.max(s, axis=-1)
     e = jnp.exp(s - m[:, None])
     den = jnp.sum(e, axis=-1) + jnp.exp(sink - m)
     shift = value_shift(K, q.dtype)
     p = (e * jnp.float32(2.0**-shift)).astype(q.dtype)
-    num = jnp.einsum("hk,kd->hd", p, x, preferred_element_type=jnp.float32, precision=_EXACT)
+    num = jnp.einsum("hk,kd->hd", operand(p), x_op, preferred_element_type=jnp.float32,
+                     precision=_EXACT)
     o = (num / den[:, None]) * jnp.float32(2.0**shift)
     o = jnp.where(jnp.any(valid), o, jnp.float32(0))
     return TokenAttention(o, m, den)
+
+
+def _widened(a):
+    """``a`` in f32: a 16-bit float's value exactly. The product of two widened 16-bit values is
+    exact in f32, as in a 16-bit product with an f32 accumulator."""
+    return a.astype(jnp.float32)
 
 
 def _lse(any_valid, m, den, sink):
@@ -296,13 +292,13 @@ def _empty_result(q, sink):
     return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(sink, (T, H)).astype(jnp.float32)
 
 
-def _attend_bits(dtype, x_first=False):
+def _attend_bits(dtype, form):
     """Per-token attention on bit patterns: (q bits [H, D], slot bits [K, D], valid [K], bias [K],
-    scale [], sink [H]) -> (output bits [H, D], lse [H] f32). ``x_first``: see ``slot_products``."""
+    scale [], sink [H]) -> (output bits [H, D], lse [H] f32). ``form``: see ``attend_token``."""
 
     def one(q_bits, x_bits, valid, bias_t, scale_t, sink):
         q_t, x = from_bits(q_bits, dtype), from_bits(x_bits, dtype)
-        token = attend_token(q_t, x, valid, sink, bias_t, scale_t, x_first)
+        token = attend_token(q_t, x, valid, sink, bias_t, scale_t, form)
         return to_bits(token.out.astype(dtype)), _lse(jnp.any(valid), token.max, token.den, sink)
 
     return one
@@ -314,8 +310,9 @@ def _gathered_chunks(q, g_bits, valid, sink, bias, scale, budget=None):
     form)."""
     T, H, D = q.shape
     K = g_bits.shape[1]
-    one = _attend_bits(q.dtype, budget is None and cpu_products_by_eigen())
-    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget)
+    form = cpu_form() if budget is None else ACCELERATOR_FORM
+    one = _attend_bits(q.dtype, form)
+    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget, form.widen)
     out_bits, lse = _map_tokens(one, (to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
     return from_bits(out_bits, q.dtype), lse
 
@@ -365,8 +362,8 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
     valid = (idx >= 0) & (idx < R) & (bias != -jnp.inf)
     rows = jnp.where(valid, idx, R)  # out of range: the gather fills the slot with zeros
 
-    def gather_and_attend(x_first):
-        attend = _attend_bits(dtype, x_first)
+    def gather_and_attend(form):
+        attend = _attend_bits(dtype, form)
 
         def one(q_bits, rows_t, valid_t, bias_t, scale_t, kv_bits_, sink_):
             return attend(q_bits, _gather_rows(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
@@ -378,17 +375,18 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
         if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
             return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
         return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, CHUNK_BYTES,
-                               cpu_products_by_eigen())
+                               cpu_form())
 
     def accelerator(q, kv_bits, rows, valid, sink, bias, scale):
         # Device memory, not caches, sets the chunk: one batched call when everything fits.
         budget = accelerator_chunk_bytes()
-        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, False)
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget,
+                               ACCELERATOR_FORM)
 
-    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, x_first):
-        chunk = token_chunk_size(T, H, K, D, itemsize, budget)
+    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, form):
+        chunk = token_chunk_size(T, H, K, D, itemsize, budget, form.widen)
         token_args = (to_bits(q), rows, valid, bias, scale)
-        out_bits, lse = _map_tokens(gather_and_attend(x_first), token_args, (kv_bits, sink),
+        out_bits, lse = _map_tokens(gather_and_attend(form), token_args, (kv_bits, sink),
                                     chunk)
         return from_bits(out_bits, dtype), lse
 

@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jax_sparse_attn import bench
 from oracle import BF16, attention_bf16_contract, attention_f64, gather, within_one_ulp
@@ -74,20 +75,25 @@ def test_kv_scatter_baseline_adds_every_token_rows():
     np.testing.assert_allclose(got, want, rtol=2**-8, atol=1e-6)
 
 
-def test_cpu_products_flag_forces_the_form(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.reference, "cpu_products_by_eigen",
-                        bench.reference.cpu_products_by_eigen)  # restored after
+def test_cpu_products_flag_times_each_form_in_the_same_rounds(tmp_path):
     path = tmp_path / "forms.json"
-    for form in ("x-first", "rows-first"):
-        jax.clear_caches()
-        code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "1", "--warmup", "0",
-                           "--no-naive", "--no-gemm", "--cpu-products", form, "--json", str(path)])
-        assert code == 0
-        result = json.loads(path.read_text())
-        assert result["environment"]["cpu_products"] == form
-        assert result["environment"]["cpu_products_forced"]
-        assert result["records"][0]["contract_check"]["within_one_ulp"] >= 0.999
-    jax.clear_caches()
+    code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "0",
+                       "--no-naive", "--no-gemm", "--cpu-products", "native,f32-x-first",
+                       "--json", str(path)])
+    assert code == 0
+    result = json.loads(path.read_text())
+    env = result["environment"]["cpu_products"]
+    assert env["auto"] in ("native", "f32", "native-x-first", "f32-x-first")
+    rec = result["records"][0]
+    assert rec["cpu_products"] == "native"
+    assert len(rec["times_s"]["op"]) == len(rec["times_s"]["op[f32-x-first]"]) == 2
+    other = rec["other_cpu_products"]["f32-x-first"]
+    assert rec["contract_check"]["within_one_ulp"] >= 0.999
+    assert other["contract_check"]["within_one_ulp"] >= 0.999
+    assert other["median_s"] > 0 and other["op_over_this"] > 0
+    for bad in (["--cpu-products", "bf16"], ["--memory", "--cpu-products", "f32"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
 
 
 def test_sdpa_baseline_is_attention_without_a_sink(rng):

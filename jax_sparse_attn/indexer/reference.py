@@ -64,10 +64,13 @@ NAN_KEY = np.int32(_key_of(-np.inf) - 1)
 CHUNK_BYTES = 4 * 2**20
 # Largest candidate buffer per token: the LSD sort packs a buffer position in 16 bits.
 MAX_BUFFER = 2**16
+# Largest topk the API accepts: a buffer of topk candidates plus one block must fit MAX_BUFFER.
+MAX_TOPK = MAX_BUFFER // 2
 MIN_BLOCK_ROWS = 256
 # Blocks score a multiple of 16 rows: XLA:CPU's f32 dot sums in another order when the row count
-# is not one (measured on jaxlib 0.10, AVX2), which would break bit-identity across plans.
-DOT_ROWS_MULTIPLE = 16
+# is not one (measured on jaxlib 0.10, AVX2: blocks of 1000 or 3000 rows differ from 512 or 2048
+# in 25-45% of the scores), which would break bit-identity across plans.
+BLOCK_ALIGN = 16
 # Working-set target of one product ``[Tc, Hi, rows]`` f32 (a block is scored in such pieces).
 DOT_BYTES = 2**20
 MAX_BLOCK_ROWS = 8192
@@ -227,6 +230,10 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
     if Rb > MIN_BLOCK_ROWS:
         Rb = max(MIN_BLOCK_ROWS, min(Rb, budget // (4 * max(heads, 1) * 8)))
     Rb = min(Rb, MAX_BUFFER - topk) if topk < MAX_BUFFER else 1
+    if Rb > BLOCK_ALIGN:
+        # XLA:CPU's products take another summation order for a block narrower than a few
+        # vectors; blocks of whole multiples keep every score's bits the same for every plan.
+        Rb -= Rb % BLOCK_ALIGN
     Tc = budget // (4 * max(heads, 1) * Rb)
     Tc = int(max(1, min(num_tokens, MAX_CHUNK_TOKENS, Tc)))
     # A small chunk (a decode step) takes longer blocks, scored in pieces: fewer loop steps.
@@ -241,8 +248,9 @@ def row_limits(positions, compress_ratio: int, rows: int):
     int32 overflow; 0 for a negative position, at most ``rows``."""
     p = positions.astype(jnp.int32)
     # floor((p + 1) / ratio), written so that p = 2**31 - 1 does not overflow.
-    full = p // compress_ratio + (p % compress_ratio == compress_ratio - 1).astype(jnp.int32)
-    return jnp.where(p >= 0, jnp.minimum(full, rows), 0)
+    base = p // compress_ratio
+    full = jnp.where(base >= rows, rows, base + (p % compress_ratio == compress_ratio - 1))
+    return jnp.where(p >= 0, full, 0).astype(jnp.int32)
 
 
 def _products_form() -> str:
@@ -269,11 +277,11 @@ def _round_up(n: int, m: int) -> int:
 
 def dot_rows(plan: ChunkPlan, heads: int) -> int:
     """Rows per product of a block: ``[Tc, Hi, rows]`` f32 within ``DOT_BYTES``, a multiple of
-    ``DOT_ROWS_MULTIPLE``; a block is scored in such pieces (those past every token's last valid
+    ``BLOCK_ALIGN``; a block is scored in such pieces (those past every token's last valid
     row are skipped, so a causal chunk scores little more than its valid rows)."""
-    rows = _round_up(plan.rows, DOT_ROWS_MULTIPLE)
+    rows = _round_up(plan.rows, BLOCK_ALIGN)
     pieces = -(-4 * plan.tokens * max(heads, 1) * rows // DOT_BYTES)
-    return _round_up(-(-rows // pieces), DOT_ROWS_MULTIPLE)
+    return _round_up(-(-rows // pieces), BLOCK_ALIGN)
 
 
 def block_rows(plan: ChunkPlan, heads: int) -> int:

@@ -20,6 +20,9 @@ Sources (Neuron SDK docs, repository aws-neuron/aws-neuron-sdk):
   DMA takes about 600 ns; two DGE instances per NeuronCore-v3.
 * [lnc] ``about-neuron/arch/neuron-features/logical-neuroncore-config.rst``: LNC=2 on trn2 by
   default (two physical cores, one logical core).
+* NKI 0.4 to 0.7 (``release-notes/components/nki.rst`` at v2.32.0; readthedocs v2.33.0): no new
+  cost formulas; what they change in the model (``nl.copy`` on VectorE from 0.6, a bf16 matmul
+  dst on NeuronCore-v4, the gather-transpose ``dma_transpose``) is noted at its entry below.
 
 To cost a new instruction: add one line to :data:`COSTS` (engine, cycles as a function of the
 :class:`Op` summary) and call ``ctx.cost.compute(instr, engine, dst, inputs)`` in the emulated
@@ -47,6 +50,9 @@ GPSIMD_START = 150
 # [isa] nc_matmul page: cost max(min(64, N_stationary), N_moving) cycles, 4x for fp32 inputs.
 MATMUL_MIN_STATIONARY = 64
 MATMUL_FP32_FACTOR = 4
+# nki-library's own estimate of nc_match_replace8 (core/topk/rotational_topk.py: a max8 +
+# match_replace8 round costs 2 * (N + 144)): N + 144 VectorE cycles. Not a documented figure.
+MATCH_REPLACE8_OVERHEAD = 144
 # [dma] "Each NeuronCore has 16 DMA engines" (v2, v3 and v4).
 DMA_ENGINES = 16
 # Assumption: engine time per contiguous DMA chunk (one "DMA buffer", [arch1]: "There is some
@@ -132,6 +138,7 @@ class Op:
     n_stationary: int = 0
     n_moving: int = 0
     value: Any = None
+    n_dst: int = 0  # elements per partition of dst
 
     @property
     def all_bf16(self) -> bool:
@@ -185,7 +192,9 @@ class Cost:
 
 
 COSTS: dict[str, Cost] = {
-    # [isa] nc_matmul: max(min(64, N_stationary), N_moving) TensorE cycles (x4 for fp32).
+    # [isa] nc_matmul: max(min(64, N_stationary), N_moving) TensorE cycles (x4 for fp32). The
+    # formula has no dst term: a bfloat16 PSUM dst (NeuronCore-v4; up to 8192 elements from NKI
+    # 0.5, release notes) costs the same (inferred).
     "nisa.nc_matmul": Cost("tensor", _matmul),
     # [isa] nc_transpose: max(P, min(64, F)) on TensorE; max(MIN_II, N) on VectorE.
     "nisa.nc_transpose": Cost("tensor", lambda o: max(o.p, min(64, o.n)), ("tensor", "vector")),
@@ -211,11 +220,33 @@ COSTS: dict[str, Cost] = {
     "nisa.memset": Cost("vector", _memset, ("vector", "gpsimd")),
     # [isa] iota: 150 + N GpSimd cycles.
     "nisa.iota": Cost("gpsimd", lambda o: GPSIMD_START + o.n),
+    # Selection instructions. [isa] max8 and nc_find_index8 (v2.25.0): "N engine cycles" (VectorE:
+    # the pages place them on the Vector engine with match_replace8, inferred for max8).
+    "nisa.max8": Cost("vector", lambda o: o.n),
+    "nisa.nc_find_index8": Cost("vector", lambda o: o.n),
+    # nc_match_replace8: the v2.25.0 page's "min(MIN_II, N)" cannot be meant (it would cost at most
+    # 64 cycles for 16,384 elements); nki-library's own estimate (core/topk/rotational_topk.py,
+    # ceil(k/8) * 2 * (N + 144) for a max8 + match_replace8 round) gives N + 144: used here, as
+    # that library's estimate, not a documented figure.
+    "nisa.nc_match_replace8": Cost("vector", lambda o: o.n + MATCH_REPLACE8_OVERHEAD),
+    # nc_n_gather: no documented figure. Assumption: GPSIMD_START plus one GpSimd cycle per
+    # gathered element per partition (the page: "n = ceil(elems_per_partition / 512)" groups of
+    # instructions).
+    "nisa.nc_n_gather": Cost("gpsimd", lambda o: GPSIMD_START + o.n),
+    # select_reduce: no documented figure. Assumption: max(MIN_II, N) VectorE cycles, as the
+    # other one-pass elementwise VectorE instructions (tensor_copy, tensor_scalar).
+    "nisa.select_reduce": Cost("vector", _min_ii_n),
+    # [isa] topk (v2.32.0, the page's own "Estimated instruction cost"): 4*n + K GpSimd cycles per
+    # partition (n: elements of the snake, passed as ``value``; K: dst columns); the partitions
+    # run in parallel.
+    "nisa.topk": Cost("gpsimd", lambda o: 4 * o.value + o.n_dst),
     # nl functions, costed as the instruction they lower to (assumption where noted):
     # nl.full / nl.zeros are a memset.
     "nl.full": Cost("vector", _memset),
-    # NKI 0.3 release notes (known issues): "nl.copy uses the Scalar Engine"; as tensor_copy.
-    "nl.copy": Cost("scalar", _min_ii_n),
+    # NKI 0.3 release notes (known issues): "nl.copy uses the Scalar Engine"; as tensor_copy. From
+    # NKI 0.6 it "uses the Vector engine (tensor_copy)" (0.6 release notes): CostRecord.compute
+    # charges the Vector engine then.
+    "nl.copy": Cost("scalar", _min_ii_n, ("scalar", "vector")),
     # Assumption: a partition broadcast costs like a VectorE copy of the result.
     "nl.broadcast_to": Cost("vector", _min_ii_n),
     # Assumption: binary nl ops with two tiles are tensor_tensor, with a scalar tensor_scalar;
@@ -303,10 +334,15 @@ class CostRecord:
             n_stationary=n_stationary,
             n_moving=n_moving,
             value=value,
+            n_dst=int(np.prod(dst.shape[1:], dtype=np.int64)) if dst is not None and len(dst.shape) > 1 else 1,
         )
         key = _cost_key(instr + ("+reduce" if reduce else ""), len(inputs), len(inputs))
         cost = COSTS[key]
         chosen = getattr(engine, "value", engine)
+        if instr == "nl.copy" and engine is None:
+            from .versions import has
+
+            chosen = "vector" if has("nl.copy on VectorE") else "scalar"
         if chosen in (None, "unknown") or not cost.engines:
             chosen = cost.engine
             if (
