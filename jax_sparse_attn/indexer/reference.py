@@ -417,14 +417,16 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
         key_scale = jnp.pad(key_scale, (0, Rb - R))
 
     def one(args):
+        # Each chunk returns its final (idx, scores): a caller that drops the scores then holds
+        # one [T, topk] array, not the keys and rows besides.
         q_c, w_c, l_c = args
-        return _select_chunk(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan, widen=widen)
+        k, r = _select_chunk(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan, widen=widen)
+        return jnp.where(k == INVALID_KEY, -1, r), scores_of_keys(k)
 
     chunks = (q.reshape(n, Tc, Hi, Di), weights.reshape(n, Tc, Hi), limit.reshape(n, Tc))
     if n == 1:
-        k, r = one(tuple(c[0] for c in chunks))
+        idx, scores = one(tuple(c[0] for c in chunks))
     else:
-        k, r = jax.lax.map(one, chunks)
-        k, r = k.reshape(n * Tc, topk), r.reshape(n * Tc, topk)
-    k, r = k[:T], r[:T]
-    return jnp.where(k == INVALID_KEY, -1, r), scores_of_keys(k)
+        idx, scores = jax.lax.map(one, chunks)
+        idx, scores = idx.reshape(n * Tc, topk), scores.reshape(n * Tc, topk)
+    return idx[:T], scores[:T]
