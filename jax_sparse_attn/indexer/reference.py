@@ -17,10 +17,16 @@ prefill scores about half of the dense pairs), and keeps each token's running se
   just below ``-inf``, invalid rows at ``INVALID_KEY``), so ranking is exact integer comparison;
 - a row joins the token's candidate buffer only if its key beats the token's threshold ``tau``,
   the k-th best key seen so far (strictly: a later row that ties loses to the earlier ones);
-- candidates are appended in row order (``cumsum`` positions, one scatter); when a token's buffer
-  would overflow, every buffer of the chunk is cut back to its best ``topk`` and ``tau`` rises to
-  the k-th best key (``_cut_to_topk``: one integer sort for the threshold, an order-keeping
-  compaction, so buffer positions stay in row order among equal keys);
+- before a token's first cut, a block of at least ``2 topk`` rows also drops the rows below the
+  k-th best of its pair maxima (a floor that k distinct rows reach), so the first block does not
+  flood the buffer;
+- candidates are appended in row order (``prefix_counts``: triangular products, not XLA:CPU's slow
+  ``cumsum``; one scatter of (key, row) pairs); when a token's buffer would overflow, every buffer
+  of the chunk is cut back to its best ``topk`` and ``tau`` rises to the k-th best key
+  (``_cut_to_topk``: the threshold by a bisection of compare-and-count passes, not a sort, then an
+  order-keeping compaction, so buffer positions stay in row order among equal keys);
+- blocks are scored in pieces of about ``DOT_BYTES`` of products; pieces past every token's last
+  valid row are skipped;
 - at the end each buffer is cut to ``topk`` and sorted best first by a two-pass LSD sort of
   16-bit digits (``sort_best_first``), ties broken by buffer position, that is by row.
 
