@@ -17,10 +17,16 @@ prefill scores about half of the dense pairs), and keeps each token's running se
   just below ``-inf``, invalid rows at ``INVALID_KEY``), so ranking is exact integer comparison;
 - a row joins the token's candidate buffer only if its key beats the token's threshold ``tau``,
   the k-th best key seen so far (strictly: a later row that ties loses to the earlier ones);
-- candidates are appended in row order (``cumsum`` positions, one scatter); when a token's buffer
-  would overflow, every buffer of the chunk is cut back to its best ``topk`` and ``tau`` rises to
-  the k-th best key (``_cut_to_topk``: one integer sort for the threshold, an order-keeping
-  compaction, so buffer positions stay in row order among equal keys);
+- before a token's first cut, a block of at least ``2 topk`` rows also drops the rows below the
+  k-th best of its pair maxima (a floor that k distinct rows reach), so the first block does not
+  flood the buffer;
+- candidates are appended in row order (``prefix_counts``: triangular products, not XLA:CPU's slow
+  ``cumsum``; one scatter of (key, row) pairs); when a token's buffer would overflow, every buffer
+  of the chunk is cut back to its best ``topk`` and ``tau`` rises to the k-th best key
+  (``_cut_to_topk``: the threshold by a bisection of compare-and-count passes, not a sort, then an
+  order-keeping compaction, so buffer positions stay in row order among equal keys);
+- blocks are scored in pieces of about ``DOT_BYTES`` of products; pieces past every token's last
+  valid row are skipped;
 - at the end each buffer is cut to ``topk`` and sorted best first by a two-pass LSD sort of
   16-bit digits (``sort_best_first``), ties broken by buffer position, that is by row.
 
@@ -67,9 +73,15 @@ MAX_BUFFER = 2**16
 # Largest topk the API accepts: a buffer of topk candidates plus one block must fit MAX_BUFFER.
 MAX_TOPK = MAX_BUFFER // 2
 MIN_BLOCK_ROWS = 256
+# Blocks score a multiple of 16 rows: XLA:CPU's f32 dot sums in another order when the row count
+# is not one (measured on jaxlib 0.10, AVX2: blocks of 1000 or 3000 rows differ from 512 or 2048
+# in 25-45% of the scores), which would break bit-identity across plans.
+BLOCK_ALIGN = 16
+# Working-set target of one product ``[Tc, Hi, rows]`` f32 (a block is scored in such pieces).
+DOT_BYTES = 2**20
 MAX_BLOCK_ROWS = 8192
 MAX_CHUNK_TOKENS = 256
-BLOCK_ALIGN = 16
+MAX_WIDE_BLOCK_ROWS = 16384
 
 
 def order_keys(scores):
@@ -112,33 +124,99 @@ def sort_best_first(keys, rows):
     return jnp.take_along_axis(keys, perm, axis=1), jnp.take_along_axis(rows, perm, axis=1)
 
 
-def kth_largest(keys, k: int):
-    """The k-th largest key of each row of ``keys [N, M]`` (``INVALID_KEY`` rows count)."""
-    return jax.lax.sort(keys, dimension=1)[:, keys.shape[1] - k]
+# Segment length of ``prefix_counts``' triangular products (exact: f32 sums of at most 64 ones).
+PREFIX_SEGMENT = 64
 
 
-def compact(keys, rows, keep, size: int):
-    """The entries where ``keep``, moved to the front in their order; ``size`` wide, the rest
-    ``INVALID_KEY``. Returns ``(keys, rows, count)``."""
+def prefix_counts(mask):
+    """Inclusive prefix counts of ``mask [N, L]`` bool along its rows -> int32 ``[N, L]``.
+
+    XLA:CPU's ``cumsum`` is slow (a reduce-window); this is two small products instead: within
+    segments of ``PREFIX_SEGMENT`` entries by an upper-triangular matrix of ones (exact: integer
+    sums below 2**24 in f32), then the segment totals' running sum.
+    """
+    N, L = mask.shape
+    S = min(PREFIX_SEGMENT, L)
+    G = -(-L // S)
+    m = mask.astype(jnp.float32)
+    if G * S != L:
+        m = jnp.pad(m, ((0, 0), (0, G * S - L)))
+    tri = jnp.triu(jnp.ones((S, S), jnp.float32))
+    within = jnp.einsum("ngs,su->ngu", m.reshape(N, G, S), tri, precision=_EXACT)
+    totals = within[:, :, -1].astype(jnp.int32)
+    before = jnp.cumsum(totals, axis=1) - totals
+    out = within.astype(jnp.int32) + before[:, :, None]
+    return out.reshape(N, G * S)[:, :L]
+
+
+def _unsigned(keys):
+    """int32 order keys -> uint32 in the same order (``INVALID_KEY`` -> 0)."""
+    return jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def kth_largest(keys, k: int, below=None):
+    """The k-th largest key of each row of ``keys [N, M]`` int32 (``INVALID_KEY`` entries count;
+    ``k <= M``): the largest ``x`` with ``count(keys >= x) >= k``. ``below [N]``, when given, is a
+    key known to satisfy that count (the search starts there).
+
+    A bisection on the key's 32 bits, each step one fused compare-and-count over the row (XLA's
+    sorts and ``top_k`` are far slower on CPU); it stops as soon as every row has converged.
+    """
+    u = _unsigned(keys)
+    k = jnp.int32(k)
+
+    def cond(state):
+        lo, hi = state
+        return jnp.any(lo < hi)
+
+    def body(state):
+        lo, hi = state
+        mid = lo + (hi - lo) // 2 + jnp.where(lo < hi, jnp.uint32(1), jnp.uint32(0))
+        ok = jnp.sum(u >= mid[:, None], axis=1, dtype=jnp.int32) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo = jnp.zeros(keys.shape[:1], jnp.uint32) if below is None else _unsigned(below)
+    hi = jnp.max(u, axis=1)
+    lo, _ = jax.lax.while_loop(cond, body, (lo, hi))
+    return jax.lax.bitcast_convert_type(lo ^ jnp.uint32(0x80000000), jnp.int32)
+
+
+def compact(keys, rows, keep, size: int, offset=None):
+    """The entries where ``keep``, moved to the front in their order (after ``offset`` [N]
+    entries of ``out``, when given as ``(offset, out_keys, out_rows)``); ``size`` wide, the rest
+    ``INVALID_KEY``. Returns ``(keys, rows)``."""
     N = keys.shape[0]
-    dest = jnp.cumsum(keep.astype(jnp.int32), axis=1) - 1
+    dest = prefix_counts(keep) - 1
+    if offset is None:
+        out_k = jnp.full((N, size), INVALID_KEY, jnp.int32)
+        out_r = jnp.zeros((N, size), jnp.int32)
+    else:
+        count, out_k, out_r = offset
+        dest = dest + count[:, None]
     dest = jnp.where(keep, dest, size)
     tok = jnp.arange(N, dtype=jnp.int32)[:, None]
-    out_k = jnp.full((N, size), INVALID_KEY, jnp.int32).at[tok, dest].set(keys, mode="drop")
-    out_r = jnp.zeros((N, size), jnp.int32).at[tok, dest].set(rows, mode="drop")
-    return out_k, out_r, jnp.minimum(jnp.sum(keep, axis=1, dtype=jnp.int32), size)
+    # One scatter of (key, row) pairs: XLA:CPU's scatter costs per index, not per byte.
+    out = jnp.stack([out_k, out_r], axis=-1).at[tok, dest].set(
+        jnp.stack([keys, rows], axis=-1), mode="drop", unique_indices=True)
+    return out[..., 0], out[..., 1]
 
 
-def _cut_to_topk(keys, rows, k: int, size: int):
+def _cut_to_topk(keys, rows, k: int, size: int, below=None):
     """Keeps each row's best ``k`` entries in their buffer order (ties: the earlier positions),
-    ``size`` wide. Returns ``(keys, rows, count, tau)`` with ``tau`` the k-th best key."""
-    tau = kth_largest(keys, k)
+    ``size`` wide. Returns ``(keys, rows, count, tau)`` with ``tau`` the k-th best key.
+    ``below``: as for ``kth_largest``."""
+    tau = kth_largest(keys, k, below)
     above = keys > tau[:, None]
-    ties = keys == tau[:, None]
+    ties = (keys == tau[:, None]) & (keys != INVALID_KEY)
     room = k - jnp.sum(above, axis=1, dtype=jnp.int32)
-    keep = above | (ties & (jnp.cumsum(ties.astype(jnp.int32), axis=1) <= room[:, None]))
-    keep = keep & (keys != INVALID_KEY)
-    out_k, out_r, count = compact(keys, rows, keep, size)
+    n_ties = jnp.sum(ties, axis=1, dtype=jnp.int32)
+
+    def trim_ties(_):  # more ties at tau than room: the earliest ones
+        return above | (ties & (prefix_counts(ties) <= room[:, None]))
+
+    keep = jax.lax.cond(jnp.any(n_ties > room), trim_ties, lambda _: above | ties, None)
+    out_k, out_r = compact(keys, rows, keep, size)
+    count = jnp.minimum(jnp.sum(keep, axis=1, dtype=jnp.int32), size)
     return out_k, out_r, count, tau
 
 
@@ -164,6 +242,10 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
         Rb -= Rb % BLOCK_ALIGN
     Tc = budget // (4 * max(heads, 1) * Rb)
     Tc = int(max(1, min(num_tokens, MAX_CHUNK_TOKENS, Tc)))
+    # A small chunk (a decode step) takes longer blocks, scored in pieces: fewer loop steps.
+    wide = min(max(rows, 1), MAX_WIDE_BLOCK_ROWS, budget // (4 * max(heads, 1) * Tc))
+    if topk < MAX_BUFFER:
+        Rb = max(Rb, min(wide, MAX_BUFFER - topk))
     return ChunkPlan(Tc, max(Rb, 1), topk + max(Rb, 1))
 
 
@@ -195,39 +277,90 @@ def block_scores(q, w, keys, key_scale, widen: bool):
     return h * key_scale[None, :]
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-max(n, 1) // m) * m
+
+
+def dot_rows(plan: ChunkPlan, heads: int) -> int:
+    """Rows per product of a block: ``[Tc, Hi, rows]`` f32 within ``DOT_BYTES``, a multiple of
+    ``BLOCK_ALIGN``; a block is scored in such pieces (those past every token's last valid
+    row are skipped, so a causal chunk scores little more than its valid rows)."""
+    rows = _round_up(plan.rows, BLOCK_ALIGN)
+    pieces = -(-4 * plan.tokens * max(heads, 1) * rows // DOT_BYTES)
+    return _round_up(-(-rows // pieces), BLOCK_ALIGN)
+
+
+def block_rows(plan: ChunkPlan, heads: int) -> int:
+    """The rows a block really selects from: ``plan.rows`` rounded up to whole products."""
+    return _round_up(plan.rows, dot_rows(plan, heads))
+
+
+def _known_kth_bound(count, tau, k: int):
+    """A key with at least ``k`` buffer entries at or above it: ``tau`` once ``k`` entries are in
+    (every entry joined above ``tau``, or above a floor that ``k`` entries reach), else the
+    lowest key."""
+    return jnp.where(count >= k, tau, INVALID_KEY)
+
+
 def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, widen: bool):
     """Exact top-k of one token chunk: q ``[Tc, Hi, Di]``, w ``[Tc, Hi]``, limit ``[Tc]`` ->
-    ``(keys [Tc, topk] int32, rows [Tc, topk] int32)`` best first."""
+    ``(keys [Tc, topk] int32, rows [Tc, topk] int32)`` best first. ``keys`` has at least
+    ``block_rows(plan)`` rows."""
     Tc = q.shape[0]
     R, Di = keys.shape
-    Rb, M = plan.rows, plan.buffer
+    Rb = block_rows(plan, q.shape[1])
+    Rd = dot_rows(plan, q.shape[1])
+    M = max(plan.buffer, topk + Rb)
+    last = jnp.max(limit)
     nblocks = (jnp.max(limit) + Rb - 1) // Rb
-    tok = jnp.arange(Tc, dtype=jnp.int32)[:, None]
-    block_rows = jnp.arange(Rb, dtype=jnp.int32)[None, :]
+    block_row = jnp.arange(Rb, dtype=jnp.int32)[None, :]
 
     def step(b, state):
         buf_k, buf_r, count, tau = state
         first = b * Rb
         start = jnp.minimum(first, R - Rb)  # the last block may overlap the one before it
-        kb = jax.lax.dynamic_slice_in_dim(keys, start, Rb, axis=0)
-        sb = jax.lax.dynamic_slice_in_dim(key_scale, start, Rb, axis=0)
-        rows = start + block_rows
+        rows = start + block_row
         valid = (rows < limit[:, None]) & (rows >= first)
-        new = jnp.where(valid, order_keys(block_scores(q, w, kb, sb, widen)), INVALID_KEY)
+
+        def piece(lo):
+            def score(_):
+                kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
+                sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
+                return order_keys(block_scores(q, w, kb, sb, widen))
+            if Rd == Rb:
+                return score(None)
+            return jax.lax.cond(lo < last, score,
+                                lambda _: jnp.full((Tc, Rd), INVALID_KEY, jnp.int32), None)
+
+        scored = [piece(start + i) for i in range(0, Rb, Rd)]
+        scored = scored[0] if len(scored) == 1 else jnp.concatenate(scored, axis=1)
+        new = jnp.where(valid, scored, INVALID_KEY)
+        if Rb // 2 >= topk:
+            # Before a token's first cut: the k-th best of the block's pair maxima bounds its k-th
+            # best key from below (k distinct rows reach it), so the block's first flood of
+            # candidates shrinks to about topk.
+            floor = jax.lax.cond(
+                jnp.any(tau == INVALID_KEY),
+                lambda n: kth_largest(jnp.maximum(n[:, 0::2], n[:, 1::2]), topk),
+                lambda n: jnp.full((Tc,), INVALID_KEY, jnp.int32), new)
+            new = jnp.where(new >= floor[:, None], new, INVALID_KEY)
+        else:
+            floor = None
         arrivals = jnp.sum(new > tau[:, None], axis=1, dtype=jnp.int32)
 
         def cut(state):
-            buf_k, buf_r, _, _ = state
-            return _cut_to_topk(buf_k, buf_r, topk, M)
+            buf_k, buf_r, count, tau = state
+            return _cut_to_topk(buf_k, buf_r, topk, M, _known_kth_bound(count, tau, topk))
 
         buf_k, buf_r, count, tau = jax.lax.cond(
             jnp.any(count + arrivals > M), cut, lambda s: s, (buf_k, buf_r, count, tau)
         )
         take = new > tau[:, None]
-        dest = jnp.where(take, count[:, None] + jnp.cumsum(take.astype(jnp.int32), axis=1) - 1, M)
-        buf_k = buf_k.at[tok, dest].set(new, mode="drop")
-        buf_r = buf_r.at[tok, dest].set(jnp.broadcast_to(rows, new.shape), mode="drop")
+        buf_k, buf_r = compact(new, jnp.broadcast_to(rows, new.shape), take, M,
+                               offset=(count, buf_k, buf_r))
         count = count + jnp.sum(take, axis=1, dtype=jnp.int32)
+        if floor is not None:  # a later row equal to the floor loses to the k rows before it
+            tau = jnp.maximum(tau, floor)
         return buf_k, buf_r, count, tau
 
     state = (
@@ -236,9 +369,10 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
         jnp.zeros((Tc,), jnp.int32),
         jnp.full((Tc,), INVALID_KEY, jnp.int32),
     )
-    buf_k, buf_r, _, _ = jax.lax.fori_loop(0, nblocks, step, state)
+    buf_k, buf_r, count, tau = jax.lax.fori_loop(0, nblocks, step, state)
     if M > topk:
-        buf_k, buf_r, _, _ = _cut_to_topk(buf_k, buf_r, topk, topk)
+        buf_k, buf_r, _, _ = _cut_to_topk(buf_k, buf_r, topk, topk,
+                                          _known_kth_bound(count, tau, topk))
     return sort_best_first(buf_k, buf_r)
 
 
@@ -283,16 +417,22 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
         limit = jnp.pad(limit, (0, pad))
     Hi, Di = q.shape[1:]
+    Rb = block_rows(plan, Hi)
+    if R < Rb:  # a cache smaller than one block: pad it (never valid rows)
+        keys = jnp.pad(keys, ((0, Rb - R), (0, 0)))
+        key_scale = jnp.pad(key_scale, (0, Rb - R))
 
     def one(args):
+        # Each chunk returns its final (idx, scores): a caller that drops the scores then holds
+        # one [T, topk] array, not the keys and rows besides.
         q_c, w_c, l_c = args
-        return _select_chunk(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan, widen=widen)
+        k, r = _select_chunk(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan, widen=widen)
+        return jnp.where(k == INVALID_KEY, -1, r), scores_of_keys(k)
 
     chunks = (q.reshape(n, Tc, Hi, Di), weights.reshape(n, Tc, Hi), limit.reshape(n, Tc))
     if n == 1:
-        k, r = one(tuple(c[0] for c in chunks))
+        idx, scores = one(tuple(c[0] for c in chunks))
     else:
-        k, r = jax.lax.map(one, chunks)
-        k, r = k.reshape(n * Tc, topk), r.reshape(n * Tc, topk)
-    k, r = k[:T], r[:T]
-    return jnp.where(k == INVALID_KEY, -1, r), scores_of_keys(k)
+        idx, scores = jax.lax.map(one, chunks)
+        idx, scores = idx.reshape(n * Tc, topk), scores.reshape(n * Tc, topk)
+    return idx[:T], scores[:T]
