@@ -10,6 +10,8 @@ everywhere else.
 
 from . import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)
 from .api import gathered_attn, gathered_attn_idx
+from .indexer.api import indexer_topk
+from .indexer.primitive import indexer_topk_p
 from .merge import merge_attention
 from .primitives import gathered_attn_idx_p, gathered_attn_p
 
@@ -22,8 +24,10 @@ __version__ = "0.1.0"
 __all__ = [
     "gathered_attn",
     "gathered_attn_idx",
+    "indexer_topk",
     "merge_attention",
     "gathered_attn_p",
     "gathered_attn_idx_p",
+    "indexer_topk_p",
     "__version__",
 ]

@@ -104,15 +104,17 @@ def _spec(layout: str, factor_axes: dict) -> PartitionSpec:
     return PartitionSpec(*(_spec_entry(factor_axes.get(f, ())) for f in layout.split()))
 
 
-def _q_factor_axes(spec, q_shape, mesh_shape, keep: Callable[[str], bool] = lambda name: True):
+def _q_factor_axes(spec, q_shape, mesh_shape, keep: Callable[[str], bool] = lambda name: True,
+                   q_layout: str = LAYOUTS["q"]):
     """Mesh axes of ``t`` and ``h`` from q's PartitionSpec, dropping a split that does not divide.
+    ``q_layout`` names q's dimensions (a factor outside SHARDABLE_FACTORS is never split).
 
     An uneven split would pad blocks with undefined tokens, which would then enter the sums over
     tokens (the cache gradient): such a factor is replicated instead.
     """
     spec = tuple(spec) + (None,) * 3
-    axes = {}
-    for dim, factor in enumerate(LAYOUTS["q"].split()):
+    axes = {f: () for f in SHARDABLE_FACTORS}
+    for dim, factor in enumerate(q_layout.split()):
         if factor in SHARDABLE_FACTORS:
             names = tuple(n for n in _mesh_axes(spec[dim]) if keep(n))
             shards = math.prod(mesh_shape[n] for n in names)
@@ -210,12 +212,12 @@ def _has_explicit_axes(aval) -> bool:
     return bool(_explicit_axis_names(aval))
 
 
-def _explicit_factor_axes(q_aval) -> dict:
+def _explicit_factor_axes(q_aval, q_layout: str = LAYOUTS["q"]) -> dict:
     """``t``/``h`` mesh axes of q that are Explicit (empty when the mesh has none)."""
     explicit = _explicit_axis_names(q_aval)
     mesh = q_aval.sharding.mesh
     spec, shape = q_aval.sharding.spec, q_aval.shape
-    return _q_factor_axes(spec, shape, dict(mesh.shape), explicit.__contains__)
+    return _q_factor_axes(spec, shape, dict(mesh.shape), explicit.__contains__, q_layout)
 
 
 def _replicated(x):
@@ -254,7 +256,7 @@ def _run_under_shard_map(fn, operands, operand_layouts, result_layouts, factor_a
     return tuple(outs)
 
 
-def _callback_factor_axes(q_aval, mesh) -> dict:
+def _callback_factor_axes(q_aval, mesh, q_layout: str = LAYOUTS["q"]) -> dict:
     """Automatic axes, host-callback body: tokens over the whole mesh, else heads, else neither.
 
     The partitioner's own choice is unknown while lowering, so this picks the token split, the
@@ -265,7 +267,7 @@ def _callback_factor_axes(q_aval, mesh) -> dict:
     T, H, _ = q_aval.shape
     if T % devices == 0:
         return {"t": everything, "h": ()}
-    if H % devices == 0:
+    if H % devices == 0 and "h" in q_layout.split():
         return {"t": (), "h": everything}
     return {"t": (), "h": ()}
 
@@ -273,8 +275,10 @@ def _callback_factor_axes(q_aval, mesh) -> dict:
 class _Partitioner:
     """custom_partitioning callbacks for one wrapped function (automatic mesh axes)."""
 
-    def __init__(self, fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str]):
+    def __init__(self, fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str],
+                 q_layout: str = LAYOUTS["q"]):
         self.fn = fn
+        self.q_layout = q_layout
         self.operand_layouts = list(operand_layouts)
         self.result_layouts = list(result_layouts)
 
@@ -291,7 +295,8 @@ class _Partitioner:
         sharding = arg_shapes[0].sharding
         if not isinstance(sharding, NamedSharding):
             return {f: () for f in SHARDABLE_FACTORS}
-        return _q_factor_axes(sharding.spec, arg_shapes[0].shape, dict(mesh.shape))
+        return _q_factor_axes(sharding.spec, arg_shapes[0].shape, dict(mesh.shape),
+                              q_layout=self.q_layout)
 
     def _shardings(self, mesh, layouts, factor_axes):
         return tuple(NamedSharding(mesh, _spec(lay, factor_axes)) for lay in layouts)
@@ -337,7 +342,7 @@ class _Partitioner:
 
 def shard_local(
     fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str],
-    partitioner_type: type = _Partitioner,
+    partitioner_type: type = _Partitioner, q_layout: str = LAYOUTS["q"],
 ) -> Callable:
     """Wraps ``fn`` so that, under multi-device ``jit``, it runs on each device's block.
 
@@ -350,6 +355,8 @@ def shard_local(
         over the devices that split that factor.
       partitioner_type: the custom_partitioning callbacks for automatic mesh axes (a subclass of
         ``_Partitioner``; cache_sharding.py keeps the cache's rows split with its own).
+      q_layout: the factors of operand 0's dimensions (default the attention's ``"t h d"``; the
+        indexer's ``"t j d"`` keeps its heads whole).
 
     Returns:
       A function of the operands returning the tuple of results, meant to be called while
@@ -361,7 +368,7 @@ def shard_local(
         if _in_manual_region(jax.typeof(operands[0])):
             return tuple(fn(*operands))  # inside a shard_map: the operands already are blocks
         if _has_explicit_axes(jax.typeof(operands[0])):
-            explicit_axes = _explicit_factor_axes(jax.typeof(operands[0]))
+            explicit_axes = _explicit_factor_axes(jax.typeof(operands[0]), q_layout)
             if any(explicit_axes.values()):
                 mesh = jax.typeof(operands[0]).sharding.mesh
                 used = [a for axes in explicit_axes.values() for a in axes]
@@ -386,7 +393,7 @@ def shard_local(
                 return tuple(jaxpr_as_fun(closed)(*operands))
             # Left to the partitioner, the callback would run on device 0 alone, on gathered
             # operands (and XLA can deadlock around it); run it on every device instead.
-            axes = _callback_factor_axes(jax.typeof(operands[0]), mesh)
+            axes = _callback_factor_axes(jax.typeof(operands[0]), mesh, q_layout)
             return _run_under_shard_map(
                 fn, operands, operand_layouts, result_layouts, axes, mesh, mesh.axis_names
             )
@@ -404,6 +411,7 @@ def shard_local(
             lambda *args: fn(*args[:count]),
             list(operand_layouts) + [f"c{i}" for i in range(len(flat_consts))],
             result_layouts,
+            q_layout,
         )
         return tuple(partitioner.wrap(traced)(*operands, *flat_consts))
 

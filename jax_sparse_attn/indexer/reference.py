@@ -64,6 +64,8 @@ NAN_KEY = np.int32(_key_of(-np.inf) - 1)
 CHUNK_BYTES = 4 * 2**20
 # Largest candidate buffer per token: the LSD sort packs a buffer position in 16 bits.
 MAX_BUFFER = 2**16
+# Largest topk the API accepts: a buffer of topk candidates plus one block must fit MAX_BUFFER.
+MAX_TOPK = MAX_BUFFER // 2
 MIN_BLOCK_ROWS = 256
 MAX_BLOCK_ROWS = 8192
 MAX_CHUNK_TOKENS = 256
@@ -165,8 +167,9 @@ def row_limits(positions, compress_ratio: int, rows: int):
     int32 overflow; 0 for a negative position, at most ``rows``."""
     p = positions.astype(jnp.int32)
     # floor((p + 1) / ratio), written so that p = 2**31 - 1 does not overflow.
-    full = p // compress_ratio + (p % compress_ratio == compress_ratio - 1).astype(jnp.int32)
-    return jnp.where(p >= 0, jnp.minimum(full, rows), 0)
+    base = p // compress_ratio
+    full = jnp.where(base >= rows, rows, base + (p % compress_ratio == compress_ratio - 1))
+    return jnp.where(p >= 0, full, 0).astype(jnp.int32)
 
 
 def _products_form() -> str:

@@ -1,0 +1,187 @@
+"""``indexer_topk``: argument checks, normalisation, and the primitive bind (docs/indexer.md)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import fp8
+from ..api import _as_array, _check_implementation, _check_rank, _dtype, _shape
+from ..constants import FLT_MAX, MAX_ROWS
+from . import primitive
+from .reference import MAX_TOPK
+
+ArrayLike = jax.typing.ArrayLike
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _check_float_or_fp8(name: str, x) -> None:
+    dtype = _dtype(x)
+    if not (jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(
+            f"{name} must be a floating dtype (bf16, f16, f32 or float8_e4m3fn); got {dtype}"
+        )
+
+
+def _compute_dtype(q_dtype, keys_dtype):
+    """The products' dtype: f32 if either side is f32, else the 16-bit dtype both share (FP8 is
+    upcast to bf16, exactly)."""
+    widths = {np.dtype(jnp.float32), np.dtype(jnp.float64)}
+    if np.dtype(q_dtype) in widths or np.dtype(keys_dtype) in widths:
+        return jnp.float32
+    q16 = jnp.bfloat16 if fp8.is_fp8(q_dtype) else np.dtype(q_dtype)
+    k16 = jnp.bfloat16 if fp8.is_fp8(keys_dtype) else np.dtype(keys_dtype)
+    if np.dtype(q16) != np.dtype(k16):
+        raise TypeError(
+            f"keys ({keys_dtype}) and q ({q_dtype}) must share a 16-bit dtype (FP8 counts as "
+            "bf16), or one of them be f32; a bf16 and an f16 operand have no exact common product"
+        )
+    return q16
+
+
+def _static_int(name: str, value, minimum: int, maximum: Optional[int] = None) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer; got a bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a Python integer (static); got {type(value).__name__}") from None
+    if v < minimum or (maximum is not None and v > maximum):
+        bound = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise ValueError(f"{name} must be {bound}; got {v}")
+    return v
+
+
+def _normalise_positions(positions):
+    """Any integer dtype -> int32; beyond int32 is clipped (a later position than any row, or
+    -1), so a 64-bit position is never wrapped into a small one."""
+    if isinstance(positions, np.ndarray):
+        return jnp.asarray(np.clip(positions, -1, _INT32.max).astype(np.int32))
+    positions = jnp.asarray(positions)
+    if positions.dtype.itemsize > 4 or positions.dtype == jnp.uint32:
+        positions = jnp.clip(positions, -1, _INT32.max)
+    return positions.astype(jnp.int32)
+
+
+def _check_scale(scale, default: float):
+    if scale is None:
+        scale = default
+    if isinstance(scale, (str, bytes)) or not (
+        isinstance(scale, (int, float, np.number))
+        or (hasattr(scale, "dtype") and np.dtype(scale.dtype).kind in "biuf")
+    ):
+        kind = getattr(scale, "dtype", type(scale).__name__)
+        raise TypeError(f"scale must be a real number (cast to f32); got {kind!s}: {scale!r:.40}")
+    if _shape(scale) != ():
+        raise ValueError(f"scale must be a scalar; got shape {_shape(scale)}")
+    return jnp.clip(jnp.asarray(scale, jnp.float32), -FLT_MAX, FLT_MAX)
+
+
+def indexer_topk(
+    q: ArrayLike,
+    weights: ArrayLike,
+    keys: ArrayLike,
+    positions: ArrayLike,
+    topk: int,
+    *,
+    scale: Union[float, ArrayLike, None] = None,
+    compress_ratio: int = 1,
+    key_scale: Optional[ArrayLike] = None,
+    return_scores: bool = False,
+    implementation: Optional[str] = None,
+) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Each token's top-k cache rows by the lightning-indexer score, exact and in bounded memory.
+
+    For token ``t`` and cache row ``r`` (DeepSeek V3.2's lightning indexer; V4's over compressed
+    blocks)::
+
+        I[t, r] = scale * key_scale[r] * sum_j weights[t, j] * relu(q[t, j] . keys[r])
+
+    Row ``r`` is valid for token ``t`` iff ``(r + 1) * compress_ratio <= positions[t] + 1``
+    (ratio 1: ``r <= position``; ratio 4: complete compressed blocks only; a negative position
+    selects nothing). The result is the ``min(topk, valid rows)`` valid rows with the highest
+    scores, best first, exact ties to the lower row, a NaN score below every number; the rest of
+    each row is ``-1``, so it feeds :func:`jax_sparse_attn.gathered_attn_idx` directly. Rows that
+    are not valid for a token never influence its selection, whatever they hold. Nothing of size
+    ``[T, R]`` is built (arithmetic and guarantees: ``docs/indexer.md``).
+
+    Args:
+      q: ``[T, Hi, Di]`` indexer queries: bf16, f16, f32 or ``float8_e4m3fn`` (its scale folded
+        into ``weights`` by the caller, as DeepSeek does).
+      weights: ``[T, Hi]`` float, per-token head weights (cast to f32).
+      keys: ``[R, Di]`` cached indexer keys, q's dtype family (16-bit or FP8 with bf16, or f32).
+      positions: ``[T]`` any integer dtype, each token's position.
+      topk: static int, the output width (``0 <= topk <= 32768``); may exceed R.
+      scale: real scalar (f32), default ``(Hi * Di) ** -0.5``.
+      compress_ratio: static int >= 1, tokens per cache row (V4's compressed blocks: 4).
+      key_scale: ``[R]`` positive f32 per-row scales (an FP8 key cache needs them), or None.
+      return_scores: also return the scores of the selected rows.
+      implementation: as for the attention op: None (the NKI kernel on Neuron, the jnp reference
+        elsewhere), ``"reference"``, ``"nki"``, ``"nki_emulated"``.
+
+    Returns:
+      ``idx [T, topk]`` int32, or ``(idx, scores [T, topk] f32)`` with ``-inf`` at the ``-1``
+      slots. The scores are differentiable with respect to ``q``, ``weights`` and ``keys``; the
+      indices and ``key_scale`` carry no gradient.
+    """
+    _check_implementation(implementation)
+    for name, x in (("q", q), ("weights", weights), ("keys", keys), ("positions", positions),
+                    ("key_scale", key_scale)):
+        if isinstance(x, (str, bytes)):
+            raise TypeError(f"{name} must be an array; got a {type(x).__name__}")
+    q, weights, keys, positions, key_scale = (
+        _as_array(n, a)
+        for n, a in (("q", q), ("weights", weights), ("keys", keys), ("positions", positions),
+                     ("key_scale", key_scale))
+    )
+    _check_rank("q", q, 3, "[T, Hi, Di]")
+    _check_float_or_fp8("q", q)
+    _check_rank("weights", weights, 2, "[T, Hi]")
+    _check_float_or_fp8("weights", weights)
+    _check_rank("keys", keys, 2, "[R, Di]")
+    _check_float_or_fp8("keys", keys)
+    _check_rank("positions", positions, 1, "[T]")
+    if not jnp.issubdtype(_dtype(positions), jnp.integer):
+        raise TypeError(f"positions must have an integer dtype; got {_dtype(positions)}")
+    T, Hi, Di = _shape(q)
+    R = _shape(keys)[0]
+    if _shape(weights) != (T, Hi):
+        raise ValueError(f"weights must have shape [T, Hi] = ({T}, {Hi}) to match q {_shape(q)}; "
+                         f"got {_shape(weights)}")
+    if _shape(keys)[1] != Di:
+        raise ValueError(f"keys must have shape [R, Di] = (R, {Di}) to match q {_shape(q)}; "
+                         f"got {_shape(keys)}")
+    if _shape(positions) != (T,):
+        raise ValueError(f"positions must have shape [T] = ({T},) to match q {_shape(q)}; "
+                         f"got {_shape(positions)}")
+    if R > MAX_ROWS:
+        raise ValueError(f"keys has {R} rows; at most {MAX_ROWS} can be indexed with int32")
+    topk = _static_int("topk", topk, 0, MAX_TOPK)
+    compress_ratio = _static_int("compress_ratio", compress_ratio, 1)
+    if key_scale is None:
+        if fp8.is_fp8(_dtype(keys)):
+            raise ValueError(f"an FP8 key cache (keys dtype {_dtype(keys)}) needs key_scale [R] "
+                             f"= ({R},), its positive per-row f32 scales")
+        key_scale = jnp.ones((R,), jnp.float32)
+    else:
+        _check_float_or_fp8("key_scale", key_scale)
+        if _shape(key_scale) != (R,):
+            raise ValueError(f"key_scale must have shape [R] = ({R},) to match keys "
+                             f"{_shape(keys)}; got {_shape(key_scale)}")
+        key_scale = jax.lax.stop_gradient(jnp.asarray(key_scale, jnp.float32))
+    dtype = _compute_dtype(_dtype(q), _dtype(keys))
+    scale = _check_scale(scale, (Hi * Di) ** -0.5)
+    q = jnp.asarray(q).astype(dtype)
+    keys = jnp.asarray(keys).astype(dtype)
+    weights = jnp.asarray(weights, jnp.float32) * scale
+    positions = _normalise_positions(positions)
+    idx, scores = primitive.indexer_topk_p.bind(
+        q, weights, keys, key_scale, positions,
+        topk=topk, compress_ratio=compress_ratio, implementation=implementation,
+    )
+    return (idx, scores) if return_scores else idx

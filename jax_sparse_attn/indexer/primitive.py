@@ -1,0 +1,150 @@
+"""The indexer primitive ``indexer_topk_p`` and its rules: abstract eval, lowerings, vmap, JVP.
+
+Operands, already normalised by :mod:`jax_sparse_attn.indexer.api` (``docs/indexer.md``)::
+
+    q [T, Hi, Di] (bf16, f16 or f32), weights [T, Hi] f32 (the scale folded in),
+    keys [R, Di] in q's dtype, key_scale [R] f32, positions [T] int32
+
+Static parameters: ``topk``, ``compress_ratio``, ``implementation``. Two results, always:
+``idx [T, topk]`` int32 (-1 for an empty slot) and ``scores [T, topk]`` f32 (-inf there).
+
+- Lowerings: the jnp reference on every platform (``reference.py``), the NKI kernel for
+  ``"nki"`` / ``"nki_emulated"`` (``indexer/neuron.py``), each run shard-locally
+  (``indexer/sharding.py``).
+- vmap: a batch axis on the token operands only (sequences sharing one key cache) folds into the
+  tokens; a batched key cache (each sequence its own) runs one call per sequence, so a token never
+  scans another sequence's rows.
+- JVP: the scores' tangent is that of the score formula at the selected rows, recomputed in
+  token chunks; the indices have none. Its transpose (the gradient) is derived by JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir, xla
+
+from .. import primitives as attention_primitives
+from .. import sharding as shared_sharding
+from . import reference
+from . import sharding as indexer_sharding
+
+indexer_topk_p = Primitive("indexer_topk")
+indexer_topk_p.multiple_results = True
+
+OPERANDS = ("q", "weights", "keys", "key_scale", "positions")
+# Operands indexed by token (their batch axis folds into the tokens) and by cache row.
+TOKEN_OPERANDS = (0, 1, 4)
+ROW_OPERANDS = (2, 3)
+
+
+def _abstract_eval(q, weights, keys, key_scale, positions, *, topk, compress_ratio,
+                   implementation):
+    del weights, keys, key_scale, positions, compress_ratio, implementation
+    shape = (q.shape[0], topk)
+    return [
+        shared_sharding.result_aval(q, shape, jnp.int32, indexer_sharding.LAYOUTS["idx"]),
+        shared_sharding.result_aval(q, shape, jnp.float32, indexer_sharding.LAYOUTS["scores"]),
+    ]
+
+
+indexer_topk_p.def_abstract_eval(_abstract_eval)
+indexer_topk_p.def_impl(functools.partial(xla.apply_primitive, indexer_topk_p))
+shared_sharding.register_device_aware(indexer_topk_p)
+
+
+# --- lowering -----------------------------------------------------------------------------------
+
+
+def _neuron_path(emulated: bool):
+    """The NKI kernel's path, or None while ``indexer/neuron.py`` is absent."""
+    try:
+        from . import neuron
+    except ImportError:
+        return None
+    return functools.partial(neuron.indexer_topk_neuron, emulated=emulated)
+
+
+def path(implementation, *, topk: int, compress_ratio: int):
+    """The jnp-traceable function of the five operands that ``implementation`` lowers to."""
+    if implementation in ("nki", "nki_emulated"):
+        kernel = _neuron_path(emulated=implementation == "nki_emulated")
+        if kernel is not None:
+            return functools.partial(kernel, topk=topk, compress_ratio=compress_ratio)
+        import warnings
+
+        warnings.warn(
+            f"implementation={implementation!r}: the indexer's NKI kernel is not part of this "
+            "version; indexer_topk runs the jnp reference instead", stacklevel=3)
+    return functools.partial(reference.indexer_topk_reference, topk=topk,
+                             compress_ratio=compress_ratio)
+
+
+def _lower(q, weights, keys, key_scale, positions, *, topk, compress_ratio, implementation):
+    fn = path(implementation, topk=topk, compress_ratio=compress_ratio)
+    return indexer_sharding.run_shard_local(fn, topk, q, weights, keys, key_scale, positions)
+
+
+mlir.register_lowering(indexer_topk_p, mlir.lower_fun(_lower, multiple_results=True))
+
+
+# --- vmap ---------------------------------------------------------------------------------------
+
+
+def _batcher(args, dims, **params):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if any(dims[i] is not None for i in ROW_OPERANDS):
+        # One key cache per sequence: one call each (a fold would let tokens scan other caches).
+        return attention_primitives._map_over_batch(indexer_topk_p, args, dims, params)
+    args = list(args)
+    for i in TOKEN_OPERANDS:
+        x = attention_primitives._to_front(args[i], dims[i], size)
+        args[i] = attention_primitives._fold(x)
+    outs = indexer_topk_p.bind(*args, **params)
+    outs = [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
+    return outs, [0, 0]
+
+
+batching.primitive_batchers[indexer_topk_p] = _batcher
+
+
+# --- JVP ----------------------------------------------------------------------------------------
+
+# Working set of one token chunk of the tangent: the gathered key rows and their products.
+TANGENT_CHUNK_BYTES = 32 * 2**20
+
+
+def selected_scores(q, weights, keys, key_scale, idx):
+    """The score formula at given rows, differentiably: ``idx [T, K]`` (-1: empty, score 0) ->
+    ``[T, K]`` f32. Token chunks of about ``TANGENT_CHUNK_BYTES`` bound the gathered keys."""
+    T, Hi, Di = q.shape
+    K = idx.shape[1]
+    if T == 0 or K == 0:
+        return jnp.zeros((T, K), jnp.float32)
+    valid = idx >= 0
+    rows = jnp.where(valid, idx, 0)
+
+    def one(q_t, w_t, rows_t, valid_t):
+        x = keys[rows_t].astype(jnp.float32)  # [K, Di]
+        d = jnp.einsum("hd,kd->hk", q_t.astype(jnp.float32), x, precision=reference._EXACT)
+        s = jnp.einsum("hk,h->k", jax.nn.relu(d), w_t, precision=reference._EXACT)
+        return jnp.where(valid_t, s * key_scale[rows_t], 0.0)
+
+    chunk = max(1, min(T, TANGENT_CHUNK_BYTES // max(1, K * (Di + Hi) * 4)))
+    return jax.lax.map(lambda a: one(*a), (q, weights, rows, valid), batch_size=chunk)
+
+
+def _jvp(primals, tangents, *, topk, compress_ratio, implementation):
+    q, weights, keys, key_scale, positions = primals
+    idx, scores = indexer_topk_p.bind(*primals, topk=topk, compress_ratio=compress_ratio,
+                                      implementation=implementation)
+    dq, dw, dk = (ad.instantiate_zeros(t) for t in tangents[:3])
+    fn = lambda q_, w_, k_: selected_scores(q_, w_, k_, key_scale, idx)  # noqa: E731
+    _, dscores = jax.jvp(fn, (q, weights, keys), (dq, dw, dk))
+    return (idx, scores), (ad.Zero(jax.typeof(idx).to_tangent_aval()), dscores)
+
+
+ad.primitive_jvps[indexer_topk_p] = _jvp

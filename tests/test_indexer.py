@@ -1,0 +1,238 @@
+"""indexer_topk against the float64 oracle (tests/indexer_oracle.py): the selection, its tie and
+NaN rules, garbage in invalid rows, dtypes, the validity rule, jit and vmap, gradients of the
+scores, and bad arguments."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from indexer_oracle import as_f64, check_selection, scores_f64, topk_f64, valid_rows
+from jax_sparse_attn import gathered_attn_idx, indexer_topk
+
+
+def make(rng, T, Hi, Di, R, dtype=jnp.bfloat16):
+    q = jnp.asarray(rng.standard_normal((T, Hi, Di)), dtype)
+    w = jnp.asarray(rng.standard_normal((T, Hi)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((R, Di)), dtype)
+    return q, w, k
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("T,Hi,Di,R,topk", [(13, 4, 32, 300, 16), (3, 8, 64, 2000, 128),
+                                             (7, 2, 16, 40, 64)])
+def test_selection_matches_float64(rng, dtype, T, Hi, Di, R, topk):
+    q, w, k = make(rng, T, Hi, Di, R, dtype)
+    positions = rng.integers(-3, R + 10, T)
+    idx, scores = jax.jit(lambda *a: indexer_topk(*a, topk, return_scores=True))(q, w, k, positions)
+    assert idx.shape == (T, topk) and idx.dtype == jnp.int32 and scores.dtype == jnp.float32
+    s, bound = scores_f64(q, w, k)
+    check_selection(idx, scores, s, bound, valid_rows(positions, R), topk)
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 128])
+def test_compress_ratio_validity(rng, ratio):
+    T, R, topk = 11, 64, 8
+    q, w, k = make(rng, T, 4, 16, R)
+    positions = np.array([-1, 0, ratio - 2, ratio - 1, ratio, 2 * ratio - 1, 5 * ratio + 2,
+                          R * ratio - 1, R * ratio, 10**6, 2**31 - 1])
+    idx, scores = indexer_topk(q, w, k, positions, topk, compress_ratio=ratio, return_scores=True)
+    s, bound = scores_f64(q, w, k)
+    valid = valid_rows(positions, R, ratio)
+    check_selection(idx, scores, s, bound, valid, topk)
+    # Only complete blocks: position ratio - 2 has none, ratio - 1 has exactly row 0.
+    assert (np.asarray(idx)[2] == -1).all() and np.asarray(idx)[3, 0] == 0
+    assert (np.asarray(idx)[3, 1:] == -1).all()
+
+
+def test_int64_positions_beyond_int32_are_not_wrapped(rng):
+    q, w, k = make(rng, 2, 2, 8, 10)
+    positions = np.array([2**32 + 1, -(2**32) + 3], np.int64)  # wrapped: 1 and 3
+    idx = np.asarray(indexer_topk(q, w, k, positions, 10))
+    assert (idx[0] >= 0).all() and (idx[1] == -1).all()
+
+
+def test_exact_ties_go_to_the_lower_row(rng):
+    T, Hi, Di, R = 4, 2, 8, 40
+    q, w, k = make(rng, T, Hi, Di, R)
+    k = k.at[5].set(k[30]).at[17].set(k[30]).at[33].set(k[30])  # four equal rows
+    q = jnp.broadcast_to(q[:1], q.shape)
+    w = jnp.broadcast_to(jnp.abs(w[:1]), w.shape)
+    s, _ = scores_f64(q, w, k)
+    rank = int(np.sum(s[0] > s[0, 30]))
+    # Token t's topk ends t + 1 entries into the tie group: its lower rows are the ones kept.
+    for t in range(T):
+        idx = np.asarray(indexer_topk(q, w, k, [R - 1] * T, rank + t + 1))[t]
+        assert list(idx[rank:]) == [5, 17, 30, 33][: t + 1], (t, idx)
+
+
+def test_nan_ranks_below_every_number_and_minus_inf_is_selected(rng):
+    T, Hi, Di, R = 3, 2, 4, 12
+    q = jnp.ones((T, Hi, Di), jnp.float32)
+    w = jnp.full((T, Hi), -1.0, jnp.float32)  # negative weights: scores <= 0
+    k = jnp.asarray(rng.uniform(0.5, 1.0, (R, Di)), jnp.float32)
+    k = k.at[3].set(jnp.nan).at[8].set(1e38)  # row 3: NaN score; row 8: -inf (overflow)
+    idx, scores = indexer_topk(q, w, k, [R - 1] * T, R, return_scores=True)
+    idx, scores = np.asarray(idx)[0], np.asarray(scores)[0]
+    assert idx[-1] == 3 and np.isnan(scores[-1])
+    assert idx[-2] == 8 and scores[-2] == -np.inf
+    assert np.all(np.diff(scores[:-2]) <= 0)
+    # With room for all but one, the NaN row is the one left out.
+    idx = np.asarray(indexer_topk(q, w, k, [R - 1] * T, R - 1))[0]
+    assert 3 not in idx and 8 in idx
+
+
+def test_garbage_in_rows_no_token_may_select(rng):
+    T, Hi, Di, R, topk = 6, 4, 16, 500, 32
+    q, w, k = make(rng, T, Hi, Di, R)
+    positions = np.array([0, 5, 40, 100, 199, 250])
+    poisoned = np.asarray(k.astype(jnp.float32)).copy()
+    poisoned[251:] = np.nan
+    poisoned[260] = np.inf
+    poisoned[400:420] = -np.inf
+    poisoned = jnp.asarray(poisoned, jnp.bfloat16)
+    clean = indexer_topk(q, w, k, positions, topk, return_scores=True)
+    dirty = indexer_topk(q, w, poisoned, positions, topk, return_scores=True)
+    for a, b in zip(clean, dirty):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_queries_and_keys_with_scales(rng):
+    T, Hi, Di, R, topk = 5, 4, 32, 200, 20
+    q = jnp.asarray(rng.standard_normal((T, Hi, Di)), jnp.float8_e4m3fn)
+    k = jnp.asarray(rng.standard_normal((R, Di)), jnp.float8_e4m3fn)
+    ks = jnp.asarray(rng.uniform(0.1, 2.0, R), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((T, Hi)), jnp.float32)
+    positions = np.array([3, 50, 120, 199, 500])
+    idx, scores = indexer_topk(q, w, k, positions, topk, key_scale=ks, scale=0.7,
+                               return_scores=True)
+    s, bound = scores_f64(q, w, k, ks, scale=0.7)
+    check_selection(idx, scores, s, bound, valid_rows(positions, R), topk)
+
+
+def test_bit_identical_across_runs_and_under_jit(rng):
+    q, w, k = make(rng, 9, 4, 32, 700)
+    positions = np.arange(691, 700)
+    eager = indexer_topk(q, w, k, positions, 64, return_scores=True)
+    jitted = jax.jit(lambda *a: indexer_topk(*a, 64, return_scores=True))(q, w, k, positions)
+    for a, b in zip(eager, jitted):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_empty_shapes(rng):
+    q, w, k = make(rng, 4, 2, 8, 16)
+    assert indexer_topk(q, w, k, [1, 2, 3, 4], 0).shape == (4, 0)
+    assert indexer_topk(q[:0], w[:0], k, np.zeros(0, np.int32), 5).shape == (0, 5)
+    idx, scores = indexer_topk(q, w, k[:0], [1, 2, 3, 4], 3, return_scores=True)
+    assert (np.asarray(idx) == -1).all() and np.isneginf(np.asarray(scores)).all()
+
+
+def test_feeds_gathered_attn_idx(rng):
+    T, R, H, D, topk = 6, 64, 4, 32, 8
+    q, w, k = make(rng, T, 2, 16, R)
+    positions = np.arange(T) * 3
+    idx = indexer_topk(q, w, k, positions, topk)
+    qa = jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((R, D)), jnp.bfloat16)
+    out = gathered_attn_idx(qa, kv, idx, None)
+    assert out.shape == (T, H, D) and np.isfinite(np.asarray(out, np.float32)).all()
+
+
+@pytest.mark.slow
+def test_vmap_shared_and_own_caches(rng):
+    B, T, Hi, Di, R, topk = 3, 5, 4, 16, 90, 12
+    q = jnp.asarray(rng.standard_normal((B, T, Hi, Di)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((B, T, Hi)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((B, R, Di)), jnp.bfloat16)
+    positions = rng.integers(0, R, (B, T))
+    own = jax.vmap(lambda q, w, k, p: indexer_topk(q, w, k, p, topk))(q, w, keys, positions)
+    shared = jax.vmap(lambda q, w, p: indexer_topk(q, w, keys[1], p, topk), in_axes=(0, 0, 0))(
+        q, w, positions)
+    moved = jax.vmap(lambda q, w, p: indexer_topk(q, w, keys[0], p, topk), in_axes=(1, 1, 1),
+                     out_axes=1)(jnp.moveaxis(q, 0, 1), jnp.moveaxis(w, 0, 1), positions.T)
+    for b in range(B):
+        np.testing.assert_array_equal(own[b], indexer_topk(q[b], w[b], keys[b], positions[b], topk))
+        np.testing.assert_array_equal(shared[b],
+                                      indexer_topk(q[b], w[b], keys[1], positions[b], topk))
+        np.testing.assert_array_equal(moved[:, b],
+                                      indexer_topk(q[b], w[b], keys[0], positions[b], topk))
+
+
+def _score_grads_f64(q, w, k, ks, scale, idx, ct):
+    """d/d(q, w, k) of sum(ct * scores) at the selected rows, by hand in float64."""
+    q, w, k = as_f64(q), as_f64(w), as_f64(k)
+    gq, gw, gk = np.zeros_like(q), np.zeros_like(w), np.zeros_like(k)
+    T, K = idx.shape
+    for t in range(T):
+        for j in range(K):
+            r = idx[t, j]
+            if r < 0:
+                continue
+            d = q[t] @ k[r]  # [Hi]
+            on = (d > 0).astype(np.float64)
+            c = ct[t, j] * scale * ks[r]
+            gw[t] += c * np.maximum(d, 0)
+            gq[t] += c * (w[t] * on)[:, None] * k[r][None, :]
+            gk[r] += c * (w[t] * on) @ q[t]
+    return gq, gw, gk
+
+
+def test_score_gradients_against_float64(rng):
+    T, Hi, Di, R, topk = 5, 3, 8, 30, 6
+    q, w, k = make(rng, T, Hi, Di, R, jnp.float32)
+    ks = jnp.asarray(rng.uniform(0.5, 2.0, R), jnp.float32)
+    positions = np.array([2, 8, 15, 29, 29])
+    ct = rng.standard_normal((T, topk))
+
+    def loss(q, w, k):
+        idx, s = indexer_topk(q, w, k, positions, topk, key_scale=ks, scale=0.5,
+                              return_scores=True)
+        return jnp.sum(jnp.where(idx >= 0, s, 0.0) * ct)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, w, k)
+    idx = np.asarray(indexer_topk(q, w, k, positions, topk, key_scale=ks, scale=0.5))
+    want = _score_grads_f64(q, w, k, np.asarray(ks, np.float64), 0.5, idx, ct)
+    for g, x in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g), x, rtol=1e-4, atol=1e-5)
+
+
+def test_jvp_of_scores_against_float64(rng):
+    T, Hi, Di, R, topk = 4, 2, 8, 20, 5
+    q, w, k = make(rng, T, Hi, Di, R, jnp.float32)
+    dq, dw, dk = (jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, w, k))
+    positions = np.array([4, 9, 19, 19])
+    fn = lambda q, w, k: indexer_topk(q, w, k, positions, topk, return_scores=True)[1]  # noqa
+    _, tangent = jax.jvp(fn, (q, w, k), (dq, dw, dk))
+    eps = 1e-3
+    plus = scores_f64(q + eps * dq, w + eps * dw, k + eps * dk)[0]
+    minus = scores_f64(q - eps * dq, w - eps * dw, k - eps * dk)[0]
+    idx = np.asarray(indexer_topk(q, w, k, positions, topk))
+    central = np.where(idx >= 0, np.take_along_axis((plus - minus) / (2 * eps),
+                                                    np.maximum(idx, 0), axis=1), 0.0)
+    np.testing.assert_allclose(np.where(idx >= 0, np.asarray(tangent), 0.0), central,
+                               rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda q, w, k: indexer_topk(q[0], w, k, [0, 1], 4), ValueError, "q must have rank 3"),
+    (lambda q, w, k: indexer_topk(q, w[:, :1], k, [0, 1], 4), ValueError, "weights must have shape"),
+    (lambda q, w, k: indexer_topk(q, w, k[:, :3], [0, 1], 4), ValueError, "keys must have shape"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0], 4), ValueError, "positions must have shape"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0.5, 1.0], 4), TypeError, "positions must have an integer"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], -1), ValueError, "topk must be"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], True), TypeError, "topk must be an integer"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 2.0), TypeError, "topk must be a Python integer"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, compress_ratio=0), ValueError, "compress_ratio"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, key_scale=jnp.ones(3)), ValueError, "key_scale must have shape"),
+    (lambda q, w, k: indexer_topk(q, w, k.astype(jnp.float8_e4m3fn), [0, 1], 4), ValueError, "needs key_scale"),
+    (lambda q, w, k: indexer_topk(q, w, k.astype(jnp.float16), [0, 1], 4), TypeError, "share a 16-bit dtype"),
+    (lambda q, w, k: indexer_topk(q.astype(jnp.int8), w, k, [0, 1], 4), TypeError, "q must be a floating"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, scale="big"), TypeError, "scale must be a real"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, implementation="gpu"), ValueError, "implementation"),
+    (lambda q, w, k: indexer_topk(q, w, "keys", [0, 1], 4), TypeError, "keys"),
+])
+def test_bad_arguments_name_the_argument(rng, call, err, match):
+    q, w, k = make(rng, 2, 2, 8, 10)
+    with pytest.raises(err, match=match):
+        call(q, w, k)
