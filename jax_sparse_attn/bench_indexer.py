@@ -396,3 +396,52 @@ def sweep(quick: bool = False, dtype_name: str = "bf16", max_size: Optional[int]
                    if dense else point["dense_skipped"]))
         result[key] = records
     return result
+
+
+# --- the layer's long prefill: peak memory ------------------------------------------------------------
+
+# Issue 17: a causal prefill of T = 65,536 with the layer grows the process by at most 3 GiB.
+LAYER_PREFILL_T = 65536
+LAYER_PREFILL_LIMIT_BYTES = 3 * 2**30
+
+
+def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16") -> dict:
+    """Runs in a fresh process: peak RSS growth of one jitted causal prefill of ``T`` tokens into
+    an empty cache of ``T`` rows (compilation, projections, selection, attention and the output
+    included; the input, the parameters and the empty cache excluded)."""
+    from flax import nnx
+
+    from .flax import SparseAttention
+
+    dtype = bench.DTYPES[dtype_name]
+    E, H, D, K, Hi, Di = (sizes[k] for k in ("E", "H", "D", "K", "Hi", "Di"))
+    layer = SparseAttention(E, H, D, K, index_heads=Hi, index_dim=Di, dtype=dtype,
+                            rngs=nnx.Rngs(0))
+    x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (1, T, E), dtype))
+    cache = jax.block_until_ready(layer.init_cache(1, T))
+    prefill = nnx.jit(lambda m, x, c: m(x, c), donate_argnums=2)
+    peak_reset = bench._reset_peak_rss()
+    rss_before = bench._rss_bytes()
+    start = time.perf_counter()
+    y, cache = prefill(layer, x, cache)
+    y = jax.block_until_ready(y)
+    seconds = time.perf_counter() - start
+    growth = bench._peak_rss_bytes() - rss_before
+    return {"T": T, "sizes": dict(sizes), "dtype": dtype_name, "growth_bytes": growth,
+            "limit_bytes": LAYER_PREFILL_LIMIT_BYTES, "peak_reset": peak_reset,
+            "seconds_first_call": seconds, "finite": bool(np.isfinite(np.asarray(y, np.float32)).all()),
+            "length": int(cache.length[0]),
+            # The dense selection's [T, Hi, T] f32 products alone (what the op avoids).
+            "dense_products_bytes": 4 * T * Hi * T}
+
+
+def run_layer_memory_check(T: int = LAYER_PREFILL_T, sizes: Optional[dict] = None,
+                           dtype_name: str = "bf16", timeout: float = 1800) -> dict:
+    """:func:`layer_memory_child` in a fresh Python process; returns its record."""
+    sizes = LAYER_DECODE if sizes is None else sizes
+    cmd = [sys.executable, "-m", "jax_sparse_attn.bench", "--layer-memory-child", str(T),
+           "--layer-sizes", json.dumps(sizes), "--dtype", dtype_name]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"layer memory check failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
