@@ -610,13 +610,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--indexer-path", choices=("op", "dense"), default="op", help=argparse.SUPPRESS)
     p.add_argument("--layer-memory-child", type=int, metavar="T", help=argparse.SUPPRESS)
     p.add_argument("--layer-sizes", metavar="JSON", help=argparse.SUPPRESS)
+    p.add_argument("--layer-selection", default="streaming", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
 
     if a.layer_memory_child:
         from . import bench_indexer
 
         print(json.dumps(bench_indexer.layer_memory_child(
-            a.layer_memory_child, json.loads(a.layer_sizes), a.dtype)))
+            a.layer_memory_child, json.loads(a.layer_sizes), a.dtype, a.layer_selection)))
         return 0
     if a.indexer_sweep_child or a.indexer_sweep:
         return _indexer_sweep_main(a)

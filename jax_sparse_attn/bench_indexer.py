@@ -405,10 +405,12 @@ LAYER_PREFILL_T = 65536
 LAYER_PREFILL_LIMIT_BYTES = 3 * 2**30
 
 
-def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16") -> dict:
+def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16",
+                       selection: str = "streaming") -> dict:
     """Runs in a fresh process: peak RSS growth of one jitted causal prefill of ``T`` tokens into
     an empty cache of ``T`` rows (compilation, projections, selection, attention and the output
-    included; the input, the parameters and the empty cache excluded)."""
+    included; the input, the parameters and the empty cache excluded), and its time (compilation
+    included)."""
     from flax import nnx
 
     from .flax import SparseAttention
@@ -416,7 +418,7 @@ def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16") -> dict:
     dtype = bench.DTYPES[dtype_name]
     E, H, D, K, Hi, Di = (sizes[k] for k in ("E", "H", "D", "K", "Hi", "Di"))
     layer = SparseAttention(E, H, D, K, index_heads=Hi, index_dim=Di, dtype=dtype,
-                            rngs=nnx.Rngs(0))
+                            selection=selection, rngs=nnx.Rngs(0))
     x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (1, T, E), dtype))
     cache = jax.block_until_ready(layer.init_cache(1, T))
     prefill = nnx.jit(lambda m, x, c: m(x, c), donate_argnums=2)
@@ -427,7 +429,8 @@ def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16") -> dict:
     y = jax.block_until_ready(y)
     seconds = time.perf_counter() - start
     growth = bench._peak_rss_bytes() - rss_before
-    return {"T": T, "sizes": dict(sizes), "dtype": dtype_name, "growth_bytes": growth,
+    return {"T": T, "sizes": dict(sizes), "dtype": dtype_name, "selection": selection,
+            "growth_bytes": growth,
             "limit_bytes": LAYER_PREFILL_LIMIT_BYTES, "peak_reset": peak_reset,
             "seconds_first_call": seconds, "finite": bool(np.isfinite(np.asarray(y, np.float32)).all()),
             "length": int(cache.length[0]),
@@ -436,11 +439,13 @@ def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16") -> dict:
 
 
 def run_layer_memory_check(T: int = LAYER_PREFILL_T, sizes: Optional[dict] = None,
-                           dtype_name: str = "bf16", timeout: float = 1800) -> dict:
+                           dtype_name: str = "bf16", timeout: float = 1800,
+                           selection: str = "streaming") -> dict:
     """:func:`layer_memory_child` in a fresh Python process; returns its record."""
     sizes = LAYER_DECODE if sizes is None else sizes
     cmd = [sys.executable, "-m", "jax_sparse_attn.bench", "--layer-memory-child", str(T),
-           "--layer-sizes", json.dumps(sizes), "--dtype", dtype_name]
+           "--layer-sizes", json.dumps(sizes), "--dtype", dtype_name,
+           "--layer-selection", selection]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"layer memory check failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
