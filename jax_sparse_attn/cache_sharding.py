@@ -27,6 +27,7 @@ partial's share of the softmax (tests/test_cache_sharding.py bounds the error at
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -85,12 +86,22 @@ def row_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
 
 
 class _RowPartitioner(sharding._Partitioner):
-    """Automatic mesh axes: the partition callback keeps the cache split over its rows."""
+    """Automatic mesh axes: the partition callback keeps the cache split over its rows.
+
+    ``row_operands``: the operands split over the rows (the first one, the cache, decides the
+    split); ``make_local(fn, axes, mesh_shape)``: the per-device function that runs ``fn`` on one
+    row block and merges the partial results (``row_local`` for the attention op).
+    """
+
+    def __init__(self, *args, row_operands: Sequence[int] = (_KV,), make_local=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.row_operands = tuple(row_operands)
+        self.make_local = row_local if make_local is None else make_local
 
     def partition(self, mesh, arg_shapes, result_shape):
         mesh = self._mesh(mesh, arg_shapes)
         axes = self._factor_axes(mesh, arg_shapes)
-        kv = arg_shapes[_KV]
+        kv = arg_shapes[self.row_operands[0]]
         taken = [a for f in sharding.SHARDABLE_FACTORS for a in axes[f]]
         rows = ()
         if isinstance(kv.sharding, NamedSharding):
@@ -98,9 +109,10 @@ class _RowPartitioner(sharding._Partitioner):
         if not rows:
             return super().partition(mesh, arg_shapes, result_shape)
         arg_shardings = list(self._shardings(mesh, self.operand_layouts, axes))
-        arg_shardings[_KV] = NamedSharding(mesh, PartitionSpec(sharding._spec_entry(rows), None))
+        for i in self.row_operands:
+            arg_shardings[i] = NamedSharding(mesh, _row_spec(rows, arg_shapes[i].ndim))
         result_shardings = self._shardings(mesh, self.result_layouts, axes)
-        lower_fn = row_local(self.fn, rows, dict(mesh.shape))
+        lower_fn = self.make_local(self.fn, rows, dict(mesh.shape))
         return mesh, lower_fn, result_shardings, tuple(arg_shardings)
 
     def sharding_rule(self):
@@ -112,10 +124,16 @@ class _RowPartitioner(sharding._Partitioner):
         return rule, kinds
 
 
-def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, rows, mesh):
+def _row_spec(rows: tuple, ndim: int) -> PartitionSpec:
+    return PartitionSpec(sharding._spec_entry(rows), *([None] * (ndim - 1)))
+
+
+def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, rows, mesh,
+                  row_operands, make_local):
     """Explicit axes: ``fn`` per device under ``jax.shard_map``, the cache split over ``rows``."""
     in_specs = [sharding._spec(lay, factor_axes) for lay in operand_layouts]
-    in_specs[_KV] = PartitionSpec(sharding._spec_entry(rows), None)
+    for i in row_operands:
+        in_specs[i] = _row_spec(rows, operands[i].ndim)
     out_specs = tuple(sharding._spec(lay, factor_axes) for lay in result_layouts)
     placed = []
     for x, spec in zip(operands, in_specs):
@@ -124,7 +142,7 @@ def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, ro
             x = jax.sharding.reshard(x, NamedSharding(mesh, spec))
         placed.append(x)
     used = [a for axes in factor_axes.values() for a in axes] + list(rows)
-    local = row_local(fn, rows, dict(mesh.shape))
+    local = make_local(fn, rows, dict(mesh.shape))
     return tuple(jax.shard_map(
         lambda *ops: tuple(local(*ops)), mesh=mesh, in_specs=tuple(in_specs),
         out_specs=out_specs, axis_names=set(used), check_vma=False,
@@ -132,27 +150,33 @@ def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, ro
 
 
 def shard_local_rows(
-    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str]
+    fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str],
+    row_operands: Sequence[int] = (_KV,), make_local: Callable = row_local,
+    q_layout: str = sharding.LAYOUTS["q"],
 ) -> Callable:
-    """:func:`sharding.shard_local` for the forward ``gathered_attn_idx``, which may also leave
-    the cache split over its rows (see the module docstring). ``fn`` returns ``(out, lse)``."""
-    plain = sharding.shard_local(fn, operand_layouts, result_layouts, _RowPartitioner)
+    """:func:`sharding.shard_local` for an op that may also leave its cache split over its rows
+    (see the module docstring): the forward ``gathered_attn_idx`` (``fn`` returns ``(out, lse)``,
+    merged by ``row_local``), and the indexer (``row_operands`` its keys and key scales, merged
+    by its own ``make_local``)."""
+    partitioner = functools.partial(_RowPartitioner, row_operands=row_operands,
+                                    make_local=make_local)
+    plain = sharding.shard_local(fn, operand_layouts, result_layouts, partitioner, q_layout)
 
     def wrapped(*operands):
-        q, kv = jax.typeof(operands[0]), jax.typeof(operands[_KV])
+        q, kv = jax.typeof(operands[0]), jax.typeof(operands[row_operands[0]])
         if sharding._in_manual_region(q):
             return tuple(fn(*operands))  # inside a user's shard_map: the blocks are given
         explicit = sharding._explicit_axis_names(kv) | sharding._explicit_axis_names(q)
         if explicit:
             mesh = kv.sharding.mesh
-            factor_axes = sharding._explicit_factor_axes(q) if sharding._has_explicit_axes(q) \
-                else {f: () for f in sharding.SHARDABLE_FACTORS}
+            factor_axes = sharding._explicit_factor_axes(q, q_layout) \
+                if sharding._has_explicit_axes(q) else {f: () for f in sharding.SHARDABLE_FACTORS}
             taken = [a for axes in factor_axes.values() for a in axes]
             rows = row_axes(kv.sharding.spec, kv.shape[0], dict(mesh.shape), taken)
             rows = rows if all(a in explicit for a in rows) else ()
             if rows:
                 return _run_explicit(fn, operands, operand_layouts, result_layouts,
-                                     factor_axes, rows, mesh)
+                                     factor_axes, rows, mesh, row_operands, make_local)
         return plain(*operands)
 
     return wrapped

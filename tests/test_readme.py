@@ -50,7 +50,8 @@ def run(code: str, as_written: bool = True) -> dict:
 def test_every_snippet_is_covered_below():
     markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", 'put(q, P("x"))',
                "from jax_sparse_attn.flax import SparseAttention", "merge_attention(",
-               'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale"]
+               'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale",
+               "indexer_topk, static_argnames"]
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -158,3 +159,12 @@ def test_install_commands_name_existing_extras():
 def test_install_hints_in_error_messages_work_from_a_clone():
     sources = "\n".join(p.read_text() for p in (ROOT / "jax_sparse_attn").rglob("*.py"))
     assert "jax-sparse-attn[" not in sources
+
+
+def test_indexer_snippet_selects_the_exact_top_rows():
+    from indexer_oracle import check_rows, scores_f64, valid_rows
+
+    ns = run(snippet("indexer_topk, static_argnames"))
+    s, bound = scores_f64(ns["iq"], ns["iw"], ns["ik"])
+    check_rows(ns["idx"], s, bound, valid_rows(np.asarray(ns["positions"]), ns["R"]), ns["K"])
+    assert ns["out"].shape == (ns["T"], 16, 512)

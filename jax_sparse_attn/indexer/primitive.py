@@ -85,7 +85,8 @@ def path(implementation, *, topk: int, compress_ratio: int):
 
 def _lower(q, weights, keys, key_scale, positions, *, topk, compress_ratio, implementation):
     fn = path(implementation, topk=topk, compress_ratio=compress_ratio)
-    return indexer_sharding.run_shard_local(fn, topk, q, weights, keys, key_scale, positions)
+    return indexer_sharding.run_shard_local(fn, topk, compress_ratio, q, weights, keys, key_scale,
+                                            positions)
 
 
 mlir.register_lowering(indexer_topk_p, mlir.lower_fun(_lower, multiple_results=True))

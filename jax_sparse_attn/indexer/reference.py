@@ -69,6 +69,7 @@ MAX_TOPK = MAX_BUFFER // 2
 MIN_BLOCK_ROWS = 256
 MAX_BLOCK_ROWS = 8192
 MAX_CHUNK_TOKENS = 256
+BLOCK_ALIGN = 16
 
 
 def order_keys(scores):
@@ -157,6 +158,10 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
     if Rb > MIN_BLOCK_ROWS:
         Rb = max(MIN_BLOCK_ROWS, min(Rb, budget // (4 * max(heads, 1) * 8)))
     Rb = min(Rb, MAX_BUFFER - topk) if topk < MAX_BUFFER else 1
+    if Rb > BLOCK_ALIGN:
+        # XLA:CPU's products take another summation order for a block narrower than a few
+        # vectors; blocks of whole multiples keep every score's bits the same for every plan.
+        Rb -= Rb % BLOCK_ALIGN
     Tc = budget // (4 * max(heads, 1) * Rb)
     Tc = int(max(1, min(num_tokens, MAX_CHUNK_TOKENS, Tc)))
     return ChunkPlan(Tc, max(Rb, 1), topk + max(Rb, 1))

@@ -1,14 +1,25 @@
-"""The indexer under multi-device jit: tokens split with no collective (docs/indexer.md).
+"""The indexer under multi-device jit (docs/indexer.md, "Transforms and sharding").
 
-The selection of a token reads only its own queries, weights and position and the whole cache, so
-each device runs the reference (or the kernel) on its block of tokens with the keys replicated:
-the shared machinery of :mod:`jax_sparse_attn.sharding`, with the indexer heads ``j`` never split
-(they are summed inside a score).
+- **Tokens split.** A token's selection reads only its own queries, weights and position and the
+  whole cache, so each device runs the reference (or the kernel) on its block of tokens with the
+  keys replicated, with no collective: the shared machinery of :mod:`jax_sparse_attn.sharding`,
+  with the indexer heads ``j`` never split (they are summed inside a score).
+- **Keys split over their rows** (``PartitionSpec("y")`` on ``keys`` and ``key_scale``): each
+  device selects among its own rows, numbered globally (its positions shifted by its first row),
+  then one ``all_gather`` of the ``[T, topk]`` candidates (order keys and rows) and an exact cut to
+  the best ``topk`` give every device the global selection, bit for bit: the union of the devices'
+  top-k holds the global top-k, and device order is row order, so ties still go to the lower row.
+  No collective carries R-sized data. The row machinery is the attention cache's
+  (:mod:`jax_sparse_attn.cache_sharding`).
 """
 
 from __future__ import annotations
 
-from .. import sharding
+import jax
+import jax.numpy as jnp
+
+from .. import cache_sharding
+from . import reference
 
 # Operand and result layouts: ``t`` tokens, ``j`` indexer heads (never split), ``d`` the key
 # width, ``r`` cache rows, ``k`` the selected slots.
@@ -23,10 +34,41 @@ LAYOUTS = {
 }
 OPERAND_LAYOUTS = [LAYOUTS[n] for n in ("q", "weights", "keys", "key_scale", "positions")]
 RESULT_LAYOUTS = [LAYOUTS["idx"], LAYOUTS["scores"]]
+ROW_OPERANDS = (2, 3)  # keys, key_scale
 
 
-def run_shard_local(fn, topk: int, *operands):
-    """``fn(*operands)`` on each device's block of tokens; returns ``(idx, scores)``."""
-    run = sharding.shard_local(lambda *a: tuple(fn(*a)), OPERAND_LAYOUTS, RESULT_LAYOUTS,
-                               q_layout=LAYOUTS["q"])
+def merge_candidates(idx, scores, topk: int):
+    """The best ``topk`` of candidate lists ``[T, n]`` (rows ascending among equal scores in
+    list order) by the indexer's ranking: ``(idx [T, topk], scores [T, topk])``."""
+    keys = jnp.where(idx >= 0, reference.order_keys(scores), reference.INVALID_KEY)
+    keys, rows, _, _ = reference._cut_to_topk(keys, idx, topk, topk)
+    keys, rows = reference.sort_best_first(keys, rows)
+    return jnp.where(keys == reference.INVALID_KEY, -1, rows), reference.scores_of_keys(keys)
+
+
+def _rows_local(compress_ratio: int, topk: int):
+    def make_local(fn, axes, mesh_shape):
+        def local(q, weights, keys, key_scale, positions, *extra):
+            first = cache_sharding._shard_index(axes, mesh_shape) * keys.shape[0]
+            # (first + r + 1) * ratio <= p + 1  <=>  (r + 1) * ratio <= p - first * ratio + 1.
+            shifted = jnp.where(positions // compress_ratio < first, -1,
+                                positions - first * compress_ratio)
+            idx, scores = fn(q, weights, keys, key_scale, shifted, *extra)[:2]
+            idx = jnp.where(idx >= 0, idx + first, -1)
+            all_idx = jax.lax.all_gather(idx, axes, axis=1, tiled=True)  # [T, n * topk]
+            all_scores = jax.lax.all_gather(scores, axes, axis=1, tiled=True)
+            return merge_candidates(all_idx, all_scores, topk)
+
+        return local
+
+    return make_local
+
+
+def run_shard_local(fn, topk: int, compress_ratio: int, *operands):
+    """``fn(*operands)`` on each device's block of tokens (and of key rows, when the keys are
+    split over their rows); returns ``(idx, scores)``."""
+    run = cache_sharding.shard_local_rows(
+        lambda *a: tuple(fn(*a)), OPERAND_LAYOUTS, RESULT_LAYOUTS, row_operands=ROW_OPERANDS,
+        make_local=_rows_local(compress_ratio, topk), q_layout=LAYOUTS["q"],
+    )
     return tuple(run(*operands))

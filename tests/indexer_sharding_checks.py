@@ -1,0 +1,74 @@
+"""Runs the checks of test_indexer_sharding.py on 8 host CPU devices; own process.
+
+``python tests/indexer_sharding_checks.py`` with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+prints one JSON record per check: the collectives of the compiled program with their shapes, and
+whether the sharded result equals the single-device one bit for bit.
+"""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_sparse_attn as jsa
+from cache_sharding_checks import collectives
+
+T, HI, DI, R, TOPK = 16, 4, 32, 2048, 40
+
+
+def make_inputs():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((T, HI, DI)).astype(jnp.bfloat16)
+    w = rng.standard_normal((T, HI)).astype(np.float32)
+    keys = rng.standard_normal((R, DI)).astype(jnp.bfloat16)
+    keys[100] = keys[1900]  # an exact tie across two row shards
+    key_scale = rng.uniform(0.5, 2.0, R).astype(np.float32)
+    positions = np.concatenate([rng.integers(0, R, T - 3), [-1, 5, 4 * R]]).astype(np.int32)
+    return {"q": q, "w": w, "keys": keys, "key_scale": key_scale, "positions": positions}
+
+
+def check(records, name, mesh, specs, compress_ratio=1):
+    inputs = make_inputs()
+
+    def f(q, w, keys, key_scale, positions):
+        return jsa.indexer_topk(q, w, keys, positions, TOPK, key_scale=key_scale,
+                                compress_ratio=compress_ratio, return_scores=True)
+
+    fn = jax.jit(f)
+    single = fn(*(jax.device_put(v, jax.devices()[0]) for v in inputs.values()))
+    placed = [jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in inputs.items()]
+    got = fn(*placed)
+    record = {"check": name, "collectives": collectives(fn, *placed),
+              "idx_equal": bool(np.array_equal(np.asarray(got[0]), np.asarray(single[0]))),
+              "scores_equal": bool(np.array_equal(np.asarray(got[1]), np.asarray(single[1]))),
+              "selected": int(np.sum(np.asarray(single[0]) >= 0))}
+    print(json.dumps(record), flush=True)
+    records.append(record)
+
+
+def run():
+    records = []
+    for axis_type in ("Auto", "Explicit"):
+        kind = getattr(AxisType, axis_type)
+        mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
+        check(records, f"tokens/{axis_type}", mesh,
+              {"q": P("x"), "w": P("x"), "keys": P(), "key_scale": P(), "positions": P("x")})
+        check(records, f"rows/{axis_type}", mesh,
+              {"q": P(), "w": P(), "keys": P("x"), "key_scale": P("x"), "positions": P()})
+        check(records, f"rows/ratio4/{axis_type}", mesh,
+              {"q": P(), "w": P(), "keys": P("x"), "key_scale": P("x"), "positions": P()}, 4)
+        mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(kind, kind))
+        check(records, f"tokens+rows/{axis_type}", mesh,
+              {"q": P("x"), "w": P("x"), "keys": P("y"), "key_scale": P("y"),
+               "positions": P("x")})
+    return records
+
+
+if __name__ == "__main__":
+    if jax.device_count() != 8:
+        sys.exit(f"needs 8 devices; XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
+    run()

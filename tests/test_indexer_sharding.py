@@ -1,0 +1,48 @@
+"""indexer_topk on 8 host CPU devices (subprocess: indexer_sharding_checks.py).
+
+Tokens split: no collective at all. Keys split over their rows: the only collectives are
+all-gathers of the ``[T, topk]`` candidates, never anything with R rows; in every case the result
+equals the single-device call bit for bit (ties across row shards included). Mesh axes Auto and
+Explicit.
+"""
+
+import pytest
+
+import indexer_sharding_checks as checks
+from conftest import run_on_8_devices
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def records():
+    return run_on_8_devices("indexer_sharding_checks.py")
+
+
+CASES = [f"{layout}/{axis}" for axis in ("Auto", "Explicit")
+         for layout in ("tokens", "rows", "rows/ratio4", "tokens+rows")]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_same_result_as_one_device(records, name):
+    r = records[name]
+    assert r["idx_equal"] and r["scores_equal"], r
+    assert r["selected"] > 0
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_only_candidates_travel(records, name):
+    r = records[name]
+    kinds = [c["kind"] for c in r["collectives"]]
+    if name.startswith("tokens/"):
+        assert kinds == [], r["collectives"]
+        return
+    assert kinds and set(kinds) == {"all-gather"}, r["collectives"]
+    for c in r["collectives"]:
+        for shape in c["shapes"]:
+            assert checks.R not in shape and checks.R // 8 not in shape and \
+                checks.R // 4 not in shape, c
+            size = 1
+            for n in shape:
+                size *= n
+            assert size <= checks.T * checks.TOPK * 8, c
