@@ -605,7 +605,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "T (prefill) and R (decode), each point in a fresh process (--json to keep it; "
                    "python -m jax_sparse_attn.plots --indexer-sweep JSON --png PATH draws it)")
     p.add_argument("--max-size", type=int, default=None,
-                   help="with --indexer-sweep: skip points with T or R above this")
+                   help="with --indexer-sweep: skip the prefill points with T above this")
     p.add_argument("--indexer-sweep-child", metavar="SHAPE_JSON", help=argparse.SUPPRESS)
     p.add_argument("--indexer-path", choices=("op", "dense"), default="op", help=argparse.SUPPRESS)
     p.add_argument("--layer-memory-child", type=int, metavar="T", help=argparse.SUPPRESS)

@@ -105,6 +105,10 @@ SELECTIONS = ("streaming", "dense")
 # Tokens per chunk of the sparse indexer loss's target: its gathered rows are
 # [chunk, topk, D] f32 (64 MiB at topk = 2048, D = 128).
 SPARSE_LOSS_CHUNK_TOKENS = 64
+# Tokens per block of a long call's selection and attention: the [B, block, topk] indices and the
+# attention's working set exist for one block at a time (256 MiB of int32 indices at topk = 2048
+# for 32k tokens would otherwise grow with T).
+PREFILL_BLOCK_TOKENS = 8192
 
 
 def _storage_dtype(dtype):
@@ -224,14 +228,15 @@ def _pad_slots(idx, width: int):
 
 
 class _Prepared(NamedTuple):
-    """What one call attends to (batched): queries, the selectable rows and their selection, the
-    raw rows and the window (``None`` without a window), the positions, the updated cache."""
+    """What one call works on (batched): the queries, the selectable rows and their indexer keys,
+    the raw rows (the window's), the indexer's queries and weights, the positions, the new cache."""
 
     q: jax.Array  # [B, T, H, D]
-    rows: jax.Array  # [B, R, D], float: the rows idx points into
-    idx: jax.Array  # [B, T, topk] int32, the indexer's selection
-    raw: Optional[jax.Array]  # [B, N, D] float, the rows window_idx points into
-    window_idx: Optional[jax.Array]  # [B, T, W] int32
+    rows: jax.Array  # [B, R, D], float: the rows the selection points into
+    keys: jax.Array  # [B, R, Di], float: their indexer keys
+    raw: jax.Array  # [B, N, D] float: the tokens' own rows, which the window points into
+    iq: jax.Array  # [B, T, Hi, Di]
+    iw: jax.Array  # [B, T, Hi]
     positions: jax.Array  # [B, T] int32
     cache: Optional[SparseAttentionCache]
 
@@ -428,32 +433,55 @@ class SparseAttention(nnx.Module):
         self._check_input(x, cache)
         B, T, _ = x.shape
         p = self._prepare(x, cache)
-        sink = self.sink[...]
-        q = p.q
-        impl, scale = self.implementation, self.scale
+        block = PREFILL_BLOCK_TOKENS
+        if T <= block:
+            o = self._select_and_attend(p, p.q, p.iq, p.iw, p.positions)
+        else:
+            # Token blocks, one after the other: the selection [B, block, topk] and the attention's
+            # working set exist for one block at a time (padding tokens: position -1, no rows).
+            n = -(-T // block)
+            pad = n * block - T
 
+            def blocks(a, fill=0):
+                a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2), constant_values=fill)
+                return jnp.moveaxis(a.reshape(B, n, block, *a.shape[2:]), 1, 0)
+
+            def one(args):
+                return self._select_and_attend(p, *args)
+
+            o = jax.lax.map(one, (blocks(p.q), blocks(p.iq), blocks(p.iw),
+                                  blocks(p.positions, -1)))
+            o = jnp.moveaxis(o, 0, 1).reshape(B, n * block, self.num_heads, self.head_dim)[:, :T]
+        y = self.out(o.reshape(B, T, self.num_heads * self.head_dim))
+        return y if cache is None else (y, p.cache)
+
+    def _select_and_attend(self, p: _Prepared, q, iq, iw, positions):
+        """Selection and attention of a block of tokens (``q [B, t, H, D]``, ``iq``, ``iw``,
+        ``positions [B, t]``) over the prepared rows -> ``o [B, t, H, D]``."""
+        idx = self._select(iq, iw, p.keys, positions)
+        sink = self.sink[...]
+        impl, scale = self.implementation, self.scale
         if self.window is None:
             def attend(q_b, kv_b, idx_b):
                 return gathered_attn_idx(q_b, kv_b, idx_b, sink, scale=scale, implementation=impl)
 
-            o = jax.vmap(attend)(q, p.rows.astype(q.dtype), p.idx)
-        else:
-            def partial(q_b, kv_b, idx_b, sink_b):
-                return gathered_attn_idx(q_b, kv_b, idx_b, sink_b, scale=scale,
-                                         implementation=impl, return_lse=True)
+            return jax.vmap(attend)(q, p.rows.astype(q.dtype), idx)
 
-            idx = p.idx
-            if self.compress_ratio == 1:
-                # Same rows: a selected row inside the window is attended once, in the window.
-                inside = idx > p.positions[..., None] - self.window
-                idx = jnp.where(inside, jnp.int32(-1), idx)
-            o_sel, lse_sel = jax.vmap(partial, in_axes=(0, 0, 0, None))(
-                q, p.rows.astype(q.dtype), idx, None)
-            o_win, lse_win = jax.vmap(partial, in_axes=(0, 0, 0, None))(
-                q, p.raw.astype(q.dtype), p.window_idx, sink)
-            o, _ = merge_attention([o_sel, o_win], [lse_sel, lse_win])
-        y = self.out(o.reshape(B, T, self.num_heads * self.head_dim))
-        return y if cache is None else (y, p.cache)
+        def partial(q_b, kv_b, idx_b, sink_b):
+            return gathered_attn_idx(q_b, kv_b, idx_b, sink_b, scale=scale, implementation=impl,
+                                     return_lse=True)
+
+        back = jnp.arange(self.window - 1, -1, -1, dtype=jnp.int32)
+        window_idx = positions[..., None] - back  # [B, t, W]: p - W + 1 .. p
+        window_idx = jnp.where(window_idx < 0, jnp.int32(-1), window_idx)
+        if self.compress_ratio == 1:
+            # Same rows: a selected row inside the window is attended once, in the window.
+            idx = jnp.where(idx > positions[..., None] - self.window, jnp.int32(-1), idx)
+        o_sel, lse_sel = jax.vmap(partial, in_axes=(0, 0, 0, None))(
+            q, p.rows.astype(q.dtype), idx, None)
+        o_win, lse_win = jax.vmap(partial, in_axes=(0, 0, 0, None))(
+            q, p.raw.astype(q.dtype), window_idx, sink)
+        return merge_attention([o_sel, o_win], [lse_sel, lse_win])[0]
 
     def select_rows(self, x: jax.Array, cache: Optional[SparseAttentionCache] = None) -> jax.Array:
         """The rows the indexer picks for each token (``self(x, cache)`` attends to these, and to
@@ -466,7 +494,8 @@ class SparseAttention(nnx.Module):
           ``-1`` for an empty slot.
         """
         self._check_input(x, cache)
-        return self._prepare(x, cache).idx
+        p = self._prepare(x, cache)
+        return self._select(p.iq, p.iw, p.keys, p.positions)
 
     def _select(self, iq, iw, keys, positions, return_scores=False):
         """The top-k rows ``[B, T, topk]`` (and their f32 scores, differentiable with respect to
@@ -504,13 +533,7 @@ class SparseAttention(nnx.Module):
         else:
             positions = cache.length[:, None] + offsets
             sel_rows, sel_keys, raw, new_cache = self._write(cache, rows, ik, positions)
-        idx = self._select(iq, iw, sel_keys, positions)
-        window_idx = None
-        if self.window is not None:
-            back = jnp.arange(self.window - 1, -1, -1, dtype=jnp.int32)
-            window_idx = positions[..., None] - back  # [B, T, W]: p - W + 1 .. p
-            window_idx = jnp.where(window_idx < 0, jnp.int32(-1), window_idx)
-        return _Prepared(q, sel_rows, idx, raw, window_idx, positions, new_cache)
+        return _Prepared(q, sel_rows, sel_keys, raw, iq, iw, positions, new_cache)
 
     def _write(self, cache, rows, ik, positions):
         """Writes the new tokens into the cache. Returns the selectable rows and keys and the raw

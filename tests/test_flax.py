@@ -542,3 +542,18 @@ def test_sparse_indexer_loss_gradient_is_the_oracle_gradient():
 
     want = (at(eps) - at(-eps)) / (2 * eps)
     np.testing.assert_allclose((got * direction).sum(), want, rtol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_long_calls_run_in_token_blocks_with_the_same_result(window, monkeypatch):
+    import jax_sparse_attn.flax as layer_module
+
+    B, T, K = 2, 11, 3
+    layer = make_layer(topk=K, seed=29, sink=SINK, window=window)
+    x = inputs(B, T, seed=30)
+    want, _ = oracle_v4_layer(weights(layer), x, 1, window, K)
+    monkeypatch.setattr(layer_module, "PREFILL_BLOCK_TOKENS", 4)  # read while tracing: 3 blocks
+    y = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+    y_cached, _ = nnx.jit(lambda m, x, c: m(x, c))(layer, x, layer.init_cache(B, 16))
+    np.testing.assert_allclose(np.asarray(y_cached), want, rtol=2e-5, atol=2e-5)
