@@ -748,7 +748,7 @@ def _indexer_sweep_main(a) -> int:
         shape = bi.IndexerShape(**json.loads(a.indexer_sweep_child))
         print(json.dumps(bi.sweep_child(shape, a.indexer_path, a.dtype, a.repeats or 3)))
         return 0
-    result = bi.sweep(quick=a.quick, dtype_name=a.dtype, max_size=a.max_size)
+    result = bi.sweep(quick=a.quick, dtype_name=a.dtype, max_size=a.max_size, repeats=a.repeats)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

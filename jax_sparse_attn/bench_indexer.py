@@ -360,7 +360,7 @@ def run_sweep_child(shape: IndexerShape, path: str, dtype_name: str, repeats: in
 
 
 def sweep(quick: bool = False, dtype_name: str = "bf16", max_size: Optional[int] = None,
-          log=print) -> dict:
+          repeats: Optional[int] = None, log=print) -> dict:
     """Time and peak memory of the op and the dense path against T (causal prefill, T = R) and
     against R (decode, T = 1). Returns ``{"environment", "sizes", "prefill", "decode"}``, each
     a list of ``{"T", "R", "op": sweep_child record, "dense": record or None, "dense_skipped"}``.
@@ -377,12 +377,12 @@ def sweep(quick: bool = False, dtype_name: str = "bf16", max_size: Optional[int]
                 continue
             shape = IndexerShape(f"sweep-{key}-{max(T, R)}", T, fixed["Hi"], fixed["Di"],
                                  fixed["K"], R)
-            # One timed call for the largest prefills (tens of seconds each on 2 cores).
-            repeats = 1 if shape.flops > 1e12 else 3
+            # Timed calls after the first: 3, or as given (1 for a shorter run of the prefills).
+            n = 3 if repeats is None or key == "decode" else repeats
             point = {"T": T, "R": R, "flops": shape.flops, "dense_bytes": shape.dense_bytes,
-                     "op": run_sweep_child(shape, "op", dtype_name, repeats)}
+                     "op": run_sweep_child(shape, "op", dtype_name, n)}
             if shape.dense_bytes <= DENSE_BUDGET_BYTES:
-                point["dense"] = run_sweep_child(shape, "dense", dtype_name, repeats)
+                point["dense"] = run_sweep_child(shape, "dense", dtype_name, n)
             else:
                 point["dense"] = None
                 point["dense_skipped"] = (f"needs {shape.dense_bytes / 2**30:.1f} GiB > "
