@@ -16,7 +16,7 @@ the output says which shapes were scaled and from which token counts.
 
 Per shape it reports ``modelled_us``, the bounds ``hbm_bound_us`` / ``pe_bound_us`` (per logical
 core; see :func:`jax_sparse_attn.nki_emulator.cost.attention_bounds`), ``instructions`` (the
-compiled instructions of the largest program: an ``nl.dynamic_range`` body counts once),
+compiled instructions of the largest program: an ``nl.fori_loop`` body counts once),
 ``instructions_executed``, ``busiest_engine`` and ``per_engine_us``.
 """
 
@@ -125,6 +125,7 @@ def _model_call(target: str, T: int, H: int, D: int, K: int, R: int, kv_dtype: s
         "hbm_bytes": hbm_bytes,
         "launches": len(rec.runs),
         "grid": max(r.grid for r in rec.runs),
+        "nki_version": rec.runs[0].nki_version,
     }
 
 
@@ -204,6 +205,7 @@ def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int 
         "hbm_bytes": fig["hbm_bytes"],
         "launches": fig["launches"],
         "grid": fig["grid"],
+        "nki_version": fig["nki_version"],
         "scaled_from_tokens": scaled_from,
         "host_seconds": time.perf_counter() - start,
     }
@@ -230,12 +232,29 @@ def run_model(
     probe: int = DEFAULT_PROBE_TOKENS,
     kv_dtype: str = "bfloat16",
     scale_groups: int = 1,
+    row_transposes: str | None = None,
 ) -> int:
     """Model every shape on ``target``, print a table and optionally write JSON; 0 if all ran.
 
     ``shapes``: objects with ``T, H, D, K, R`` attributes or ``(name, T, H, D, K, R)`` tuples
-    (default :func:`default_shapes`).
+    (default :func:`default_shapes`). ``row_transposes``: ``"tensor"`` or ``"dma"`` overrides
+    the kernel's ``ROW_TRANSPOSES`` for this run (the variant comparison of docs/neuron-kernel.md).
     """
+    from .neuron import kernels
+
+    if row_transposes is None:
+        row_transposes = kernels.ROW_TRANSPOSES
+    if row_transposes not in ("tensor", "dma"):
+        raise ValueError(f"row_transposes must be 'tensor' or 'dma', got {row_transposes!r}")
+    previous = kernels.ROW_TRANSPOSES
+    kernels.ROW_TRANSPOSES = row_transposes
+    try:
+        return _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_transposes)
+    finally:
+        kernels.ROW_TRANSPOSES = previous
+
+
+def _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_transposes) -> int:
     if target not in TARGETS:
         raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
     cases = []
@@ -245,7 +264,11 @@ def run_model(
         else:
             cases.append((s.T, s.H, s.D, s.K, s.R))
     cache = "" if kv_dtype == "bfloat16" else f"; FP8 cache {kv_dtype}, {scale_groups} scale(s) per row"
-    print(f"# {LABEL}; target {target}{cache}; host CPU: {_cpu()}", flush=True)
+    cache += "" if row_transposes == "tensor" else f"; row transposes by {row_transposes}"
+    from .nki_emulator.versions import nki_version
+
+    print(f"# {LABEL}; target {target}{cache}; NKI {nki_version()} (emulated); host CPU: {_cpu()}",
+          flush=True)  # fmt: skip
     print(f"# {'tgt':<5} {'shape':<36} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>7} "
           f"{'instrs':>8} busiest [per engine us]", flush=True)  # fmt: skip
     records = []
@@ -267,13 +290,16 @@ def run_model(
             "host_cpu": _cpu(),
             "probe_tokens": probe,
             "kv_dtype": kv_dtype,
+            "nki_version": nki_version(),
+            "row_transposes": row_transposes,
             "notes": [
                 "modelled_us: busiest engine of each program (perfect overlap), programs of a "
                 "launch in parallel, launches in sequence",
                 "hbm_bound_us / pe_bound_us: per logical core (LNC physical cores); bytes = q, "
                 "gathered slot rows, output (bf16) and the f32 bias; flops = 4*T*H*K*D",
-                "instructions: compiled instructions of the largest program (a dynamic_range "
-                "body counts once); instructions_executed: all programs, all launches",
+                "instructions: compiled instructions of the largest program (a hardware loop's "
+                "body, nl.fori_loop, counts once); instructions_executed: all programs, all "
+                "launches",
                 "scaled_from_tokens: modelled from two emulated runs and scaled linearly in T "
                 "(exact when every block of tokens costs the same)",
             ],
@@ -304,8 +330,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="the cache dtype (an FP8 cache comes with f32 scales)")  # fmt: skip
     p.add_argument("--scale-groups", type=int, default=1,
                    help="FP8 cache: f32 scales per row (1: per row; D/128: FlashMLA's groups)")
+    p.add_argument("--row-transposes", choices=("tensor", "dma"), default=None,
+                   help="the kernel's ROW_TRANSPOSES variant to model (default: the kernel's)")
     a = p.parse_args(argv)
-    return run_model(a.model, a.shape, a.json, a.probe_tokens, a.kv_dtype, a.scale_groups)
+    return run_model(a.model, a.shape, a.json, a.probe_tokens, a.kv_dtype, a.scale_groups,
+                     a.row_transposes)  # fmt: skip
 
 
 if __name__ == "__main__":

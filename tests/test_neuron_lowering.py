@@ -159,12 +159,59 @@ def test_kernel_variant_per_target():
 def test_launch_grid_matches_the_logical_core(monkeypatch, value, programs):
     """kernel[n] with n the physical cores of a logical core: 2 on trn2/trn3 by default (LNC=2),
     NEURON_LOGICAL_NC_CONFIG when set; trn1 has no logical cores."""
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
     if value is None:
         monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     else:
         monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", value)
     assert lowering.launch_programs("trn2") == programs
     assert lowering.launch_programs("trn3") == programs
+    assert lowering.launch_programs("trn1") == 1
+
+
+@pytest.mark.parametrize("flags, env, programs", [
+    ("--lnc=1", None, 1), ("--lnc 1", None, 1), ("-O1 --logical-nc-config 1", None, 1),
+    ("-lnc=2 --verbose", None, 2), ("--lnc=1", "1", 1), ("--lnc=2", "2", 2), ("-O2", "1", 1),
+])  # fmt: skip
+def test_launch_grid_is_the_compilers_lnc(monkeypatch, flags, env, programs):
+    """The launch grid follows neuronx-cc's --lnc in NEURON_CC_FLAGS as well as
+    NEURON_LOGICAL_NC_CONFIG (NKI 0.7: a kernel LNC other than the compiler's is NCC_EVRF066)."""
+    monkeypatch.setenv("NEURON_CC_FLAGS", flags)
+    if env is None:
+        monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", env)
+    assert lowering.launch_programs("trn2") == programs
+    assert lowering.launch_programs("trn3") == programs
+
+
+@pytest.mark.parametrize("flags, env, match", [
+    ("--lnc=1", "2", "passes --lnc=1 to neuronx-cc but NEURON_LOGICAL_NC_CONFIG=2"),
+    ("--lnc=2", "1", "passes --lnc=2 to neuronx-cc but NEURON_LOGICAL_NC_CONFIG=1"),
+    ("--lnc", None, "NEURON_CC_FLAGS='--lnc': --lnc has no value"),
+    ("--lnc=4", None, "NEURON_CC_FLAGS='--lnc=4' .--lnc.: the LNC degree is 1 or 2"),
+    ("--lnc=$LNC", None, "the LNC degree is 1 or 2, got '\\$LNC'"),
+    ("--lnc=1 -lnc=2", None, "sets the LNC degree twice"),
+    ("'--lnc=1", None, "NEURON_CC_FLAGS=.* cannot be parsed"),
+    (None, "3", "NEURON_LOGICAL_NC_CONFIG='3': the LNC degree is 1 or 2"),
+])  # fmt: skip
+def test_launch_grid_refuses_a_mismatch_or_an_unknown_lnc(monkeypatch, flags, env, match):
+    """A mismatch between the compiler's and the runtime's LNC, or a setting that cannot be read,
+    is a clear error naming the variable, never a kernel of the wrong LNC."""
+    for name, value in (("NEURON_CC_FLAGS", flags), ("NEURON_LOGICAL_NC_CONFIG", env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        lowering.launch_programs("trn2")
+
+
+def test_trn1_refuses_a_compiler_lnc_of_2(monkeypatch):
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--lnc=2")
+    with pytest.raises(ValueError, match="NCC_EARG001"):
+        lowering.launch_programs("trn1")
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--lnc=1")
     assert lowering.launch_programs("trn1") == 1
 
 
@@ -187,3 +234,23 @@ def test_trn1_runs_only_the_kernel_without_indirect_dma():
     idx = rng.integers(0, R, (T, 128, Kp // 128)).astype(np.uint32)
     with pytest.raises(NkiEmulatorError):
         simulate(kernels.gathered_attn_idx_kernel, target="trn1")(q, kv, idx, bias, sink)
+
+
+def test_the_neuron_extra_is_the_supported_range():
+    """pyproject's `neuron` extra, the install hint and the emulator's version table say the same
+    (README, "Running on Trainium"): one list, NEURON_REQUIREMENTS."""
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    from jax_sparse_attn.nki_emulator import versions
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert tuple(extras["neuron"]) == versions.NEURON_REQUIREMENTS
+    for requirement in versions.NEURON_REQUIREMENTS:
+        assert f"'{requirement}'" in lowering.install_hint()
+    assert set(versions.SDK_RELEASES) == set(versions.SUPPORTED_VERSIONS)
+    for version, release in versions.SDK_RELEASES.items():
+        assert release.nki.startswith(version + ".")
+        assert release.sdk.startswith(versions.SDK_OF_VERSION[version] + ".")
+        assert f"{release.sdk} (NKI {release.nki})" in lowering.install_hint()

@@ -15,7 +15,7 @@ import pytest
 from jax_sparse_attn import nki_emulator
 from jax_sparse_attn.nki_emulator import isa as nisa
 from jax_sparse_attn.nki_emulator import language as nl
-from jax_sparse_attn.nki_emulator import simulate
+from jax_sparse_attn.nki_emulator import simulate, versions
 from jax_sparse_attn.nki_emulator.errors import (
     NkiCapacityError,
     NkiDtypeError,
@@ -27,6 +27,7 @@ from jax_sparse_attn.nki_emulator.errors import (
     NkiUninitializedReadError,
     NkiUnsupportedError,
 )
+from jax_sparse_attn.nki_emulator.versions import NkiDeprecationWarning
 
 BF16 = ml_dtypes.bfloat16
 F32_TOL = dict(rtol=2e-6, atol=1e-6)
@@ -481,7 +482,7 @@ def test_nl_elementwise_reductions_and_operators(rng):
 def tiled_softmax_kernel(x):
     """Row softmax of ``x [N*128, F]`` bf16 -> bf16, 128 rows per tile."""
     out = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.shared_hbm)
-    for i in nl.affine_range(x.shape[0] // 128):
+    for i in range(x.shape[0] // 128):
         rows = nl.load(x[i * 128 : (i + 1) * 128, :])
         neg_max = nl.negative(nl.max(rows, axis=1, keepdims=True))
         probs = nl.ndarray(rows.shape, nl.float32, buffer=nl.sbuf)
@@ -501,10 +502,10 @@ def tiled_matmul_kernel(a_t, b):
     k_total, m = a_t.shape
     n = b.shape[1]
     out = nl.ndarray((m, n), nl.float32, buffer=nl.shared_hbm)
-    for n0 in nl.affine_range(0, n, 512):
+    for n0 in range(0, n, 512):
         width = min(512, n - n0)
         acc = nl.ndarray((m, width), nl.float32, buffer=nl.psum)
-        for k in nl.affine_range(k_total // 128):
+        for k in range(k_total // 128):
             stationary = nl.load(a_t[k * 128 : (k + 1) * 128, :])
             moving = nl.load(b[k * 128 : (k + 1) * 128, n0 : n0 + width])
             nisa.nc_matmul(acc, stationary, moving, accumulate=k > 0)
@@ -568,7 +569,7 @@ def test_reject_more_than_8_psum_banks_but_free_rebound_tiles():
         return tiles
 
     def rebound_in_loop(x):
-        for _ in nl.affine_range(20):
+        for _ in range(20):
             acc = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
             nisa.memset(acc, 0.0)
         out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
@@ -872,11 +873,28 @@ def test_spmd_grid_rules():
         simulate(other_output, target="trn2")[2](x)
 
 
+@pytest.fixture
+def nki_0_6():
+    """Models NKI 0.6 (SDK 2.32), the last version with nl.dynamic_range, which it deprecates."""
+    with versions.using("0.6"), pytest.warns(NkiDeprecationWarning, match="dynamic_range"):
+        yield
+
+
 def _rows_kernel(x, dynamic):
     """Copies the rows of x one 1-row DMA pair at a time; a dynamic loop or an unrolled one."""
     rows, cols = x.shape
     out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
-    if dynamic:
+    if dynamic == "fori_loop":
+
+        def body(i):
+            tile = nl.ndarray((1, cols), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=x.ap([[cols, 1], [1, cols]], scalar_offset=i))
+            nisa.dma_copy(dst=out.ap([[cols, 1], [1, cols]], scalar_offset=i), src=tile)
+            nisa.memset(dst=tile, value=0.0)  # a third instruction, as the counter update below
+
+        nl.zeros((1, 1), nl.int32)  # the same instruction count as the dynamic_range form
+        nl.fori_loop(0, rows, body)
+    elif dynamic:
         counter = nl.zeros((1, 1), nl.int32)
         for _ in nl.dynamic_range(rows):
             tile = nl.ndarray((1, cols), x.dtype, buffer=nl.sbuf)
@@ -892,7 +910,7 @@ def _rows_kernel(x, dynamic):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7])
-def test_dynamic_range_body_counts_once_per_compiled_body(rows, rng):
+def test_dynamic_range_body_counts_once_per_compiled_body(rows, rng, nki_0_6):
     x = rng.standard_normal((rows, 5)).astype(np.float32)
     dynamic = simulate(_rows_kernel)
     unrolled = simulate(_rows_kernel)
@@ -905,7 +923,122 @@ def test_dynamic_range_body_counts_once_per_compiled_body(rows, rng):
     assert u.compiled_instructions == u.instructions == 2 * rows
 
 
-def test_dynamic_range_loop_variable_is_opaque():
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_fori_loop_body_counts_once_per_compiled_body(rows, rng):
+    x = rng.standard_normal((rows, 5)).astype(np.float32)
+    run = simulate(_rows_kernel)
+    np.testing.assert_array_equal(run(x, "fori_loop"), x)
+    p = run.last_run.programs[0]
+    assert run.last_run.nki_version == "0.7"
+    assert p.compiled_instructions == 1 + 3  # nl.zeros, then one body of three instructions
+    assert p.instructions == 1 + 3 * rows
+    assert p.ops["nisa.memset"] == rows
+
+
+def test_each_version_rejects_the_loops_it_lacks_or_removed(rng):
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    # NKI 0.7 removed dynamic_range (release notes); 0.3 to 0.5 have no fori_loop.
+    with pytest.raises(NkiUnsupportedError, match="removed in this NKI version: nl.dynamic_range"):
+        simulate(_rows_kernel, nki_version="0.7")(x, True)
+    for old in ("0.3", "0.4", "0.5"):
+        with pytest.raises(NkiUnsupportedError, match=r"nl.fori_loop needs NKI >= 0.6.*NKI " + old):
+            simulate(_rows_kernel, nki_version=old)(x, "fori_loop")
+    # 0.6 has both; dynamic_range and static_range warn there (deprecated).
+    with pytest.warns(NkiDeprecationWarning, match="dynamic_range is deprecated since NKI 0.6"):
+        np.testing.assert_array_equal(simulate(_rows_kernel, nki_version="0.6")(x, True), x)
+    np.testing.assert_array_equal(simulate(_rows_kernel, nki_version="0.6")(x, "fori_loop"), x)
+    with pytest.warns(NkiDeprecationWarning, match="static_range is deprecated since NKI 0.6"):
+        simulate(_rows_kernel, nki_version="0.7")(x, False)
+
+
+def test_version_comes_from_the_environment(monkeypatch, rng):
+    x = rng.standard_normal((2, 5)).astype(np.float32)
+    monkeypatch.setenv(versions.VERSION_ENV, "0.5")
+    assert versions.nki_version() == "0.5" and versions.sdk_of() == "2.31"
+    with pytest.raises(NkiUnsupportedError, match="NKI 0.5"):
+        simulate(_rows_kernel)(x, "fori_loop")
+    monkeypatch.setenv(versions.VERSION_ENV, "0.6.0")
+    run = simulate(_rows_kernel)
+    run(x, "fori_loop")
+    assert run.last_run.nki_version == "0.6"
+    with versions.using("0.7"):  # a using() block wins over the variable
+        assert versions.nki_version() == "0.7"
+    monkeypatch.setenv(versions.VERSION_ENV, "0.8")
+    with pytest.raises(ValueError, match="JAX_SPARSE_ATTN_NKI_VERSION='0.8'"):
+        versions.nki_version()
+    with pytest.raises(ValueError, match="NKI version must be one of"):
+        simulate(_rows_kernel, nki_version="1.0")
+
+
+def test_fori_loop_rules():
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+    def returns_a_value(x):
+        nl.fori_loop(0, 2, lambda i: nl.zeros((1, 4), nl.float32))
+
+    def tile_escapes(x):
+        kept = []
+
+        def body(i):
+            t = nl.ndarray((1, 4), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x.ap([[4, 1], [1, 4]], scalar_offset=i))
+            kept.append(t)
+
+        nl.fori_loop(0, 2, body)
+        out = nl.ndarray((1, 4), x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=kept[-1])
+        return out
+
+    def writes_the_induction_variable(x):
+        nl.fori_loop(0, 2, lambda i: nisa.register_move(i, 0))
+
+    def step_zero(x):
+        nl.fori_loop(0, 2, lambda i: None, step=0)
+
+    _reject(returns_a_value, x, error=NkiUnsupportedError, match="a fori_loop body returns nothing")
+    _reject(tile_escapes, x, error=NkiUnsupportedError, match="tensor escapes a loop body")
+    _reject(writes_the_induction_variable, x, error=NkiUnsupportedError,
+            match="write to a loop's induction variable")  # fmt: skip
+    _reject(step_zero, x, error=NkiUnsupportedError, match="step must be a compile-time positive")
+
+    def carried_state(x):
+        # State allocated before the loop and updated inside it (fori_loop page: "carry any other
+        # loop state through SBUF/HBM") survives it.
+        out = nl.ndarray((1, 4), x.dtype, buffer=nl.shared_hbm)
+        acc = nl.zeros((1, 4), nl.float32)
+
+        def body(i):
+            t = nl.ndarray((1, 4), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x.ap([[4, 1], [1, 4]], scalar_offset=i))
+            nisa.tensor_tensor(dst=acc, data1=acc, data2=t, op=nl.add)
+
+        nl.fori_loop(0, 2, body)
+        nl.store(out, value=acc)
+        return out
+
+    np.testing.assert_array_equal(simulate(carried_state)(x)[0], x.sum(axis=0))
+
+
+def test_dynamic_range_loop_variable_is_a_register_from_nki_0_4(rng):
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+
+    def kernel(x):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        for i in nl.dynamic_range(3):
+            t = nl.ndarray((1, 4), x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x.ap([[4, 1], [1, 4]], scalar_offset=i))
+            nisa.dma_copy(dst=out.ap([[4, 1], [1, 4]], scalar_offset=i), src=t)
+        return out
+
+    for version in ("0.4", "0.5"):
+        np.testing.assert_array_equal(simulate(kernel, nki_version=version)(x), x)
+    with pytest.raises(NkiUnsupportedError, match="loop variable cannot be used"):
+        simulate(kernel, nki_version="0.3")(x)
+
+
+def test_dynamic_range_loop_variable_is_opaque(monkeypatch):
+    monkeypatch.setenv(versions.VERSION_ENV, "0.3")  # NKI 0.3: the variable cannot address memory
+
     def index_with_it(x):
         for i in nl.dynamic_range(2):
             nl.load(x[i : i + 1, :])
@@ -925,7 +1058,7 @@ def test_dynamic_range_loop_variable_is_opaque():
     _reject(register_step, x, error=NkiUnsupportedError, match="step must be a compile-time")
 
 
-def test_registers_bound_dynamic_loops_and_offset_accesses(rng):
+def test_registers_bound_dynamic_loops_and_offset_accesses(rng, nki_0_6):
     x = rng.standard_normal((6, 4)).astype(np.float32)
 
     def kernel(x, n):
@@ -1108,7 +1241,8 @@ def test_reject_nl_rules_of_nki_0_3():
     _reject(broadcast_add, x, error=NkiShapeError, match="do not broadcast")
     for kernel in (divide, true_divide, mod, fmod):
         _reject(kernel, x, error=NkiUnsupportedError, match="no hardware instruction")
-    _reject(copy_psum, x, error=NkiMemorySpaceError, match="nl.copy x must be in sbuf")
+    with versions.using("0.5"):  # nl.copy reads PSUM from NKI 0.6 (test_version_dependent_forms)
+        _reject(copy_psum, x, error=NkiMemorySpaceError, match="nl.copy x must be in sbuf")
     _reject(memset_float_into_int, x, error=NkiDtypeError, match="matching types")
 
 
@@ -1123,7 +1257,7 @@ def test_iota_against_its_formula():
     np.testing.assert_array_equal(got, 5 + 100 * c + 10 * w + x)
 
 
-def test_nested_dynamic_loops_compile_their_bodies_once():
+def test_nested_dynamic_loops_compile_their_bodies_once(nki_0_6):
     def kernel(x, outer, inner):
         out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
         acc = nl.zeros((1, 1), nl.float32)
@@ -1187,3 +1321,136 @@ def test_nc_matmul_refuses_float8_e4m3fn():
 
     _reject(kernel, np.zeros((8, 8), ml_dtypes.float8_e4m3fn), error=NkiDtypeError,
             match="float8_e4m3fn is not a matmul input dtype")
+
+
+# --- engine rules of the ISA pages ---------------------------------------------------------------
+
+
+def _from_psum_kernel(x, engine, instr):
+    """x.T through PSUM (a TensorE transpose), moved to SBUF by ``instr`` on ``engine``."""
+    rows = nl.load(x)
+    psum = nl.ndarray(x.shape[::-1], x.dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=psum, data=rows)
+    staged = nl.ndarray(x.shape[::-1], x.dtype, buffer=nl.sbuf)
+    eng = getattr(nisa.engine, engine)
+    if instr == "tensor_copy":
+        nisa.tensor_copy(dst=staged, src=psum, engine=eng)
+    elif instr == "activation":
+        nisa.activation(dst=staged, op=nl.copy, data=psum)
+    else:
+        nisa.tensor_scalar(dst=staged, data=psum, op0=nl.multiply, operand0=1.0, engine=eng)
+    out = nl.ndarray(x.shape[::-1], x.dtype, buffer=nl.shared_hbm)
+    nl.store(out, value=staged)
+    return out
+
+
+@pytest.mark.parametrize("instr", ["tensor_copy", "tensor_scalar"])
+@pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
+def test_gpsimd_cannot_access_psum(instr, target, rng):
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    # tensor_copy page: "GpSimd Engine cannot access PSUM".
+    _reject(_from_psum_kernel, x, "gpsimd", instr, error=NkiMemorySpaceError,
+            match="GpSimd Engine cannot access PSUM", target=target)  # fmt: skip
+    got = simulate(_from_psum_kernel, target=target)(x, "vector", instr)
+    np.testing.assert_array_equal(got, x.T)
+
+
+def test_tensor_copy_is_not_on_the_scalar_engine_of_trn1(rng):
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    # tensor_copy page: not supported on the NeuronCore-v2 Scalar engine; activation(copy) is.
+    _reject(_from_psum_kernel, x, "scalar", "tensor_copy", error=NkiUnsupportedError,
+            match="not available on trn1: nisa.tensor_copy on the Scalar engine", target="trn1")
+    for target in ("trn2", "trn3"):
+        got = simulate(_from_psum_kernel, target=target)(x, "scalar", "tensor_copy")
+        np.testing.assert_array_equal(got, x.T)
+    np.testing.assert_array_equal(
+        simulate(_from_psum_kernel, target="trn1")(x, "scalar", "activation"), x.T)
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2", "trn3"])
+def test_scalar_engine_tensor_scalar_takes_three_operator_pairs(target, rng):
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+
+    def kernel(x, op0, op1):
+        t = nl.load(x)
+        res = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=res, data=t, op0=op0, operand0=3.0, op1=op1,
+                           operand1=None if op1 is None else 0.5, engine=nisa.engine.scalar)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=res)
+        return out
+
+    # tensor_scalar page: the Scalar Engine on trn2 takes (multiply, add), (multiply), (add).
+    x64 = x.astype(np.float64)
+    for op0, op1, expected in ((nl.multiply, nl.add, x64 * 3 + 0.5), (nl.multiply, None, x64 * 3),
+                               (nl.add, None, x64 + 3)):  # fmt: skip
+        np.testing.assert_allclose(simulate(kernel, target=target)(x, op0, op1), expected, **F32_TOL)
+    for op0, op1 in ((nl.multiply, nl.multiply), (nl.maximum, nl.minimum), (nl.add, nl.add),
+                     (nl.subtract, None), (nl.maximum, None)):  # fmt: skip
+        _reject(kernel, x, op0, op1, error=NkiUnsupportedError,
+                match="operators the Scalar engine lacks", target=target)  # fmt: skip
+    # The other engines take them all.
+    def on_vector(x):
+        t = nl.load(x)
+        res = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=res, data=t, op0=nl.maximum, operand0=-1.0, op1=nl.minimum,
+                           operand1=1.0, engine=nisa.engine.vector)  # fmt: skip
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=res)
+        return out
+
+    np.testing.assert_array_equal(simulate(on_vector, target=target)(x), np.clip(x, -1, 1))
+
+
+def test_version_dependent_forms(rng):
+    """nl.copy reads PSUM from NKI 0.6 (on VectorE; ScalarE and SBUF only before); nc_matmul
+    writes a bf16 PSUM dst on NeuronCore-v4 only; the indirect dma_transpose takes fewer than 128
+    columns from NKI 0.4."""
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+
+    def copy_from_psum(x):
+        psum = nl.ndarray((16, 8), x.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=psum, data=nl.load(x))
+        out = nl.ndarray((16, 8), x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.copy(psum))
+        return out
+
+    got, stats = simulate(copy_from_psum, nki_version="0.6", stats=True, cost=True)(x)
+    np.testing.assert_array_equal(got, x.T)
+    assert stats.programs[0].cost.by_instruction["nl.copy"][1] > 0
+    assert stats.programs[0].cost.engine_us["scalar"] == 0  # nl.copy on VectorE from 0.6
+    with pytest.raises(NkiMemorySpaceError, match="nl.copy x must be in sbuf"):
+        simulate(copy_from_psum, nki_version="0.5")(x)
+
+    a = rng.standard_normal((16, 8)).astype(BF16)
+    b = rng.standard_normal((16, 32)).astype(BF16)
+
+    def matmul_bf16_dst(a, b):
+        acc = nl.ndarray((8, 32), nl.bfloat16, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=nl.load(a), moving=nl.load(b), accumulate=False)
+        staged = nl.ndarray((8, 32), nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=staged, src=acc)
+        out = nl.ndarray((8, 32), nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(out, value=staged)
+        return out
+
+    expected = bf16_rne((as64(a).T @ as64(b)).astype(np.float32))
+    np.testing.assert_array_equal(as64(simulate(matmul_bf16_dst, target="trn3")(a, b)), expected)
+    for target in ("trn1", "trn2"):
+        _reject(matmul_bf16_dst, a, b, error=NkiDtypeError, match="must be float32", target=target)
+
+    kv = rng.standard_normal((64, 100)).astype(BF16)
+    idx = rng.integers(0, 64, (16, 1)).astype(np.uint32)
+
+    def gather_transpose(kv, idx):
+        xt = nl.ndarray((64, 16), kv.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=xt, src=kv.ap([[100, 16], [1, 64]], offset=0,
+                                             vector_offset=nl.load(idx), indirect_dim=0))
+        out = nl.ndarray((64, 16), kv.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=xt)
+        return out
+
+    got = simulate(gather_transpose, nki_version="0.4")(kv, idx)
+    np.testing.assert_array_equal(as64(got), as64(kv[idx[:, 0], :64]).T)
+    with pytest.raises(NkiShapeError, match=r"src.shape\[-1\] == 128 in NKI 0.3"):
+        simulate(gather_transpose, nki_version="0.3")(kv, idx)

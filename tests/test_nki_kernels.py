@@ -19,8 +19,21 @@ from jax_sparse_attn.constants import (
     BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL, UP_COLS,
 )  # fmt: skip
 from jax_sparse_attn.neuron import kernels
+from jax_sparse_attn.nki_emulator import versions
 
 BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture(autouse=True, params=[
+    v if v == versions.DEFAULT_VERSION else pytest.param(v, marks=pytest.mark.slow)
+    for v in versions.SUPPORTED_VERSIONS
+])  # fmt: skip
+def nki_version(request, monkeypatch):
+    """Every test here runs under each NKI version the kernels support (README, "Running on
+    Trainium"): the newest in the default run, the others in the slow run. The environment
+    variable (not a thread-local) so that the host callbacks of nki_emulated see it too."""
+    monkeypatch.setenv(versions.VERSION_ENV, request.param)
+    return request.param
 
 
 def bf16(x):
@@ -129,7 +142,7 @@ def run_kernel(runner, kernel, *arrays, target="trn2", programs=1, **options):
         return simulate_with_emulator(kernel, *arrays, target=target, programs=programs, **options)
     nki = pytest.importorskip(
         "nki",
-        reason="the Neuron SDK (nki >= 0.3) is only installable on a Trainium host from the Neuron "
+        reason="the Neuron SDK (nki 0.6 or 0.7) is only installable on a Trainium host from the Neuron "
         "pip repository; the kernels run under the project's emulator here",
     )
     import os
@@ -222,6 +235,29 @@ KERNEL_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("version", versions.KNOWN_VERSIONS)
+def test_kernels_under_each_nki_version(version):
+    """The kernels run under every supported NKI version (the default run checks them all on one
+    small shape), and an older NKI rejects them for the loop it lacks, with the emulator's
+    message naming it (docs/neuron-kernel.md, "NKI versions")."""
+    from jax_sparse_attn.nki_emulator import NkiUnsupportedError, simulate
+
+    rng = np.random.default_rng(7)
+    ops, case = kernel_inputs(rng, 2, 16, 128, 256, 500)
+    run = simulate(kernels.gathered_attn_idx_kernel, target="trn2", nki_version=version)[2]
+    args = (ops["q"], ops["kv"], ops["idx"], ops["bias"], ops["sink"])
+    if version not in versions.SUPPORTED_VERSIONS:
+        with pytest.raises(NkiUnsupportedError, match="nl.fori_loop needs NKI >= 0.6"):
+            run(*args)
+        return
+    out, lse = run(*args)
+    expected, expected_lse = contract_model(**case, with_lse=True)
+    assert_matches_contract(np.asarray(out).astype(np.float32).reshape(-1, 128),
+                            expected.reshape(-1, 128))  # fmt: skip
+    assert_lse_matches(np.asarray(lse, np.float64), expected_lse, case["valid"])
+    assert run.last_run.nki_version == version
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("T, H, D, Kp, R", KERNEL_SHAPES)
@@ -261,6 +297,22 @@ def test_unselected_cache_rows_never_reach_the_output(target, poison):
         np.testing.assert_array_equal(poisoned[name][0], clean[name][0])
         np.testing.assert_array_equal(poisoned[name][1], clean[name][1])
         assert_matches_contract(poisoned[name][0], contract_model(**case).reshape(T * H, D))
+
+
+@pytest.mark.parametrize("poison", [None, np.nan])
+def test_dma_transposed_rows_variant_keeps_the_contract(monkeypatch, poison):
+    """The variant that gathers the logits' operand by indirect dma_transpose instead of PE
+    transposes (ROW_TRANSPOSES = "dma", kept for the cost comparison of docs/neuron-kernel.md):
+    the same contract, and a poisoned unselected row still reaches nothing."""
+    monkeypatch.setattr(kernels, "ROW_TRANSPOSES", "dma")
+    T, H, D, Kp, R = 2, 8, 192, 256, 500  # D: a full and a narrower 128-column block
+    ops, case = kernel_inputs(np.random.default_rng(11), T, H, D, Kp, R, empty_fraction=0.5,
+                              poison=poison)  # fmt: skip
+    out, lse = run_kernel("emulator", kernels.gathered_attn_idx_kernel, ops["q"], ops["kv"],
+                          ops["idx"], ops["bias"], ops["sink"], target="trn2", programs=2)
+    expected, expected_lse = contract_model(**case, with_lse=True)
+    assert_matches_contract(out.reshape(T * H, D), expected.reshape(T * H, D))
+    assert_lse_matches(lse, expected_lse, case["valid"])
 
 
 def overflowing_rows(rng, rows, dim):
@@ -343,7 +395,7 @@ def test_large_shapes_run_in_chunks(target, H, D, Kp):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_compiled_instructions_do_not_grow_with_tokens(target):
-    """Tokens run in a hardware loop (nl.dynamic_range): the compiled program of each core holds
+    """Tokens run in a hardware loop (nl.fori_loop): the compiled program of each core holds
     one token's instructions whatever T is, while the executed count grows with T."""
     from jax_sparse_attn.nki_emulator import simulate
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from .. import primitives
 from .lowering import (
-    NEURON_INSTALL_HINT,
     emulated_gathered_attn_idx_lse,
     emulated_gathered_attn_lse,
+    install_hint,
     install_neuron_lowerings,
 )
 
@@ -27,7 +27,7 @@ install_neuron_lowerings()
 
 
 def nki_available() -> bool:
-    """Whether the Neuron SDK's ``nki`` (>= 0.3) can be imported here (imports it on first call)."""
+    """Whether the Neuron SDK's ``nki`` (0.6 or 0.7 supported) can be imported here (imports it on first call)."""
     from . import kernels
 
     return kernels.nki is not None
@@ -42,5 +42,5 @@ def check_implementation_available(implementation: str) -> None:
     if implementation == "nki" and not nki_available():
         raise RuntimeError(
             "implementation='nki' runs the NKI kernel on AWS Trainium, but the Neuron SDK is not "
-            f"installed here (`import nki` failed): {NEURON_INSTALL_HINT}"
+            f"installed here (`import nki` failed): {install_hint()}"
         )

@@ -1,4 +1,4 @@
-"""NKI kernels (NKI >= 0.3) for top-k sparse attention with per-head sinks.
+"""NKI kernels (NKI 0.6 and 0.7, Neuron SDK 2.32 and 2.33) for top-k sparse attention with sinks.
 
 Two kernels share one body (docs/neuron-kernel.md describes the interface, the variants per
 target, the launch and the instruction pattern); they differ in how a token's slot rows reach SBUF:
@@ -30,9 +30,10 @@ Common interface::
 Requirements: ``Kp % 128 == 0``, ``H <= 128``, ``R > 0``, ``T`` a multiple of the launch grid. A
 row whose slots are all empty has no meaningful output or lse (the packing overwrites both).
 
-Launch: ``kernel[n]``, one SPMD program per physical core of the logical core (``n = 2`` on trn2
-and trn3 by default); program p takes the p-th share of the tokens and runs them in a hardware
-loop (``nl.dynamic_range``), so the compiled program does not grow with T.
+Launch: ``kernel[n]``, one SPMD program per physical core of the logical core (``n`` the
+compiler's LNC: 2 on trn2 and trn3 by default); program p takes the p-th share of the tokens and
+runs them in a hardware loop (``nl.fori_loop``, its register the tokens' ``scalar_offset``), so
+the compiled program does not grow with T.
 
 Per token (one pass when the token's slots fit in SBUF, else a pass per chunk of slots for the
 logits and their max, then a second pass for exp and the values, so the arithmetic is the same):
@@ -124,7 +125,7 @@ def sbuf_bytes_per_partition(
     k_tiles, d_tiles = chunk // KERNEL_TILE, _ceil_div(dim, KERNEL_TILE)
     q_transposed = d_tiles * heads * 2
     indices = 4 * (slots // KERNEL_TILE) if indexed else 0
-    columns = 4 * (3 + chunks)  # sink, token counter, -max; chunk maxima
+    columns = 4 * (2 + chunks)  # sink, -max; chunk maxima
     token = q_transposed + BIAS_PREFIX_COLS * 4 + indices + columns
     token += slots * 4 if scores_in_sbuf else 0
     rows = k_tiles * dim * 2
@@ -211,7 +212,7 @@ class _Engines:
 
 @dataclasses.dataclass
 class _Source:
-    """The kernel's HBM operands, sizes and the per-program token counter."""
+    """The kernel's HBM operands, sizes and engine choices; ``token`` is set per loop iteration."""
 
     q: object  # [T, H, D]
     slot_rows: object  # kv [R, D] (indexed) or g [T, Kp, D]
@@ -220,8 +221,8 @@ class _Source:
     heads: int
     dim: int
     slots: int
-    token: object  # [1, 1] int32 SBUF: the token this iteration computes
-    copy_engine: object
+    token: object  # the loop's register: the token this iteration computes (None outside it)
+    psum_engine: object  # engines that read PSUM tiles out, in turn (PSUM_READ_ENGINES)
     clamp_engine: object
     value_shift: int  # the value product's guard: probabilities scaled by 2**-value_shift
     row_scale: object = None  # FP8 kernel: the slots' scales [T, 128, Kp/128 * n] f32 in HBM
@@ -252,6 +253,24 @@ def _d_chunks(dim: int):
             for dc in range(_ceil_div(dim, KERNEL_TILE))]  # fmt: skip
 
 
+def _from_psum(src: _Source, dst, psum, scale=1.0):
+    """``dst = psum * scale`` out of PSUM (``scale`` a number or an ``[P, 1]`` column: a power of
+    two, or ``(1 / den) * 2**c``), on the next engine of ``PSUM_READ_ENGINES``.
+
+    The Scalar engine by ``activation(op=nl.copy)``, which every target has (``tensor_copy`` is not
+    supported on the NeuronCore-v2 Scalar engine; its page names ``activation`` with ``nl.copy``
+    instead), or the Vector engine by ``tensor_copy`` / ``tensor_scalar``. Never GpSimd: "GpSimd
+    Engine cannot access PSUM" (nki.isa.tensor_copy page)."""
+    engine = src.psum_engine()
+    if engine == "scalar":
+        nisa.activation(dst=dst, op=nl.copy, data=psum, scale=scale)
+    elif isinstance(scale, float) and scale == 1.0:
+        nisa.tensor_copy(dst=dst, src=psum, engine=nisa.engine.vector)
+    else:
+        nisa.tensor_scalar(dst=dst, data=psum, op0=nl.multiply, operand0=scale,
+                           engine=nisa.engine.vector)  # fmt: skip
+
+
 def _transposed_q(src: _Source):
     """The token's q as ``[128 (d), D/128, H]`` bf16: the contraction dim on the partitions.
 
@@ -265,8 +284,7 @@ def _transposed_q(src: _Source):
     q_psum = nl.ndarray((KERNEL_TILE, heads), dtype=nl.bfloat16, buffer=nl.psum)
     for dc, d0, dw in _d_chunks(src.dim):
         nisa.nc_transpose(dst=q_psum[0:dw, :], data=q_rows[:, d0 : d0 + dw])
-        nisa.tensor_copy(dst=q_t[0:dw, dc, :], src=q_psum[0:dw, :],
-                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        _from_psum(src, q_t[0:dw, dc, :], q_psum[0:dw, :])
     return q_t
 
 
@@ -297,7 +315,7 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
     # GpSimd: the VectorEngine carries more of the elementwise work.
     nisa.memset(dst=rows, value=0.0, engine=nisa.engine.gpsimd)
     first_tile = c0 // KERNEL_TILE
-    for kc in nl.static_range(k_tiles):
+    for kc in range(k_tiles):
         nisa.dma_copy(
             dst=rows[:, kc, :],
             src=src.slot_rows.ap(
@@ -331,7 +349,7 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=raw, src=src.fp8_zeros[:, 0:k_tiles, :])
     first_tile = c0 // KERNEL_TILE
-    for kc in nl.static_range(k_tiles):
+    for kc in range(k_tiles):
         nisa.dma_copy(
             dst=raw[:, kc, :],
             src=src.slot_rows.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
@@ -340,8 +358,8 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
             oob_mode=nisa.oob_mode.skip,
         )  # fmt: skip
     rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
-    for kc in nl.static_range(k_tiles):
-        for g in nl.static_range(groups):
+    for kc in range(k_tiles):
+        for g in range(groups):
             cols = slice(g * group_width, (g + 1) * group_width)
             column = (first_tile + kc) * groups + g
             nisa.tensor_scalar(dst=rows[:, kc, cols], data=raw[:, kc, cols], op0=nl.multiply,
@@ -362,18 +380,43 @@ def _transposed_rows(src: _Source, rows, width: int):
     group = min(TRANSPOSES_PER_COPY, k_tiles)
     psum = nl.ndarray((KERNEL_TILE, group * KERNEL_TILE), dtype=nl.bfloat16, buffer=nl.psum)
     for dc, d0, dw in _d_chunks(src.dim):
-        for k0 in nl.static_range(0, k_tiles, group):
+        for k0 in range(0, k_tiles, group):
             n = min(group, k_tiles - k0)
-            for i in nl.static_range(n):
+            for i in range(n):
                 nisa.nc_transpose(
                     dst=psum[0:dw, i * KERNEL_TILE : (i + 1) * KERNEL_TILE],
                     data=rows[:, k0 + i, d0 : d0 + dw],
                 )
-            nisa.tensor_copy(
-                dst=rows_t[0:dw, dc, k0 * KERNEL_TILE : (k0 + n) * KERNEL_TILE],
-                src=psum[0:dw, 0 : n * KERNEL_TILE],
-                engine=getattr(nisa.engine, src.copy_engine()),
-            )
+            _from_psum(src, rows_t[0:dw, dc, k0 * KERNEL_TILE : (k0 + n) * KERNEL_TILE],
+                       psum[0:dw, 0 : n * KERNEL_TILE])
+    return rows_t
+
+
+def _gathered_transposed_rows(src: _Source, row_index, c0: int, width: int):
+    """The variant without TensorEngine row transposes (``ROW_TRANSPOSES = "dma"``, indexed bf16
+    kernel only): ``[128 (d), D/128, width]`` gathered and transposed from the cache by one
+    indirect ``dma_transpose`` per 128 slots and 128 columns (nki.isa.dma_transpose, "DMA Indirect
+    Transpose Constraints": 2-byte dtype, ``src.shape[-1] <= 128`` from NKI 0.4, uint32 indices
+    ``[128, 1]``, software DGE, trn2+), into a zeroed tile with ``oob_mode=skip`` so that an empty
+    slot's column stays 0. The rows are still gathered slot-major for the value product: every
+    selected row crosses the DMA queues twice. Slower under the cost model (docs/neuron-kernel.md,
+    "Modelled cost"), so not the default.
+    """
+    k_tiles, d_tiles = width // KERNEL_TILE, _ceil_div(src.dim, KERNEL_TILE)
+    rows_t = nl.ndarray((KERNEL_TILE, d_tiles, width), dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.memset(dst=rows_t, value=0.0, engine=nisa.engine.gpsimd)
+    first_tile = c0 // KERNEL_TILE
+    for dc, d0, dw in _d_chunks(src.dim):
+        for kc in range(k_tiles):
+            nisa.dma_transpose(
+                dst=rows_t[0:dw, dc, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE],
+                src=src.slot_rows.ap(
+                    pattern=[[src.dim, KERNEL_TILE], [1, dw]], offset=d0,
+                    vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
+                    indirect_dim=0,
+                ),
+                oob_mode=nisa.oob_mode.skip,
+            )  # fmt: skip
     return rows_t
 
 
@@ -403,7 +446,7 @@ def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst
     heads = src.heads
     score_psum = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.psum)
     saturated = nl.ndarray((heads, MATMUL_MAX_N), dtype=nl.float32, buffer=nl.sbuf)
-    for nb in nl.static_range(_ceil_div(width, MATMUL_MAX_N)):
+    for nb in range(_ceil_div(width, MATMUL_MAX_N)):
         n0 = nb * MATMUL_MAX_N
         n = min(MATMUL_MAX_N, width - n0)
         for dc, _, dw in _d_chunks(src.dim):
@@ -413,23 +456,19 @@ def _chunk_logits(src: _Source, q_t, rows_t, prefix, bias_heads, width: int, dst
                 moving=rows_t[0:dw, dc, n0 : n0 + n],
                 accumulate=dc > 0,
             )
-        nisa.tensor_scalar(
-            dst=saturated[:, 0:n], data=score_psum[:, 0:n],
-            op0=nl.multiply, operand0=up1, op1=nl.multiply, operand1=up2,
-            engine=nisa.engine.scalar,
-        )  # fmt: skip
-        nisa.tensor_scalar(
-            dst=saturated[:, 0:n], data=saturated[:, 0:n],
-            op0=nl.maximum, operand0=-FLT_MAX, op1=nl.minimum, operand1=FLT_MAX,
-            engine=getattr(nisa.engine, src.clamp_engine()),
-        )  # fmt: skip
-        nisa.tensor_scalar(
-            dst=saturated[:, 0:n], data=saturated[:, 0:n],
-            op0=nl.multiply, operand0=scale_col, op1=nl.maximum, operand1=-LOGIT_LIMIT,
-            engine=nisa.engine.gpsimd,
-        )  # fmt: skip
+        sat = saturated[:, 0:n]
+        # Out of PSUM on the Vector engine, multiplied back by both factors: GpSimd cannot read
+        # PSUM and the Scalar engine's tensor_scalar has no (multiply, multiply) pair (nki.isa
+        # tensor_copy and tensor_scalar pages). The clamps then run on SBUF, on GpSimd.
+        nisa.tensor_scalar(dst=sat, data=score_psum[:, 0:n], op0=nl.multiply, operand0=up1,
+                           op1=nl.multiply, operand1=up2, engine=nisa.engine.vector)
+        nisa.tensor_scalar(dst=sat, data=sat, op0=nl.maximum, operand0=-FLT_MAX,
+                           op1=nl.minimum, operand1=FLT_MAX,
+                           engine=getattr(nisa.engine, src.clamp_engine()))  # fmt: skip
+        nisa.tensor_scalar(dst=sat, data=sat, op0=nl.multiply, operand0=scale_col,
+                           op1=nl.maximum, operand1=-LOGIT_LIMIT, engine=nisa.engine.gpsimd)
         nisa.scalar_tensor_tensor(
-            dst=dst[:, n0 : n0 + n], data=saturated[:, 0:n],
+            dst=dst[:, n0 : n0 + n], data=sat,
             op0=nl.minimum, operand0=LOGIT_LIMIT, op1=nl.add, operand1=bias_heads[:, n0 : n0 + n],
         )  # fmt: skip
 
@@ -440,18 +479,16 @@ def _transposed_probs(src: _Source, probs_bf16, width: int):
     probs_t = nl.ndarray((KERNEL_TILE, k_tiles, heads), dtype=nl.bfloat16, buffer=nl.sbuf)
     group = min(TRANSPOSES_PER_COPY, k_tiles)
     psum = nl.ndarray((KERNEL_TILE, group, heads), dtype=nl.bfloat16, buffer=nl.psum)
-    for k0 in nl.static_range(0, k_tiles, group):
+    for k0 in range(0, k_tiles, group):
         n = min(group, k_tiles - k0)
-        for i in nl.static_range(n):
+        for i in range(n):
             kc = k0 + i
             nisa.nc_transpose(
                 dst=psum[:, i, :], data=probs_bf16[:, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE]
             )
         # The value product's overflow guard: probabilities enter it scaled by 2**-value_shift
         # (exact: a power of two), on the way out of PSUM at the cost of the copy.
-        nisa.tensor_scalar(dst=probs_t[:, k0 : k0 + n, :], data=psum[:, 0:n, :],
-                           op0=nl.multiply, operand0=2.0**-src.value_shift,
-                           engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        _from_psum(src, probs_t[:, k0 : k0 + n, :], psum[:, 0:n, :], 2.0**-src.value_shift)
     return probs_t
 
 
@@ -504,29 +541,26 @@ def _value_matmul(unit: _ValueUnit, acc, probs_tile, rows_tile, accumulate: bool
                        moving=probs_tile, accumulate=accumulate)  # fmt: skip
 
 
-def _value_epilogue(src: _Source, unit: _ValueUnit, acc, inv_denominator, out_rows):
-    """``out_rows[:, columns] = bf16(value * (1 / den))`` for the columns of ``unit``.
+def _value_epilogue(src: _Source, unit: _ValueUnit, acc, out_scale, out_rows):
+    """``out_rows[:, columns] = bf16(value * out_scale)`` for the columns of ``unit``, with
+    ``out_scale = (1 / den) * 2**value_shift`` (``[H, 1]``; exact: a power of two): one multiply,
+    so the Scalar engine can take it out of PSUM as well as the Vector engine.
 
     A transposed accumulator ``[d, H]`` goes to SBUF and back through a PE transpose (fp32,
-    bit-exact from NeuronCore-v3, nki.isa.nc_transpose page) so that ``1 / den`` is a
+    bit-exact from NeuronCore-v3, nki.isa.nc_transpose page) so that ``out_scale`` is a
     per-partition column again; one rounding to bf16 either way.
     """
     heads = src.heads
     if not unit.transposed:
         d0, n = unit.blocks[0]
-        nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + n], data=acc[:, 0:n], op0=nl.multiply,
-                           operand0=inv_denominator, op1=nl.multiply,
-                           operand1=2.0**src.value_shift)  # fmt: skip
+        _from_psum(src, out_rows[:, d0 : d0 + n], acc[:, 0:n], out_scale)
         return
     values_t = nl.ndarray((KERNEL_TILE, heads), dtype=nl.float32, buffer=nl.sbuf)
     values_psum = nl.ndarray((heads, KERNEL_TILE), dtype=nl.float32, buffer=nl.psum)
     for j, (d0, dw) in enumerate(unit.blocks):
-        nisa.tensor_copy(dst=values_t[0:dw, :], src=acc[0:dw, j, :],
-                         engine=getattr(nisa.engine, src.copy_engine()))  # fmt: skip
+        _from_psum(src, values_t[0:dw, :], acc[0:dw, j, :])
         nisa.nc_transpose(dst=values_psum[:, 0:dw], data=values_t[0:dw, :])
-        nisa.tensor_scalar(dst=out_rows[:, d0 : d0 + dw], data=values_psum[:, 0:dw],
-                           op0=nl.multiply, operand0=inv_denominator, op1=nl.multiply,
-                           operand1=2.0**src.value_shift)  # fmt: skip
+        _from_psum(src, out_rows[:, d0 : d0 + dw], values_psum[:, 0:dw], out_scale)
 
 
 def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch):
@@ -534,7 +568,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     heads, dim = src.heads, src.dim
     # The body is compiled once (a hardware loop): every token must use the same engines, so the
     # round-robin choices restart here (the emulator runs the Python body once per token).
-    src.copy_engine.next = src.clamp_engine.next = 0
+    src.psum_engine.next = src.clamp_engine.next = 0
     if src.dequant_engine is not None:
         src.dequant_engine.next = 0
     chunks = plan.chunks
@@ -572,7 +606,10 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         bias_heads = nl.broadcast_to(bias_row[:, first : first + width], shape=(heads, width))
         del bias_row
         rows = _fetch_slot_rows(src, row_index, c0, width)
-        rows_t = _transposed_rows(src, rows, width)
+        if ROW_TRANSPOSES == "dma" and src.indexed and src.row_scale is None:
+            rows_t = _gathered_transposed_rows(src, row_index, c0, width)
+        else:
+            rows_t = _transposed_rows(src, rows, width)
         if plan.scores_in_sbuf:
             chunk_scores = scores[:, c0 : c0 + width]
         else:
@@ -596,8 +633,9 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     out_rows = nl.ndarray((heads, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     chunk_sum = nl.ndarray((heads, chunks), dtype=nl.float32, buffer=nl.sbuf)
     inv_denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
+    out_scale = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
-    for g0 in nl.static_range(0, len(units), VALUE_PSUM_BANKS):
+    for g0 in range(0, len(units), VALUE_PSUM_BANKS):
         group = units[g0 : g0 + VALUE_PSUM_BANKS]
         value_psum = [nl.ndarray(u.psum_shape, dtype=nl.float32, buffer=nl.psum) for u in group]
         for c, (c0, width) in enumerate(bounds):
@@ -622,7 +660,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
                 nisa.activation(dst=probs_bf16, op=nl.exp, data=chunk_scores, bias=neg_max)
             probs_t = _transposed_probs(src, probs_bf16, width)
             for unit, acc in zip(group, value_psum):
-                for kc in nl.static_range(width // KERNEL_TILE):
+                for kc in range(width // KERNEL_TILE):
                     _value_matmul(unit, acc, probs_t[:, kc, :], rows[:, kc, :], c > 0 or kc > 0)
             del probs_bf16, probs_t, chunk_scores
             if chunks > 1:
@@ -635,8 +673,10 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
             nisa.activation(dst=sink_term, op=nl.exp, data=sink_col, bias=neg_max, scale=1.0)
             nisa.tensor_tensor(dst=denominator, data1=slot_sum, data2=sink_term, op=nl.add)
             nisa.reciprocal(dst=inv_denominator, data=denominator)
+            nisa.tensor_scalar(dst=out_scale, data=inv_denominator, op0=nl.multiply,
+                               operand0=2.0**src.value_shift)  # fmt: skip
         for unit, acc in zip(group, value_psum):
-            _value_epilogue(src, unit, acc, inv_denominator, out_rows)
+            _value_epilogue(src, unit, acc, out_scale, out_rows)
         del value_psum
     nisa.dma_copy(dst=src.token_rows(out, heads, dim), src=out_rows)
 
@@ -648,16 +688,25 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
     nisa.dma_copy(dst=src.token_rows(lse, heads, 1), src=lse_col)
 
 
-# Engines that copy PSUM tiles to SBUF, in turn (the nki.isa.tensor_copy page lists Vector,
-# Scalar and GpSimd).
-COPY_ENGINES = ("scalar", "scalar", "scalar", "gpsimd")
-# Engines that clamp the multiplied-back dot products, in turn (tensor_scalar runs on Vector,
-# Scalar or GpSimd, nki.isa.tensor_scalar page).
-CLAMP_ENGINES = ("scalar", "vector")
-# Engines that dequantise FP8 rows, in turn (tensor_scalar: Vector, Scalar or GpSimd). Weighted
-# towards GpSimd, which the FP8 kernel frees of the rows' memset (9 : 4 : 3 in 16; chosen under the
-# cost model at decode, K=2048, H=128, where the other engines already carry more).
-DEQUANT_ENGINES = ("gpsimd", "vector", "gpsimd", "scalar") * 3 + ("gpsimd", "vector", "gpsimd", "gpsimd")
+# Engines that read PSUM tiles out to SBUF, in turn (_from_psum): Scalar (activation) or Vector;
+# GpSimd cannot access PSUM (nki.isa.tensor_copy page). All on the Scalar engine: the Vector
+# engine carries the logits' first step, their max, the bias broadcast and the bias add, and the
+# cost model puts every engine below the TensorEngine at H=128 decode this way (docs/neuron-kernel.md).
+PSUM_READ_ENGINES = ("scalar",)
+# Engines that clamp the multiplied-back dot products (SBUF only), in turn (tensor_scalar runs on
+# Vector, Scalar or GpSimd, nki.isa.tensor_scalar page; (max, min) is not a Scalar-engine pair).
+CLAMP_ENGINES = ("gpsimd",)
+# How the logits' operand [128 (d), D/128, C] is made from the gathered rows: "tensor" (PE
+# transposes of the slot-major rows, the default) or "dma" (the indexed bf16 kernel gathers it a
+# second time by indirect dma_transpose, _gathered_transposed_rows). The default is the one that
+# models faster (docs/neuron-kernel.md, "Modelled cost").
+ROW_TRANSPOSES = "tensor"
+# Engines that dequantise FP8 rows (SBUF only), in turn (tensor_scalar multiply: Vector, Scalar or
+# GpSimd). Weighted towards GpSimd, which the FP8 kernel frees of the rows' memset, and away from
+# the Vector and Scalar engines, which carry the logits' first step and every PSUM read (11 : 3 : 2
+# GpSimd : Scalar : Vector in 16; chosen under the cost model at decode, K=2048, H=64 and 128).
+DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "gpsimd", "vector", "gpsimd", "gpsimd", "scalar",
+                   "gpsimd", "gpsimd", "vector", "gpsimd", "gpsimd", "scalar", "gpsimd", "gpsimd")
 
 
 def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk,
@@ -681,11 +730,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
         scratch = nl.ndarray((programs, heads, slots), dtype=nl.float32, buffer=nl.hbm)
         scratch = scratch[program]
     sink_col = nl.load(sink)
-    # The token counter: int32, updated by an fp32 add, exact below 2**24 tokens.
-    token = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.memset(dst=token, value=program * per_program)
     assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
-    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, token, _Engines(COPY_ENGINES),
+    src = _Source(q, slot_rows, idx, bias, heads, dim, slots, None, _Engines(PSUM_READ_ENGINES),
                   _Engines(CLAMP_ENGINES), value_shift, slot_scale,
                   _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
                   scale_groups)  # fmt: skip
@@ -693,13 +739,16 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
                                    dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip
         nisa.memset(dst=src.fp8_zeros, value=0.0, engine=nisa.engine.gpsimd)
-    # A hardware loop (nki/deep-dives/nki-dynamic-loops.rst): its body is compiled once, so the
-    # kernel's size does not grow with T. Its loop variable cannot address memory (NKI 0.3
-    # release notes, known issues), so every access to a token's data goes through the counter
-    # `token`, a [1, 1] SBUF tile, as the access pattern's scalar_offset.
-    for _ in nl.dynamic_range(per_program):
-        _attend_one_token(src, plan, sink_col, out, lse, scratch)
-        nisa.tensor_scalar(dst=token, data=token, op0=nl.add, operand0=1)
+
+    # A hardware loop over the program's tokens (nl.fori_loop, NKI >= 0.6): its body is compiled
+    # once, so the kernel's size does not grow with T. The induction variable is a register
+    # holding the token (nki.language.fori_loop page), the scalar_offset of every access to the
+    # token's data. The body returns nothing; what outlives it (out, lse, scratch) was allocated
+    # before the loop.
+    def token_body(token):
+        _attend_one_token(dataclasses.replace(src, token=token), plan, sink_col, out, lse, scratch)
+
+    nl.fori_loop(program * per_program, (program + 1) * per_program, token_body)
     return out, lse
 
 

@@ -44,13 +44,20 @@ from .packing import (
 
 NEURON_PLATFORM = "neuron"
 
-NEURON_INSTALL_HINT = (
-    "install the Neuron SDK on a Trainium host from the Neuron pip repository: "
-    "pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
-    "'nki>=0.3' 'jax-neuronx>=0.7' 'libneuronxla>=2.2' 'neuronx-cc>=2.24' (Neuron SDK >= 2.29; "
-    "'.[neuron]' in a clone of this repository installs the same). implementation='nki_emulated' "
-    "runs the kernel source on the host."
-)
+def install_hint() -> str:
+    """What to install for the NKI kernel: the supported Neuron SDKs' packages (from
+    ``nki_emulator.versions``, imported only when a message needs it)."""
+    from ..nki_emulator.versions import NEURON_REQUIREMENTS, SDK_RELEASES
+
+    sdks = " or ".join(f"{r.sdk} (NKI {r.nki})" for r in SDK_RELEASES.values())
+    return (
+        "install the Neuron SDK on a Trainium host from the Neuron pip repository: "
+        "pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
+        + " ".join(f"'{r}'" for r in NEURON_REQUIREMENTS)
+        + f" (Neuron SDK {sdks}; '.[neuron]' in a clone of this repository installs the same). "
+        "implementation='nki_emulated' runs the kernel source on the host."
+    )
+
 
 KernelCall = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -74,22 +81,88 @@ def neuron_target() -> str:
     return current_target()
 
 
+# The LNC settings (about-neuron/arch/neuron-features/logical-neuroncore-config.rst): the runtime's
+# (and, when set, the compiler's and NKI's) NEURON_LOGICAL_NC_CONFIG, and the compiler's own flag,
+# which frameworks pass through NEURON_CC_FLAGS (compiler/error-codes/EVRF066, SDK 2.33 docs).
+LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
+CC_FLAGS_ENV = "NEURON_CC_FLAGS"
+# neuronx-cc's spellings of the flag (logical-neuroncore-config.rst: --logical-nc-config / -lnc;
+# EVRF066: --lnc=1).
+LNC_FLAGS = ("--lnc", "--logical-nc-config", "-lnc")
+
+
+def _lnc_value(text: str, where: str) -> int:
+    if text.strip() not in ("1", "2"):
+        raise ValueError(f"{where}: the LNC degree is 1 or 2, got {text!r}")
+    return int(text)
+
+
+def compiler_lnc_flag(flags: str | None = None) -> int | None:
+    """The LNC degree that ``NEURON_CC_FLAGS`` (or ``flags``) passes to neuronx-cc (``--lnc=N``,
+    ``--lnc N``, ``--logical-nc-config N``, ``-lnc N``), or None when it names none. A flag
+    without a value, with a value other than 1 or 2, or given twice with different values is a
+    ``ValueError`` naming ``NEURON_CC_FLAGS``: the kernel's launch grid cannot be known then."""
+    import shlex
+
+    flags = os.environ.get(CC_FLAGS_ENV, "") if flags is None else flags
+    try:
+        tokens = shlex.split(flags)
+    except ValueError as err:
+        raise ValueError(f"{CC_FLAGS_ENV}={flags!r} cannot be parsed ({err})") from None
+    found = []
+    for i, token in enumerate(tokens):
+        for name in LNC_FLAGS:
+            if token == name:
+                if i + 1 >= len(tokens):
+                    raise ValueError(f"{CC_FLAGS_ENV}={flags!r}: {name} has no value")
+                found.append(_lnc_value(tokens[i + 1], f"{CC_FLAGS_ENV}={flags!r} ({name})"))
+            elif token.startswith(name + "="):
+                found.append(_lnc_value(token[len(name) + 1 :], f"{CC_FLAGS_ENV}={flags!r} ({name})"))
+    if len(set(found)) > 1:
+        raise ValueError(
+            f"{CC_FLAGS_ENV}={flags!r} sets the LNC degree twice ({found}): set it once (or "
+            f"drop it and set {LNC_ENV})"
+        )
+    return found[0] if found else None
+
+
 def launch_programs(target: str) -> int:
-    """The kernel's SPMD launch grid: the physical cores of one logical core, ``kernel[n]``
-    (nki/get-started/about/lnc.rst). trn1 has no logical cores (1); on trn2 and trn3 it is
-    ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2) when set, else the target's default, 2
-    (``nki_emulator.targets``: LNC=2 is the runtime's default on Trainium2,
-    about-neuron/arch/neuron-features/logical-neuroncore-config.rst; trn3 assumed the same)."""
+    """The kernel's SPMD launch grid ``kernel[n]``: the LNC degree neuronx-cc compiles with, so
+    that the kernel's LNC always equals the compiler's (from NKI 0.7 a mismatch is compiler error
+    NCC_EVRF066; nki/get-started/about/lnc.rst: "its LNC degree must match the global graph
+    compilation --lnc degree used by neuronx-cc").
+
+    trn1 has no logical cores: 1 (``--lnc=2`` there is a ``ValueError``, compiler error
+    NCC_EARG001). On trn2 and trn3: the ``--lnc`` of ``NEURON_CC_FLAGS`` (:func:`compiler_lnc_flag`)
+    and ``NEURON_LOGICAL_NC_CONFIG`` (1 or 2), which must agree when both are set (else a
+    ``ValueError`` naming both); either one when only it is set; neither: 2, neuronx-cc's default
+    "on Trn2 and later" (compiler/error-codes/EVRF066). A setting that cannot be read raises a
+    ``ValueError`` naming the variable to fix.
+    """
     from ..nki_emulator.targets import TARGETS
 
     info = TARGETS[target]
+    flag = compiler_lnc_flag()
     if info.lnc_max == 1:
+        if flag is not None and flag > 1:
+            raise ValueError(
+                f"{CC_FLAGS_ENV} passes --lnc={flag} on {target}, which has no logical cores "
+                f"(only LNC=1: compiler error NCC_EARG001); remove it from {CC_FLAGS_ENV}"
+            )
         return 1
-    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "").strip()
-    if value in ("1", "2"):
-        return int(value)
-    if value:
-        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={value!r}: LNC is 1 or 2")
+    raw = os.environ.get(LNC_ENV, "").strip()
+    runtime = _lnc_value(raw, f"{LNC_ENV}={raw!r}") if raw else None
+    if flag is not None and runtime is not None and flag != runtime:
+        raise ValueError(
+            f"{CC_FLAGS_ENV} passes --lnc={flag} to neuronx-cc but {LNC_ENV}={runtime}: the "
+            "kernel's LNC must equal the compiler's (NKI 0.7: compiler error NCC_EVRF066); set "
+            f"both to the same degree (or drop --lnc from {CC_FLAGS_ENV}: neuronx-cc then follows "
+            f"{LNC_ENV})"
+        )
+    if flag is not None:
+        return flag
+    if runtime is not None:
+        return runtime
     return info.lnc_default
 
 
@@ -149,7 +222,7 @@ def _jitted_kernel(kernel):
 
     if kernels.nki is None:
         raise RuntimeError(
-            f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}"
+            f"the NKI kernel needs the Neuron SDK (`import nki` failed): {install_hint()}"
         )
     return kernels.nki.jit(kernel)
 

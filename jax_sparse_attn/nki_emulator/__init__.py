@@ -23,13 +23,18 @@ What is emulated:
 
 * Targets ``trn1``/``trn2``/``trn3`` (:mod:`.targets`; default from NKI's
   ``NEURON_PLATFORM_TARGET_OVERRIDE``): SBUF size, the NeuronCore-v3-only DMA forms, the launch grid.
+* NKI versions 0.3 to 0.7 (:mod:`.versions`; default 0.7, ``JAX_SPARSE_ATTN_NKI_VERSION`` or
+  ``simulate(kernel, nki_version=...)`` selects another): what the version removed or lacks raises,
+  what it deprecates warns.
 * Launch: ``simulate(kernel)[n]`` with ``nl.program_id`` / ``nl.num_programs``; per-program
-  instruction counts, with ``nl.dynamic_range`` bodies counted once per compiled body.
+  instruction counts, with hardware-loop bodies (``nl.fori_loop``, ``nl.dynamic_range``) counted
+  once per compiled body.
 * ``nl``: dtypes (``bfloat16`` is ``ml_dtypes.bfloat16``, rounded to nearest even), buffers
   (``sbuf``, ``psum``, ``hbm``, ``shared_hbm``), ``ndarray``, ``zeros``, ``full``, ``load``,
   ``store``, ``copy``, ``broadcast_to``, elementwise ``add``/``subtract``/``multiply``/
   ``maximum``/``minimum``/``negative``/``exp``/..., free-axis reductions ``max``/``min``/``sum``,
-  ``static_range``/``affine_range``/``sequential_range`` (unrolled), ``dynamic_range`` (not).
+  ``static_range``/``affine_range``/``sequential_range`` (unrolled; deprecated from 0.6),
+  ``fori_loop`` (0.6+) and ``dynamic_range`` (0.3 to 0.6), not unrolled.
 * ``nisa``: ``dma_copy`` (``tensor.ap(...)`` patterns with ``scalar_offset`` or an indirect
   ``vector_offset`` row gather, ``oob_mode``), ``dma_transpose`` (direct and indirect),
   ``tensor_copy``, ``nc_matmul``, ``nc_transpose``, ``activation`` (and ``activation_reduce``),
@@ -57,7 +62,8 @@ for such casts is not modelled.
 
 Not emulated (raises :class:`NkiUnsupportedError`): masks, ``tensor.ap`` on on-chip tensors or
 on views, scatter (indirect destinations), ``t[...] = value`` assignment, ``while`` loops over
-registers, and the NKI functions not listed above.
+registers and ``nl.while_loop``, NKI 0.7's ``NkiScalar`` arithmetic, and the NKI functions not
+listed above.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import isa, language
+from . import isa, language, versions
 from ._blas import single_threaded_blas
 from ._core import SHARED_HBM, SBUF_BYTES_PER_PARTITION, Context, Launch, Tensor
 from .errors import (
@@ -87,6 +93,7 @@ from .errors import (
     NkiUnsupportedError,
 )
 from .targets import TARGET_ENV, TARGETS, Target, current_target, resolve_target
+from .versions import NkiDeprecationWarning, nki_version
 
 __all__ = [
     "simulate",
@@ -99,6 +106,9 @@ __all__ = [
     "resolve_target",
     "TARGETS",
     "TARGET_ENV",
+    "versions",
+    "nki_version",
+    "NkiDeprecationWarning",
     "jit",
     "language",
     "isa",
@@ -199,10 +209,9 @@ class ProgramStats:
     """What one program instance (one physical core) executed.
 
     ``instructions``: every instruction executed. ``compiled_instructions``: the instructions of
-    the compiled program text: an ``nl.dynamic_range`` body (a hardware loop, never unrolled,
-    ``nki/deep-dives/nki-dynamic-loops.rst``) counts once however often it runs, while Python
-    loops and ``nl.static_range``/``affine_range``/``sequential_range`` (unrolled) count every
-    iteration. ``ops``: executed instructions by name (``"nisa.nc_matmul"``, ``"nl.load"``, ...).
+    the compiled program text: an ``nl.fori_loop`` or ``nl.dynamic_range`` body (a hardware loop,
+    never unrolled) counts once however often it runs, while Python loops and
+    ``nl.static_range``/``affine_range``/``sequential_range`` (unrolled) count every iteration. ``ops``: executed instructions by name (``"nisa.nc_matmul"``, ``"nl.load"``, ...).
     ``cost``: the program's :class:`cost.CostRecord` when the run recorded costs, else None.
     """
 
@@ -221,6 +230,7 @@ class RunStats:
 
     target: str
     grid: int
+    nki_version: str = versions.DEFAULT_VERSION  # the NKI version the launch was modelled under
     programs: list[ProgramStats] = field(default_factory=list)
 
     @property
@@ -250,6 +260,7 @@ class RunStats:
             "psum_peak_banks": self.psum_peak_banks,
             "target": self.target,
             "grid": self.grid,
+            "nki_version": self.nki_version,
         }
 
 
@@ -263,7 +274,7 @@ def _check_grid(grid: Any, target: Target) -> int:
         raise NkiUnsupportedError(
             f"launch grid {grid}: NKI >= 0.3 launches kernel[n] with one number, the physical "
             "cores per logical core (nki/get-started/about/lnc.rst); for a loop that is not "
-            "unrolled use nl.dynamic_range (nki/deep-dives/nki-dynamic-loops.rst)"
+            "unrolled use nl.fori_loop (NKI >= 0.6, nki.language.fori_loop page)"
         )
     if isinstance(grid, bool) or not isinstance(grid, (int, np.integer)) or grid < 1:
         raise NkiUnsupportedError(f"launch grid must be a positive int, got {grid!r}")
@@ -318,8 +329,10 @@ class SimulatedKernel:
     After a call, ``last_run`` holds the :class:`RunStats` and ``last_stats`` the same as a dict.
     """
 
-    def __init__(self, func: types.FunctionType, target: Target, grid: int, stats: bool, cost: bool):
+    def __init__(self, func: types.FunctionType, target: Target, grid: int, stats: bool, cost: bool,
+                 nki_version: str | None = None):  # fmt: skip
         self._func = func
+        self.nki_version = nki_version  # None: versions.nki_version() at each call
         self.target = target
         self.grid = grid
         self._stats = stats
@@ -331,12 +344,13 @@ class SimulatedKernel:
     def __getitem__(self, grid: Any) -> SimulatedKernel:
         """``simulate(kernel)[2]``: the same kernel launched on a grid of 2 programs (LNC=2)."""
         return SimulatedKernel(
-            self._func, self.target, _check_grid(grid, self.target), self._stats, self._cost
+            self._func, self.target, _check_grid(grid, self.target), self._stats, self._cost,
+            self.nki_version,
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        launch = Launch(self.target, self.grid)
-        run_stats = RunStats(self.target.name, self.grid)
+        launch = Launch(self.target, self.grid, versions.resolve_version(self.nki_version))
+        run_stats = RunStats(self.target.name, self.grid, launch.nki_version)
         # Inputs live in HBM shared by all programs (lnc.rst: "the inputs and outputs of the
         # kernel should be stored in the Shared HBM").
         host = Context(self.target, 0, launch)
@@ -406,6 +420,7 @@ def simulate(
     grid: Any = 1,
     stats: bool = False,
     cost: bool = False,
+    nki_version: str | None = None,
 ) -> SimulatedKernel:
     """Like ``nki.simulate(kernel)``: a callable running ``kernel`` on numpy arrays on the host.
 
@@ -421,6 +436,9 @@ def simulate(
       stats: if True, a call returns ``(outputs, RunStats)`` instead of the outputs alone.
       cost: record each instruction's modelled cost (see :mod:`.cost`) in
         ``RunStats.programs[i].cost``.
+      nki_version: the NKI version to model (``"0.3"`` .. ``"0.7"``, :mod:`.versions`); default
+        :func:`versions.nki_version` when the kernel is called (``JAX_SPARSE_ATTN_NKI_VERSION``,
+        else ``"0.7"``). What that version removed or lacks raises.
 
     The returned callable takes the kernel's arguments (numpy arrays become HBM tensors; other
     values pass through) and returns the kernel's ``nl.shared_hbm`` outputs as numpy arrays: one
@@ -429,4 +447,5 @@ def simulate(
     instructions by name, SBUF/PSUM peaks) and ``.last_stats`` a dict summary.
     """
     info = resolve_target(target)
-    return SimulatedKernel(_unwrap(kernel), info, _check_grid(grid, info), stats, cost)
+    version = None if nki_version is None else versions.resolve_version(nki_version)
+    return SimulatedKernel(_unwrap(kernel), info, _check_grid(grid, info), stats, cost, version)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any
 
 import ml_dtypes
@@ -156,9 +157,10 @@ class Launch:
     allocates it, the others get the same storage back (same shape and dtype, or an error).
     """
 
-    def __init__(self, target: Target, grid: int):
+    def __init__(self, target: Target, grid: int, nki_version: str | None = None):
         self.target = target
         self.grid = grid
+        self.nki_version = nki_version  # the NKI version modelled (versions.py); None: default
         self.shared: list[_Storage] = []
 
 
@@ -186,6 +188,11 @@ class Context:
         self.compiled_instructions = 0
         self.ops: dict[str, int] = {}  # executed instructions by name
         self.repeat_depth = 0  # > 0 inside the second and later iterations of a dynamic loop
+        # The NKI version this program is modelled under (versions.nki_version reads it).
+        self.nki_version = self.launch.nki_version
+        # Allocations made in the current iteration of each enclosing nl.fori_loop body, innermost
+        # last: when an iteration ends they are closed (a tensor must not escape the body).
+        self.loop_scopes: list[list] = []
         self.cost = None  # a cost.CostRecord when cost recording is on
         self._shared_seen = 0  # shared_hbm allocations of this program so far
         # Scalar Engine accumulation registers, one fp32 per partition (nisa.activation reduce_cmd).
@@ -303,6 +310,9 @@ class Context:
         st = _Storage(data, np.zeros(shape, bool), buffer, name or "", None)
         if buffer is SHARED_HBM:
             self.launch.shared.append(st)
+        elif self.loop_scopes:
+            # A weak reference: the scope must not keep a tile alive (its charge ends with it).
+            self.loop_scopes[-1].append(weakref.ref(st))
         if buffer.on_chip:
             st.ctx = self
             self._charge(
@@ -345,9 +355,11 @@ class Context:
 class _Storage:
     """One allocation: data, initialised mask, buffer; releases its on-chip charge when collected."""
 
-    __slots__ = ("data", "init", "buffer", "name", "ctx", "sbuf_bytes", "psum_banks")
+    __slots__ = ("data", "init", "buffer", "name", "ctx", "sbuf_bytes", "psum_banks", "closed_by",
+                 "__weakref__")
 
     def __init__(self, data, init, buffer, name, ctx):
+        self.closed_by = None  # set when the fori_loop body that allocated it has ended
         self.data = data
         self.init = init
         self.buffer = buffer
@@ -797,8 +809,22 @@ def _scalar_offset_value(value: Any, instr: str) -> int:
 # reading and writing
 
 
+def check_in_scope(st: _Storage, instr: str, arg: str) -> None:
+    """A tensor allocated in an ``nl.fori_loop`` body is dead once that iteration has ended."""
+    if st.closed_by is not None:
+        # nki.language.fori_loop page and nki/migration (0.6): the body returns nothing and
+        # carries loop state "through SBUF/HBM" allocated outside it; no tensor escapes the body.
+        raise NkiUnsupportedError(
+            f"tensor escapes a loop body: {instr} uses {arg} = {st.buffer.name} "
+            f"{st.name or 'tile'} {st.data.shape}, allocated inside an nl.fori_loop body "
+            f"({st.closed_by}) after that iteration ended; allocate loop-carried state before the "
+            "loop (nki.language.fori_loop page)"
+        )
+
+
 def read(t: Tensor, instr: str, arg: str) -> np.ndarray:
     """The values of ``t`` (a view, do not mutate); raises on any element never written."""
+    check_in_scope(t._st, instr, arg)
     mask = t._mask
     if not mask.all():
         # Inferred: allocation does not zero memory (fresh tiles hold garbage, NaN in the
@@ -814,6 +840,7 @@ def read(t: Tensor, instr: str, arg: str) -> np.ndarray:
 
 def write(t: Tensor, values: np.ndarray) -> None:
     """Store ``values`` (already of ``t.shape``) into ``t``, rounding to its dtype (RNE for floats)."""
+    check_in_scope(t._st, "a write", "dst")
     t._data[...] = values
     t._mask[...] = True
 
@@ -822,6 +849,7 @@ def read_ap(
     ap: AccessPattern, instr: str, arg: str, skip_oob: bool, rows: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The values ``ap`` reads, and the mask of what transfers (None: everything)."""
+    check_in_scope(ap.base._st, instr, arg)
     flat, ok = ap.resolve(instr, skip_oob, rows)
     st = ap.base._st
     init = st.init.reshape(-1)[flat]
@@ -840,6 +868,7 @@ def write_ap(ap: AccessPattern, values: np.ndarray, instr: str, skip_oob: bool =
         raise NkiUnsupportedError(
             f"{instr}: an indirect access pattern as destination (scatter) is not emulated"
         )
+    check_in_scope(ap.base._st, instr, "dst")
     flat, ok = ap.resolve(instr, skip_oob)
     if ok is not None:
         return  # an out-of-range scalar address with oob_mode=skip: nothing is written

@@ -20,6 +20,9 @@ Sources (Neuron SDK docs, repository aws-neuron/aws-neuron-sdk):
   DMA takes about 600 ns; two DGE instances per NeuronCore-v3.
 * [lnc] ``about-neuron/arch/neuron-features/logical-neuroncore-config.rst``: LNC=2 on trn2 by
   default (two physical cores, one logical core).
+* NKI 0.4 to 0.7 (``release-notes/components/nki.rst`` at v2.32.0; readthedocs v2.33.0): no new
+  cost formulas; what they change in the model (``nl.copy`` on VectorE from 0.6, a bf16 matmul
+  dst on NeuronCore-v4, the gather-transpose ``dma_transpose``) is noted at its entry below.
 
 To cost a new instruction: add one line to :data:`COSTS` (engine, cycles as a function of the
 :class:`Op` summary) and call ``ctx.cost.compute(instr, engine, dst, inputs)`` in the emulated
@@ -185,7 +188,9 @@ class Cost:
 
 
 COSTS: dict[str, Cost] = {
-    # [isa] nc_matmul: max(min(64, N_stationary), N_moving) TensorE cycles (x4 for fp32).
+    # [isa] nc_matmul: max(min(64, N_stationary), N_moving) TensorE cycles (x4 for fp32). The
+    # formula has no dst term: a bfloat16 PSUM dst (NeuronCore-v4; up to 8192 elements from NKI
+    # 0.5, release notes) costs the same (inferred).
     "nisa.nc_matmul": Cost("tensor", _matmul),
     # [isa] nc_transpose: max(P, min(64, F)) on TensorE; max(MIN_II, N) on VectorE.
     "nisa.nc_transpose": Cost("tensor", lambda o: max(o.p, min(64, o.n)), ("tensor", "vector")),
@@ -214,8 +219,10 @@ COSTS: dict[str, Cost] = {
     # nl functions, costed as the instruction they lower to (assumption where noted):
     # nl.full / nl.zeros are a memset.
     "nl.full": Cost("vector", _memset),
-    # NKI 0.3 release notes (known issues): "nl.copy uses the Scalar Engine"; as tensor_copy.
-    "nl.copy": Cost("scalar", _min_ii_n),
+    # NKI 0.3 release notes (known issues): "nl.copy uses the Scalar Engine"; as tensor_copy. From
+    # NKI 0.6 it "uses the Vector engine (tensor_copy)" (0.6 release notes): CostRecord.compute
+    # charges the Vector engine then.
+    "nl.copy": Cost("scalar", _min_ii_n, ("scalar", "vector")),
     # Assumption: a partition broadcast costs like a VectorE copy of the result.
     "nl.broadcast_to": Cost("vector", _min_ii_n),
     # Assumption: binary nl ops with two tiles are tensor_tensor, with a scalar tensor_scalar;
@@ -307,6 +314,10 @@ class CostRecord:
         key = _cost_key(instr + ("+reduce" if reduce else ""), len(inputs), len(inputs))
         cost = COSTS[key]
         chosen = getattr(engine, "value", engine)
+        if instr == "nl.copy" and engine is None:
+            from .versions import has
+
+            chosen = "vector" if has("nl.copy on VectorE") else "scalar"
         if chosen in (None, "unknown") or not cost.engines:
             chosen = cost.engine
             if (

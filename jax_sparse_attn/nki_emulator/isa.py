@@ -15,6 +15,7 @@ import numpy as np
 
 from ..constants import PARTITIONS, PSUM_BANK_FP32
 from . import language as nl
+from . import versions
 from ._core import (
     _FP8_E4M3,
     F32,
@@ -89,6 +90,9 @@ class engine(enum.Enum):
     gpsimd = "gpsimd"
     dma = "dma"
     sync = "sync"
+
+
+_ENGINE = engine  # the enum, for functions whose engine parameter shadows it
 
 
 class dge_mode(enum.Enum):
@@ -229,6 +233,74 @@ def _check_dma_target(instr: str, src: Any, dst: Any, dge: Any) -> None:
                     f"{instr}: an indirect (vector_offset) access pattern needs dge_mode unknown "
                     f"or swdge, got {dge.name} (nki/deep-dives/nki-dge.rst)"
                 )
+
+
+# Engines an instruction may be given with engine= (ISA pages: tensor_copy and tensor_scalar run on
+# Vector, Scalar or GpSimd; tensor_tensor and memset on Vector or GpSimd).
+_ENGINES_OF = {
+    "nisa.tensor_copy": ("vector", "scalar", "gpsimd"),
+    "nisa.tensor_scalar": ("vector", "scalar", "gpsimd"),
+    "nisa.tensor_tensor": ("vector", "gpsimd"),
+    "nisa.memset": ("vector", "gpsimd"),
+}
+# tensor_scalar page (v2.29.1 and v2.32.0): "The Scalar Engine on trn2 only supports some operator
+# combinations": op0=multiply with op1=add or None, op0=add with op1=None.
+_SCALAR_ENGINE_TENSOR_SCALAR = {("multiply", "add"), ("multiply", None), ("add", None)}
+
+
+def _op_name(op: Any) -> str | None:
+    if op is None:
+        return None
+    return getattr(op, "__name__", str(op))
+
+
+def check_engine(instr: str, engine: Any, tiles: list, ops: tuple = ()) -> str | None:
+    """The engine rules of the ISA pages for an explicit ``engine=``; returns its name (None for
+    ``engine=unknown``, which lets the compiler choose a legal engine)."""
+    if engine is None:
+        return None
+    if not isinstance(engine, _ENGINE):
+        raise NkiUnsupportedError(f"{instr}: engine must be a nisa.engine member, got {engine!r}")
+    name = engine.value
+    if name == "unknown":
+        return None
+    allowed = _ENGINES_OF.get(instr)
+    if allowed is not None and name not in allowed:
+        raise NkiUnsupportedError(
+            f"{instr} does not run on the {name} engine (ISA page: {', '.join(allowed)})"
+        )
+    target = current_context().target_info
+    if name == "gpsimd":
+        in_psum = [t for t in tiles if isinstance(t, Tensor) and t.buffer is PSUM]
+        if in_psum:
+            # tensor_copy page: "since GpSimd Engine cannot access PSUM in NeuronCore, Scalar or
+            # Vector Engine must be chosen when the input or output tile is in PSUM"; the same
+            # sentence on the iota, rand and nc_n_gather pages (every target).
+            raise NkiMemorySpaceError(
+                f"GpSimd Engine cannot access PSUM: {instr} on engine=gpsimd touches "
+                f"{in_psum[0].describe()} (nki.isa.tensor_copy page; use the Vector or Scalar "
+                "engine for PSUM operands)"
+            )
+    if name == "scalar" and instr == "nisa.tensor_copy" and target.nc_version == 2:
+        # tensor_copy page: "On NeuronCore v2, tensor_copy is not supported on the Scalar Engine.
+        # Instead, use nisa.activation with op=nl.copy."
+        raise NkiUnsupportedError(
+            f"not available on {target.name}: nisa.tensor_copy on the Scalar engine is not "
+            "supported on NeuronCore-v2 (nki.isa.tensor_copy page); use nisa.activation with "
+            "op=nl.copy"
+        )
+    if name == "scalar" and instr == "nisa.tensor_scalar":
+        combo = (_op_name(ops[0]), _op_name(ops[1]) if len(ops) > 1 else None)
+        if combo not in _SCALAR_ENGINE_TENSOR_SCALAR:
+            # Documented for trn2; applied on every target (stricter: the page states no other
+            # target's Scalar-engine combinations; inferred).
+            raise NkiUnsupportedError(
+                f"operators the Scalar engine lacks: nisa.tensor_scalar op0={combo[0]}, "
+                f"op1={combo[1]} on engine=scalar; the Scalar Engine on trn2 only supports "
+                "op0=multiply with op1=add or None, or op0=add with op1=None "
+                "(nki.isa.tensor_scalar page; trn1/trn3 held to the same, inferred)"
+            )
+    return name
 
 
 def _charge(ctx: Any, instr: str, engine: Any, dst: Any, inputs: list, **info: Any) -> None:
@@ -448,6 +520,12 @@ def _check_indirect_transpose(instr: str, src: AccessPattern, dge: Any) -> None:
     count = src.shape[0]
     if count % 16:
         raise NkiShapeError(f"{instr}: the gathered row count {count} must be a multiple of 16")
+    if src.shape[1] != PARTITIONS and not versions.has("dma_transpose indirect src.shape[-1] < 128"):
+        # NKI 0.4 release notes: the indirect form's innermost dimension was "exactly 128" before.
+        raise NkiShapeError(
+            f"{instr}: an indirect transpose needs src.shape[-1] == 128 in NKI "
+            f"{versions.nki_version()} (<= 128 from NKI 0.4), got {src.shape}"
+        )
     if i0 * i1 < count:
         raise NkiShapeError(
             f"{instr}: index tile {idx.shape} holds {i0 * i1} indices, fewer than the {count} "
@@ -462,6 +540,7 @@ def tensor_copy(dst: Tensor, src: Tensor, engine: Any = None, **kwargs: Any) -> 
     ctx = begin(instr)
     tensor_arg(dst, instr, "dst", ON_CHIP)
     tensor_arg(src, instr, "src", ON_CHIP)
+    check_engine(instr, engine, [dst, src])
     check_dst_shape(instr, dst, src.shape)
     write(dst, read(src, instr, "src"))
     _charge(ctx, instr, engine, dst, [src])
@@ -538,10 +617,15 @@ def nc_matmul(
             f"{instr}: an fp32 matmul needs both inputs fp32, got {stationary.dtype.name} and "
             f"{moving.dtype.name}"
         )
-    if dst.dtype != F32:
-        # nc_matmul page: dst "must be a float32 tile in NeuronCore-v2 and NeuronCore-v3" (v4 also
-        # allows bf16; the emulator requires fp32 everywhere: stricter).
-        raise NkiDtypeError(f"{instr}: the PSUM dst accumulates in fp32, got {dst.dtype.name}")
+    nc_version = ctx.target_info.nc_version
+    if dst.dtype != F32 and not (nc_version >= 4 and dst.dtype == np.dtype(ml_dtypes.bfloat16)):
+        # nc_matmul page: dst "must be a float32 tile in NeuronCore-v2 and NeuronCore-v3.
+        # Starting NeuronCore-v4, dst can either be a float32 or bfloat16 tile" (the internal
+        # accumulation is fp32; a bf16 dst rounds each write).
+        raise NkiDtypeError(
+            f"{instr}: the PSUM dst must be float32 on {ctx.target} (NeuronCore-v{nc_version}; "
+            f"bfloat16 too from NeuronCore-v4), got {dst.dtype.name}"
+        )
     check_dst_shape(instr, dst, (m, n))
     same_base_partition(instr, stationary, moving)
     # An fp32 sum that overflows gives inf, as the PE's accumulator does: no numpy warning.
@@ -722,6 +806,7 @@ def tensor_scalar(
     if op1 is not None:
         f1 = _op(_BINARY_OPS, op1, instr, "op1")
         v1 = _scalar_or_column(operand1, data, instr, "operand1", inputs)
+    check_engine(instr, engine, [dst] + inputs, (op0, op1))
     check_dst_shape(instr, dst, data.shape)
     same_base_partition(instr, *inputs)
     with np.errstate(all="ignore"):
@@ -788,6 +873,7 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: An
         # number of elements per partition" (equal shapes here: stricter).
         raise NkiShapeError(f"{instr}: data1 {data1.shape} and data2 {data2.shape} differ")
     fn = _op(_BINARY_OPS, op, instr, "op")
+    check_engine(instr, engine, [dst, data1, data2])
     check_dst_shape(instr, dst, data1.shape)
     same_base_partition(instr, data1, data2)
     with np.errstate(all="ignore"):
@@ -843,6 +929,7 @@ def memset(dst: Tensor, value: Any, engine: Any = None, **kwargs: Any) -> None:
     ctx = begin(instr)
     # memset page: Vector or GpSimd engine writes an SBUF/PSUM tile (on-chip; inferred for PSUM).
     tensor_arg(dst, instr, "dst", ON_CHIP)
+    check_engine(instr, engine, [dst])
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise NkiUnsupportedError(f"{instr}: value must be a compile-time number, got {value!r}")
     if dst.dtype.kind in "iu" and isinstance(value, (float, np.floating)):
@@ -868,10 +955,21 @@ class VirtualRegister:
     device value: Python cannot branch on it (``while reg:`` loops are not emulated).
     """
 
-    __slots__ = ("_value",)
+    __slots__ = ("_value", "_read_only")
 
-    def __init__(self, value: int | None):
+    def __init__(self, value: int | None, read_only: str | None = None):
         self._value = value
+        self._read_only = read_only  # the loop whose induction variable this is, if any
+
+    def check_writable(self, instr: str) -> None:
+        if self._read_only:
+            # NKI 0.4 release notes (bug fixes): writing to a dynamic loop's induction variable
+            # "now raise[s] AssertionError at trace time"; fori_loop page: it "has no effect".
+            raise NkiUnsupportedError(
+                f"write to a loop's induction variable: {instr} writes the {self._read_only} "
+                "loop variable, which the loop alone controls (NKI 0.4 release notes; "
+                "nki.language.fori_loop page)"
+            )
 
     def read(self, what: str) -> int:
         if self._value is None:  # inferred: register_alloc(None) is uninitialized
@@ -923,6 +1021,7 @@ def register_load(dst: VirtualRegister, src: Tensor) -> None:
     begin(instr)
     if not isinstance(dst, VirtualRegister):
         raise NkiUnsupportedError(f"{instr}: dst must be a VirtualRegister")
+    dst.check_writable(instr)
     _one_element(src, instr, "src")
     if src.dtype.itemsize > 4 or src.dtype.kind not in "iu":  # register_load: "up to 32-bit"
         raise NkiDtypeError(f"{instr}: src must hold a 32-bit (or narrower) integer, got {src.dtype.name}")
@@ -935,6 +1034,7 @@ def register_move(dst: VirtualRegister, src: Any) -> None:
     begin(instr)
     if not isinstance(dst, VirtualRegister):
         raise NkiUnsupportedError(f"{instr}: dst must be a VirtualRegister")
+    dst.check_writable(instr)
     if isinstance(src, VirtualRegister):
         dst._value = src.read(instr)
     elif isinstance(src, (int, np.integer)) and not isinstance(src, bool):

@@ -29,10 +29,12 @@ from ._core import (
     AccessPattern,
     Tensor,
     as_dtype,
+    check_in_scope,
     current_context,
     read,
     write,
 )
+from . import versions
 from .errors import (
     NkiMemorySpaceError,
     NkiShapeError,
@@ -45,6 +47,7 @@ __all__ = [
     "ndarray", "zeros", "full", "load", "store", "copy", "broadcast_to", "add", "subtract",
     "multiply", "divide", "maximum", "minimum", "negative", "exp", "log", "tanh", "sqrt", "square",
     "relu", "reciprocal", "max", "min", "sum", "affine_range", "static_range", "sequential_range",
+    "dynamic_range", "fori_loop",
 ]  # fmt: skip
 
 # dtypes: numpy scalar types; a tensor's ``.dtype`` compares equal to them.
@@ -79,41 +82,47 @@ class tile_size:
 
 
 # Loops. nki/deep-dives/nki-dynamic-loops.rst: static_range, affine_range and sequential_range take
-# compile-time bounds and are fully unrolled (affine_range and sequential_range are deprecated,
-# nki/api/nki/language/__init__.py), so here they are plain Python ranges: every iteration's
-# instructions are part of the compiled program. dynamic_range is a hardware loop whose body is
-# compiled once (see DynamicRange).
+# compile-time bounds and are fully unrolled, so here they are plain Python ranges: every
+# iteration's instructions are part of the compiled program. From NKI 0.6 all three are deprecated
+# in favour of Python's own range (language pages at v2.32.0). Loops the hardware runs, whose body
+# is compiled once: nl.dynamic_range (deprecated in 0.6, removed in 0.7) and nl.fori_loop (0.6+).
+# What each NKI version has: versions.py.
 def _check_bounds(kind: str, args: tuple) -> None:
+    from .isa import VirtualRegister
+
     for a in args:
-        if isinstance(a, (LoopIndex,)) or not isinstance(a, (int, np.integer)):
+        if isinstance(a, (LoopIndex, VirtualRegister)) or not isinstance(a, (int, np.integer)):
             # nki-dynamic-loops.rst: "The other NKI range iterators ... all require compile-time
             # constant bounds."
             raise NkiUnsupportedError(
                 f"nl.{kind} needs compile-time int bounds, got {type(a).__name__} "
-                "(nki/deep-dives/nki-dynamic-loops.rst; runtime bounds need nl.dynamic_range)"
+                "(nki/deep-dives/nki-dynamic-loops.rst; runtime bounds need nl.fori_loop)"
             )
 
 
 def static_range(*args: int, **kwargs: Any) -> range:
-    """Fully unrolled loop over compile-time ints (the preferred NKI >= 0.3 range)."""
+    """Fully unrolled loop over compile-time ints (deprecated from NKI 0.6: use ``range``)."""
+    versions.requires("nl.static_range")
     _check_bounds("static_range", args)
     return range(*args)
 
 
 def affine_range(*args: int, **kwargs: Any) -> range:
-    """Fully unrolled loop (deprecated in NKI 0.3 in favour of ``static_range``)."""
+    """Fully unrolled loop (deprecated: ``static_range`` in NKI 0.3, ``range`` from 0.6)."""
+    versions.requires("nl.affine_range")
     _check_bounds("affine_range", args)
     return range(*args)
 
 
 def sequential_range(*args: int, **kwargs: Any) -> range:
-    """Fully unrolled loop (deprecated in NKI 0.3 in favour of ``static_range``)."""
+    """Fully unrolled loop (deprecated: ``static_range`` in NKI 0.3, ``range`` from 0.6)."""
+    versions.requires("nl.sequential_range")
     _check_bounds("sequential_range", args)
     return range(*args)
 
 
 class LoopIndex:
-    """The induction variable of an ``nl.dynamic_range`` loop: a device value, opaque to Python.
+    """The induction variable of an ``nl.dynamic_range`` loop in NKI 0.3: opaque to Python.
 
     ``nki-dynamic-loops.rst``: "The loop variable is a device register, not a Python int. You
     cannot use it in host-side Python expressions". The NKI 0.3 release notes (known issues) add:
@@ -121,7 +130,8 @@ class LoopIndex:
     computing tile offsets". (The deep dive's last example passes it as ``scalar_offset``; the
     emulator takes the stricter known-issues reading.) So any use of it raises; per-iteration
     offsets come from a counter in SBUF (a ``[1, 1]`` int32 tile updated by an instruction) or
-    a ``VirtualRegister``, passed as ``.ap(scalar_offset=...)``.
+    a ``VirtualRegister``, passed as ``.ap(scalar_offset=...)``. From NKI 0.4 the variable is a
+    read-only ``VirtualRegister`` instead (:class:`LoopRegister`).
     """
 
     __slots__ = ("_value",)
@@ -146,6 +156,38 @@ class LoopIndex:
         return "<nl.dynamic_range loop variable>"
 
 
+def _loop_register(value: int, loop: str):
+    """The induction variable of a hardware loop from NKI 0.4 on: a ``VirtualRegister`` holding
+    the iteration value, usable as ``scalar_offset``, which the kernel may not write ([RN 0.4]:
+    writes "raise AssertionError at trace time"; fori_loop page: "writing to i has no effect")."""
+    from .isa import VirtualRegister
+
+    return VirtualRegister(int(value), read_only=loop)
+
+
+def _loop_bound(value: Any, loop: str) -> int:
+    from .isa import VirtualRegister
+
+    if isinstance(value, VirtualRegister):
+        return value.read(f"{loop} bound")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        # nki-dynamic-loops.rst / fori_loop page: bounds are ints or VirtualRegisters.
+        raise NkiUnsupportedError(
+            f"{loop} bounds are ints or VirtualRegisters, got {type(value).__name__}"
+        )
+    return int(value)
+
+
+def _loop_step(step: Any, loop: str) -> int:
+    # nki-dynamic-loops.rst / fori_loop page: "step: must be a compile-time positive int".
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step <= 0:
+        raise NkiUnsupportedError(
+            f"{loop} step must be a compile-time positive int, got {step!r} "
+            "(nki/deep-dives/nki-dynamic-loops.rst; nki.language.fori_loop page)"
+        )
+    return int(step)
+
+
 class DynamicRange:
     """``nl.dynamic_range``: a hardware loop; the body is compiled once, run ``trip`` times.
 
@@ -158,35 +200,18 @@ class DynamicRange:
     def __init__(self, start: Any, stop: Any = None, step: Any = 1):
         if stop is None:
             start, stop = 0, start
-        # nki-dynamic-loops.rst: "step: Must be a compile-time positive int (not a VirtualRegister)".
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step <= 0:
-            raise NkiUnsupportedError(
-                f"nl.dynamic_range step must be a compile-time positive int, got {step!r} "
-                "(nki/deep-dives/nki-dynamic-loops.rst)"
-            )
-        self.start, self.stop, self.step = start, stop, int(step)
-
-    @staticmethod
-    def _bound(value: Any) -> int:
-        from .isa import VirtualRegister
-
-        if isinstance(value, VirtualRegister):
-            return value.read("nl.dynamic_range bound")
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            # nki-dynamic-loops.rst: start/stop are Python ints or VirtualRegisters.
-            raise NkiUnsupportedError(
-                f"nl.dynamic_range bounds are ints or VirtualRegisters, got {type(value).__name__}"
-            )
-        return int(value)
+        self.start, self.stop, self.step = start, stop, _loop_step(step, "nl.dynamic_range")
 
     def __iter__(self):
         ctx = current_context()
-        lo, hi = self._bound(self.start), self._bound(self.stop)
+        lo = _loop_bound(self.start, "nl.dynamic_range")
+        hi = _loop_bound(self.stop, "nl.dynamic_range")
+        register = versions.has("loop variable as scalar_offset")
         for n, value in enumerate(range(lo, hi, self.step)):
             repeat = 1 if n > 0 else 0
             ctx.repeat_depth += repeat
             try:
-                yield LoopIndex(value)
+                yield _loop_register(value, "nl.dynamic_range") if register else LoopIndex(value)
             finally:
                 ctx.repeat_depth -= repeat
 
@@ -195,9 +220,52 @@ def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> DynamicRange:
     """A loop the hardware runs (``nki/deep-dives/nki-dynamic-loops.rst``): never unrolled.
 
     ``start``/``stop`` are ints or ``nisa.VirtualRegister``; ``step`` a positive int. The loop
-    variable is opaque (see :class:`LoopIndex`).
+    variable is opaque in NKI 0.3 (:class:`LoopIndex`), a read-only register from 0.4. Deprecated
+    in NKI 0.6 and removed in 0.7 (use :func:`fori_loop`).
     """
+    versions.requires("nl.dynamic_range")
     return DynamicRange(start, stop, step)
+
+
+def fori_loop(lower: Any, upper: Any, body_fun: Any, step: int = 1) -> None:
+    """``nl.fori_loop(lower, upper, body_fun, step=1)`` (NKI 0.6+): a hardware loop running
+    ``body_fun(i)`` for ``i`` in ``range(lower, upper, step)``; its body is compiled once.
+
+    nki.language.fori_loop page (v2.32.0): ``lower``/``upper`` ints or VirtualRegisters, ``step``
+    a compile-time positive int; ``i`` a VirtualRegister "passed by value" (usable as
+    ``scalar_offset``; the emulator refuses writes to it); the body returns None and carries any
+    other state "through SBUF/HBM". The emulator enforces that: a body returning a value raises,
+    and a tensor allocated in the body is dead once its iteration ends (any later use raises).
+    Instruction counts as :class:`DynamicRange`; returns None.
+    """
+    versions.requires("nl.fori_loop")
+    if not callable(body_fun):
+        raise NkiUnsupportedError(f"nl.fori_loop: body_fun must be callable, got {body_fun!r}")
+    ctx = current_context()
+    step = _loop_step(step, "nl.fori_loop")
+    lo, hi = _loop_bound(lower, "nl.fori_loop"), _loop_bound(upper, "nl.fori_loop")
+    where = f"body {getattr(body_fun, '__name__', 'body_fun')}"
+    for n, value in enumerate(range(lo, hi, step)):
+        repeat = 1 if n > 0 else 0
+        ctx.repeat_depth += repeat
+        ctx.loop_scopes.append([])
+        try:
+            result = body_fun(_loop_register(value, "nl.fori_loop"))
+        finally:
+            ctx.repeat_depth -= repeat
+            for ref in ctx.loop_scopes.pop():
+                st = ref()
+                if st is not None:  # still referenced after its iteration: dead from now on
+                    st.closed_by = f"nl.fori_loop {where}, iteration {value}"
+                del st
+        if result is not None:
+            # fori_loop page: "body_fun: function (i: VirtualRegister) -> None"; "Returns: None".
+            raise NkiUnsupportedError(
+                f"a fori_loop body returns nothing: {where} returned {type(result).__name__}; "
+                "carry loop state in SBUF/HBM tensors allocated before the loop "
+                "(nki.language.fori_loop page)"
+            )
+    return None
 
 
 # SPMD launch (nki/get-started/about/lnc.rst; nki/api/nki/language/__init__.py).
@@ -251,6 +319,7 @@ def tensor_arg(x: Any, instr: str, arg: str, buffers: tuple = ()) -> Tensor:
         raise NkiUnsupportedError(
             f"{instr}: {arg} must be a kernel tensor (tile or view), got {type(x).__name__}"
         )
+    check_in_scope(x._st, instr, arg)
     if buffers and x.buffer not in buffers:
         # Each caller passes the memories its instruction's page allows.
         names = " or ".join(b.name for b in buffers)
@@ -379,13 +448,20 @@ def store(dst: Tensor, value: Tensor, **kwargs: Any) -> None:
 
 
 def copy(x: Tensor, dtype: Any = None, **kwargs: Any) -> Tensor:
-    """A new SBUF tile copied (and cast) from the SBUF tile ``x`` (PSUM: use nisa.tensor_copy)."""
+    """A new SBUF tile copied (and cast) from ``x``: an SBUF tile, or from NKI 0.6 also a PSUM
+    tile (before 0.6 use nisa.tensor_copy for PSUM). On the Scalar engine before 0.6, the Vector
+    engine (``tensor_copy``) from 0.6 (versions.py, "nl.copy on VectorE")."""
     instr = "nl.copy"
     no_extra(kwargs, instr)
     ctx = begin(instr)
-    # NKI 0.3 release notes, known issues (Data Movement): nl.copy "cross-buffer copies (e.g.,
-    # PSUM to SBUF) are not supported"; the result is an SBUF tile, so x must be in SBUF.
-    tensor_arg(x, instr, "x", (SBUF,))
+    if versions.has("nl.copy on VectorE"):
+        # NKI 0.6 release notes (new features): nl.copy "creates a copy of an SBUF or PSUM tile on
+        # SBUF ... It uses the Vector engine (tensor_copy)".
+        tensor_arg(x, instr, "x", ON_CHIP)
+    else:
+        # NKI 0.3 release notes, known issues (Data Movement): nl.copy "cross-buffer copies (e.g.,
+        # PSUM to SBUF) are not supported"; the result is an SBUF tile, so x must be in SBUF.
+        tensor_arg(x, instr, "x", (SBUF,))
     values = read(x, instr, "x")
     tile = ctx.allocate(x.shape, x.dtype if dtype is None else dtype, SBUF, "nl.copy")
     write(tile, values)

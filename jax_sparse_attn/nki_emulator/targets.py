@@ -11,7 +11,8 @@ Sources (Neuron SDK docs, aws-neuron/aws-neuron-sdk at tag v2.29.1):
   ``trainium3_arch.rst`` (NeuronCore-v4, 32 MiB, i.e. 128 x 256 KiB).
 * Logical cores: ``about-neuron/arch/neuron-features/logical-neuroncore-config.rst``: LNC is 1 or 2,
   applies only to Trn2 and Trn3, and LNC=2 is the default on Trainium2. trn3's default is not
-  stated there; LNC=2 is assumed for it as for trn2 (assumption).
+  stated there; the SDK 2.33 compiler error page ``compiler/error-codes/EVRF066`` gives
+  "neuronx-cc defaults to LNC=2 on Trn2 and later", so 2 for trn3 as well.
 """
 
 from __future__ import annotations
