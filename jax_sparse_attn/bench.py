@@ -608,6 +608,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="with --indexer-sweep: skip the prefill points with T above this")
     p.add_argument("--indexer-sweep-child", metavar="SHAPE_JSON", help=argparse.SUPPRESS)
     p.add_argument("--indexer-path", choices=("op", "dense"), default="op", help=argparse.SUPPRESS)
+    p.add_argument("--indexer-only", metavar="NAMES",
+                   help="with --cases indexer: only these cases (comma-separated names, e.g. "
+                   "idx-v32-prefill,idx-v32-decode,idx-small-prefill)")
     p.add_argument("--layer-memory-child", type=int, metavar="T", help=argparse.SUPPRESS)
     p.add_argument("--layer-sizes", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--layer-selection", default="streaming", help=argparse.SUPPRESS)
@@ -723,6 +726,9 @@ def _indexer_cases(groups, a) -> list:
     repeats = a.repeats or 3
     if "indexer" in groups:
         shapes = bi.QUICK_INDEXER_SHAPES if a.quick else bi.INDEXER_SHAPES
+        if a.indexer_only:
+            wanted = {name.strip() for name in a.indexer_only.split(",")}
+            shapes = [s for s in shapes if s.name in wanted]
         done = []
         for shape in shapes:
             rec = bi.bench_indexer_shape(shape, a.dtype, a.implementation, repeats,
