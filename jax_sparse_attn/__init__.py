@@ -4,7 +4,7 @@
 gathers the slots from a shared KV cache by index (also from an FP8 cache with ``kv_scale``, and
 from a cache split over its rows across devices). With ``return_lse=True`` both also return the
 log-sum-exp, and ``merge_attention(outs, lses)`` combines partial results over disjoint slot
-sets. Both ops run the project's NKI kernel on AWS Trainium and a bf16-exact pure-jnp reference
+sets, and ``paged_indices`` maps logical rows to the rows of a paged cache. Both ops run the project's NKI kernel on AWS Trainium and a bf16-exact pure-jnp reference
 everywhere else.
 """
 
@@ -13,6 +13,7 @@ from .api import gathered_attn, gathered_attn_idx
 from .indexer.api import indexer_topk
 from .indexer.primitive import indexer_topk_p
 from .merge import merge_attention
+from .paging import paged_indices
 from .primitives import gathered_attn_idx_p, gathered_attn_p
 
 # Registers implementation="nki_emulated" and the lazy "neuron" platform lowerings. Imports no
@@ -26,6 +27,7 @@ __all__ = [
     "gathered_attn_idx",
     "indexer_topk",
     "merge_attention",
+    "paged_indices",
     "gathered_attn_p",
     "gathered_attn_idx_p",
     "indexer_topk_p",

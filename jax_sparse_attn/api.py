@@ -104,6 +104,38 @@ def _sink_bias_scale(q_shape, k: int, sink, bias, scale):
     return sink, bias, scale
 
 
+def _apply_topk_length(bias, topk_length, name: str = "topk_length"):
+    """Folds a per-token slot count into the normalised bias: slot ``j >= topk_length[t]`` of
+    token ``t`` becomes empty (``-inf``), so every backend sees it as an empty slot. ``bias``
+    ``[T, K]`` f32; ``topk_length`` ``[T]`` any integer dtype, or ``None`` (all K slots real)."""
+    if topk_length is None:
+        return bias
+    topk_length = _as_array(name, topk_length)
+    T, K = _shape(bias)
+    if not jnp.issubdtype(_dtype(topk_length), jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {_dtype(topk_length)}")
+    if _shape(topk_length) != (T,):
+        raise ValueError(f"{name} must have shape [T] = ({T},); got {_shape(topk_length)}")
+    if isinstance(topk_length, np.ndarray):  # full width on the host (an int64 beyond int32)
+        topk_length = np.clip(topk_length, -1, K).astype(np.int32)
+    lengths = jnp.asarray(topk_length)
+    if lengths.dtype.itemsize < 4:
+        lengths = lengths.astype(jnp.int32)
+    real = jnp.arange(K, dtype=jnp.int32)[None, :] < lengths[:, None]
+    return jnp.where(real, bias, -jnp.inf)
+
+
+def _value_dim(value_dim, D: int) -> int:
+    """``value_dim`` checked against the head dim ``D``; ``None`` means D."""
+    if value_dim is None:
+        return D
+    if isinstance(value_dim, bool) or not isinstance(value_dim, (int, np.integer)):
+        raise TypeError(f"value_dim must be a Python int or None; got {type(value_dim).__name__}")
+    if not 1 <= int(value_dim) <= D:
+        raise ValueError(f"value_dim must be in [1, D] = [1, {D}]; got {value_dim}")
+    return int(value_dim)
+
+
 def _check_q(q):
     _check_rank("q", q, 3, "[T, H, D]")
     _check_float("q", q)
@@ -120,16 +152,18 @@ def gathered_attn(
     scale: Scale = None,
     implementation: Optional[str] = None,
     return_lse: bool = False,
+    topk_length: Optional[ArrayLike] = None,
+    value_dim: Optional[int] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """Sparse attention over pre-gathered slots, with an optional per-head attention sink.
 
     For every token ``t`` and head ``h``::
 
         s[j] = (q[t, h] . g[t, j]) * scale + bias[t, j]
-        out[t, h] = sum_j softmax(s, sink[h])[j] * g[t, j]
+        out[t, h] = sum_j softmax(s, sink[h])[j] * g[t, j, :value_dim]
 
-    where the sink joins only the softmax denominator. Each slot row serves as key and value
-    (MQA / absorbed MLA). The arithmetic follows the bf16 contract: bf16 operands, fp32
+    where the sink joins only the softmax denominator. Each slot row serves as key and, in its
+    first ``value_dim`` columns, as value (MQA / absorbed MLA). The arithmetic follows the bf16 contract: bf16 operands, fp32
     accumulation, fp32 softmax, bf16 probabilities in the value product.
 
     Args:
@@ -145,9 +179,14 @@ def gathered_attn(
       implementation: ``None`` (the NKI kernel on Neuron, the jnp reference elsewhere),
         ``"reference"``, ``"nki"`` or ``"nki_emulated"`` (the Neuron data path on the host).
       return_lse: also return the log-sum-exp of the logits (see Returns).
+      topk_length: ``[T]`` any integer dtype, or ``None``: token ``t``'s slots ``j >=
+        topk_length[t]`` are empty (FlashMLA's ``topk_length``), whatever their rows hold.
+      value_dim: a Python int in ``[1, D]``, or ``None`` (D): the logits use all D columns of each
+        row, the values and the output only the first ``value_dim`` (FlashMLA's ``d_v``; V3.2's
+        absorbed MLA: D = 576, value_dim = 512). No backend computes the other columns' values.
 
     Returns:
-      ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      ``out [T, H, value_dim]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
       With ``return_lse=True``, ``(out, lse)`` where ``lse [T, H]`` f32 is
       ``log(exp(sink[h]) + sum over valid slots j of exp(s[t, h, j]))``, ``s`` the scaled and
       biased fp32 logit: ``sink[h]`` for a token with no valid slot (``-inf`` without a sink).
@@ -165,9 +204,11 @@ def gathered_attn(
         )
     q = jnp.asarray(q)
     g = jnp.asarray(g, q.dtype)
+    value_dim = _value_dim(value_dim, D)
     sink, bias, scale = _sink_bias_scale(_shape(q), _shape(g)[1], sink, bias, scale)
+    bias = _apply_topk_length(bias, topk_length)
     out, lse = primitives.gathered_attn_p.bind(
-        q, g, sink, bias, scale, implementation=implementation
+        q, g, sink, bias, scale, implementation=implementation, value_dim=value_dim
     )
     return (out, lse) if return_lse else out
 
@@ -191,6 +232,53 @@ def _normalise_idx(idx, rows: int):
     return jnp.where(valid, idx.astype(jnp.int32), jnp.int32(-1))
 
 
+def _check_kv_rope(kv, kv_rope, kv_scale, D: int):
+    """Checks the 16-bit columns of split FP8 rows against the FP8 ``kv`` and q's width ``D``;
+    returns them as an array."""
+    kv_rope = _as_array("kv_rope", kv_rope)
+    _check_rank("kv_rope", kv_rope, 2, "[R, Dr]")
+    dtype = _dtype(kv_rope)
+    if not (jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 2):
+        raise TypeError(f"kv_rope must be a 16-bit float (bf16 or f16); got {dtype}")
+    if not fp8.is_fp8(_dtype(kv)) or kv_scale is None:
+        raise ValueError("kv_rope is the unquantised part of an FP8 cache: kv must be FP8 with "
+                         "kv_scale")
+    R, D8 = _shape(kv)
+    if _shape(kv_rope)[0] != R or D8 + _shape(kv_rope)[1] != D:
+        raise ValueError(
+            f"kv_rope must have shape [R, D - D8] = ({R}, {D - D8}) (q's width D = {D}, kv's FP8 "
+            f"columns D8 = {D8}); got {_shape(kv_rope)}"
+        )
+    return jnp.asarray(kv_rope)
+
+
+def _check_extra_cache(q_shape, extra_kv, extra_idx):
+    """Checks the second cache and its indices; returns them (the indices normalised: -1 for an
+    empty slot)."""
+    T, H, D = q_shape
+    if extra_idx is None:
+        raise ValueError("extra_kv needs extra_idx [T, K2]: the second cache's row of each slot")
+    extra_kv = _as_array("extra_kv", extra_kv)
+    extra_idx = _as_array("extra_idx", extra_idx)
+    _check_rank("extra_kv", extra_kv, 2, "[R2, D]")
+    _check_float("extra_kv", extra_kv)
+    _check_rank("extra_idx", extra_idx, 2, "[T, K2]")
+    if not jnp.issubdtype(_dtype(extra_idx), jnp.integer):
+        raise TypeError(f"extra_idx must have an integer dtype; got {_dtype(extra_idx)}")
+    if _shape(extra_kv)[1] != D:
+        raise ValueError(
+            f"extra_kv must have shape [R2, D] = (R2, {D}) to match q {q_shape}; got {_shape(extra_kv)}"
+        )
+    if _shape(extra_idx)[0] != T:
+        raise ValueError(
+            f"extra_idx must have shape [T, K2] = ({T}, K2) to match q {q_shape}; got {_shape(extra_idx)}"
+        )
+    R2 = _shape(extra_kv)[0]
+    if R2 > MAX_ROWS:
+        raise ValueError(f"extra_kv has {R2} rows; at most {MAX_ROWS} can be indexed with int32")
+    return extra_kv, _normalise_idx(extra_idx, R2)
+
+
 def gathered_attn_idx(
     q: ArrayLike,
     kv: ArrayLike,
@@ -202,6 +290,12 @@ def gathered_attn_idx(
     implementation: Optional[str] = None,
     return_lse: bool = False,
     kv_scale: Optional[ArrayLike] = None,
+    topk_length: Optional[ArrayLike] = None,
+    value_dim: Optional[int] = None,
+    extra_kv: Optional[ArrayLike] = None,
+    extra_idx: Optional[ArrayLike] = None,
+    extra_topk_length: Optional[ArrayLike] = None,
+    kv_rope: Optional[ArrayLike] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """DeepSeek-style top-k sparse attention that gathers rows of a shared KV cache by index.
 
@@ -231,9 +325,28 @@ def gathered_attn_idx(
         computes on ``kv_dequant = (kv.astype(f32) * scale).astype(q.dtype)``, dequantising only
         the gathered slots (see ``jax_sparse_attn/fp8.py``). The cache and its scales carry no
         gradient.
+      topk_length: ``[T]`` any integer dtype, or ``None``: token ``t``'s slots ``j >=
+        topk_length[t]`` are empty (FlashMLA's ``topk_length``): their rows are never read.
+      value_dim: a Python int in ``[1, D]``, or ``None`` (D): the logits use all D columns of each
+        row, the values and the output only the first ``value_dim`` (FlashMLA's ``d_v``; V3.2's
+        absorbed MLA: D = 576, value_dim = 512). No backend computes the other columns' values.
+      extra_kv: ``[R2, D]`` float, a second cache (V4: the sliding window beside the compressed
+        rows; FlashMLA's ``extra_k_cache``), with ``extra_idx [T, K2]`` (any integer dtype, empty
+        outside ``[0, R2)``): the op attends to the union of both caches' slots in one softmax,
+        with one rounding, as the single-cache call on ``[kv; extra_kv]`` with indices
+        ``[idx | extra_idx + R]`` would (bit for bit on the reference), without concatenating the
+        caches. ``bias`` is then ``[T, K + K2]`` (the main slots first). Gradients reach both
+        caches. Not with an FP8 ``kv``.
+      extra_topk_length: ``[T]`` any integer dtype, or ``None``: ``topk_length`` of the second
+        cache's slots (needs ``extra_kv``).
+      kv_rope: ``[R, Dr]`` 16-bit float, or ``None``: with an FP8 ``kv [R, D - Dr]`` and its
+        ``kv_scale``, the columns of each row that are not quantised (DeepSeek's split rows: V3.2
+        512 FP8 columns with a scale per 128 plus 64 bf16; V4 448 FP8 with power-of-two scales per
+        64 plus 64 bf16). The logical row is ``[dequantised kv | kv_rope]``, of q's width D. No
+        gradient reaches it.
 
     Returns:
-      ``out [T, H, D]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
+      ``out [T, H, value_dim]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
       With ``return_lse=True``, ``(out, lse)`` where ``lse [T, H]`` f32 is
       ``log(exp(sink[h]) + sum over valid slots j of exp(s[t, h, j]))``, ``s`` the scaled and
       biased fp32 logit: ``sink[h]`` for a token with no valid slot (``-inf`` without a sink).
@@ -252,35 +365,55 @@ def gathered_attn_idx(
         raise TypeError(f"idx must have an integer dtype; got {_dtype(idx)}")
     T, H, D = _shape(q)
     R = _shape(kv)[0]
-    if _shape(kv)[1] != D:
+    if kv_rope is not None:
+        kv_rope = _check_kv_rope(kv, kv_rope, kv_scale, D)
+    elif _shape(kv)[1] != D:
         raise ValueError(f"kv must have shape [R, D] = (R, {D}) to match q {_shape(q)}; got {_shape(kv)}")
     if _shape(idx)[0] != T:
         raise ValueError(f"idx must have shape [T, K] = ({T}, K) to match q {_shape(q)}; got {_shape(idx)}")
     if R > MAX_ROWS:
         raise ValueError(f"kv has {R} rows; at most {MAX_ROWS} can be indexed with int32")
+    value_dim = _value_dim(value_dim, D)
     q = jnp.asarray(q)
     idx = _normalise_idx(idx, R)
-    sink, bias, scale = _sink_bias_scale(_shape(q), _shape(idx)[1], sink, bias, scale)
+    K = _shape(idx)[1]
+    if extra_kv is None:
+        if extra_idx is not None or extra_topk_length is not None:
+            name = "extra_idx" if extra_idx is not None else "extra_topk_length"
+            raise ValueError(f"{name} is for a second cache: pass extra_kv with it")
+        sink, bias, scale = _sink_bias_scale(_shape(q), K, sink, bias, scale)
+    else:
+        extra_kv, extra_idx = _check_extra_cache(_shape(q), extra_kv, extra_idx)
+        if kv_scale is not None or fp8.is_fp8(_dtype(kv)):
+            raise NotImplementedError(
+                "extra_kv with an FP8 kv (kv_scale) is not implemented; pass both caches in q's "
+                "dtype, or make two calls and merge them with merge_attention"
+            )
+        K2 = _shape(extra_idx)[1]
+        sink, bias, scale = _sink_bias_scale(_shape(q), K + K2, sink, bias, scale)
+        bias, extra_bias = bias[:, :K], bias[:, K:]
+        extra_bias = _apply_topk_length(extra_bias, extra_topk_length, "extra_topk_length")
+    bias = _apply_topk_length(bias, topk_length)
+    if extra_kv is not None:
+        kv = jnp.asarray(kv, q.dtype)
+        out, lse = primitives.gathered_attn_idx_p.bind(
+            q, kv, idx, sink, bias, scale, jnp.asarray(extra_kv, q.dtype), extra_idx, extra_bias,
+            implementation=implementation, value_dim=value_dim,
+        )
+        return (out, lse) if return_lse else out
     if kv_scale is not None or fp8.is_fp8(_dtype(kv)):
-        # FP8 cache: the slots are gathered and dequantised here, then the pre-gathered op runs
-        # with the empty slots masked (fp8.py).
+        # FP8 cache: the cache and its scales are operands of the primitive; every path gathers
+        # the FP8 rows of the slots and dequantises only those (fp8.py). No gradient reaches them.
         kv_scale = jax.lax.stop_gradient(fp8.check_kv_scale(_shape(kv), _dtype(kv), kv_scale))
-        if implementation == "nki_emulated" and fp8.kernel_reads_fp8(kv):
-            # trn2/trn3: the NKI kernel reads the FP8 rows and dequantises on chip
-            # (docs/neuron-kernel.md, "FP8 caches").
-            from .neuron import lowering
-
-            kv = jax.lax.stop_gradient(jnp.asarray(kv))
-            out, lse = lowering.fp8_idx_attention(q, kv, kv_scale, idx, sink, bias, scale)
-            return (out, lse) if return_lse else out
-        g = fp8.gather_dequantized(jax.lax.stop_gradient(jnp.asarray(kv)), kv_scale, idx, q.dtype)
-        bias = jnp.where(idx >= 0, bias, -jnp.inf)
-        out, lse = primitives.gathered_attn_p.bind(
-            q, g, sink, bias, scale, implementation=implementation
+        kv = jax.lax.stop_gradient(jnp.asarray(kv))
+        split = () if kv_rope is None else (jax.lax.stop_gradient(kv_rope),)
+        out, lse = primitives.gathered_attn_idx_p.bind(
+            q, kv, idx, sink, bias, scale, kv_scale, *split, implementation=implementation,
+            value_dim=value_dim,
         )
         return (out, lse) if return_lse else out
     kv = jnp.asarray(kv, q.dtype)
     out, lse = primitives.gathered_attn_idx_p.bind(
-        q, kv, idx, sink, bias, scale, implementation=implementation
+        q, kv, idx, sink, bias, scale, implementation=implementation, value_dim=value_dim
     )
     return (out, lse) if return_lse else out

@@ -39,8 +39,17 @@ overflow: the gradients are finite (no NaN, no inf) for finite inputs whenever
 largest magnitude of the scale, the output cotangent, q and the selected rows), a bound on every
 intermediate sum (docs/contract.md, "NaN and overflow"); beyond it the exact gradients may
 themselves exceed f32.
+With ``value_dim < D`` the output is ``o = sum_j p_j v_j``, ``v_j = x_j[:value_dim]``: the logits
+see all D columns, the values only the first ``value_dim``; the formulas above hold with ``v_j`` in
+every value term (``do`` and ``u_j = do . v_j``), and ``dx_j``'s value term ``p_j do`` fills only the
+first ``value_dim`` columns.
 They are the derivatives of the exact (f32) function: the bf16 rounding of the probabilities in the
 forward's value product is treated as the identity, as every attention backward does.
+
+With a second cache (``extra_kv``) the slot rows are both caches' side by side, main first: one
+softmax, and each cache's share of ``dx`` scatters into that cache. An FP8 cache's slots are
+dequantised as in the forward (``reference.dequantise_slots``, with ``kv_rope`` beside them); the
+cache, its scales and its rope columns get no gradient.
 
 The gradient with respect to ``idx`` does not exist (integers); the scale's gradient is given.
 Derivatives of order two raise ``NotImplementedError``.
@@ -56,15 +65,18 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
 
 from . import primitives, reference, sharding
+from .cpu_products import cpu_form
 
 # Operands that have a gradient, and the layout of each cotangent the backward primitive returns.
 # The sink's cotangent is returned per token and summed over tokens outside the primitive, so
 # that batching and token sharding stay trivial.
-DIFFERENTIABLE = ("q", "g", "kv", "sink", "bias", "scale")
+DIFFERENTIABLE = ("q", "g", "kv", "sink", "bias", "scale", "extra_kv", "extra_bias")
 COTANGENT_LAYOUTS = {
     "q": sharding.LAYOUTS["q"],
     "g": sharding.LAYOUTS["g"],
     "kv": sharding.LAYOUTS["kv"],
+    "extra_kv": sharding.LAYOUTS["extra_kv"],
+    "extra_bias": sharding.LAYOUTS["extra_bias"],
     "sink": sharding.LAYOUTS["sink_per_token"],
     "bias": sharding.LAYOUTS["bias"],
     "scale": sharding.LAYOUTS["scale"],
@@ -138,8 +150,11 @@ def _gather_slots(src, rows):
     """``src[rows]`` with zeros for out-of-range rows (never reads an unselected row).
 
     The rows move as raw bits (``reference.gather_bits``): XLA:CPU would otherwise widen a 16-bit
-    cache to f32 as a whole before gathering, on every call.
+    cache to f32 as a whole before gathering, on every call. A cache of 0 rows (one of two caches
+    may be) gives zeros.
     """
+    if src.shape[0] == 0:
+        return jnp.zeros(rows.shape + src.shape[1:], src.dtype)
     return reference.gather_bits(src, rows)
 
 
@@ -155,24 +170,49 @@ def _recompute(indexed, primal, live, extra=None, x_first=False):
     q = primal["q"]
     x, valid, rows = _slots(indexed, primal["kv" if indexed else "g"], primal.get("idx"),
                             primal["bias"], live)
+    bias = primal["bias"]
+    if "kv_scale" in primal:  # an FP8 cache: its slots dequantised (reference.dequantise_slots)
+        scales = primal["kv_scale"].at[rows].get(mode="fill", fill_value=0)
+        x = reference.from_bits(reference.dequantise_slots(reference.to_bits(x), scales, x.dtype,
+                                                           q.dtype), q.dtype)
+        if "kv_rope" in primal:  # a split row: the 16-bit columns after the FP8 ones
+            x = jnp.concatenate([x, _gather_slots(primal["kv_rope"].astype(q.dtype), rows)], -1)
+    if "extra_kv" in primal:
+        # The second cache's slots after the main ones: one softmax over both (the gather rows
+        # become a pair, main then extra).
+        x2, valid2, rows2 = _slots(True, primal["extra_kv"], primal["extra_idx"],
+                                   primal["extra_bias"], live)
+        x = jnp.concatenate([x, x2], axis=1)
+        valid = jnp.concatenate([valid, valid2], axis=1)
+        bias = jnp.concatenate([bias, primal["extra_bias"]], axis=1)
+        rows = (rows, rows2)
     x = x.astype(q.dtype).astype(jnp.float32)
     scale = primal["scale"]
-    z, p, p_sink, products = _softmax_parts(q, x, valid, primal["sink"], primal["bias"], scale,
+    z, p, p_sink, products = _softmax_parts(q, x, valid, primal["sink"], bias, scale,
                                             extra, x_first)
     return q.astype(jnp.float32), x, valid, rows, scale, z, p, p_sink, products
 
 
-def _tangent_chunk(indexed, active, primal, tangent, live, x_first=False):
-    """Tangents of the output ``[c, H, D]`` and of the lse ``[c, H]`` (f32) for a chunk.
+def _tangent_chunk(indexed, active, primal, tangent, live, x_first=False, value_dim=None):
+    """Tangents of the output ``[c, H, value_dim]`` and of the lse ``[c, H]`` (f32) for a chunk.
     ``primal``/``tangent``: dicts by name."""
     q, x, valid, rows, scale, z, p, p_sink, _ = _recompute(indexed, primal, live, None, x_first)
-    o = _einsum("thk,tkd->thd", p, x)
+    v = x[..., :value_dim]  # the values: the first value_dim columns of each slot row
+    o = _einsum("thk,tkd->thd", p, v)
 
     src_name = "kv" if indexed else "g"
     dx = None
-    if src_name in active:
-        dsrc = tangent[src_name]
-        dx = (_gather_slots(dsrc, rows) if indexed else _zero_unselected(dsrc, valid))
+    two = "extra_kv" in primal
+    if src_name in active or "extra_kv" in active:
+        if two:  # the tangent of each cache at its own slots (zeros for one that has none)
+            K = primal["idx"].shape[1]
+            dx = jnp.concatenate([
+                _gather_slots(tangent[n], r).astype(jnp.float32) if n in active
+                else jnp.zeros(r.shape + x.shape[-1:], jnp.float32)
+                for n, r in zip(("kv", "extra_kv"), rows)], axis=1)
+        else:
+            dsrc = tangent[src_name]
+            dx = (_gather_slots(dsrc, rows) if indexed else _zero_unselected(dsrc, valid))
         dx = dx.astype(jnp.float32)
     ds = jnp.zeros_like(z)
     if "q" in active:
@@ -182,8 +222,14 @@ def _tangent_chunk(indexed, active, primal, tangent, live, x_first=False):
     ds = ds * scale[:, None, None]
     if "scale" in active:
         ds = ds + tangent["scale"][:, None, None] * z
-    if "bias" in active:
-        ds = ds + jnp.where(valid, tangent["bias"], 0.0)[:, None, :]
+    if "bias" in active or "extra_bias" in active:
+        if two:
+            db = jnp.concatenate([
+                tangent[n] if n in active else jnp.zeros(primal[n].shape, jnp.float32)
+                for n in ("bias", "extra_bias")], axis=1)
+        else:
+            db = tangent["bias"]
+        ds = ds + jnp.where(valid, db, 0.0)[:, None, :]
     pds = p * ds
     weight = jnp.sum(pds, axis=-1)
     dlse = weight
@@ -191,16 +237,21 @@ def _tangent_chunk(indexed, active, primal, tangent, live, x_first=False):
         weight = weight + p_sink * tangent["sink"][None, :]
         sink_weight = _lse_sink_weight(valid, primal["sink"], p_sink, live)
         dlse = dlse + sink_weight * tangent["sink"][None, :]
-    do = _einsum("thk,tkd->thd", pds, x) - weight[..., None] * o
+    do = _einsum("thk,tkd->thd", pds, v) - weight[..., None] * o
     if dx is not None:
-        do = do + _einsum("thk,tkd->thd", p, dx)
+        do = do + _einsum("thk,tkd->thd", p, dx[..., :value_dim])
     return do, dlse
 
 
 def _cotangent_chunk(indexed, wanted, primal, ct, live, x_first=False):
     """Cotangents for a chunk: dict by name; ``kv`` is the chunk's ``(rows, dx)`` scatter input.
-    ``ct``: the cotangents of the output ``[c, H, D]`` and of the lse ``[c, H]``."""
+    ``ct``: the cotangents of the output ``[c, H, value_dim]`` and of the lse ``[c, H]``."""
     ct, ct_lse = ct[0].astype(jnp.float32), ct[1].astype(jnp.float32)
+    D = primal["q"].shape[-1]
+    if ct.shape[-1] < D:
+        # value_dim < D: the columns beyond value_dim carry no value, so their output cotangent is
+        # 0; padded, u = do . x_j is do . v_j and dx_j's term p_j do stays 0 there.
+        ct = jnp.pad(ct, [(0, 0), (0, 0), (0, D - ct.shape[-1])])
     q, x, valid, rows, scale, z, p, p_sink, u = _recompute(indexed, primal, live, ct, x_first)
     # delta = do . o = sum_j p_j (do . x_j): from u, without recomputing o (one product fewer)
     delta = jnp.sum(p * u, axis=-1)
@@ -208,11 +259,17 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live, x_first=False):
     out = {}
     if "q" in wanted:
         out["q"] = scale[:, None, None] * _einsum("thk,tkd->thd", dS, x)
-    if "g" in wanted or "kv" in wanted:
+    two = "extra_kv" in primal
+    K = primal["bias"].shape[1]  # the main cache's slots (the extra ones follow)
+    if "g" in wanted or "kv" in wanted or "extra_kv" in wanted:
         # sum_h (p do + c dS q) as one product over 2H rows: [p | c dS]^T [do | q]
         weights = jnp.concatenate([p, scale[:, None, None] * dS], axis=1)
         dx = _einsum("thk,thd->tkd", weights, jnp.concatenate([ct, q], axis=1))
-        if indexed:
+        if two:
+            # Each cache's share of the slots scatters into that cache.
+            out["kv"] = (rows[0], dx[:, :K])
+            out["extra_kv"] = (rows[1], dx[:, K:])
+        elif indexed:
             # Empty slots are out of range (rows == R) and dropped by the scatter.
             out["kv"] = (rows, dx)
         else:
@@ -220,8 +277,9 @@ def _cotangent_chunk(indexed, wanted, primal, ct, live, x_first=False):
     if "sink" in wanted:
         sink_weight = _lse_sink_weight(valid, primal["sink"], p_sink, live)
         out["sink"] = -p_sink * delta + sink_weight * ct_lse
-    if "bias" in wanted:
-        out["bias"] = jnp.sum(dS, axis=1)
+    if "bias" in wanted or "extra_bias" in wanted:
+        dbias = jnp.sum(dS, axis=1)
+        out["bias"], out["extra_bias"] = dbias[:, :K], dbias[:, K:]
     if "scale" in wanted:
         out["scale"] = jnp.sum(dS * z, axis=(1, 2))
     return out
@@ -246,7 +304,9 @@ def _over_chunks_per_platform(step, token_arrays, q, num_slots, carry):
     ``step(x_first)`` gives the loop's step for a product form (``reference.slot_products``)."""
     cpu_chunk = _chunk_size(q, num_slots)
     accelerator_chunk = _chunk_size(q, num_slots, reference.accelerator_chunk_bytes())
-    cpu_step = step(reference.cpu_products_by_eigen())
+    # The backward's products are f32 in every form (the slots are widened chunk by chunk in
+    # _recompute); only the dot products' layout follows the CPU's form.
+    cpu_step = step(cpu_form().x_first)
     return reference.per_platform(
         lambda a, c: _over_token_chunks(cpu_step, a, cpu_chunk, c),
         lambda a, c: _over_token_chunks(step(False), a, accelerator_chunk, c),
@@ -307,19 +367,26 @@ def _by_role(named: dict):
 
 def _is_empty(primal) -> bool:
     T, H, _ = primal["q"].shape
-    K = primal["bias"].shape[1]
-    return T == 0 or H == 0 or K == 0 or ("kv" in primal and primal["kv"].shape[0] == 0)
+    K = _num_slots(primal)
+    rows = sum(primal[n].shape[0] for n in ("kv", "extra_kv") if n in primal)
+    return T == 0 or H == 0 or K == 0 or ("kv" in primal and rows == 0)
 
 
-def _tangent(indexed, active, *operands):
+def _num_slots(primal) -> int:
+    """Slots per token: the main cache's, plus the second cache's when there is one."""
+    return primal["bias"].shape[1] + (primal["extra_bias"].shape[1] if "extra_bias" in primal
+                                      else 0)
+
+
+def _tangent(indexed, active, value_dim, *operands):
     """Tangents of the output (q's dtype) and of the lse (f32). Operands: the primal operands,
     then the active tangents."""
-    names = primitives.OPERANDS[indexed]
+    names = primitives.operand_names(indexed, len(operands) - len(active))
     primal = dict(zip(names, operands[: len(names)]))
     tangent = dict(zip(active, operands[len(names):]))
     q = primal["q"]
     if _is_empty(primal):
-        return jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:2], jnp.float32)
+        return jnp.zeros(q.shape[:2] + (value_dim,), q.dtype), jnp.zeros(q.shape[:2], jnp.float32)
     primal_token, primal_shared = _by_role(primal)
     tangent_token, tangent_shared = _by_role(tangent)
 
@@ -327,12 +394,12 @@ def _tangent(indexed, active, *operands):
         def run(carry, chunk, live):
             p, t = chunk
             do = _tangent_chunk(indexed, active, {**p, **primal_shared},
-                                {**t, **tangent_shared}, live, x_first)
+                                {**t, **tangent_shared}, live, x_first, value_dim)
             return carry, do
 
         return run
 
-    num_slots = primal["bias"].shape[1]
+    num_slots = _num_slots(primal)
     _, (do, dlse) = _over_chunks_per_platform(step, (primal_token, tangent_token), q, num_slots,
                                               ())
     return do.astype(q.dtype), dlse
@@ -341,31 +408,36 @@ def _tangent(indexed, active, *operands):
 def _cotangent(indexed, wanted, *operands):
     """Cotangents of the ``wanted`` operands, all f32. Operands: the primal operands, then the
     cotangents of the output and of the lse. The sink's is per token ``[T, H]``; the cache's is
-    summed into ``[R, D]``."""
-    names = primitives.OPERANDS[indexed]
+    summed into ``[R, D]`` (each cache's into its own rows)."""
+    names = primitives.operand_names(indexed, len(operands) - 2)
     primal = dict(zip(names, operands[: len(names)]))
     ct = tuple(operands[len(names):])
     if _is_empty(primal):
         return tuple(jnp.zeros(_cotangent_shape(indexed, n, operands)[0]) for n in wanted)
     primal_token, primal_shared = _by_role(primal)
+    caches = tuple(n for n in ("kv", "extra_kv") if n in wanted)
 
     def step(x_first):
-        def run(dkv, chunk, live):
+        def run(sums, chunk, live):
             p, ct_chunk = chunk
             out = _cotangent_chunk(indexed, wanted, {**p, **primal_shared}, ct_chunk, live,
                                    x_first)
-            if "kv" in wanted:
-                rows, dx = out.pop("kv")
-                dkv = dkv.at[rows].add(dx, mode="drop")
-            return dkv, out
+            sums = list(sums)
+            for i, n in enumerate(caches):
+                rows, dx = out.pop(n)
+                sums[i] = sums[i].at[rows].add(dx, mode="drop")
+            for n in ("kv", "extra_kv", "bias", "extra_bias"):
+                if n not in wanted:
+                    out.pop(n, None)
+            return tuple(sums), out
 
         return run
 
-    dkv = jnp.zeros(primal["kv"].shape, jnp.float32) if "kv" in wanted else ()
-    dkv, results = _over_chunks_per_platform(
-        step, (primal_token, ct), primal["q"], primal["bias"].shape[1], dkv
+    sums = tuple(jnp.zeros(primal[n].shape, jnp.float32) for n in caches)
+    sums, results = _over_chunks_per_platform(
+        step, (primal_token, ct), primal["q"], _num_slots(primal), sums
     )
-    results = dict(results, kv=dkv)
+    results = dict(results, **dict(zip(caches, sums)))
     return tuple(results[n] for n in wanted)
 
 
@@ -384,24 +456,24 @@ for _p in (*tangent_p.values(), *cotangent_p.values()):
 sharding.register_device_aware(*tangent_p.values(), *cotangent_p.values())
 
 
-def _tangent_abstract_eval(*avals, active):
+def _tangent_abstract_eval(*avals, active, value_dim):
     q = avals[0]
     return [
-        sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"]),
+        sharding.result_aval(q, q.shape[:2] + (value_dim,), q.dtype, sharding.LAYOUTS["out"]),
         sharding.result_aval(q, q.shape[:2], jnp.float32, sharding.LAYOUTS["lse"]),
     ]
 
 
 def _cotangent_shape(indexed, name, operands):
     """Shape and dtype of the cotangent of operand ``name`` (operands or their avals)."""
-    primal = dict(zip(primitives.OPERANDS[indexed], operands))
+    primal = dict(zip(primitives.operand_names(indexed, len(operands) - 2), operands))
     if name == "sink":
         return primal["q"].shape[:2], jnp.float32  # per token: [T, H]
     return primal[name].shape, primal[name].dtype
 
 
 def _cotangent_abstract_eval(indexed):
-    def rule(*avals, wanted):
+    def rule(*avals, wanted, value_dim):
         q = avals[0]
         return [
             sharding.result_aval(q, *_cotangent_shape(indexed, n, avals), COTANGENT_LAYOUTS[n])
@@ -412,10 +484,10 @@ def _cotangent_abstract_eval(indexed):
 
 
 def _tangent_lowering(indexed):
-    def rule(*operands, active):
-        names = primitives.OPERANDS[indexed] + active
+    def rule(*operands, active, value_dim):
+        names = primitives.operand_names(indexed, len(operands) - len(active)) + active
         layouts = [sharding.LAYOUTS[n] for n in names]
-        fn = functools.partial(_tangent, indexed, active)
+        fn = functools.partial(_tangent, indexed, active, value_dim)
         results = [sharding.LAYOUTS[n] for n in primitives.RESULTS]
         return sharding.shard_local(fn, layouts, results)(*operands)
 
@@ -423,8 +495,9 @@ def _tangent_lowering(indexed):
 
 
 def _cotangent_lowering(indexed):
-    def rule(*operands, wanted):
-        names = primitives.OPERANDS[indexed] + primitives.RESULTS
+    def rule(*operands, wanted, value_dim):
+        del value_dim  # the output cotangent's own width says it
+        names = primitives.operand_names(indexed, len(operands) - 2) + primitives.RESULTS
         layouts = [sharding.LAYOUTS[n] for n in names]
         fn = functools.partial(_cotangent, indexed, wanted)
         results = [COTANGENT_LAYOUTS[n] for n in wanted]
@@ -452,17 +525,18 @@ for _indexed in (False, True):
 
 
 for _indexed in (False, True):
-    _names = primitives.OPERANDS[_indexed]
     batching.primitive_batchers[tangent_p[_indexed]] = primitives.make_batcher(
         tangent_p[_indexed], _indexed,
-        lambda params, _n=_names: _n + params["active"],
-        lambda params: False,
+        lambda params, count, _i=_indexed: (
+            primitives.operand_names(_i, count - len(params["active"])) + params["active"]),
+        lambda params: (),
     )
     batching.primitive_batchers[cotangent_p[_indexed]] = primitives.make_batcher(
         cotangent_p[_indexed], _indexed,
-        lambda params, _n=_names: _n + primitives.RESULTS,
+        lambda params, count, _i=_indexed: (
+            primitives.operand_names(_i, count - 2) + primitives.RESULTS),
         # Per-example cache gradients need one cache per batch element.
-        lambda params: "kv" in params["wanted"],
+        lambda params: tuple(n for n in ("kv", "extra_kv") if n in params["wanted"]),
     )
 
 
@@ -471,10 +545,10 @@ for _indexed in (False, True):
 
 def _forward_jvp(indexed):
     prim = primitives.gathered_attn_idx_p if indexed else primitives.gathered_attn_p
-    names = primitives.OPERANDS[indexed]
 
-    def rule(primals, tangents, *, implementation):
-        outs = prim.bind(*primals, implementation=implementation)
+    def rule(primals, tangents, *, implementation, value_dim):
+        names = primitives.operand_names(indexed, len(primals))
+        outs = prim.bind(*primals, implementation=implementation, value_dim=value_dim)
         active = tuple(
             n for n, t in zip(names, tangents) if n in DIFFERENTIABLE and type(t) is not ad.Zero
         )
@@ -482,7 +556,7 @@ def _forward_jvp(indexed):
             return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
         by_name = dict(zip(names, tangents))
         tangent_outs = tangent_p[indexed].bind(
-            *primals, *(by_name[n] for n in active), active=active
+            *primals, *(by_name[n] for n in active), active=active, value_dim=value_dim
         )
         return outs, tangent_outs
 
@@ -490,10 +564,9 @@ def _forward_jvp(indexed):
 
 
 def _tangent_transpose(indexed):
-    names = primitives.OPERANDS[indexed]
-
-    def rule(ct, *args, active):
-        primals, tangents = args[: len(names)], args[len(names):]
+    def rule(ct, *args, active, value_dim):
+        count = len(args) - len(active)
+        primals, tangents = args[:count], args[count:]
         if any(ad.is_undefined_primal(p) for p in primals):
             raise NotImplementedError(
                 "gathered_attn: the tangent is linear in the tangents only; transposing it with "
@@ -506,7 +579,8 @@ def _tangent_transpose(indexed):
             return [None] * len(primals) + zeros
         # ct = (output's, lse's); a missing one (only out or only lse used) is zeros.
         ct = [ad.instantiate_zeros(c) for c in ct]
-        cts = dict(zip(wanted, cotangent_p[indexed].bind(*primals, *ct, wanted=wanted)))
+        cts = dict(zip(wanted, cotangent_p[indexed].bind(*primals, *ct, wanted=wanted,
+                                                         value_dim=value_dim)))
         if "sink" in cts:
             cts["sink"] = jnp.sum(cts["sink"], axis=0)
         by_name = dict(zip(active, tangents))

@@ -22,6 +22,10 @@ and checks a few output rows against the same tokens computed without chunking.
 ``--plot PATH`` instead sweeps K and T (time, op against naive) and T (memory) and writes the charts
 as one PNG (``jax_sparse_attn/plots.py``; needs matplotlib, the ``plot`` extra).
 
+``--two-caches`` times the two-cache call (``extra_kv``) at a DeepSeek V4 decode shape (a sliding
+window of 128 rows per token beside compressed rows picked by top-k) against its two
+alternatives: concatenating the caches and making one call, and two calls merged by lse.
+
 ``--model trn1|trn2|trn3`` reports the modelled (not measured) Trainium time of the NKI kernel
 instead, from the emulator's cost model (:mod:`jax_sparse_attn.bench_model`).
 
@@ -47,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import gathered_attn_idx, reference
+from . import cpu_products, gathered_attn_idx, reference
 
 IMPLEMENTATIONS = ("none", "reference", "nki", "nki_emulated")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
@@ -269,27 +273,50 @@ def _grad_op(impl, scale, cotangent):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 3)))
 
 
+def _compiled_in_form(fn, args, form: str):
+    """``fn`` jitted and compiled for ``args`` with the reference's CPU products in ``form``
+    (``cpu_products.parse_form``), whatever the CPU would pick."""
+    with cpu_products.forced(cpu_products.parse_form(form)):
+        jax.clear_caches()  # lowerings are cached per shape, not per form
+        compiled = jax.jit(fn).lower(*args).compile()
+    jax.clear_caches()
+    return compiled
+
+
 def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int, warmup: int,
                 naive: bool = True, gemm: bool = True, grad: bool = False,
-                sdpa: bool = False) -> dict:
+                sdpa: bool = False, forms: Sequence[str] = ("auto",)) -> dict:
     """Times the op (and, unless disabled, the naive baseline and the f32 GEMM) at one shape.
     With ``grad``: the gradient with respect to q, kv and sink instead, against an f32 GEMM of
-    ``GRAD_FLOPS_FACTOR`` times the forward's FLOPs, and no naive baseline."""
+    ``GRAD_FLOPS_FACTOR`` times the forward's FLOPs, and no naive baseline.
+
+    ``forms``: the reference's CPU product forms to time (``cpu_products.form_name``, or
+    ``auto``), all in the same rounds. The first is the record's ``op``; each further one is
+    timed as ``op[form]`` and summarised under ``other_cpu_products``."""
     dtype = DTYPES[dtype_name]
     q, kv, idx, sink = _inputs(shape, dtype)
+    args = (q, kv, idx, sink)
     scale = shape.D**-0.5
     impl = _implementation_arg(implementation)
-    op = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(q, kv, idx, sink, scale=scale,
-                                                           implementation=impl))
+
+    def forward(q, kv, idx, sink):
+        return gathered_attn_idx(q, kv, idx, sink, scale=scale, implementation=impl)
+
+    op = forward
     if grad:
         cotangent = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
-        forward, op, naive = op, _grad_op(impl, scale, cotangent), False
-    fns = {"op": (op, (q, kv, idx, sink))}
-    compile_start = time.perf_counter()
-    out = jax.block_until_ready(op(q, kv, idx, sink))
-    compile_s = time.perf_counter() - compile_start
-    if grad:
-        out = forward(q, kv, idx, sink)
+        op, naive = _grad_op(impl, scale, cotangent), False
+    names = [cpu_products.form_name(cpu_products.parse_form(f)) for f in forms]
+    fns, outs, compile_s = {}, {}, {}
+    for i, name in enumerate(names):
+        key = "op" if i == 0 else f"op[{name}]"
+        compile_start = time.perf_counter()
+        fns[key] = (_compiled_in_form(op, args, name), args)
+        jax.block_until_ready(fns[key][0](*args))
+        compile_s[key] = time.perf_counter() - compile_start
+        outs[key] = (_compiled_in_form(forward, args, name)(*args) if grad
+                     else fns[key][0](*args))
+    out = outs["op"]
     if naive:
         fns["naive"] = (jax.jit(lambda q, kv, idx, sink: naive_attention(q, kv, idx, sink, scale)),
                         (q, kv, idx, sink))
@@ -315,7 +342,8 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         "implementation": implementation,
         "pass": "grad wrt q, kv, sink" if grad else "forward",
         "flops": flops,
-        "first_call_s": compile_s,
+        "cpu_products": names[0],
+        "first_call_s": compile_s["op"],
         "times_s": times,
         "median_s": med,
         "op_gflops": flops / med["op"] / 1e9,
@@ -351,7 +379,86 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
         if cpu_med["op"] > 0 and cpu_med["gemm_f32"] > 0:
             rec["op_fraction_of_gemm_f32_per_cpu_s"] = (
                 (flops / cpu_med["op"]) / (gemm_flops / cpu_med["gemm_f32"]))
+    others = {}
+    for key in fns:
+        if key.startswith("op["):
+            other = {"median_s": med[key], "first_call_s": compile_s[key],
+                     "op_gflops": flops / med[key] / 1e9,
+                     # op's time over this form's, the median of the per-round ratios
+                     "op_over_this": float(np.median(np.array(times["op"])
+                                                     / np.array(times[key]))),
+                     "contract_check": check_contract(outs[key], q, kv, idx, sink, scale)}
+            if gemm:
+                other["op_fraction_of_gemm_f32"] = other["op_gflops"] / rec["gemm_f32_gflops"]
+            others[key[3:-1]] = other
+    if others:
+        rec["other_cpu_products"] = others
     return rec
+
+
+# --- two caches (DeepSeek V4: sliding window + compressed rows) ----------------------------------
+
+# V4 decode (docs: FlashMLA's tests and the V4 reference): a window of 128 raw rows per token and
+# the top-512 of 256k compressed rows, 64 heads, D = 512.
+V4_DECODE = {"T": 16, "H": 64, "D": 512, "window": 128, "topk": 512, "R": 262144}
+
+
+def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Optional[int] = None,
+                     R: Optional[int] = None) -> dict:
+    """Times ``gathered_attn_idx(q, window, window_idx, sink, extra_kv=compressed, extra_idx=...)``
+    (one softmax over both caches) against (a) concatenating the two caches and one call on the
+    concatenation, and (b) two calls (the sink in the first) merged by ``merge_attention``; all
+    jitted, interleaved rounds. Returns the record with ``concat_over_op`` and ``merge_over_op``.
+    """
+    from . import merge_attention
+
+    shape = dict(V4_DECODE, **({"T": T} if T else {}), **({"R": R} if R else {}))
+    T, H, D, W, K, R = (shape[k] for k in ("T", "H", "D", "window", "topk", "R"))
+    dtype = DTYPES[dtype_name]
+    keys = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(keys[0], (T, H, D), dtype)
+    window = jax.random.normal(keys[1], (T * W, D), dtype)  # each token's own 128 rows
+    compressed = jax.random.normal(keys[2], (R, D), dtype)
+    window_idx = (jnp.arange(T, dtype=jnp.int32)[:, None] * W
+                  + jnp.arange(W, dtype=jnp.int32)[None, :])  # fmt: skip
+    topk_idx = jax.random.randint(keys[3], (T, K), 0, R, jnp.int32)
+    sink = jax.random.normal(keys[4], (H,), jnp.float32)
+    args = jax.block_until_ready((q, window, window_idx, compressed, topk_idx, sink))
+
+    def two_caches(q, window, window_idx, compressed, topk_idx, sink):
+        return gathered_attn_idx(q, window, window_idx, sink, extra_kv=compressed,
+                                 extra_idx=topk_idx)
+
+    def concatenated(q, window, window_idx, compressed, topk_idx, sink):
+        kv = jnp.concatenate([window, compressed])  # a copy of every row, each step
+        idx = jnp.concatenate([window_idx, topk_idx + window.shape[0]], axis=1)
+        return gathered_attn_idx(q, kv, idx, sink)
+
+    def merged(q, window, window_idx, compressed, topk_idx, sink):
+        a = gathered_attn_idx(q, window, window_idx, sink, return_lse=True)
+        b = gathered_attn_idx(q, compressed, topk_idx, None, return_lse=True)
+        return merge_attention([a[0], b[0]], [a[1], b[1]])[0]
+
+    fns = {name: (jax.jit(fn), args) for name, fn in
+           (("op", two_caches), ("concat", concatenated), ("merge", merged))}
+    outs = {name: np.asarray(jax.block_until_ready(fn(*a)), np.float32)
+            for name, (fn, a) in fns.items()}
+    load_before = _load_average()
+    times = _time_rounds(fns, repeats, warmup)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    bits = np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+    same_as_concat = bool(np.array_equal(
+        np.asarray(jnp.asarray(outs["op"], dtype)).view(bits),
+        np.asarray(jnp.asarray(outs["concat"], dtype)).view(bits)))
+    return {
+        "case": "two caches, V4 decode", "shape": shape, "dtype": dtype_name,
+        "times_s": times, "median_s": med,
+        "concat_over_op": med["concat"] / med["op"],
+        "merge_over_op": med["merge"] / med["op"],
+        "op_same_bits_as_concat": same_as_concat,
+        "max_abs_diff_merge_vs_op": float(np.abs(outs["merge"] - outs["op"]).max()),
+        "load_average": {"before": load_before, "after": _load_average()},
+    }
 
 
 # --- memory ---------------------------------------------------------------------------------------
@@ -395,7 +502,7 @@ def _peak_rss_bytes() -> int:
 
 
 def memory_child(shape: Shape, dtype_name: str, implementation: str, check_tokens: int,
-                 grad: bool = False) -> dict:
+                 grad: bool = False, kv_dtype: str = "bfloat16") -> dict:
     """Runs in a fresh process: peak RSS growth of compiling and running one call.
 
     The growth is the peak after the call minus the resident size once the inputs exist, so the
@@ -405,12 +512,20 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
     the reference's chunking switched off (one batch, no loop, slots gathered up front) and
     compared bit for bit with the same rows of the long call. With ``grad``: the peak growth of one
     ``jax.grad`` call with respect to q, kv and sink instead (limit ``GRAD_MEMORY_LIMIT_BYTES``;
-    the gradients themselves, kv's in f32, are included), without the bit comparison.
+    the gradients themselves, kv's in f32, are included), without the bit comparison. With an FP8
+    ``kv_dtype`` the cache is FP8 with one f32 scale per 128 columns (``kv_scale``), and the contract
+    check runs on the dequantised cache.
     """
     dtype = DTYPES[dtype_name]
     q, kv, idx, sink = _inputs(shape, dtype)
     scale = shape.D**-0.5
     impl = _implementation_arg(implementation)
+    fp8_kw: dict = {}
+    if kv_dtype != "bfloat16":
+        groups = max(1, shape.D // 128) if shape.D % 128 == 0 else 1
+        kv_scale = jax.random.uniform(jax.random.key(9), (shape.R, groups), jnp.float32, 0.5, 2.0)
+        kv = jax.block_until_ready(kv.astype(getattr(jnp, kv_dtype)))
+        fp8_kw = {"kv_scale": jax.block_until_ready(kv_scale)}
     peak_reset = _reset_peak_rss()
     rss_before = _rss_bytes()
     peak_before = _peak_rss_bytes()
@@ -428,7 +543,7 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
             "seconds_first_call": seconds,
         }
     out = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
-        q, kv, idx, sink, scale=scale, implementation=impl))(q, kv, idx, sink)
+        q, kv, idx, sink, scale=scale, implementation=impl, **fp8_kw))(q, kv, idx, sink)
     out = jax.block_until_ready(out)
     seconds = time.perf_counter() - start
     peak_after = _peak_rss_bytes()
@@ -439,14 +554,21 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
     reference.CHUNK_BYTES = reference.PREGATHER_MAX_BYTES = 2**62  # read while tracing
     try:
         few = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
-            q, kv, idx, sink, scale=scale, implementation=impl))(q[pick], kv, idx[pick], sink)
+            q, kv, idx, sink, scale=scale, implementation=impl, **fp8_kw))(
+                q[pick], kv, idx[pick], sink)
         few = jax.block_until_ready(few)
     finally:
         reference.CHUNK_BYTES, reference.PREGATHER_MAX_BYTES = budgets
     bits = np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
     same = bool(np.array_equal(np.asarray(out)[pick].view(bits), np.asarray(few).view(bits)))
+    kv_for_check = kv
+    if fp8_kw:  # the contract on the dequantised cache (a numpy copy, outside the measurement)
+        s = np.asarray(fp8_kw["kv_scale"])
+        x = np.asarray(kv).astype(np.float32).reshape(shape.R, s.shape[1], -1) * s[:, :, None]
+        kv_for_check = jnp.asarray(x.reshape(shape.R, shape.D), dtype)
     return {
         "shape": dataclasses.asdict(shape),
+        "kv_dtype": kv_dtype,
         "dtype": dtype_name,
         "implementation": implementation,
         "input_bytes": int(sum(x.nbytes for x in (q, kv, idx, sink))),
@@ -461,17 +583,19 @@ def memory_child(shape: Shape, dtype_name: str, implementation: str, check_token
         "seconds_first_call": seconds,
         "rows_checked": len(pick),
         "rows_same_bits_as_unchunked": same,
-        "contract_check": check_contract(out, q, kv, idx, sink, scale),
+        "contract_check": check_contract(out, q, kv_for_check, idx, sink, scale),
     }
 
 
 def run_memory_check(shape: Shape, dtype_name: str, implementation: str,
-                     check_tokens: int = 4, timeout: float = 900, grad: bool = False) -> dict:
+                     check_tokens: int = 4, timeout: float = 900, grad: bool = False,
+                     kv_dtype: str = "bfloat16") -> dict:
     """Runs :func:`memory_child` in a fresh Python process and returns its record."""
     cmd = [sys.executable, "-m", "jax_sparse_attn.bench", "--memory-child",
            "--shape", f"{shape.T},{shape.H},{shape.D},{shape.K},{shape.R}",
            "--dtype", dtype_name, "--implementation", implementation,
-           "--check-tokens", str(check_tokens)] + (["--grad"] if grad else [])
+           "--check-tokens", str(check_tokens), "--kv-dtype", kv_dtype] + (
+               ["--grad"] if grad else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"memory check failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -509,6 +633,14 @@ def environment() -> dict:
         "machine": platform.machine(),
         # e.g. --xla_cpu_max_isa=AVX2 to measure what an AVX2-only CPU would run
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        # The reference's CPU product form this process picks (a record's own form is its
+        # "cpu_products"), why, and the override.
+        "cpu_products": {
+            "auto": cpu_products.form_name(cpu_products.cpu_form()),
+            "cpu_reports_native_bf16": cpu_products.cpu_reports_native_bf16(),
+            "products_by_eigen": cpu_products.products_by_eigen(),
+            cpu_products.ENV_VAR: os.environ.get(cpu_products.ENV_VAR),
+        },
     }
 
 
@@ -522,7 +654,7 @@ def _jaxlib_version() -> Optional[str]:
 
 
 def format_table(records: Sequence[dict]) -> str:
-    head = (f"{'case':<14} {'shape':<34} {'impl':<10} {'op ms':>8} {'naive ms':>9} {'vs naive':>9} "
+    head = (f"{'case':<14} {'shape':<34} {'impl':<10} {'products':<14} {'op ms':>8} {'naive ms':>9} {'vs naive':>9} "
             f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'per CPU s':>9} {'cores op/GEMM':>13} "
             f"{'gather GB/s':>11} {'ulp<=1':>7}")
     lines = [head, "-" * len(head)]
@@ -539,10 +671,27 @@ def format_table(records: Sequence[dict]) -> str:
                 else f"{'-':>13}")
         check = r["contract_check"]
         ulp = f"{check['within_one_ulp']:7.4f}" if "within_one_ulp" in check else f"{check['max_rel_error']:7.1e}"
-        lines.append(f"{s.name:<14} {s.describe():<34} {r['implementation']:<10} {med['op'] * 1e3:8.2f} "
+        products = r.get("cpu_products", "-")
+        lines.append(f"{s.name:<14} {s.describe():<34} {r['implementation']:<10} {products:<14} "
+                     f"{med['op'] * 1e3:8.2f} "
                      f"{naive} {ratio} {r['op_gflops']:8.1f} {gemm} {per_cpu} {busy} "
                      f"{r['gather_gbytes_per_s']:11.2f} {ulp}")
+        for name, o in r.get("other_cpu_products", {}).items():  # timed in the same rounds
+            o_gemm = (f"{o['op_fraction_of_gemm_f32']:11.2f}" if "op_fraction_of_gemm_f32" in o
+                      else f"{'-':>11}")
+            o_check = o["contract_check"]
+            o_ulp = (f"{o_check['within_one_ulp']:7.4f}" if "within_one_ulp" in o_check
+                     else f"{o_check['max_rel_error']:7.1e}")
+            lines.append(f"{'':<14} {'':<34} {'':<10} {name:<14} {o['median_s'] * 1e3:8.2f} "
+                         f"{'-':>9} {'-':>9} {o['op_gflops']:8.1f} {o_gemm} {'-':>9} {'-':>13} "
+                         f"{s.T * s.K * s.D * itemsize(r) / o['median_s'] / 1e9:11.2f} "
+                         f"{o_ulp}")
     return "\n".join(lines)
+
+
+def itemsize(record: dict) -> int:
+    """Bytes per element of a record's dtype."""
+    return np.dtype(DTYPES[record["dtype"]]).itemsize
 
 
 def _parse_shape(text: str) -> Shape:
@@ -551,6 +700,16 @@ def _parse_shape(text: str) -> Shape:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--shape wants T,H,D,K,R (five integers); got {text!r}")
     return Shape("custom", T, H, D, K, R)
+
+
+def _parse_forms(text: str) -> list:
+    forms = [f.strip() for f in text.split(",") if f.strip()]
+    try:
+        for f in forms:
+            cpu_products.parse_form(f)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err))
+    return forms or ["auto"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -578,11 +737,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="also time jax.nn.dot_product_attention on the gathered slots (no sink), "
                    "recorded as sdpa_over_op")
     p.add_argument("--no-gemm", action="store_true", help="skip the f32 GEMM baseline")
-    p.add_argument("--cpu-products", choices=("auto", "x-first", "rows-first"), default="auto",
-                   help="the form of the reference's dot products on CPU (reference.slot_products): "
-                   "auto picks x-first where XLA:CPU runs them with Eigen and rows-first where "
-                   "YNNPACK does (reference.cpu_products_by_eigen); the others force one, to "
-                   "compare them")
+    p.add_argument("--cpu-products", type=_parse_forms, default=["auto"], metavar="FORMS",
+                   help="comma-separated forms of the reference's products on CPU, each timed in "
+                   "the same rounds (the first is the table's main row): native (16-bit operands "
+                   "as they are) or f32 (widened in cache), each optionally with -x-first (the "
+                   "layout for XLA's Eigen kernels), or auto: what this process picks "
+                   "(cpu_products.cpu_form; JAX_SPARSE_ATTN_CPU_PRODUCTS overrides it). "
+                   "E.g. --cpu-products native,f32")
     p.add_argument("--grad", action="store_true",
                    help="time jax.grad with respect to q, kv and sink instead of the forward, "
                    f"against an f32 GEMM of {GRAD_FLOPS_FACTOR}x the forward's FLOPs")
@@ -593,11 +754,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write every record and the environment")
     p.add_argument("--plot", metavar="PATH", help="instead: sweep K and T (time) and T (memory), "
                    "op against naive, and write the charts as one PNG (needs matplotlib; see plots.py)")
+    p.add_argument("--two-caches", action="store_true",
+                   help="time the two-cache call (extra_kv) at a V4 decode shape against "
+                   "concatenate-then-call and two calls merged by lse (T and R: --shape T,H,D,K,R "
+                   "overrides T and R only)")
     p.add_argument("--model", choices=("trn1", "trn2", "trn3"),
                    help="instead of timing: the MODELLED Trainium time of the NKI kernel under the "
                    "emulator's cost model (see jax_sparse_attn/bench_model.py)")
     p.add_argument("--kv-dtype", choices=("bfloat16", "float8_e4m3fn", "float8_e5m2"),
-                   default="bfloat16", help="with --model: the cache dtype (FP8 with f32 scales)")
+                   default="bfloat16", help="with --model or --memory: the cache dtype (FP8 with "
+                   "f32 scales)")
     p.add_argument("--scale-groups", type=int, default=1,
                    help="with --model and an FP8 --kv-dtype: f32 scales per cache row")
     p.add_argument("--indexer-sweep", action="store_true",
@@ -614,7 +780,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--layer-memory-child", type=int, metavar="T", help=argparse.SUPPRESS)
     p.add_argument("--layer-sizes", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--layer-selection", default="streaming", help=argparse.SUPPRESS)
+    p.add_argument("--value-dim", type=int, default=None,
+                   help="with --model: the value columns (value_dim <= D; default D); each "
+                   "shape is modelled with all D columns of values too, for the ratio")
+    p.add_argument("--op", choices=("attention", "indexer"), default="attention",
+                   help="with --model: the op to model; for indexer, --shape is T,R,Hi,Di,K "
+                   "(jax_sparse_attn/indexer/bench_model.py)")
     a = p.parse_args(argv)
+
+    if a.model and a.op == "indexer":
+        from .indexer.bench_model import run_indexer_model
+
+        # --shape parses five integers; for the indexer they are T, R, Hi, Di, K.
+        shapes = [(s.T, s.H, s.D, s.K, s.R) for s in a.shape] if a.shape else None
+        return run_indexer_model(a.model, shapes, a.json)
 
     if a.layer_memory_child:
         from . import bench_indexer
@@ -628,7 +807,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.model:
         from .bench_model import run_model
 
-        return run_model(a.model, a.shape, a.json, kv_dtype=a.kv_dtype, scale_groups=a.scale_groups)
+        return run_model(a.model, a.shape, a.json, kv_dtype=a.kv_dtype, scale_groups=a.scale_groups,
+                         value_dim=a.value_dim)
 
     if a.plot:
         from . import plots  # matplotlib is optional: imported only for --plot
@@ -644,21 +824,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if a.memory_child:
         shape = dataclasses.replace(a.shape[0], name="memory") if a.shape else MEMORY_SHAPE
-        print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens, a.grad)))
+        print(json.dumps(memory_child(shape, a.dtype, a.implementation, a.check_tokens, a.grad,
+                                      a.kv_dtype)))
         return 0
 
-    if a.cpu_products != "auto":  # read when the reference is traced
-        forced = a.cpu_products == "x-first"
-        reference.cpu_products_by_eigen = lambda: forced
     env = environment()
-    env["cpu_products"] = "x-first" if reference.cpu_products_by_eigen() else "rows-first"
-    env["cpu_products_forced"] = a.cpu_products != "auto"
     print(f"# jax {env['jax']} on {env['backend']} ({env['device']}); "
           f"CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}", flush=True)
     result: dict = {"environment": env, "records": []}
-    if a.memory:
+    if a.memory and a.cpu_products != ["auto"]:
+        p.error(f"--cpu-products times forms side by side and does not apply to --memory (a fresh "
+                f"process); set {cpu_products.ENV_VAR}=native or f32 instead")
+    if a.two_caches:
+        custom = a.shape[0] if a.shape else None
+        rec = bench_two_caches(a.repeats or (3 if a.quick else 15), a.warmup, a.dtype,
+                               T=custom.T if custom else (4 if a.quick else None),
+                               R=custom.R if custom else (8192 if a.quick else None))
+        result["two_caches"] = rec
+        s, m = rec["shape"], rec["median_s"]
+        print(f"two caches  T={s['T']} H={s['H']} D={s['D']} window={s['window']} "
+              f"top-k={s['topk']} R={s['R']} {a.dtype}: one call {m['op'] * 1e3:.2f} ms; "
+              f"concatenate then call {m['concat'] * 1e3:.2f} ms ({rec['concat_over_op']:.2f}x); "
+              f"two calls + merge {m['merge'] * 1e3:.2f} ms ({rec['merge_over_op']:.2f}x); "
+              f"same bits as the concatenation: {rec['op_same_bits_as_concat']}; load "
+              f"{rec['load_average']}", flush=True)
+        ok = rec["op_same_bits_as_concat"]
+    elif a.memory:
         shape = a.shape[0] if a.shape else (QUICK_SHAPES[1] if a.quick else MEMORY_SHAPE)
-        rec = run_memory_check(shape, a.dtype, a.implementation, grad=a.grad)
+        rec = run_memory_check(shape, a.dtype, a.implementation, grad=a.grad, kv_dtype=a.kv_dtype)
         result["memory"] = rec
         gib = 2**30
         if a.grad:
@@ -667,7 +860,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"inputs {rec['input_bytes'] / gib:.3f} GiB) in {rec['seconds_first_call']:.1f} s",
                   flush=True)
         else:
-            print(f"memory  {shape.describe()} {a.dtype}: peak RSS growth "
+            print(f"memory  {shape.describe()} {a.dtype}, kv {a.kv_dtype}: peak RSS growth "
                   f"{rec['growth_bytes'] / gib:.3f} GiB (limit {rec['limit_bytes'] / gib:.1f} GiB; "
                   f"inputs {rec['input_bytes'] / gib:.3f} GiB; gathered slots would be "
                   f"{rec['gathered_slot_bytes'] / gib:.1f} GiB) in {rec['seconds_first_call']:.1f} s; "
@@ -689,14 +882,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 rec = bench_shape(shape, a.dtype, a.implementation, repeats, a.warmup,
                                   naive=not a.no_naive, gemm=not a.no_gemm, grad=a.grad,
-                                  sdpa=a.sdpa)
+                                  sdpa=a.sdpa, forms=a.cpu_products)
             except (RuntimeError, NotImplementedError, ValueError) as err:
                 # e.g. implementation="nki" without the Neuron SDK: the library's message says why.
                 print(f"bench: {shape.name} ({shape.describe()}): {err}", file=sys.stderr)
                 return 2
             result["records"].append(rec)
-            print(format_table([rec]).splitlines()[-1] if len(result["records"]) > 1
-                  else format_table([rec]), flush=True)
+            table = format_table([rec]).splitlines()
+            print("\n".join(table[2:] if len(result["records"]) > 1 else table), flush=True)
             if "sdpa_over_op" in rec:
                 print(f"  {shape.name}: jax.nn.dot_product_attention on the gathered slots (no "
                       f"sink) takes {rec['median_s']['sdpa'] * 1e3:.2f} ms, "

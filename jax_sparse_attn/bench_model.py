@@ -83,7 +83,7 @@ def _inputs(T: int, H: int, D: int, K: int, R: int, seed: int = 0, kv_dtype: str
 
 
 def _model_call(target: str, T: int, H: int, D: int, K: int, R: int, kv_dtype: str = "bfloat16",
-                scale_groups: int = 1) -> dict:  # fmt: skip
+                scale_groups: int = 1, value_dim: Optional[int] = None) -> dict:  # fmt: skip
     """Run one call under the emulator with cost recording; the launches' combined figures."""
     import jax
 
@@ -96,7 +96,7 @@ def _model_call(target: str, T: int, H: int, D: int, K: int, R: int, kv_dtype: s
     jax.clear_caches()  # a trace made for another target must not be reused
     try:
         with _quiet_callback_errors(), nki_emulator.recording(cost=True) as rec:
-            np.asarray(gathered_attn_idx(q, kv, idx, sink, kv_scale=kv_scale,
+            np.asarray(gathered_attn_idx(q, kv, idx, sink, kv_scale=kv_scale, value_dim=value_dim,
                                          implementation="nki_emulated"))  # fmt: skip
     finally:
         if previous is None:
@@ -168,13 +168,15 @@ def _scale(small: dict, large: dict, p: int, T: int) -> dict:
 
 
 def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int = DEFAULT_PROBE_TOKENS,
-                kv_dtype: str = "bfloat16", scale_groups: int = 1) -> dict:  # fmt: skip
+                kv_dtype: str = "bfloat16", scale_groups: int = 1,
+                value_dim: Optional[int] = None) -> dict:  # fmt: skip
     """The modelled figures of one call at ``[T, H, D]`` queries, K slots, R cache rows, the cache
-    in ``kv_dtype`` (an FP8 cache with ``scale_groups`` f32 scales per row)."""
+    in ``kv_dtype`` (an FP8 cache with ``scale_groups`` f32 scales per row), ``value_dim`` value
+    columns (default D)."""
     from .nki_emulator.cost import attention_bounds
 
     start = time.perf_counter()
-    cache = dict(kv_dtype=kv_dtype, scale_groups=scale_groups)
+    cache = dict(kv_dtype=kv_dtype, scale_groups=scale_groups, value_dim=value_dim)
     if T <= 2 * probe:
         fig = _model_call(target, T, H, D, K, R, **cache)
         scaled_from = None
@@ -185,7 +187,8 @@ def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int 
         scaled_from = [probe, 2 * probe]
     fp8 = kv_dtype != "bfloat16"
     bounds = attention_bounds(target, T, H, D, K, row_itemsize=1 if fp8 else 2,
-                              scales_per_row=scale_groups if fp8 else 0)  # fmt: skip
+                              scales_per_row=scale_groups if fp8 else 0,
+                              value_dim=value_dim)  # fmt: skip
     busiest = max(fig["per_engine_us"], key=fig["per_engine_us"].get)
     bound = max(bounds["hbm_bound_us"], bounds["pe_bound_us"])
     return {
@@ -193,6 +196,7 @@ def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int 
         "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
         "kv_dtype": kv_dtype,
         "scale_groups": scale_groups if fp8 else None,
+        "value_dim": D if value_dim is None else value_dim,
         "modelled_us": fig["modelled_us"],
         "hbm_bound_us": bounds["hbm_bound_us"],
         "pe_bound_us": bounds["pe_bound_us"],
@@ -214,6 +218,8 @@ def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int 
 def _row(r: dict) -> str:
     s = r["shape"]
     shape = f"T={s['T']} H={s['H']} D={s['D']} K={s['K']} R={s['R']}"
+    if r.get("value_dim") not in (None, s["D"]):
+        shape += f" V={r['value_dim']}"
     if "error" in r:
         return f"{r['target']:<5} {shape:<36} error: {r['error']}"
     scaled = f" (scaled from T={r['scaled_from_tokens']})" if r["scaled_from_tokens"] else ""
@@ -233,8 +239,12 @@ def run_model(
     kv_dtype: str = "bfloat16",
     scale_groups: int = 1,
     row_transposes: str | None = None,
+    value_dim: Optional[int] = None,
 ) -> int:
     """Model every shape on ``target``, print a table and optionally write JSON; 0 if all ran.
+
+    With ``value_dim`` (< D) each shape is modelled twice, with all D value columns and with
+    ``value_dim``, and the ratio of the modelled times is printed.
 
     ``shapes``: objects with ``T, H, D, K, R`` attributes or ``(name, T, H, D, K, R)`` tuples
     (default :func:`default_shapes`). ``row_transposes``: ``"tensor"`` or ``"dma"`` overrides
@@ -249,12 +259,14 @@ def run_model(
     previous = kernels.ROW_TRANSPOSES
     kernels.ROW_TRANSPOSES = row_transposes
     try:
-        return _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_transposes)
+        return _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_transposes,
+                          value_dim)
     finally:
         kernels.ROW_TRANSPOSES = previous
 
 
-def _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_transposes) -> int:
+def _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_transposes,
+               value_dim=None) -> int:
     if target not in TARGETS:
         raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
     cases = []
@@ -274,14 +286,23 @@ def _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_tra
     records = []
     ok = True
     for T, H, D, K, R in cases:
-        try:
-            rec = model_shape(target, T, H, D, K, R, probe, kv_dtype, scale_groups)
-        except Exception as err:  # noqa: BLE001 - a kernel the emulator rejects is a result too
-            ok = False
-            rec = {"target": target, "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
-                   "error": _error_message(err)}  # fmt: skip
-        records.append(rec)
-        print(_row(rec), flush=True)
+        widths = [None] if value_dim in (None, D) else [None, value_dim]
+        pair = []
+        for width in widths:
+            try:
+                rec = model_shape(target, T, H, D, K, R, probe, kv_dtype, scale_groups, width)
+            except Exception as err:  # noqa: BLE001 - a kernel the emulator rejects is a result too
+                ok = False
+                rec = {"target": target, "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
+                       "error": _error_message(err)}  # fmt: skip
+            records.append(rec)
+            pair.append(rec)
+            print(_row(rec), flush=True)
+        if len(pair) == 2 and all("error" not in r for r in pair):
+            ratio = pair[1]["modelled_us"] / pair[0]["modelled_us"]
+            pair[1]["modelled_over_all_value_columns"] = ratio
+            print(f"#   value_dim={value_dim} of D={D}: {ratio:.3f}x the modelled time with all "
+                  f"D value columns (a MODEL)", flush=True)
     if json_path:
         result = {
             "kind": LABEL,
@@ -332,9 +353,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="FP8 cache: f32 scales per row (1: per row; D/128: FlashMLA's groups)")
     p.add_argument("--row-transposes", choices=("tensor", "dma"), default=None,
                    help="the kernel's ROW_TRANSPOSES variant to model (default: the kernel's)")
+    p.add_argument("--value-dim", type=int, default=None,
+                   help="value columns (<= D); each shape is also modelled with all D, for the ratio")
     a = p.parse_args(argv)
     return run_model(a.model, a.shape, a.json, a.probe_tokens, a.kv_dtype, a.scale_groups,
-                     a.row_transposes)  # fmt: skip
+                     a.row_transposes, a.value_dim)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,6 +20,13 @@ callback sees the cache's sharding). Only the forward pass is row-local: the bac
 cache's gradient, ``autodiff.py``) runs with the cache replicated. With Auto axes, a path with a
 host callback (``"nki_emulated"``) also runs with the cache replicated (see sharding.py).
 
+A second cache (``extra_kv``, not split) joins on the first row shard only, as the sink does. An
+FP8 cache (the primitive's seven- or eight-operand form, with ``kv_scale`` and ``kv_rope``) takes
+another route that keeps the result exact: each device gathers the FP8 bytes and scales of the
+slots it holds (zeros for the others), one all-reduce over the row axes of ``[T, K, D]`` bytes and
+``[T, K, n]`` scales completes them, and the op runs on those slots as a cache of ``T * K`` rows
+(``fp8_row_local``).
+
 Rounding: the partial outputs come back in q's dtype (as the kernel writes them), so a bf16 result
 carries at most one more bf16 rounding per partial than the single-device call, weighted by each
 partial's share of the softmax (tests/test_cache_sharding.py bounds the error at 2x).
@@ -38,8 +45,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import sharding
 from .merge import merge_attention
 
-# Operand positions of gathered_attn_idx_p: q, kv, idx, sink, bias, scale.
+# Operand positions of gathered_attn_idx_p: q, kv, idx, sink, bias, scale; then either the second
+# cache (extra_kv, extra_idx, extra_bias) or an FP8 cache's kv_scale (and kv_rope).
 _KV, _IDX, _SINK = 1, 2, 3
+_EXTRA_IDX = 7
+_KV_SCALE, _KV_ROPE = 6, 7
 
 
 def row_axes(kv_spec, rows: int, mesh_shape: dict, taken: Sequence[str] = ()) -> tuple:
@@ -76,6 +86,8 @@ def row_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
         mine = (idx >= first) & (idx < first + block)
         operands[_IDX] = jnp.where(mine, idx - first, jnp.int32(-1))
         operands[_SINK] = jnp.where(shard == 0, sink, -jnp.inf)
+        if len(operands) > _EXTRA_IDX:  # a second cache, not split: its slots join on shard 0
+            operands[_EXTRA_IDX] = jnp.where(shard == 0, operands[_EXTRA_IDX], jnp.int32(-1))
         out, lse = fn(*operands)[:2]
         packed = jnp.concatenate([out.astype(jnp.float32), lse[..., None]], axis=-1)
         parts = jax.lax.all_gather(packed, axes, axis=0)  # [n, t, h, D + 1]
@@ -83,6 +95,42 @@ def row_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
         return merged.astype(q.dtype), merged_lse
 
     return local
+
+
+def fp8_row_local(split: bool) -> Callable:
+    """``make_local`` for an FP8 cache split over its rows (``row_operands`` the cache, its scales
+    and, with ``split``, its ``kv_rope``): the slots' FP8 bytes, scales (and rope columns)
+    gathered where their rows live and summed over the devices (one all-reduce each, ``[T, K, D]``
+    bytes and ``[T, K, n]`` f32; no cache row moves), then ``fn`` on them as a cache of ``T * K``
+    rows, one per slot: exactly what one device holding the whole cache computes."""
+
+    def make_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
+        def local(q, kv, idx, sink, bias, scale, kv_scale, *passed_through):
+            shard = _shard_index(axes, mesh_shape)
+            block = kv.shape[0]
+            first = shard * block
+            mine = (idx >= first) & (idx < first + block)
+            rows = jnp.where(mine, idx - first, block)  # out of range: filled with 0, not read
+            raw = jax.lax.bitcast_convert_type(kv, jnp.uint8).at[rows].get(mode="fill",
+                                                                            fill_value=0)
+            scales = kv_scale.at[rows].get(mode="fill", fill_value=0)
+            raw, scales = jax.lax.psum(raw, axes), jax.lax.psum(scales, axes)  # one term each
+            T, K = idx.shape
+            slots = jax.lax.bitcast_convert_type(raw, kv.dtype).reshape(T * K, kv.shape[1])
+            slot_idx = jnp.where(idx >= 0, jnp.arange(T * K, dtype=jnp.int32).reshape(T, K), -1)
+            extra = []
+            if split:
+                rope, *passed_through = passed_through
+                bits = jax.lax.bitcast_convert_type(rope, jnp.uint16).at[rows].get(
+                    mode="fill", fill_value=0)
+                rope = jax.lax.bitcast_convert_type(jax.lax.psum(bits, axes), rope.dtype)
+                extra = [rope.reshape(T * K, rope.shape[-1])]
+            return fn(q, slots, slot_idx, sink, bias, scale, scales.reshape(T * K, -1), *extra,
+                      *passed_through)
+
+        return local
+
+    return make_local
 
 
 class _RowPartitioner(sharding._Partitioner):

@@ -85,6 +85,11 @@ MAX_HEADS_PER_CALL = PARTITIONS
 SBUF_BYTES_PER_PARTITION = 192 * 1024
 SBUF_BYTES_PER_PARTITION_TRN2 = 224 * 1024
 
+# Elements per partition that nisa.max8 / nc_find_index8 / nc_match_replace8 read at most (their
+# ISA pages, v2.32.0: "between 8 and 16,384"; "no more than 16,384"): the emulator's limit and the
+# indexer kernel's candidate buffer.
+MAX8_ELEMENTS = 16384
+
 # Targets whose NeuronCore (v3 and later) has dma_transpose and indirect DMA (nki.isa.dma_transpose
 # page: "TRN2+ only"; hardware DGE "only supported for NeuronCore-v3 or newer", nki.isa.dma_copy).
 TARGETS_WITH_DGE = ("trn2", "trn3")

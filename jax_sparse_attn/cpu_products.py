@@ -13,13 +13,21 @@ summation order differs between them):
 The choice is made once per process from what the CPU reports, unless the environment variable
 ``JAX_SPARSE_ATTN_CPU_PRODUCTS`` is ``native`` or ``f32``. It only concerns programs lowered for
 the CPU: GPUs and TPUs always take the native form.
+
+Independently, the layout of the dot products follows the library that XLA:CPU runs them with
+(``products_by_eigen``): Eigen is far faster at ``x rows^T`` than at ``rows x^T`` with either
+operand type (README, Performance). ``cpu_form()`` holds both halves (``ProductForm``) and is the
+one place the attention reference, its backward and the indexer ask; ``forced`` sets a form for
+the programs traced inside it (benchmarks, tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
+from typing import NamedTuple
 
 ENV_VAR = "JAX_SPARSE_ATTN_CPU_PRODUCTS"
 FORMS = ("native", "f32")
@@ -59,12 +67,100 @@ def _darwin_feature(name: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_product_form() -> str:
-    """``"native"`` or ``"f32"``: the environment variable if set, else what the CPU reports."""
+    """``"native"`` or ``"f32"``: the environment variable if set, else what the CPU reports (read
+    once per process); a ``forced`` form while one is in effect."""
+    return "f32" if cpu_form().widen else "native"
+
+
+@functools.lru_cache(maxsize=None)
+def _chosen_operands() -> str:
     forced = os.environ.get(ENV_VAR, "").strip().lower()
     if forced:
         if forced not in FORMS:
             raise ValueError(f"{ENV_VAR} must be one of {FORMS}; got {forced!r}")
         return forced
     return "native" if cpu_reports_native_bf16() else "f32"
+
+
+@functools.lru_cache(maxsize=None)
+def products_by_eigen() -> bool:
+    """Whether XLA:CPU runs matrix products with its Eigen kernels rather than YNNPACK.
+
+    jax 0.10 hands them to YNNPACK by default; earlier releases (0.7 among them), and 0.10 with
+    ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=``, use Eigen. Found once per process by
+    compiling one small bf16 product for the CPU and looking for YNNPACK's fusion in the program.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        cpu = jax.devices("cpu")[0]
+        sharding = jax.sharding.SingleDeviceSharding(cpu)
+        a = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16, sharding=sharding)
+        b = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16, sharding=sharding)
+        product = jax.jit(lambda a, b: jnp.einsum("md,kd->mk", a, b,
+                                                  preferred_element_type=jnp.float32))
+        return "__ynn_fusion" not in product.lower(a, b).compile().as_text()
+    except Exception:  # no CPU backend, or a JAX without these APIs: keep the default form
+        return False
+
+
+class ProductForm(NamedTuple):
+    """How the reference lays out its matrix products (``reference.slot_products``).
+
+    ``widen``: 16-bit operands are widened to f32 chunk by chunk and multiplied in f32 (the
+    ``"f32"`` form); otherwise they are multiplied as they are (``"native"``). ``x_first``: the
+    dot products run as ``x rows^T`` and are transposed after, for XLA:CPU's Eigen kernels.
+    """
+
+    widen: bool = False
+    x_first: bool = False
+
+
+# GPUs and TPUs multiply 16-bit operands natively, in the plain form.
+ACCELERATOR_FORM = ProductForm()
+
+
+_forced: list = []  # a stack of forms set by ``forced`` (benchmarks and tests)
+
+
+def cpu_form() -> ProductForm:
+    """The form of the reference's products in programs lowered for the CPU: the one place the
+    reference and its backward ask, when they are traced. Fixed once per process
+    (``cpu_product_form()`` and ``products_by_eigen()``) unless ``forced`` says otherwise."""
+    if _forced:
+        return _forced[-1]
+    return _detected_form()
+
+
+@functools.lru_cache(maxsize=None)
+def _detected_form() -> ProductForm:
+    return ProductForm(widen=_chosen_operands() == "f32", x_first=products_by_eigen())
+
+
+@contextlib.contextmanager
+def forced(form: ProductForm):
+    """Programs traced inside take ``form`` on CPU (to time or test either form on any machine).
+    Programs already compiled keep theirs: ``jax.clear_caches()`` before tracing again."""
+    _forced.append(form)
+    try:
+        yield form
+    finally:
+        _forced.pop()
+
+
+def form_name(form: ProductForm) -> str:
+    """``"native"`` or ``"f32"``, with ``"-x-first"`` for the Eigen layout."""
+    return ("f32" if form.widen else "native") + ("-x-first" if form.x_first else "")
+
+
+def parse_form(name: str) -> ProductForm:
+    """Inverse of ``form_name``; ``"auto"`` is the detected form."""
+    if name == "auto":
+        return _detected_form()
+    operands, _, layout = name.partition("-")
+    if operands not in FORMS or layout not in ("", "x-first"):
+        raise ValueError(f"a CPU product form is native or f32, optionally with -x-first; got "
+                         f"{name!r}")
+    return ProductForm(widen=operands == "f32", x_first=bool(layout))

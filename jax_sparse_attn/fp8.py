@@ -6,16 +6,24 @@ FlashMLA's layout). It means ``kv_dequant = (kv.astype(f32) * scale).astype(q.dt
 broadcast over its group, and ``gathered_attn_idx`` on it computes what it computes on
 ``kv_dequant``.
 
-How: each token's slots are gathered from the FP8 cache (one byte per element moved, half of a
-bf16 cache's), dequantised in f32 and rounded to q's dtype, and passed with the empty slots
-masked to the pre-gathered op (``gathered_attn_p``), whose data path (the jnp reference, or the
-NKI kernel on Neuron) then runs unchanged. Rows that no valid slot selects are never read (the
-gather fills them with 0). The gathered slots ``[T, K, D]`` exist in q's dtype for all tokens
-at once: sized for decode; split a long prefill into token chunks.
+How: the FP8 cache and its scales are operands of ``gathered_attn_idx_p`` (its seven-operand
+form), so every implementation takes the same path:
 
-A cache (and its scales) split over its rows across devices: XLA gathers each device's slots
-locally (the others filled with 0) and sums the ``[T, K, D]`` FP8 bytes over the devices (one
-all-reduce; tests/test_cache_sharding.py); the cache itself never moves.
+- the jnp reference gathers each chunk of tokens' FP8 rows (one byte per element, half of a bf16
+  cache's) and their scales inside its token loop and dequantises them there
+  (``reference.dequantise_slots``), so memory stays within the bound of a bf16 cache at any T;
+- ``nki_emulated`` and the Neuron device run the FP8 kernel, which gathers the FP8 rows by
+  indirect DMA and dequantises on chip (trn2, trn3); on trn1, which has no indirect DMA, XLA
+  gathers and dequantises the slots (``gather_dequantized``) for the pre-gathered kernel.
+
+Rows and scales that no valid slot selects are never read (the gathers fill them with 0). The
+gradient (of q, the sink, the bias and the scale; the cache and its scales get none) is the
+primitive's own (autodiff.py), on the same dequantised slots.
+
+A cache (and its scales) split over its rows across devices: each device gathers the FP8 bytes
+and scales of the slots it holds (zeros for the others), one all-reduce of the ``[T, K, D]`` bytes
+completes them, and the op runs on those slots (``cache_sharding.fp8_row_local``); the cache itself
+never moves, and the result is the single-device one bit for bit (tests/test_cache_sharding.py).
 """
 
 from __future__ import annotations
@@ -86,17 +94,3 @@ def gather_dequantized(kv, kv_scale, idx, dtype) -> jax.Array:
     s = kv_scale.at[rows].get(mode="fill", fill_value=0, **kw)  # [T, K, n]
     x = x.reshape(x.shape[:-1] + (groups, D // groups)) * s[..., None]
     return x.reshape(idx.shape + (D,)).astype(dtype)
-
-
-def kernel_reads_fp8(kv=None) -> bool:
-    """Whether ``implementation="nki_emulated"`` runs the FP8 kernel, which reads the FP8 rows
-    itself: on the targets with indirect DMA (trn2, trn3; ``NEURON_PLATFORM_TARGET_OVERRIDE``),
-    for a cache ``kv`` not split over explicit mesh axes. Otherwise the slots are gathered and
-    dequantised by XLA, as for the reference (on trn1, which has no indirect DMA; and for a split
-    cache, whose slots each device gathers locally, above)."""
-    from .constants import TARGETS_WITH_DGE
-    from .nki_emulator.targets import current_target
-
-    if kv is not None and sharding._explicit_axis_names(jax.typeof(kv)):
-        return False
-    return current_target() in TARGETS_WITH_DGE

@@ -4,9 +4,18 @@ Operands are already normalised by :mod:`jax_sparse_attn.api` (which owns argume
 
 ``gathered_attn_p``:      q [T, H, D], g [T, K, D], sink [H] f32, bias [T, K] f32, scale [T] f32
 ``gathered_attn_idx_p``:  q [T, H, D], kv [R, D], idx [T, K] int32, sink [H] f32, bias [T, K] f32,
-                          scale [T] f32
+                          scale [T] f32, and optionally a second cache: extra_kv [R2, D],
+                          extra_idx [T, K2] int32, extra_bias [T, K2] f32
 
-Both primitives return two results, ``out [T, H, D]`` in q's dtype and ``lse [T, H]`` f32 (the
+With the second cache the op attends to the union of both caches' slots in one softmax (main slots
+first, then the extra ones, exactly as one cache ``[kv; extra_kv]`` with the extra indices moved by
+R would): nothing is concatenated but each token's gathered slots. An FP8 cache instead comes with
+one more operand, ``kv_scale [R, n]`` f32 (its dequantisation scales, one per group of ``D // n``
+columns), and every path reads the FP8 rows itself. The operand count says which form a bind has
+(``operand_names``): 6, 7 (FP8), 8 (FP8 with ``kv_rope [R, Dr]``, the 16-bit columns after the FP8
+ones: the logical row is ``[dequantised kv | kv_rope]``) or 9 (two caches).
+
+Both primitives return two results, ``out [T, H, value_dim]`` in q's dtype and ``lse [T, H]`` f32 (the
 log-sum-exp of each token and head's logits with the sink). They always do, and the public
 functions drop ``lse`` unless ``return_lse=True``: one signature keeps a single vmap rule, a single
 sharding layout list and a single pair of autodiff primitives (the lse's tangent and cotangent are
@@ -16,8 +25,10 @@ unused one is dead code that XLA removes.
 
 ``sink = -inf`` means no sink and ``bias = -inf`` marks an empty slot, so ``None`` needs no special
 case here. The scale travels per token so that a vmapped scale folds into the token axis like
-everything else. The single parameter ``implementation`` is the user's choice (``None``,
-``"reference"``, ``"nki"`` or ``"nki_emulated"``).
+everything else. Two parameters: ``implementation``, the user's choice (``None``,
+``"reference"``, ``"nki"`` or ``"nki_emulated"``), and ``value_dim`` (an int, ``1 <= value_dim <=
+D``): the logits use all D columns of each slot row, the values and the output only the first
+``value_dim`` (V3.2's absorbed MLA: D = 576, value_dim = 512). Every path takes it as a keyword.
 
 Lowerings: a default rule for every platform runs the jnp reference (or the emulated Neuron path);
 the Neuron package adds a ``"neuron"`` rule once JAX knows that platform.
@@ -47,9 +58,32 @@ OPERANDS = {
     False: ("q", "g", "sink", "bias", "scale"),
     True: ("q", "kv", "idx", "sink", "bias", "scale"),
 }
+# The second cache of gathered_attn_idx_p (two caches in one softmax), after the six above.
+EXTRA_OPERANDS = ("extra_kv", "extra_idx", "extra_bias")
+# The scales of an FP8 cache, after the six, and the 16-bit columns that follow its FP8 ones in a
+# split row (DeepSeek's layouts: kv_rope).
+FP8_OPERANDS = ("kv_scale",)
+FP8_SPLIT_OPERANDS = ("kv_scale", "kv_rope")
+# The caches among the operands, and the index operand of each.
+CACHE_INDEX = {"kv": "idx", "extra_kv": "extra_idx"}
+# Operands stacked along with a cache when vmap folds it (its rows are the cache's rows).
+CACHE_COMPANION = {"kv_scale": "kv", "kv_rope": "kv"}
+
+
+def operand_names(indexed: bool, count: int) -> tuple:
+    """The names of a bind's ``count`` operands (with the second cache when there are nine, with
+    an FP8 cache's scales when there are seven)."""
+    names = OPERANDS[indexed]
+    if indexed and count == len(names) + len(EXTRA_OPERANDS):
+        return names + EXTRA_OPERANDS
+    if indexed and count == len(names) + len(FP8_OPERANDS):
+        return names + FP8_OPERANDS
+    if indexed and count == len(names) + len(FP8_SPLIT_OPERANDS):
+        return names + FP8_SPLIT_OPERANDS
+    return names
 
 # Host-runnable data paths by implementation name: (gathered_fn, gathered_idx_fn), each taking the
-# primitive's operands and returning ``(out, lse)``. The Neuron package registers "nki_emulated".
+# primitive's operands and the keyword ``value_dim``, and returning ``(out, lse)``. The Neuron package registers "nki_emulated".
 _PATHS: dict[str, tuple[Callable, Callable]] = {
     "reference": (reference.gathered_attn_reference, reference.gathered_attn_idx_reference),
 }
@@ -68,11 +102,11 @@ def path(name: str, indexed: bool) -> Callable:
 # --- abstract evaluation ------------------------------------------------------------------------
 
 
-def _abstract_eval(q, *_, implementation):
+def _abstract_eval(q, *_, implementation, value_dim):
     del implementation
     # Keeps q's token/head sharding in the type under explicit mesh axes (see sharding.py).
     return [
-        sharding.result_aval(q, q.shape, q.dtype, sharding.LAYOUTS["out"]),
+        sharding.result_aval(q, q.shape[:2] + (value_dim,), q.dtype, sharding.LAYOUTS["out"]),
         sharding.result_aval(q, q.shape[:2], jnp.float32, sharding.LAYOUTS["lse"]),
     ]
 
@@ -93,26 +127,38 @@ gathered_attn_idx_p.def_impl(functools.partial(xla.apply_primitive, gathered_att
 RESULTS = ("out", "lse")
 
 
-def run_shard_local(path_fn: Callable, indexed: bool, *args):
-    """Calls a path on the primitive's operands, on each device's block of tokens and heads under
+def run_shard_local(path_fn: Callable, indexed: bool, *args, value_dim: int):
+    """Calls a path on the primitive's operands (and ``value_dim``), on each device's block of tokens and heads under
     a multi-device jit (see sharding.py). Every lowering rule of the primitives goes through it.
     Returns ``(out, lse)``. With a cache split over its rows, gathered_attn_idx runs on each
     device's rows and merges the partial results (cache_sharding.py)."""
-    layouts = [sharding.LAYOUTS[n] for n in OPERANDS[indexed]]
-    local = cache_sharding.shard_local_rows if indexed else sharding.shard_local
-    run = local(lambda *a: tuple(path_fn(*a)), layouts, [sharding.LAYOUTS[n] for n in RESULTS])
-    return tuple(run(*args))
+    names = operand_names(indexed, len(args))
+    layouts = [sharding.LAYOUTS[n] for n in names]
+    results = [sharding.LAYOUTS[n] for n in RESULTS]
+
+    def fn(*a):  # the paths take the first six operands by position and the others by name
+        return tuple(path_fn(*a[:6], **dict(zip(names[6:], a[6:])), value_dim=value_dim))
+
+    if not indexed:
+        return tuple(sharding.shard_local(fn, layouts, results)(*args))
+    if "kv_scale" in names:  # an FP8 cache split over its rows: its scales (and rope) follow
+        rows = [i for i, n in enumerate(names) if n in ("kv", "kv_scale", "kv_rope")]
+        run = cache_sharding.shard_local_rows(
+            fn, layouts, results, row_operands=rows,
+            make_local=cache_sharding.fp8_row_local(split="kv_rope" in names))
+        return tuple(run(*args))
+    return tuple(cache_sharding.shard_local_rows(fn, layouts, results)(*args))
 
 
 def _default_rule(indexed: bool):
-    def rule(*args, implementation):
+    def rule(*args, implementation, value_dim=None):
         name = "reference" if implementation is None else implementation
         if name not in _PATHS:
             raise NotImplementedError(
                 f"implementation={implementation!r} cannot run on this platform; the Neuron "
                 "kernel needs a Trainium device (use 'nki_emulated' to run it on the host)."
             )
-        return run_shard_local(path(name, indexed), indexed, *args)
+        return run_shard_local(path(name, indexed), indexed, *args, value_dim=value_dim)
 
     return rule
 
@@ -139,8 +185,9 @@ def _fold(x):
 
 
 def _role(name: str) -> str:
-    """An operand's leading factor: 't' indexed by token, 'r' the cache, 'h' per head (the sink)."""
-    return sharding.LAYOUTS[name].split()[0]
+    """An operand's role: 't' indexed by token, 'r' a cache (kv or extra_kv), 'h' per head (the
+    sink)."""
+    return "r" if name in CACHE_INDEX or name in CACHE_COMPANION else sharding.LAYOUTS[name].split()[0]
 
 
 def _map_over_batch(prim, args, dims, params):
@@ -172,27 +219,31 @@ def _offset_per_sequence(idx, rows: int, size: int):
 def make_batcher(prim, indexed: bool, names_of: Callable, always_fold_cache: Callable):
     """The vmap rule shared by this package's primitives: every batch axis folds into tokens.
 
-    ``names_of(params)`` names the operands (keys of ``sharding.LAYOUTS``). Token-indexed operands
-    move their batch axis to the front (unbatched ones are broadcast) and fold into the token axis.
-    A batched cache (or one that ``always_fold_cache(params)`` asks to fold) is stacked into one
-    ``[B*R, D]`` cache with per-sequence index offsets. A batched sink falls back to one call per
-    batch element. Results come back with the batch axis at 0.
+    ``names_of(params, count)`` names the ``count`` operands (keys of ``sharding.LAYOUTS``).
+    Token-indexed operands move their batch axis to the front (unbatched ones are broadcast) and
+    fold into the token axis. A batched cache (or one named in ``always_fold_cache(params)``) is
+    stacked into one ``[B*R, D]`` cache with per-sequence offsets of its indices; each of the two
+    caches folds on its own. A batched sink falls back to one call per batch element. Results come
+    back with the batch axis at 0.
     """
 
     def rule(args, dims, **params):
-        names = names_of(params)
+        names = names_of(params, len(args))
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         roles = [_role(n) for n in names]
         if any(r == "h" and d is not None for r, d in zip(roles, dims)):
             return _map_over_batch(prim, args, dims, params)
-        fold_cache = always_fold_cache(params) or any(
-            r == "r" and d is not None for r, d in zip(roles, dims)
-        )
-        folds = [r == "t" or (r == "r" and fold_cache) for r in roles]
+        forced = set(always_fold_cache(params))
+        forced |= {CACHE_COMPANION[n] for n, d in zip(names, dims)
+                   if n in CACHE_COMPANION and d is not None}  # batched scales: per-cache scales
+        fold_caches = {n for n, d in zip(names, dims) if n in CACHE_INDEX and (d is not None
+                                                                                or n in forced)}
+        folds = [r == "t" or n in fold_caches or CACHE_COMPANION.get(n) in fold_caches
+                 for n, r in zip(names, roles)]
         args = [_to_front(a, d, size) if f else a for a, d, f in zip(args, dims, folds)]
-        if fold_cache and indexed:
-            k = names.index("idx")
-            args[k] = _offset_per_sequence(args[k], args[names.index("kv")].shape[1], size)
+        for cache in fold_caches if indexed else ():
+            k = names.index(CACHE_INDEX[cache])
+            args[k] = _offset_per_sequence(args[k], args[names.index(cache)].shape[1], size)
         args = [_fold(a) if f else a for a, f in zip(args, folds)]
         outs = prim.bind(*args, **params)
         single = not prim.multiple_results
@@ -205,5 +256,6 @@ def make_batcher(prim, indexed: bool, names_of: Callable, always_fold_cache: Cal
 
 for _indexed, _prim in ((False, gathered_attn_p), (True, gathered_attn_idx_p)):
     batching.primitive_batchers[_prim] = make_batcher(
-        _prim, _indexed, lambda params, _n=OPERANDS[_indexed]: _n, lambda params: False
+        _prim, _indexed, lambda params, count, _i=_indexed: operand_names(_i, count),
+        lambda params: (),
     )

@@ -12,7 +12,8 @@ kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
    an empty slot (whose row is never read: it is zero);
 3. ``m = max_j s`` over the slots only (the sink never enters the max);
 4. ``e = exp(s - m)`` and ``den = sum_j e + exp(sink - m)`` in fp32;
-5. ``o = sum_j cast(e_j) x_j / den``: probabilities rounded to the input dtype for the value
+5. ``o = sum_j cast(e_j) x_j[:value_dim] / den``: only the first ``value_dim`` columns of each
+   slot row enter the value product (all D enter the logits); probabilities rounded to the input dtype for the value
    product (fp32 accumulator), the denominator from the fp32 ones; one final rounding. The
    product runs on probabilities scaled by a power of two so that it cannot overflow
    (``constants.value_shift``; no bit changes in the normal range).
@@ -27,8 +28,11 @@ slots and logits stay within ``CHUNK_BYTES`` on CPU: small enough to stay in the
 bound on memory however many tokens there are. On GPU and TPU the budget follows the device's
 memory instead (``accelerator_chunk_bytes``): one batched call when everything fits. The choice is
 made when the program is lowered (``per_platform``). Chunking does not change a single bit, since
-every token is computed independently (``tests/test_reference_chunking.py``). On CPU the dot products take the
-form that XLA's product library runs fastest (``slot_products``, ``cpu_products_by_eigen``).
+every token is computed independently (``tests/test_reference_chunking.py``). On CPU the products take the
+form that the CPU and XLA's product library run fastest (``cpu_products.cpu_form``): on CPUs
+without native bf16 products each chunk's 16-bit operands are widened to f32 and multiplied in
+f32 (exact, so only the summation order differs), and the dot products' layout suits the library
+(``slot_products``).
 
 Memory beyond the inputs and the output, for ``gathered_attn_idx``: one chunk's working set, plus
 either all tokens' gathered slots when they are at most ``PREGATHER_MAX_BYTES`` and smaller than
@@ -39,7 +43,6 @@ when there is more than one chunk.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -47,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
+from .cpu_products import ACCELERATOR_FORM, ProductForm, cpu_form
 
 # Target working set of one token chunk (gathered slots + fp32 logits/probabilities). Small on
 # purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM, which
@@ -74,11 +78,14 @@ ACCELERATOR_CHUNK_BYTES_DEFAULT = 2 * 2**30
 
 
 def token_chunk_size(
-    num_tokens: int, heads: int, slots: int, dim: int, itemsize: int, budget: int | None = None
+    num_tokens: int, heads: int, slots: int, dim: int, itemsize: int, budget: int | None = None,
+    widen: bool = False,
 ) -> int:
     """Tokens per chunk so that one chunk's working set stays near ``budget`` (default
-    ``CHUNK_BYTES``, the CPU budget), at least 1 and at most ``num_tokens``."""
-    per_token = slots * dim * itemsize + 3 * heads * slots * 4 + heads * dim * 4
+    ``CHUNK_BYTES``, the CPU budget), at least 1 and at most ``num_tokens``. ``widen``: the
+    chunk also holds its slots widened to f32 (``ProductForm.widen``)."""
+    row_bytes = itemsize + (4 if widen and itemsize < 4 else 0)
+    per_token = slots * dim * row_bytes + 3 * heads * slots * 4 + heads * dim * 4
     budget = CHUNK_BYTES if budget is None else budget
     return int(max(1, min(num_tokens, budget // max(per_token, 1))))
 
@@ -184,7 +191,7 @@ def slot_products(x, rows, x_first=False):
     dtype -> ``[..., M, K]`` f32 (an f32 accumulator; 16-bit products are exact in it).
 
     ``x_first``: computed as ``x rows^T`` (``[K, D] x [D, M]``) and then transposed, for XLA:CPU's
-    Eigen kernels (``cpu_products_by_eigen``), which run that product two to five times faster
+    Eigen kernels (``cpu_products.products_by_eigen``), which run that product two to five times faster
     than ``rows x^T`` (``[M, D] x [D, K]``) at attention's shapes (M = 16 to 128, K = 2048,
     D = 512). The optimization barrier keeps XLA from folding the transpose back into the
     product; the transpose touches only ``M K`` f32 values. YNNPACK and GPUs run ``rows x^T`` as
@@ -196,26 +203,6 @@ def slot_products(x, rows, x_first=False):
     products = jnp.einsum("...kd,...md->...km", x, rows, preferred_element_type=jnp.float32,
                           precision=_EXACT)
     return jnp.swapaxes(jax.lax.optimization_barrier(products), -1, -2)
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_products_by_eigen() -> bool:
-    """Whether XLA:CPU runs 16-bit matrix products with its Eigen kernels rather than YNNPACK.
-
-    jax 0.10 hands them to YNNPACK by default; earlier releases (0.7 among them), and 0.10 with
-    ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=``, use Eigen. Found once per process by
-    compiling one small bf16 product for the CPU and looking for YNNPACK's fusion in the program.
-    """
-    try:
-        cpu = jax.devices("cpu")[0]
-        sharding = jax.sharding.SingleDeviceSharding(cpu)
-        a = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16, sharding=sharding)
-        b = jax.ShapeDtypeStruct((32, 64), jnp.bfloat16, sharding=sharding)
-        product = jax.jit(lambda a, b: jnp.einsum("md,kd->mk", a, b,
-                                                  preferred_element_type=jnp.float32))
-        return "__ynn_fusion" not in product.lower(a, b).compile().as_text()
-    except Exception:  # no CPU backend, or a JAX without these APIs: keep the default form
-        return False
 
 
 def saturated_logits(z, valid, bias, scale):
@@ -234,15 +221,18 @@ def saturated_logits(z, valid, bias, scale):
 class TokenAttention(NamedTuple):
     """One token's result and the softmax statistics behind it (all heads)."""
 
-    out: jax.Array  # [H, D] f32, before the final rounding; 0 for a token with no valid slot
+    out: jax.Array  # [H, value_dim] f32, before the final rounding; 0 for a token with no valid slot
     max: jax.Array  # [H] f32: max_j s_j over the slots (the sink excluded)
     den: jax.Array  # [H] f32: sum_j exp(s_j - max) + exp(sink - max)
 
 
-def attend_token(q, x, valid, sink, bias, scale, x_first=False) -> TokenAttention:
+def attend_token(q, x, valid, sink, bias, scale,
+                 form: ProductForm = ACCELERATOR_FORM, value_dim=None) -> TokenAttention:
     """The contract for one token. q [H, D], x [K, D] (q's dtype; rows of empty slots are zero),
-    valid [K] bool, sink [H] f32, bias [K] f32, scale [] f32; ``x_first``: the dot products'
-    form (``slot_products``).
+    valid [K] bool, sink [H] f32, bias [K] f32, scale [] f32; ``form``: how the products run
+    (``cpu_products.ProductForm``; widened 16-bit operands give the same products, exactly);
+    ``value_dim``: the value product reads only the first ``value_dim`` columns of x (default
+    all D).
 
     Neither product can overflow f32 however large the inputs are, and neither guard changes a bit
     in the normal range: the dot products run on ``q`` scaled by a power of two and are scaled
@@ -252,17 +242,27 @@ def attend_token(q, x, valid, sink, bias, scale, x_first=False) -> TokenAttentio
     """
     K = x.shape[0]
     q_scaled, up = prescale_queries(q)
-    z = slot_products(x, q_scaled, x_first)
+    operand = _widened if form.widen else (lambda a: a)
+    x_op = operand(x)  # under vmap: the whole chunk's slots at once
+    z = slot_products(x_op, operand(q_scaled), form.x_first)
     s = saturated_logits(scale_up(z, up), valid[None, :], bias[None, :], scale)
     m = jnp.max(s, axis=-1)
     e = jnp.exp(s - m[:, None])
     den = jnp.sum(e, axis=-1) + jnp.exp(sink - m)
     shift = value_shift(K, q.dtype)
     p = (e * jnp.float32(2.0**-shift)).astype(q.dtype)
-    num = jnp.einsum("hk,kd->hd", p, x, preferred_element_type=jnp.float32, precision=_EXACT)
+    values = x_op if value_dim is None else x_op[:, :value_dim]
+    num = jnp.einsum("hk,kd->hd", operand(p), values, preferred_element_type=jnp.float32,
+                     precision=_EXACT)
     o = (num / den[:, None]) * jnp.float32(2.0**shift)
     o = jnp.where(jnp.any(valid), o, jnp.float32(0))
     return TokenAttention(o, m, den)
+
+
+def _widened(a):
+    """``a`` in f32: a 16-bit float's value exactly. The product of two widened 16-bit values is
+    exact in f32, as in a 16-bit product with an f32 accumulator."""
+    return a.astype(jnp.float32)
 
 
 def _lse(any_valid, m, den, sink):
@@ -290,105 +290,173 @@ def _map_tokens(fn, token_args, shared_args, chunk):
     return jax.lax.map(lambda a: fn(*a, *shared_args), token_args, batch_size=chunk)
 
 
-def _empty_result(q, sink):
+def _empty_result(q, sink, value_dim):
     """No slot at all: output 0, and the lse is the sink alone."""
     T, H, _ = q.shape
-    return jnp.zeros(q.shape, q.dtype), jnp.broadcast_to(sink, (T, H)).astype(jnp.float32)
+    return jnp.zeros((T, H, value_dim), q.dtype), jnp.broadcast_to(sink, (T, H)).astype(jnp.float32)
 
 
-def _attend_bits(dtype, x_first=False):
+def _attend_bits(dtype, form, value_dim=None):
     """Per-token attention on bit patterns: (q bits [H, D], slot bits [K, D], valid [K], bias [K],
-    scale [], sink [H]) -> (output bits [H, D], lse [H] f32). ``x_first``: see ``slot_products``."""
+    scale [], sink [H]) -> (output bits [H, value_dim], lse [H] f32). ``form``: see
+    ``attend_token``."""
 
     def one(q_bits, x_bits, valid, bias_t, scale_t, sink):
         q_t, x = from_bits(q_bits, dtype), from_bits(x_bits, dtype)
-        token = attend_token(q_t, x, valid, sink, bias_t, scale_t, x_first)
+        token = attend_token(q_t, x, valid, sink, bias_t, scale_t, form, value_dim)
         return to_bits(token.out.astype(dtype)), _lse(jnp.any(valid), token.max, token.den, sink)
 
     return one
 
 
-def _gathered_chunks(q, g_bits, valid, sink, bias, scale, budget=None):
+def _gathered_chunks(q, g_bits, valid, sink, bias, scale, budget=None, value_dim=None):
     """Runs the contract over slots that are already gathered, ``g_bits [T, K, D]`` as bits;
     ``budget``: a chunk's working set in bytes (default: the CPU's ``CHUNK_BYTES`` and product
     form)."""
     T, H, D = q.shape
     K = g_bits.shape[1]
-    one = _attend_bits(q.dtype, budget is None and cpu_products_by_eigen())
-    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget)
+    form = cpu_form() if budget is None else ACCELERATOR_FORM
+    one = _attend_bits(q.dtype, form, value_dim)
+    chunk = token_chunk_size(T, H, K, D, np.dtype(q.dtype).itemsize, budget, form.widen)
     out_bits, lse = _map_tokens(one, (to_bits(q), g_bits, valid, bias, scale), (sink,), chunk)
     return from_bits(out_bits, q.dtype), lse
 
 
-def gathered_attn_reference(q, g, sink, bias, scale):
+def gathered_attn_reference(q, g, sink, bias, scale, *, value_dim=None):
     """Reference for pre-gathered slots.
 
     Args:
       q: ``[T, H, D]`` float. g: ``[T, K, D]`` in q's dtype. sink: ``[H]`` f32 (``-inf`` = none).
-      bias: ``[T, K]`` f32 (``-inf`` = empty slot). scale: ``[T]`` f32.
-    Returns ``(out [T, H, D] in q's dtype, lse [T, H] f32)``.
+      bias: ``[T, K]`` f32 (``-inf`` = empty slot). scale: ``[T]`` f32. value_dim: the columns of
+      each row that enter the value product (default D).
+    Returns ``(out [T, H, value_dim] in q's dtype, lse [T, H] f32)``.
     """
     T, H, D = q.shape
     K = g.shape[1]
+    value_dim = D if value_dim is None else value_dim
     if T == 0 or K == 0 or H == 0:
-        return _empty_result(q, sink)
+        return _empty_result(q, sink, value_dim)
     valid = bias != -jnp.inf
     # A masked slot's row is never read: its bits become zero (one select, fused with the cast).
     g_bits = jnp.where(valid[:, :, None], to_bits(g.astype(q.dtype)), 0)
     return per_platform(
-        lambda *a: _gathered_chunks(*a),
-        lambda *a: _gathered_chunks(*a, budget=accelerator_chunk_bytes()),
+        lambda *a: _gathered_chunks(*a, value_dim=value_dim),
+        lambda *a: _gathered_chunks(*a, budget=accelerator_chunk_bytes(), value_dim=value_dim),
         q, g_bits, valid, sink, bias, scale,
     )
 
 
-def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale):
-    """Reference that gathers rows of ``kv`` by ``idx``.
+def _gather_union(caches_bits, rows, dim: int):
+    """The slots of one or more caches side by side: ``caches_bits`` a tuple of ``[R_i, D]`` bit
+    arrays, ``rows`` a tuple of ``[..., K_i]`` (``R_i`` for a slot that selects nothing) ->
+    ``[..., sum K_i, D]`` bits. A cache of 0 rows gives zero rows (a gather from it is not valid
+    XLA)."""
+    parts = [
+        _gather_rows(c, r) if c.shape[0] else jnp.zeros(r.shape + (dim,), c.dtype)
+        for c, r in zip(caches_bits, rows)
+    ]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-2)
+
+
+def dequantise_slots(bits, slot_scale, fp8_dtype, dtype):
+    """FP8 slot rows to ``dtype``: ``bits [..., K, D]`` the rows' raw bytes, ``slot_scale
+    [..., K, n]`` f32 (one scale per group of ``D // n`` columns; 0 for an empty slot) ->
+    ``(rows.astype(f32) * scale).astype(dtype)`` as ``dtype``'s bits (fp8.py's rule)."""
+    D, n = bits.shape[-1], slot_scale.shape[-1]
+    x = from_bits(bits, fp8_dtype).astype(jnp.float32)
+    x = x.reshape(x.shape[:-1] + (n, D // n)) * slot_scale[..., None]
+    return to_bits(x.reshape(bits.shape).astype(dtype))
+
+
+def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
+                                extra_bias=None, *, kv_scale=None, kv_rope=None, value_dim=None):
+    """Reference that gathers rows of ``kv`` by ``idx`` (and of a second cache ``extra_kv`` by
+    ``extra_idx``: one softmax over both caches' slots, main first).
 
     When all tokens' slots fit in ``PREGATHER_MAX_BYTES`` and are smaller than the cache (decode),
     they are gathered in one step and the products run by token chunks; otherwise (prefill) each
-    chunk of tokens gathers its own slots inside the loop, so memory stays bounded.
+    chunk of tokens gathers its own slots inside the loop, so memory stays bounded. With two caches
+    each token's slots are gathered from both, side by side; the caches are never concatenated.
 
     Args:
       q: ``[T, H, D]`` float. kv: ``[R, D]`` in q's dtype. idx: ``[T, K]`` int32; a slot is empty when
       ``idx < 0`` or ``idx >= R``. sink: ``[H]`` f32. bias: ``[T, K]`` f32. scale: ``[T]`` f32.
-    Returns ``(out [T, H, D] in q's dtype, lse [T, H] f32)``.
+      extra_kv, extra_idx, extra_bias: ``[R2, D]``, ``[T, K2]`` int32, ``[T, K2]`` f32, or None.
+      kv_scale: ``[R, n]`` f32 for an FP8 ``kv`` (``float8_e4m3fn`` / ``float8_e5m2``): each chunk
+      of tokens gathers its FP8 rows (one byte per element) and their scales and dequantises
+      them (``dequantise_slots``), so memory stays within the bound of a 16-bit cache; the cache
+      is never dequantised as a whole.
+      kv_rope: ``[R, Dr]`` 16-bit, or None: with an FP8 ``kv [R, D - Dr]``, the columns of each
+      row that are not quantised (DeepSeek's split rows); the logical row is
+      ``[dequantised kv | kv_rope]``.
+      value_dim: the columns of each row that enter the value product (default D).
+    Returns ``(out [T, H, value_dim] in q's dtype, lse [T, H] f32)``.
     """
     T, H, D = q.shape
-    R = kv.shape[0]
-    K = idx.shape[1]
+    value_dim = D if value_dim is None else value_dim
+    caches = (kv,) if extra_kv is None else (kv, extra_kv)
+    indices = (idx,) if extra_kv is None else (idx, extra_idx)
+    biases = (bias,) if extra_kv is None else (bias, extra_bias)
+    K = sum(i.shape[1] for i in indices)
+    R = sum(c.shape[0] for c in caches)
     if T == 0 or K == 0 or H == 0 or R == 0:
-        return _empty_result(q, sink)
+        return _empty_result(q, sink, value_dim)
     dtype = q.dtype
     itemsize = np.dtype(dtype).itemsize
-    kv_bits = to_bits(kv.astype(dtype))
-    valid = (idx >= 0) & (idx < R) & (bias != -jnp.inf)
-    rows = jnp.where(valid, idx, R)  # out of range: the gather fills the slot with zeros
+    if kv_scale is not None:  # FP8: the raw bytes travel, dequantised after each gather
+        fp8_dtype = kv.dtype
+        kv_bits = (to_bits(kv), kv_scale.astype(jnp.float32))
+        if kv_rope is not None:
+            kv_bits += (to_bits(kv_rope.astype(dtype)),)
+    else:
+        kv_bits = tuple(to_bits(c.astype(dtype)) for c in caches)
+    valids = [(i >= 0) & (i < c.shape[0]) & (b != -jnp.inf) for c, i, b in zip(caches, indices, biases)]
+    # Out of range: the gather fills the slot with zeros.
+    rows = tuple(jnp.where(v, i, c.shape[0]) for c, i, v in zip(caches, indices, valids))
+    valid = valids[0] if len(valids) == 1 else jnp.concatenate(valids, axis=1)
+    bias = biases[0] if len(biases) == 1 else jnp.concatenate(biases, axis=1)
 
-    def gather_and_attend(x_first):
-        attend = _attend_bits(dtype, x_first)
+    def gather(kv_bits_, rows_t):
+        """The slots' rows as q's dtype's bits (dequantised FP8 rows with ``kv_scale``)."""
+        if kv_scale is None:
+            return _gather_union(kv_bits_, rows_t, D)
+        cache_bits, scales, *rope = kv_bits_
+        (rows_main,) = rows_t
+        slot_scale = scales.at[rows_main].get(mode="fill", fill_value=0)
+        x = dequantise_slots(_gather_rows(cache_bits, rows_main), slot_scale, fp8_dtype, dtype)
+        if rope:  # the 16-bit columns after the FP8 ones
+            x = jnp.concatenate([x, _gather_rows(rope[0], rows_main)], axis=-1)
+        return x
+
+    def gather_and_attend(form):
+        attend = _attend_bits(dtype, form, value_dim)
 
         def one(q_bits, rows_t, valid_t, bias_t, scale_t, kv_bits_, sink_):
-            return attend(q_bits, _gather_rows(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
+            return attend(q_bits, gather(kv_bits_, rows_t), valid_t, bias_t, scale_t, sink_)
 
         return one
 
     def cpu(q, kv_bits, rows, valid, sink, bias, scale):
         slot_bytes = T * K * D * itemsize
         if slot_bytes <= PREGATHER_MAX_BYTES and slot_bytes < R * D * itemsize:
-            return _gathered_chunks(q, _gather_rows(kv_bits, rows), valid, sink, bias, scale)
+            return _gathered_chunks(q, gather(kv_bits, rows), valid, sink, bias, scale,
+                                    value_dim=value_dim)
         return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, CHUNK_BYTES,
-                               cpu_products_by_eigen())
+                               cpu_form())
 
     def accelerator(q, kv_bits, rows, valid, sink, bias, scale):
         # Device memory, not caches, sets the chunk: one batched call when everything fits.
         budget = accelerator_chunk_bytes()
-        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, False)
+        return _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget,
+                               ACCELERATOR_FORM)
 
-    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, x_first):
-        chunk = token_chunk_size(T, H, K, D, itemsize, budget)
+    # FP8: a slot element is its byte, its f32 dequantisation and its rounding to q's dtype.
+    slot_itemsize = itemsize if kv_scale is None else 1 + 4 + itemsize
+
+    def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, form):
+        chunk = token_chunk_size(T, H, K, D, slot_itemsize, budget, form.widen)
         token_args = (to_bits(q), rows, valid, bias, scale)
-        out_bits, lse = _map_tokens(gather_and_attend(x_first), token_args, (kv_bits, sink),
+        out_bits, lse = _map_tokens(gather_and_attend(form), token_args, (kv_bits, sink),
                                     chunk)
         return from_bits(out_bits, dtype), lse
 

@@ -58,7 +58,12 @@ LAYOUTS = {
     "sink": "h",
     "bias": "t k",
     "scale": "t",
-    "out": "t h d",
+    "kv_scale": "r g",  # an FP8 cache's scales: the cache's rows, g groups of columns
+    "kv_rope": "r c",  # the 16-bit columns of a split FP8 row: the cache's rows, c columns
+    "extra_kv": "e d",  # the second cache: rows of its own (e), the same columns
+    "extra_idx": "t j",  # its slots (j)
+    "extra_bias": "t j",
+    "out": "t h v",  # v: the value columns (value_dim <= D), a factor of its own
     "lse": "t h",
     "sink_per_token": "t h",
 }

@@ -15,19 +15,34 @@ def rng():
     return np.random.default_rng(0)
 
 
-@pytest.fixture(params=["x_first", "rows_first"])
-def cpu_product_form(request, monkeypatch):
-    """Runs a test under each of the reference's two forms of the dot products on CPU
-    (``reference.slot_products``): the one for XLA's Eigen kernels (jax 0.7, or YNNPACK off) and
-    the one for YNNPACK (jax 0.10), whichever this JAX would pick by itself."""
+# The reference's CPU product forms (jax_sparse_attn.cpu_products): operands widened to f32 or
+# not, each in the layout for YNNPACK and in the one for XLA's Eigen kernels.
+CPU_PRODUCT_FORMS = ["native", "f32", "native-x-first", "f32-x-first"]
+
+
+def _under_form(name):
     import jax
 
-    from jax_sparse_attn import reference
+    from jax_sparse_attn import cpu_products
 
-    monkeypatch.setattr(reference, "cpu_products_by_eigen", lambda: request.param == "x_first")
-    jax.clear_caches()  # the primitives' lowerings are cached per shape
-    yield request.param
+    jax.clear_caches()  # the primitives' lowerings are cached per shape, not per form
+    with cpu_products.forced(cpu_products.parse_form(name)):
+        yield name
     jax.clear_caches()
+
+
+@pytest.fixture(params=CPU_PRODUCT_FORMS)
+def cpu_product_form(request):
+    """Runs a test under each form of the reference's products on CPU, whatever this CPU and JAX
+    would pick by themselves (``cpu_products.forced``)."""
+    yield from _under_form(request.param)
+
+
+@pytest.fixture(params=["native", "f32-x-first"])
+def cpu_product_layout(request):
+    """For the backward, whose products are f32 in every form: each of its two layouts (the
+    forward it differentiates runs in the paired form)."""
+    yield from _under_form(request.param)
 
 
 def run_on_8_devices(script: str, *args: str) -> dict:

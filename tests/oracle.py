@@ -44,14 +44,16 @@ def _f64_operands(q, x, valid, sink, bias, scale):
     return q, x, valid, sink, bias, scale
 
 
-def attention_f64(q, x, valid, sink=None, bias=None, scale=None):
+def attention_f64(q, x, valid, sink=None, bias=None, scale=None, value_dim=None):
     """float64 softmax attention with a sink in the denominator.
 
-    q [T, H, D], x [T, K, D], valid [T, K] bool, sink [H] or None, bias [T, K] or None.
+    q [T, H, D], x [T, K, D], valid [T, K] bool, sink [H] or None, bias [T, K] or None;
+    value_dim: the logits use all D columns of x, the values its first value_dim (default D).
     """
     q, x, valid, sink, bias, scale = _f64_operands(q, x, valid, sink, bias, scale)
     T, H, D = q.shape
-    out = np.zeros((T, H, D))
+    V = D if value_dim is None else value_dim
+    out = np.zeros((T, H, V))
     for t in range(T):
         if not valid[t].any():
             continue
@@ -61,12 +63,14 @@ def attention_f64(q, x, valid, sink=None, bias=None, scale=None):
         e = np.exp(logits - m)
         with np.errstate(over="ignore"):
             den = e.sum(axis=1) + np.exp(sink - m[:, 0])
-        out[t] = (e @ xs) / den[:, None]
+        out[t] = (e @ xs[:, :V]) / den[:, None]
     return out
 
 
-def attention_bf16_contract(q, x, valid, sink=None, bias=None, scale=None, dtype=BF16):
-    """numpy model of the contract's arithmetic for 16-bit float inputs (returns ``dtype``)."""
+def attention_bf16_contract(q, x, valid, sink=None, bias=None, scale=None, dtype=BF16,
+                            value_dim=None):
+    """numpy model of the contract's arithmetic for 16-bit float inputs (returns ``dtype``);
+    ``value_dim`` as in ``attention_f64``."""
     q = np.asarray(q).astype(np.float64)
     x = np.asarray(x).astype(np.float64)
     T, H, D = q.shape
@@ -76,7 +80,8 @@ def attention_bf16_contract(q, x, valid, sink=None, bias=None, scale=None, dtype
     valid &= ~np.isneginf(bias)
     sink = np.full(H, -np.inf, np.float32) if sink is None else np.asarray(sink, np.float32)
     scale = np.float32(D**-0.5 if scale is None else scale)
-    out = np.zeros((T, H, D), dtype)
+    V = D if value_dim is None else value_dim
+    out = np.zeros((T, H, V), dtype)
     for t in range(T):
         if not valid[t].any():
             continue
@@ -88,7 +93,7 @@ def attention_bf16_contract(q, x, valid, sink=None, bias=None, scale=None, dtype
         with np.errstate(over="ignore"):
             den = e.sum(axis=1, dtype=np.float32) + np.exp(sink - m[:, 0]).astype(np.float32)
         p = e.astype(dtype).astype(np.float64)
-        num = (p @ x[t]).astype(np.float32)
+        num = (p @ x[t][:, :V]).astype(np.float32)
         out[t] = (num / den[:, None]).astype(dtype)
     return out
 

@@ -104,6 +104,22 @@ def _emit(records, record):
     print(json.dumps(record), flush=True)  # as it goes: a crash still leaves what ran before
 
 
+def deepseek_shapes(q, src, idx, sink, bias):
+    """value_dim below D and a second cache (half the rows of src, reversed, with its own slots):
+    the arguments of issue 20, through the same sharding rules."""
+    extra_idx = idx[:, :5] // 2
+    bias = jnp.concatenate([bias, jnp.zeros((bias.shape[0], 5), bias.dtype)], axis=1)
+    return jsa.gathered_attn_idx(q, src, idx, sink, bias=bias, value_dim=D - 8,
+                                 extra_kv=src[::-2] * 0.5, extra_idx=extra_idx)
+
+
+def deepseek_grad(q, src, idx, sink, bias):
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((T, H, D - 8)), jnp.float32)
+    return jax.grad(lambda q, src, sink, bias: jnp.sum(
+        deepseek_shapes(q, src, idx, sink, bias).astype(jnp.float32) * w), argnums=(0, 1, 2, 3))(
+            q, src, sink, bias)
+
+
 def grad_of(form, implementation, wrt):
     f = attention(form, implementation)
     w = jnp.asarray(np.random.default_rng(1).standard_normal((T, H, D)), jnp.float32)
@@ -138,6 +154,12 @@ def run(implementations):
                           inputs, mesh, specs)
                 check(records, f"grad_all/{tag}",
                       grad_of(form, None, ARG_NAMES), inputs, mesh, specs)
+        for layout in LAYOUTS:
+            specs = specs_of("idx", layout)
+            check(records, f"deepseek_forward/{axis_type}/{layout}", deepseek_shapes,
+                  make_inputs("idx", jnp.bfloat16), mesh, specs)
+            check(records, f"deepseek_grad/{axis_type}/{layout}", deepseek_grad,
+                  make_inputs("idx", np.float32), mesh, specs)
         # vmap over a sharded batch axis folds into a sharded token axis.
         inputs = make_inputs("idx", jnp.bfloat16)
         batched = {k: np.stack([v] * B) if k in ("q", "idx") else v for k, v in inputs.items()}

@@ -75,20 +75,25 @@ def test_kv_scatter_baseline_adds_every_token_rows():
     np.testing.assert_allclose(got, want, rtol=2**-8, atol=1e-6)
 
 
-def test_cpu_products_flag_forces_the_form(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.reference, "cpu_products_by_eigen",
-                        bench.reference.cpu_products_by_eigen)  # restored after
+def test_cpu_products_flag_times_each_form_in_the_same_rounds(tmp_path):
     path = tmp_path / "forms.json"
-    for form in ("x-first", "rows-first"):
-        jax.clear_caches()
-        code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "1", "--warmup", "0",
-                           "--no-naive", "--no-gemm", "--cpu-products", form, "--json", str(path)])
-        assert code == 0
-        result = json.loads(path.read_text())
-        assert result["environment"]["cpu_products"] == form
-        assert result["environment"]["cpu_products_forced"]
-        assert result["records"][0]["contract_check"]["within_one_ulp"] >= 0.999
-    jax.clear_caches()
+    code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "0",
+                       "--no-naive", "--no-gemm", "--cpu-products", "native,f32-x-first",
+                       "--json", str(path)])
+    assert code == 0
+    result = json.loads(path.read_text())
+    env = result["environment"]["cpu_products"]
+    assert env["auto"] in ("native", "f32", "native-x-first", "f32-x-first")
+    rec = result["records"][0]
+    assert rec["cpu_products"] == "native"
+    assert len(rec["times_s"]["op"]) == len(rec["times_s"]["op[f32-x-first]"]) == 2
+    other = rec["other_cpu_products"]["f32-x-first"]
+    assert rec["contract_check"]["within_one_ulp"] >= 0.999
+    assert other["contract_check"]["within_one_ulp"] >= 0.999
+    assert other["median_s"] > 0 and other["op_over_this"] > 0
+    for bad in (["--cpu-products", "bf16"], ["--memory", "--cpu-products", "f32"]):
+        with pytest.raises(SystemExit):
+            bench.main(bad)
 
 
 def test_sdpa_baseline_is_attention_without_a_sink(rng):
@@ -111,6 +116,21 @@ def test_sdpa_flag_times_the_baseline(tmp_path, capsys):
     assert "dot_product_attention" in capsys.readouterr().out
     (rec,) = json.loads(path.read_text())["records"]
     assert len(rec["times_s"]["sdpa"]) == 2 and rec["sdpa_over_op"] > 0
+
+
+@pytest.mark.slow  # three programs to compile and time: several seconds
+def test_two_caches_command_line_times_the_alternatives(tmp_path, capsys):
+    path = tmp_path / "two.json"
+    code = bench.main(["--two-caches", "--shape", "2,64,512,512,1024", "--repeats", "1",
+                       "--warmup", "0", "--json", str(path)])
+    assert code == 0
+    rec = json.loads(path.read_text())["two_caches"]
+    assert rec["shape"]["T"] == 2 and rec["shape"]["R"] == 1024 and rec["shape"]["window"] == 128
+    assert set(rec["median_s"]) == {"op", "concat", "merge"}
+    assert rec["op_same_bits_as_concat"] is True
+    # Two roundings against one: close, not necessarily equal.
+    assert 0 <= rec["max_abs_diff_merge_vs_op"] < 0.05
+    assert "concatenate then call" in capsys.readouterr().out
 
 
 def test_indexer_cases_count_the_causal_pairs_and_check_against_float64(rng):

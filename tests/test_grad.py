@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_attn as jsa
-from jax_sparse_attn import reference
+from jax_sparse_attn import cpu_products, reference
 from oracle import BF16, attention_f64, central_differences, gather, moved_along
 
 T, H, D, R, K = 6, 3, 4, 6, 5
@@ -80,7 +80,7 @@ def vjp_of_op(form, inputs, cotangent, **kw):
 
 @pytest.mark.parametrize("form", ["idx", "gathered"])
 @pytest.mark.parametrize("edges", [False, True], ids=["random", "edges"])
-def test_vjp_matches_float64_finite_differences(rng, form, edges, cpu_product_form):
+def test_vjp_matches_float64_finite_differences(rng, form, edges, cpu_product_layout):
     inputs = make_inputs(rng, form, edges)
     cotangent = rng.standard_normal((T, H, D)).astype(np.float32)
     _, got = vjp_of_op(form, inputs, cotangent)
@@ -99,7 +99,7 @@ def test_vjp_matches_float64_finite_differences(rng, form, edges, cpu_product_fo
 
 
 @pytest.mark.parametrize("form", ["idx", "gathered"])
-def test_jvp_matches_float64_finite_differences(rng, form, cpu_product_form):
+def test_jvp_matches_float64_finite_differences(rng, form, cpu_product_layout):
     inputs = make_inputs(rng, form, edges=True)
     idx = inputs["idx"]
     primals = [jnp.asarray(inputs[n]) for n in FLOAT_ARGS]
@@ -212,6 +212,24 @@ def test_bf16_gradients_are_finite_and_close_to_f32(rng, form):
         g = np.asarray(got[name]).astype(np.float32)
         assert np.all(np.isfinite(g)), name
         np.testing.assert_allclose(g, want[name], rtol=3e-2, atol=3e-2, err_msg=name)
+
+
+@pytest.mark.parametrize("form", ["idx", "gathered"])
+def test_bf16_backward_is_the_same_in_both_operand_forms(rng, form):
+    """The backward multiplies widened f32 operands in every form: the native and f32 forms give
+    the same gradient bits (``cpu_products.ProductForm.widen`` concerns the forward only)."""
+    inputs = make_inputs(rng, form, edges=False)
+    low = dict(inputs, q=inputs["q"].astype(BF16), src=inputs["src"].astype(BF16))
+    cotangent = rng.standard_normal((T, H, D)).astype(BF16)
+    grads = {}
+    for name in ("native", "f32"):
+        jax.clear_caches()
+        with cpu_products.forced(cpu_products.parse_form(name)):
+            grads[name] = vjp_of_op(form, low, cotangent)[1]
+    jax.clear_caches()
+    for arg in FLOAT_ARGS:
+        a, b = np.asarray(grads["native"][arg]), np.asarray(grads["f32"][arg])
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), arg
 
 
 @pytest.mark.parametrize("form", ["idx", "gathered"])

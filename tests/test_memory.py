@@ -33,6 +33,17 @@ def test_long_backward_grows_memory_by_at_most_2_gib():
     assert rec["growth_bytes"] <= 2 * 2**30, rec
 
 
+def test_long_fp8_prefill_stays_within_the_bf16_bound():
+    # An FP8 cache (scales per 128 columns): each token chunk gathers and dequantises its own
+    # slots, so the same 1.5 GiB bound holds (the slots dequantised at once would be 8 GiB).
+    rec = bench.run_memory_check(bench.MEMORY_SHAPE, "bf16", "reference", timeout=600,
+                                 kv_dtype="float8_e4m3fn")
+    assert rec["kv_dtype"] == "float8_e4m3fn"
+    assert rec["growth_bytes"] <= 1.5 * 2**30, rec
+    assert rec["rows_same_bits_as_unchunked"], rec
+    assert rec["contract_check"]["within_one_ulp"] >= 0.999, rec
+
+
 def test_layer_long_prefill_grows_memory_by_at_most_3_gib():
     # The Flax layer (E=512, H=16, D=128, K=2048, 4 indexer heads of 64, bf16) prefilling
     # T = 65,536 tokens into its cache: the streaming indexer never builds the [T, T] scores (the

@@ -92,7 +92,7 @@ def test_neuron_rule_dispatch(monkeypatch):
     """On the "neuron" platform: None and "nki" take the kernel path, the others their own path."""
     seen = []
     monkeypatch.setattr(lowering, "nki_gathered_attn_idx_lse",
-                        lambda *a: seen.append("kernel") or (a[0], a[3]))
+                        lambda *a, value_dim=None: seen.append("kernel") or (a[0], a[3]))
     rule = lowering._neuron_rule(True)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)

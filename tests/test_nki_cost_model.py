@@ -320,3 +320,22 @@ def test_hbm_bytes_count_the_hbm_side_only():
     cost = run.last_run.programs[0].cost
     assert cost.hbm_bytes == 128 * 1 + 128 * 2
     assert cost.dma_bytes == 3 * 128 * 2
+
+
+def test_bench_model_value_dim_models_both_widths(tmp_path, capsys):
+    import json
+
+    from jax_sparse_attn import bench
+
+    path = tmp_path / "model.json"
+    assert bench.main(["--model", "trn2", "--shape", "2,4,256,128,256", "--value-dim", "128",
+                       "--json", str(path)]) == 0
+    assert "value_dim=128 of D=256" in capsys.readouterr().out
+    full, narrow = json.loads(path.read_text())["records"]
+    assert (full["value_dim"], narrow["value_dim"]) == (256, 128)
+    # Half the value columns: fewer value matmuls on the PE, fewer output bytes, a smaller bound.
+    assert narrow["per_engine_us"]["tensor"] < full["per_engine_us"]["tensor"]
+    assert narrow["hbm_bytes"] < full["hbm_bytes"]
+    assert narrow["pe_bound_us"] == pytest.approx(2 * 2 * 4 * 128 * (256 + 128) / (2 * 79e6))
+    assert narrow["modelled_over_all_value_columns"] == pytest.approx(
+        narrow["modelled_us"] / full["modelled_us"])

@@ -51,7 +51,9 @@ def test_every_snippet_is_covered_below():
     markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", 'put(q, P("x"))',
                "from jax_sparse_attn.flax import SparseAttention", "merge_attention(",
                'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale",
-               "indexer_topk, static_argnames"]
+               "paged_indices(idx, table, block_size)", "topk_length=topk_length",
+               "value_dim=V, return_lse=True", "extra_kv=compressed, extra_idx=topk_idx)",
+               "kv_rope=rope)", "indexer_topk, static_argnames"]
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -134,6 +136,68 @@ def test_cache_sharding_snippet(as_written):
     want = attention_f64(q, x, valid, sink)
     model = np.abs(attention_bf16_contract(q, x, valid, sink).astype(np.float64) - want).max()
     assert np.abs(np.asarray(ns["out"], np.float64) - want).max() <= 2 * model
+
+
+def test_paged_decode_snippet():
+    ns = run(snippet("paged_indices(idx, table, block_size)"))
+    out, pool, tables, idx, q = (np.asarray(ns[k]) for k in ("out", "pool", "block_tables", "idx", "q"))
+    assert out.shape == q.shape and out.dtype == jnp.bfloat16
+    bs = ns["block_size"]
+    for b in range(q.shape[0]):
+        # The sequence's logical rows, page by page (numpy); slots past its pages are empty.
+        pages = [p for p in tables[b] if p >= 0]
+        logical = np.concatenate([pool[p * bs:(p + 1) * bs] for p in pages])
+        x, valid = gather(logical, idx[b])
+        assert within_one_ulp(out[b], attention_bf16_contract(q[b], x, valid)) >= 0.999
+    assert (idx[1] >= 2 * bs).any()  # the second sequence selects rows beyond its two pages
+
+
+@pytest.mark.parametrize("as_written", AS_WRITTEN)
+def test_topk_length_snippet(as_written):
+    ns = run(snippet("topk_length=topk_length"), as_written)
+    out, idx, lengths = np.asarray(ns["out"]), np.asarray(ns["idx"]), np.asarray(ns["topk_length"])
+    np.testing.assert_array_equal(out.view(np.uint16), np.asarray(ns["same"]).view(np.uint16))
+    assert not out[0].any()
+    real = np.arange(idx.shape[1])[None, :] < lengths[:, None]
+    x, valid = gather(np.asarray(ns["kv"]), idx)
+    q = np.asarray(ns["q"])
+    # Cancellation near 0 leaves a few elements 2 ulps from the model; the f64 error stays small.
+    assert within_one_ulp(out, attention_bf16_contract(q, x, valid & real)) >= 0.99
+    assert np.abs(out.astype(np.float64) - attention_f64(q, x, valid & real)).max() < 2e-2
+
+
+@pytest.mark.parametrize("as_written", AS_WRITTEN)
+def test_value_dim_snippet(as_written):
+    ns = run(snippet("value_dim=V, return_lse=True"), as_written)
+    out, V = np.asarray(ns["out"]), ns["V"]
+    q, kv, idx = (np.asarray(ns[k]) for k in ("q", "kv", "idx"))
+    assert out.shape == (ns["T"], ns["H"], V) and out.dtype == jnp.bfloat16
+    x, valid = gather(kv, idx)
+    assert within_one_ulp(out, attention_bf16_contract(q, x, valid, value_dim=V)) >= 0.999
+
+
+@pytest.mark.parametrize("as_written", AS_WRITTEN)
+def test_two_caches_snippet(as_written):
+    ns = run(snippet("extra_kv=compressed, extra_idx=topk_idx)"), as_written)
+    q, window, compressed, widx, tidx, sink, out = (np.asarray(ns[k]) for k in (
+        "q", "window", "compressed", "window_idx", "topk_idx", "sink", "out"))
+    assert out.shape == q.shape and out.dtype == jnp.bfloat16
+    x1, v1 = gather(window, widx)
+    x2, v2 = gather(compressed, tidx)
+    x, valid = np.concatenate([x1, x2], 1), np.concatenate([v1, v2], 1)
+    assert within_one_ulp(out, attention_bf16_contract(q, x, valid, sink)) >= 0.999
+
+
+def test_split_fp8_rows_snippet():
+    ns = run(snippet("kv_rope=rope)"))
+    kv, scale, rope = (np.asarray(ns[k]) for k in ("kv", "scales", "rope"))
+    R = kv.shape[0]
+    dequant = (kv.astype(np.float32).reshape(R, -1, 64) * scale[:, :, None]).reshape(R, -1)
+    logical = np.concatenate([dequant.astype(ml_dtypes.bfloat16), rope], axis=1)
+    q, idx, out = np.asarray(ns["q"]), np.asarray(ns["idx"]), np.asarray(ns["out"])
+    assert out.shape == (4, 64, 512) and out.dtype == jnp.bfloat16
+    x, valid = gather(logical, idx)
+    assert within_one_ulp(out, attention_bf16_contract(q, x, valid)) >= 0.999
 
 
 @pytest.mark.slow  # three Flax programs to compile: about 5 s

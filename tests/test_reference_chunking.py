@@ -5,16 +5,18 @@ stays in the CPU caches. Tokens are independent, so chunking must not change a s
 tests force tiny chunks (2 tokens out of 7, which leaves a remainder chunk of 1) by lowering the
 module's ``CHUNK_BYTES`` while the function is traced, and compare with a pass where one chunk
 covers every token. A fresh ``jax.jit(lambda ...)`` per call makes JAX trace (and read the budget)
-again instead of reusing a compiled executable. Each runs under both forms of the CPU's dot
-products (``cpu_product_form`` in ``conftest.py``).
+again instead of reusing a compiled executable. Each runs under every form of the CPU's
+products (``cpu_product_form`` in ``conftest.py``): chunking keeps the bits within one form.
 """
+
+import re
 
 import jax
 import numpy as np
 import pytest
 
 import jax_sparse_attn as jsa
-from jax_sparse_attn import reference
+from jax_sparse_attn import cpu_products, reference
 from oracle import BF16, attention_bf16_contract, attention_f64, gather, within_one_ulp
 
 T, H, D, K = 7, 3, 32, 24
@@ -22,9 +24,12 @@ TOKENS_PER_CHUNK = 2
 BITS = {np.dtype(BF16): np.uint16, np.dtype(np.float32): np.uint32}
 
 
-def per_token_bytes(dtype):
-    """The working set that ``reference.token_chunk_size`` budgets for one token."""
-    return K * D * np.dtype(dtype).itemsize + 3 * H * K * 4 + H * D * 4
+def per_token_bytes(dtype, widen=False):
+    """The working set that ``reference.token_chunk_size`` budgets for one token (``widen``: with
+    the slots widened to f32 as well)."""
+    itemsize = np.dtype(dtype).itemsize
+    row_bytes = itemsize + (4 if widen and itemsize < 4 else 0)
+    return K * D * row_bytes + 3 * H * K * 4 + H * D * 4
 
 
 def make_case(rng, rows, dtype):
@@ -49,6 +54,12 @@ def traced(monkeypatch, fn, args, chunk_bytes, pregather_bytes):
     return np.asarray(jitted(*args)), has_loop
 
 
+def skip_f32_operands_widened(dtype, form):
+    """f32 operands are the same in the f32 form (widening is the identity): nothing new to test."""
+    if np.dtype(dtype) == np.float32 and form.startswith("f32"):
+        pytest.skip("f32 inputs: the f32 form is the native one")
+
+
 def same_bits(a, b):
     bits = BITS[np.dtype(a.dtype)]
     return a.dtype == b.dtype and np.array_equal(a.view(bits), b.view(bits))
@@ -68,13 +79,15 @@ def same_bits(a, b):
 )
 def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regime, rows, pregather_bytes,
                                                    cpu_product_form):
+    skip_f32_operands_widened(dtype, cpu_product_form)
     q, kv, idx, sink, bias = make_case(rng, rows, dtype)
     args = (q, kv, idx, sink, bias)
 
     def fn(q, kv, idx, sink, bias):
         return jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, scale=0.2)
 
-    small = per_token_bytes(dtype) * TOKENS_PER_CHUNK  # 7 tokens: 3 chunks of 2, a remainder of 1
+    # 7 tokens: 3 chunks of 2, a remainder of 1
+    small = per_token_bytes(dtype, cpu_product_form.startswith("f32")) * TOKENS_PER_CHUNK
     chunked, chunked_loops = traced(monkeypatch, fn, args, small, pregather_bytes)
     whole, whole_loops = traced(monkeypatch, fn, args, 2**40, pregather_bytes)
     assert chunked_loops and not whole_loops, "the budgets did not force the intended chunking"
@@ -92,6 +105,7 @@ def test_idx_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, regi
 
 @pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
 def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype, cpu_product_form):
+    skip_f32_operands_widened(dtype, cpu_product_form)
     q, kv, idx, sink, bias = make_case(rng, 50, dtype)
     x, valid = gather(kv, idx)
     bias = np.where(valid, bias, -np.inf).astype(np.float32)  # empty slots, as the gathered form says
@@ -100,7 +114,7 @@ def test_gathered_chunked_is_bit_identical_to_unchunked(monkeypatch, rng, dtype,
     def fn(q, g, sink, bias):
         return jsa.gathered_attn(q, g, sink, bias=bias)
 
-    small = per_token_bytes(dtype) * TOKENS_PER_CHUNK
+    small = per_token_bytes(dtype, cpu_product_form.startswith("f32")) * TOKENS_PER_CHUNK
     chunked, chunked_loops = traced(monkeypatch, fn, args, small, 2**40)
     whole, whole_loops = traced(monkeypatch, fn, args, 2**40, 2**40)
     assert chunked_loops and not whole_loops, "the budgets did not force the intended chunking"
@@ -117,6 +131,11 @@ def test_chunk_size_follows_the_budget(monkeypatch):
     assert reference.token_chunk_size(2, H, K, D, 2) == 2  # never more than the tokens
     monkeypatch.setattr(reference, "CHUNK_BYTES", per_token // 2)
     assert reference.token_chunk_size(100, H, K, D, 2) == 1  # never fewer than one token
+    # the f32 form's chunk also holds its slots in f32; f32 slots are not widened again
+    monkeypatch.setattr(reference, "CHUNK_BYTES", 3 * per_token_bytes(BF16, widen=True))
+    assert reference.token_chunk_size(100, H, K, D, 2, widen=True) == 3
+    assert reference.token_chunk_size(100, H, K, D, 4, widen=True) == reference.token_chunk_size(
+        100, H, K, D, 4)
 
 
 def test_eigen_form_is_x_times_rows_behind_a_barrier(monkeypatch, rng):
@@ -124,12 +143,39 @@ def test_eigen_form_is_x_times_rows_behind_a_barrier(monkeypatch, rng):
     optimization barrier in the CPU program); the other form has none."""
     q, kv, idx, sink, bias = make_case(rng, 50, BF16)
 
-    def program(eigen):
-        monkeypatch.setattr(reference, "cpu_products_by_eigen", lambda: eigen)
+    def program(form):
         jax.clear_caches()
-        return jax.jit(lambda *a: jsa.gathered_attn_idx(*a)).lower(q, kv, idx, sink).as_text()
+        with cpu_products.forced(cpu_products.parse_form(form)):
+            return jax.jit(lambda *a: jsa.gathered_attn_idx(*a)).lower(q, kv, idx, sink).as_text()
 
-    assert "optimization_barrier" in program(True)
-    assert "optimization_barrier" not in program(False)
+    for widened in ("native", "f32"):
+        assert "optimization_barrier" in program(widened + "-x-first")
+        assert "optimization_barrier" not in program(widened)
     jax.clear_caches()
+
+
+def dot_operand_types(program: str):
+    """The element types of each ``dot_general``'s operands in a StableHLO program."""
+    found = re.findall(r"stablehlo\.dot_general.*?: \(tensor<([^>]*)>, tensor<([^>]*)>\)", program)
+    return [tuple(t.split("x")[-1] for t in pair) for pair in found]
+
+
+@pytest.mark.parametrize("fn", ["idx", "gathered"])
+def test_f32_form_multiplies_widened_operands(rng, fn):
+    """The f32 form's products (logits and values) take f32 operands only; the native form's
+    take the bf16 operands as they are. Either form on any CPU (cpu_products.forced)."""
+    q, kv, idx, sink, bias = make_case(rng, 50, BF16)
+    x, _ = gather(kv, idx)
+
+    def program(form):
+        jax.clear_caches()
+        with cpu_products.forced(cpu_products.parse_form(form)):
+            if fn == "idx":
+                return jax.jit(jsa.gathered_attn_idx).lower(q, kv, idx, sink).as_text()
+            return jax.jit(jsa.gathered_attn).lower(q, x, sink).as_text()
+
+    widened, native = dot_operand_types(program("f32")), dot_operand_types(program("native"))
+    jax.clear_caches()
+    assert len(widened) >= 2 and all(pair == ("f32", "f32") for pair in widened), widened
+    assert len(native) >= 2 and all(pair == ("bf16", "bf16") for pair in native), native
 

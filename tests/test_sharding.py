@@ -103,3 +103,15 @@ def test_inside_a_user_shard_map(records, implementation):
     r = records[f"shard_map/{implementation}"]
     assert r["collectives"] == [], r
     assert r["exact"], r
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
+def test_value_dim_and_two_caches_shard_like_the_plain_op(records, axis_type, layout):
+    # value_dim < D and a second cache: the forward stays collective-free and exact, and the
+    # gradients (q, both caches through src, sink, bias) only sum partials.
+    forward = records[f"deepseek_forward/{axis_type}/{layout}"]
+    assert forward["collectives"] == [] and forward["exact"], forward
+    grad = records[f"deepseek_grad/{axis_type}/{layout}"]
+    assert set(grad["collectives"]) <= {"all-reduce"} and grad["finite"], grad
+    assert grad["max_abs_diff"] < 1e-4, grad

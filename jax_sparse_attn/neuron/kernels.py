@@ -230,6 +230,12 @@ class _Source:
     scale_groups: int = 0  # FP8 kernel: scales per row (n)
     fp8_zeros: object = None  # FP8 kernel: a zero FP8 tile [128, C/128, D], set once per program
     token_scales: object = None  # FP8 kernel: this token's scales [128, Kp/128 * n] f32 (SBUF)
+    value_dim: int = 0  # the output's columns: the first value_dim of each row (0: all D)
+
+    @property
+    def values(self) -> int:
+        """Columns of each slot row that enter the value product and the output."""
+        return self.value_dim or self.dim
 
     @property
     def indexed(self) -> bool:
@@ -629,8 +635,9 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
 
     # Pass 2: fp32 exponentials and their sum, bf16 probabilities into the value product. The value
     # accumulators of one pass occupy at most VALUE_PSUM_BANKS banks; wider D runs more passes.
-    units = _value_units(heads, dim, plan.slots)
-    out_rows = nl.ndarray((heads, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
+    # Only the first src.values columns are values (value_dim): no value work on the others.
+    units = _value_units(heads, src.values, plan.slots)
+    out_rows = nl.ndarray((heads, src.values), dtype=nl.bfloat16, buffer=nl.sbuf)
     chunk_sum = nl.ndarray((heads, chunks), dtype=nl.float32, buffer=nl.sbuf)
     inv_denominator = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     out_scale = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -678,7 +685,7 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         for unit, acc in zip(group, value_psum):
             _value_epilogue(src, unit, acc, out_scale, out_rows)
         del value_psum
-    nisa.dma_copy(dst=src.token_rows(out, heads, dim), src=out_rows)
+    nisa.dma_copy(dst=src.token_rows(out, heads, src.values), src=out_rows)
 
     # lse = max + log(den) = log(den) - (-max).
     log_den = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -710,7 +717,7 @@ DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "gpsimd", "vector", "gpsimd", "
 
 
 def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk,
-                             slot_scale=None, scale_groups=0):  # fmt: skip
+                             slot_scale=None, scale_groups=0, value_dim=None):  # fmt: skip
     indexed = idx is not None
     tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
@@ -721,7 +728,11 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     per_program = tokens // programs
     plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, indexed=indexed,
                       fp8_scale_groups=scale_groups)  # fmt: skip
-    out = nl.ndarray((tokens, heads, dim), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    assert value_dim is None or (isinstance(value_dim, int) and 0 < value_dim <= dim), (
+        f"value_dim={value_dim!r} must be an int in [1, D={dim}]"
+    )
+    values = dim if value_dim is None else value_dim
+    out = nl.ndarray((tokens, heads, values), dtype=nl.bfloat16, buffer=nl.shared_hbm)
     lse = nl.ndarray((tokens, heads, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     scratch = None
     if not plan.scores_in_sbuf:
@@ -734,7 +745,7 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     src = _Source(q, slot_rows, idx, bias, heads, dim, slots, None, _Engines(PSUM_READ_ENGINES),
                   _Engines(CLAMP_ENGINES), value_shift, slot_scale,
                   _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
-                  scale_groups)  # fmt: skip
+                  scale_groups, value_dim=0 if values == dim else values)  # fmt: skip
     if slot_scale is not None:
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
                                    dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip
@@ -752,7 +763,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     return out, lse
 
 
-def gathered_attn_idx_kernel(q, kv, idx, bias, sink, value_shift=0, max_chunk=None):
+def gathered_attn_idx_kernel(q, kv, idx, bias, sink, value_shift=0, max_chunk=None,
+                             value_dim=None):  # fmt: skip
     """Sparse attention gathering the slot rows of ``kv`` inside the kernel (trn2, trn3).
 
     Args:
@@ -766,17 +778,21 @@ def gathered_attn_idx_kernel(q, kv, idx, bias, sink, value_shift=0, max_chunk=No
       value_shift: compile-time int ``c``: the value product runs on probabilities scaled by
         ``2**-c`` and its result is scaled back by ``2**c`` (``constants.value_shift(K)``).
       max_chunk: optional cap on the slots per chunk (a compile-time constant; tests).
-    Returns ``(out [T, H, D] bf16, lse [T, H, 1] f32)`` in shared HBM. Launch it as
+      value_dim: compile-time int in ``[1, D]`` or ``None`` (D): the logits use all D columns of
+        each row, the value product and the output only the first ``value_dim``.
+    Returns ``(out [T, H, value_dim] bf16, lse [T, H, 1] f32)`` in shared HBM. Launch it as
     ``kernel[n]`` with ``n`` the physical cores per logical core (T a multiple of n).
     """
     slots = bias.shape[1] - BIAS_PREFIX_COLS
     assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
         f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
     )
-    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk)
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk,
+                                    value_dim=value_dim)  # fmt: skip
 
 
-def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift=0, max_chunk=None):
+def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift=0, max_chunk=None,
+                                 value_dim=None):  # fmt: skip
     """:func:`gathered_attn_idx_kernel` on an FP8 cache, dequantised on chip (trn2, trn3).
 
     Args:
@@ -801,21 +817,22 @@ def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift
         f"slot_scale {slot_scale.shape} must be [T, 128, Kp/128 * n] with n dividing D={kv.shape[1]}"
     )  # fmt: skip
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
-                                    groups)  # fmt: skip
+                                    groups, value_dim)  # fmt: skip
 
 
-def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None):
+def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None, value_dim=None):
     """Sparse attention over pre-gathered slot rows; runs on every target (trn1 included: it
     uses neither ``dma_transpose`` nor indirect DMA).
 
     Args:
       q: ``[T, H, D]`` bf16. g: ``[T, Kp, D]`` bf16; the rows of empty and padding slots hold
         zeros. bias: ``[T, 16 + Kp]`` f32: column 0 the scale, columns 16.. the per-slot bias.
-      sink: ``[H, 1]`` f32. value_shift, max_chunk: as :func:`gathered_attn_idx_kernel`.
-    Returns ``(out [T, H, D] bf16, lse [T, H, 1] f32)`` in shared HBM; launch as
+      sink: ``[H, 1]`` f32. value_shift, max_chunk, value_dim: as :func:`gathered_attn_idx_kernel`.
+    Returns ``(out [T, H, value_dim] bf16, lse [T, H, 1] f32)`` in shared HBM; launch as
     :func:`gathered_attn_idx_kernel`.
     """
-    return _sparse_attn_kernel_body(q, g, None, bias, sink, value_shift, max_chunk)
+    return _sparse_attn_kernel_body(q, g, None, bias, sink, value_shift, max_chunk,
+                                    value_dim=value_dim)  # fmt: skip
 
 
 def kernel_for(target: str, indexed: bool, fp8: bool = False):

@@ -167,17 +167,19 @@ def launch_programs(target: str) -> int:
 
 
 def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None,
-                kv_scale=None):
-    """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, D], lse [T, H] f32)``.
+                kv_scale=None, value_dim=None):
+    """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, value_dim], lse [T, H] f32)``;
+    the kernel does ``value_dim`` (default D) columns of value work.
 
     With ``kv_scale`` (``[R, n]`` f32), ``slot_rows`` is an FP8 cache: the FP8 kernel reads it on
     trn2/trn3; on trn1 (or with D = 0) XLA gathers and dequantises the slots first."""
     from . import kernels
 
     T, H, D = q.shape
-    layout = kernel_layout(T, H, D, bias.shape[1])
+    value_dim = D if value_dim is None else value_dim
+    layout = kernel_layout(T, H, D, bias.shape[1], value_dim=value_dim)
     if layout.is_empty or (idx is not None and slot_rows.shape[0] == 0):
-        return empty_result(q, sink)
+        return empty_result(q, sink, value_dim)
     kernel, gather_in_xla = kernels.kernel_for(target, idx is not None, fp8=kv_scale is not None)
     if kv_scale is not None and (gather_in_xla or D == 0):
         from .. import fp8
@@ -186,7 +188,7 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
         in_range = (idx >= 0) & (idx < rows)
         g = fp8.gather_dequantized(slot_rows, kv_scale, jnp.where(in_range, idx, -1), jnp.bfloat16)
         bias = jnp.where(in_range, bias, -jnp.inf)
-        return _run_packed(call_kernels, target, q, g, sink, bias, scale)
+        return _run_packed(call_kernels, target, q, g, sink, bias, scale, value_dim=value_dim)
     scale_groups = 0 if kv_scale is None else kv_scale.shape[1]
     # Trace-time check that the shape can be planned (only an absurd head dim cannot).
     kernels.plan_slots(layout.heads_per_group, layout.dim_padded, layout.slots_padded,
@@ -194,12 +196,48 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
                        fp8_scale_groups=scale_groups)  # fmt: skip
     packed, layout = pack_for_kernel(
         q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla,
-        programs=launch_programs(target), kv_scale=kv_scale,
+        programs=launch_programs(target), kv_scale=kv_scale, value_dim=value_dim,
     )  # fmt: skip
     # The value product's overflow guard for the user's K (docs/contract.md): the kernel's bf16.
     options = {"value_shift": value_shift(bias.shape[1], "bfloat16")}
+    if layout.value_dim_padded != layout.dim_padded:
+        options["value_dim"] = layout.value_dim_padded
     out_groups, lse_groups = call_kernels(kernel, target, packed, layout, options)
     return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, sink, q.dtype)
+
+
+def _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias):
+    """Two caches' slots side by side for the pre-gathered kernel, ``g [T, K + K2, D]`` in kv's
+    dtype, and the bias ``[T, K + K2]`` with every empty slot ``-inf``. XLA gathers the rows
+    (zeros for an empty slot, whose row it never reads); the caches are not concatenated. The
+    kernel itself reads one cache (docs/neuron-kernel.md)."""
+    from ..reference import gather_bits
+
+    parts, biases = [], []
+    for cache, index, b in ((kv, idx, bias), (extra_kv, extra_idx, extra_bias)):
+        rows = cache.shape[0]
+        valid = (index >= 0) & (index < rows) & (b != -jnp.inf)
+        if rows:
+            parts.append(gather_bits(cache, jnp.where(valid, index, rows)))
+        else:
+            parts.append(jnp.zeros(index.shape + cache.shape[1:], cache.dtype))
+        biases.append(jnp.where(valid, b, -jnp.inf))
+    return jnp.concatenate(parts, axis=1), jnp.concatenate(biases, axis=1)
+
+
+def _split_row_slots(kv, kv_scale, kv_rope, idx, bias):
+    """DeepSeek's split FP8 rows for the pre-gathered kernel: each slot's FP8 columns gathered and
+    dequantised by XLA (``fp8.gather_dequantized``) next to its 16-bit ``kv_rope`` columns,
+    ``g [T, K, D + Dr]`` bf16, and the bias with every empty slot ``-inf``. The FP8 kernel reads
+    whole FP8 rows only (docs/neuron-kernel.md)."""
+    from .. import fp8
+    from ..reference import gather_bits
+
+    rows = kv.shape[0]
+    valid = (idx >= 0) & (idx < rows) & (bias != -jnp.inf)
+    nope = fp8.gather_dequantized(kv, kv_scale, jnp.where(valid, idx, -1), jnp.bfloat16)
+    rope = gather_bits(kv_rope.astype(jnp.bfloat16), jnp.where(valid, idx, rows))
+    return jnp.concatenate([nope, rope], axis=-1), jnp.where(valid, bias, -jnp.inf)
 
 
 def _kernel_args(packed: PackedOperands, group: int) -> tuple:
@@ -236,29 +274,42 @@ def _call_nki_kernels(kernel, target, packed: PackedOperands, layout: KernelLayo
     return jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results])
 
 
-def nki_gathered_attn_lse(q, g, sink, bias, scale):
+def nki_gathered_attn_lse(q, g, sink, bias, scale, *, value_dim=None):
     """The Neuron path of ``gathered_attn_p`` with the lse: q ``[T, H, D]``, g ``[T, K, D]``, sink
     ``[H]`` f32 (``-inf`` = none), bias ``[T, K]`` f32 (``-inf`` = empty slot), scale ``[T]`` f32
-    -> ``(out [T, H, D] in q's dtype, lse [T, H] f32)``."""
-    return _run_packed(_call_nki_kernels, neuron_target(), q, g, sink, bias, scale)
+    -> ``(out [T, H, value_dim] in q's dtype, lse [T, H] f32)``."""
+    return _run_packed(_call_nki_kernels, neuron_target(), q, g, sink, bias, scale,
+                       value_dim=value_dim)
 
 
-def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale):
+def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
+                              extra_bias=None, *, kv_scale=None, kv_rope=None, value_dim=None):
     """The Neuron path of ``gathered_attn_idx_p`` with the lse: q ``[T, H, D]``, kv ``[R, D]``,
     idx ``[T, K]`` int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32
-    -> ``(out [T, H, D], lse [T, H] f32)``."""
-    return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx)
+    -> ``(out [T, H, value_dim], lse [T, H] f32)``. With a second cache (``extra_*``) XLA gathers
+    both caches' slots and the pre-gathered kernel runs on them (``_union_slots``). With
+    ``kv_scale`` (``[R, n]`` f32) ``kv`` is an FP8 cache: the FP8 kernel reads it on trn2/trn3; on
+    trn1 XLA gathers and dequantises the slots first. With ``kv_rope`` (split rows) XLA gathers
+    and dequantises the slots for the pre-gathered kernel (``_split_row_slots``)."""
+    if extra_kv is not None:
+        g, union_bias = _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias)
+        return nki_gathered_attn_lse(q, g, sink, union_bias, scale, value_dim=value_dim)
+    if kv_rope is not None:
+        g, slot_bias = _split_row_slots(kv, kv_scale, kv_rope, idx, bias)
+        return nki_gathered_attn_lse(q, g, sink, slot_bias, scale, value_dim=value_dim)
+    return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
+                       kv_scale=kv_scale, value_dim=value_dim)
 
 
-def nki_gathered_attn(q, g, sink, bias, scale):
+def nki_gathered_attn(q, g, sink, bias, scale, *, value_dim=None):
     """The Neuron path of ``gathered_attn_p`` (:func:`nki_gathered_attn_lse` without the lse)."""
-    return nki_gathered_attn_lse(q, g, sink, bias, scale)[0]
+    return nki_gathered_attn_lse(q, g, sink, bias, scale, value_dim=value_dim)[0]
 
 
-def nki_gathered_attn_idx(q, kv, idx, sink, bias, scale):
+def nki_gathered_attn_idx(q, kv, idx, sink, bias, scale, *, value_dim=None):
     """The Neuron path of ``gathered_attn_idx_p`` (:func:`nki_gathered_attn_idx_lse` without the
     lse)."""
-    return nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale)[0]
+    return nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, value_dim=value_dim)[0]
 
 
 # --- on the host: the kernel source under the emulator, through a host callback ---------------
@@ -286,7 +337,7 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
     # One result array, not two: JAX 0.7 cannot lower a pure_callback with two results inside
     # shard_map ("result shardings don't match number of values"), which is where the sharded
     # paths run it. The bf16 output travels exactly as f32, the lse in the last column.
-    result = jax.ShapeDtypeStruct(shape + (layout.dim_padded + 1,), jnp.float32)
+    result = jax.ShapeDtypeStruct(shape + (layout.value_dim_padded + 1,), jnp.float32)
     arrays = [packed.q_groups, packed.slot_rows, packed.bias, packed.sink_groups]
     if packed.idx is not None:
         arrays.insert(2, packed.idx)
@@ -302,88 +353,45 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
     return packed_result[..., :-1].astype(jnp.bfloat16), packed_result[..., -1:]
 
 
-def emulated_gathered_attn_lse(q, g, sink, bias, scale):
+def emulated_gathered_attn_lse(q, g, sink, bias, scale, *, value_dim=None):
     """``implementation="nki_emulated"`` for ``gathered_attn_p``, with the lse: the Neuron data
     path on the host, for the target ``NEURON_PLATFORM_TARGET_OVERRIDE`` names (default trn2).
 
     Operands and result as :func:`nki_gathered_attn_lse`."""
-    return _run_packed(_call_emulated_kernels, neuron_target(), q, g, sink, bias, scale)
+    return _run_packed(_call_emulated_kernels, neuron_target(), q, g, sink, bias, scale,
+                       value_dim=value_dim)
 
 
-def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale):
+def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
+                                   extra_bias=None, *, kv_scale=None, kv_rope=None,
+                                   value_dim=None):
     """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``, with the lse.
 
     Operands and result as :func:`nki_gathered_attn_idx_lse`."""
+    if extra_kv is not None:
+        g, union_bias = _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias)
+        return emulated_gathered_attn_lse(q, g, sink, union_bias, scale, value_dim=value_dim)
+    if kv_rope is not None:
+        g, slot_bias = _split_row_slots(kv, kv_scale, kv_rope, idx, bias)
+        return emulated_gathered_attn_lse(q, g, sink, slot_bias, scale, value_dim=value_dim)
     return _run_packed(
-        _call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx
+        _call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
+        kv_scale=kv_scale, value_dim=value_dim,
     )
 
 
-def emulated_gathered_attn_idx_fp8_lse(q, kv, kv_scale, idx, sink, bias, scale):
-    """``implementation="nki_emulated"`` on an FP8 cache: the FP8 kernel
-    (``gathered_attn_idx_fp8_kernel``, trn2/trn3) reads the FP8 rows and their scales and
-    dequantises on chip; on trn1 XLA gathers and dequantises the slots for the pre-gathered
-    kernel. ``kv [R, D]`` FP8, ``kv_scale [R, n]`` f32; other operands and the result as
-    :func:`nki_gathered_attn_idx_lse`. Not differentiable by itself (a host callback): the API
-    wraps it (:func:`fp8_idx_attention`)."""
-    return _run_packed(_call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
-                       kv_scale=kv_scale)  # fmt: skip
-
-
-def nki_gathered_attn_idx_fp8_lse(q, kv, kv_scale, idx, sink, bias, scale):
-    """The Neuron device's FP8 path (as :func:`emulated_gathered_attn_idx_fp8_lse`, through
-    ``nki.jit``). Not yet wired to the ``"neuron"`` lowering: the primitive has no FP8 operand."""
-    return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
-                       kv_scale=kv_scale)  # fmt: skip
-
-
-@jax.custom_vjp
-def fp8_idx_attention(q, kv, kv_scale, idx, sink, bias, scale):
-    """``gathered_attn_idx`` on an FP8 cache under ``implementation="nki_emulated"``: the FP8
-    kernel forward (:func:`emulated_gathered_attn_idx_fp8_lse`); the gradient (of q, sink, bias
-    and scale; the cache, its scales and the indices get none) is the one of the pre-gathered op
-    on the dequantised slots (``jax_sparse_attn/fp8.py``), which the kernel's forward equals.
-    Operands normalised as the primitive's (``idx`` -1 for an empty slot); returns
-    ``(out, lse)``."""
-    return emulated_gathered_attn_idx_fp8_lse(q, kv, kv_scale, idx, sink, bias, scale)
-
-
-def _pre_gathered_fp8(q, kv, kv_scale, idx, sink, bias, scale):
-    from .. import fp8
-
-    g = fp8.gather_dequantized(kv, kv_scale, idx, q.dtype)
-    bias = jnp.where(idx >= 0, bias, -jnp.inf)
-    return primitives.gathered_attn_p.bind(q, g, sink, bias, scale, implementation="reference")
-
-
-def _fp8_idx_attention_fwd(q, kv, kv_scale, idx, sink, bias, scale):
-    return fp8_idx_attention(q, kv, kv_scale, idx, sink, bias, scale), (q, kv, kv_scale, idx, sink,
-                                                                         bias, scale)  # fmt: skip
-
-
-def _fp8_idx_attention_bwd(residuals, cotangents):
-    q, kv, kv_scale, idx, sink, bias, scale = residuals
-    _, vjp = jax.vjp(lambda q, s, b, c: tuple(_pre_gathered_fp8(q, kv, kv_scale, idx, s, b, c)),
-                     q, sink, bias, scale)  # fmt: skip
-    dq, dsink, dbias, dscale = vjp(tuple(cotangents))
-    return dq, None, None, None, dsink, dbias, dscale
-
-
-fp8_idx_attention.defvjp(_fp8_idx_attention_fwd, _fp8_idx_attention_bwd)
-
-
-def emulated_gathered_attn(q, g, sink, bias, scale):
+def emulated_gathered_attn(q, g, sink, bias, scale, *, value_dim=None):
     """``implementation="nki_emulated"`` for ``gathered_attn_p``: the Neuron path on the host.
 
     Operands and result as :func:`nki_gathered_attn`."""
-    return emulated_gathered_attn_lse(q, g, sink, bias, scale)[0]
+    return emulated_gathered_attn_lse(q, g, sink, bias, scale, value_dim=value_dim)[0]
 
 
-def emulated_gathered_attn_idx(q, kv, idx, sink, bias, scale):
+def emulated_gathered_attn_idx(q, kv, idx, sink, bias, scale, *, value_dim=None):
     """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``: Neuron path on the host.
 
     Operands and result as :func:`nki_gathered_attn_idx`."""
-    return emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale)[0]
+    return emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, value_dim=value_dim)[0]
 
 
 # --- the "neuron" platform rule ---------------------------------------------------------------
@@ -393,7 +401,7 @@ def _neuron_rule(indexed: bool):
     # The primitives return (out, lse): the kernels' own lse.
     kernel_path = nki_gathered_attn_idx_lse if indexed else nki_gathered_attn_lse
 
-    def rule(*args, implementation):
+    def rule(*args, implementation, value_dim=None):
         if implementation is None or implementation == "nki":
             path_fn = kernel_path
         elif implementation == "nki_emulated":
@@ -401,7 +409,7 @@ def _neuron_rule(indexed: bool):
         else:
             path_fn = primitives.path(implementation, indexed)
         # Each device runs the kernel on its own tokens/heads: no gathers around the custom call.
-        return primitives.run_shard_local(path_fn, indexed, *args)
+        return primitives.run_shard_local(path_fn, indexed, *args, value_dim=value_dim)
 
     return rule
 

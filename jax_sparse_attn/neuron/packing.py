@@ -68,6 +68,12 @@ class KernelLayout:
     slots_padded: int  # Kp, multiple of 128
     programs: int = 1  # the kernel's launch grid (physical cores of the logical core)
     tokens_padded: int = 0  # Tp, a multiple of programs (padding tokens have no valid slot)
+    value_dim: int = 0  # the output's columns (0: all D); the kernel's value work covers these
+
+    @property
+    def value_dim_padded(self) -> int:
+        """The kernel's output columns: ``value_dim`` (``dim_padded`` when it is all of D)."""
+        return self.value_dim if 0 < self.value_dim < self.dim else self.dim_padded
 
     @property
     def is_empty(self) -> bool:
@@ -76,10 +82,11 @@ class KernelLayout:
 
 
 def kernel_layout(
-    tokens: int, heads: int, dim: int, slots: int, programs: int = 1
+    tokens: int, heads: int, dim: int, slots: int, programs: int = 1, value_dim: int = 0
 ) -> KernelLayout:
     """Chooses the padding and head grouping for ``q [T, H, D]`` with ``K`` slots per token, for
-    a kernel launched as ``programs`` SPMD programs (each takes ``Tp / programs`` tokens)."""
+    a kernel launched as ``programs`` SPMD programs (each takes ``Tp / programs`` tokens), with
+    ``value_dim`` output columns (0 or D: all)."""
     groups = max(1, -(-heads // MAX_HEADS_PER_CALL))
     return KernelLayout(
         tokens=tokens,
@@ -92,6 +99,7 @@ def kernel_layout(
         slots_padded=_round_up(max(slots, 1), KERNEL_TILE),
         programs=programs,
         tokens_padded=_round_up(tokens, programs),
+        value_dim=value_dim if 0 < value_dim < dim else 0,
     )
 
 
@@ -130,7 +138,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 def pack_for_kernel(
     q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False, programs: int = 1,
-    kv_scale=None,
+    kv_scale=None, value_dim: int = 0,
 ) -> tuple[PackedOperands, KernelLayout]:
     """Packs normalised primitive operands for the NKI kernels.
 
@@ -140,6 +148,7 @@ def pack_for_kernel(
       scale: ``[T]`` f32. idx: ``[T, K]`` int32 or ``None``; outside ``[0, R)`` = empty slot.
       gather_in_xla: with ``idx``, gather the rows here for the pre-gathered kernel (trn1).
       programs: the kernel's launch grid; the tokens are padded to a multiple of it.
+      value_dim: the output's columns (0: all D).
       kv_scale: ``[R, n]`` f32 with an FP8 ``kv`` (``D > 0``, ``idx`` given, not
         ``gather_in_xla``): the FP8 kernel's operands. The cache passes through unchanged; the
         scales of the slots are gathered here (``T * Kp * n`` f32, no scale of a row that no slot
@@ -148,7 +157,7 @@ def pack_for_kernel(
     """
     T, H, D = q.shape
     K = bias.shape[1]
-    layout = kernel_layout(T, H, D, K, programs)
+    layout = kernel_layout(T, H, D, K, programs, value_dim)
     G, Hg = layout.head_groups, layout.heads_per_group
     Dp, Kp, Tp = layout.dim_padded, layout.slots_padded, layout.tokens_padded
 
@@ -217,22 +226,23 @@ def pack_for_kernel(
 def unpack_from_kernel(
     out_groups, lse_groups, layout: KernelLayout, row_has_slot, sink, dtype
 ) -> tuple[jax.Array, jax.Array]:
-    """Kernel outputs ``[G, Tp, Hg, Dp]`` and lse ``[G, Tp, Hg, 1]`` -> ``out [T, H, D]`` in
-    ``dtype`` and ``lse [T, H]`` f32. A row with no valid slot gets output exactly 0 and lse
+    """Kernel outputs ``[G, Tp, Hg, Vp]`` and lse ``[G, Tp, Hg, 1]`` -> ``out [T, H, V]`` in
+    ``dtype`` and ``lse [T, H]`` f32 (``V`` the value columns, ``Vp = layout.value_dim_padded``). A row with no valid slot gets output exactly 0 and lse
     ``sink[h]`` (``-inf`` without a sink), whatever the kernel computed for it."""
-    T, G, Hg, Dp = layout.tokens, layout.head_groups, layout.heads_per_group, layout.dim_padded
+    T, G, Hg = layout.tokens, layout.head_groups, layout.heads_per_group
+    Vp = layout.value_dim_padded
     Tp = out_groups.shape[1]
-    out = out_groups.transpose(1, 0, 2, 3).reshape(Tp, G * Hg, Dp)
-    out = out[:T, : layout.heads, : layout.dim]
+    out = out_groups.transpose(1, 0, 2, 3).reshape(Tp, G * Hg, Vp)
+    out = out[:T, : layout.heads, : (layout.value_dim or layout.dim)]
     out = jnp.where(row_has_slot[:, None, None], out, jnp.zeros((), out.dtype))
     lse = lse_groups.reshape(G, Tp, Hg).transpose(1, 0, 2).reshape(Tp, G * Hg)[:T, : layout.heads]
     lse = jnp.where(row_has_slot[:, None], lse, sink.astype(jnp.float32)[None, :])
     return out.astype(dtype), lse
 
 
-def empty_result(q, sink) -> tuple[jax.Array, jax.Array]:
+def empty_result(q, sink, value_dim=None) -> tuple[jax.Array, jax.Array]:
     """The result when there is nothing to attend to (``T``, ``H`` or ``K`` is 0, or ``R`` is 0):
-    zeros, and the sink as the lse of every row."""
-    T, H, _ = q.shape
+    zeros ``[T, H, value_dim]`` (default D), and the sink as the lse of every row."""
+    T, H, D = q.shape
     lse = jnp.broadcast_to(sink.astype(jnp.float32)[None, :], (T, H))
-    return jnp.zeros(q.shape, q.dtype), lse
+    return jnp.zeros((T, H, D if value_dim is None else value_dim), q.dtype), lse

@@ -50,6 +50,9 @@ GPSIMD_START = 150
 # [isa] nc_matmul page: cost max(min(64, N_stationary), N_moving) cycles, 4x for fp32 inputs.
 MATMUL_MIN_STATIONARY = 64
 MATMUL_FP32_FACTOR = 4
+# nki-library's own estimate of nc_match_replace8 (core/topk/rotational_topk.py: a max8 +
+# match_replace8 round costs 2 * (N + 144)): N + 144 VectorE cycles. Not a documented figure.
+MATCH_REPLACE8_OVERHEAD = 144
 # [dma] "Each NeuronCore has 16 DMA engines" (v2, v3 and v4).
 DMA_ENGINES = 16
 # Assumption: engine time per contiguous DMA chunk (one "DMA buffer", [arch1]: "There is some
@@ -135,6 +138,7 @@ class Op:
     n_stationary: int = 0
     n_moving: int = 0
     value: Any = None
+    n_dst: int = 0  # elements per partition of dst
 
     @property
     def all_bf16(self) -> bool:
@@ -216,6 +220,26 @@ COSTS: dict[str, Cost] = {
     "nisa.memset": Cost("vector", _memset, ("vector", "gpsimd")),
     # [isa] iota: 150 + N GpSimd cycles.
     "nisa.iota": Cost("gpsimd", lambda o: GPSIMD_START + o.n),
+    # Selection instructions. [isa] max8 and nc_find_index8 (v2.25.0): "N engine cycles" (VectorE:
+    # the pages place them on the Vector engine with match_replace8, inferred for max8).
+    "nisa.max8": Cost("vector", lambda o: o.n),
+    "nisa.nc_find_index8": Cost("vector", lambda o: o.n),
+    # nc_match_replace8: the v2.25.0 page's "min(MIN_II, N)" cannot be meant (it would cost at most
+    # 64 cycles for 16,384 elements); nki-library's own estimate (core/topk/rotational_topk.py,
+    # ceil(k/8) * 2 * (N + 144) for a max8 + match_replace8 round) gives N + 144: used here, as
+    # that library's estimate, not a documented figure.
+    "nisa.nc_match_replace8": Cost("vector", lambda o: o.n + MATCH_REPLACE8_OVERHEAD),
+    # nc_n_gather: no documented figure. Assumption: GPSIMD_START plus one GpSimd cycle per
+    # gathered element per partition (the page: "n = ceil(elems_per_partition / 512)" groups of
+    # instructions).
+    "nisa.nc_n_gather": Cost("gpsimd", lambda o: GPSIMD_START + o.n),
+    # select_reduce: no documented figure. Assumption: max(MIN_II, N) VectorE cycles, as the
+    # other one-pass elementwise VectorE instructions (tensor_copy, tensor_scalar).
+    "nisa.select_reduce": Cost("vector", _min_ii_n),
+    # [isa] topk (v2.32.0, the page's own "Estimated instruction cost"): 4*n + K GpSimd cycles per
+    # partition (n: elements of the snake, passed as ``value``; K: dst columns); the partitions
+    # run in parallel.
+    "nisa.topk": Cost("gpsimd", lambda o: 4 * o.value + o.n_dst),
     # nl functions, costed as the instruction they lower to (assumption where noted):
     # nl.full / nl.zeros are a memset.
     "nl.full": Cost("vector", _memset),
@@ -310,6 +334,7 @@ class CostRecord:
             n_stationary=n_stationary,
             n_moving=n_moving,
             value=value,
+            n_dst=int(np.prod(dst.shape[1:], dtype=np.int64)) if dst is not None and len(dst.shape) > 1 else 1,
         )
         key = _cost_key(instr + ("+reduce" if reduce else ""), len(inputs), len(inputs))
         cost = COSTS[key]
@@ -425,7 +450,7 @@ def _chunks(x: Any, shape: tuple) -> int:
 
 def attention_bounds(
     target: str, T: int, H: int, D: int, K: int, *, itemsize: int = 2,
-    row_itemsize: int | None = None, scales_per_row: int = 0,
+    row_itemsize: int | None = None, scales_per_row: int = 0, value_dim: int | None = None,
 ) -> dict:
     """``hbm_bound_us`` and ``pe_bound_us`` of one call, per LOGICAL core of ``target``.
 
@@ -433,13 +458,15 @@ def attention_bounds(
     output ``T*H*D`` (``itemsize`` bytes each; the rows ``row_itemsize`` when given, 1 for an FP8
     cache, plus ``scales_per_row`` f32 scales per gathered row), and the bias ``T*K`` fp32, over
     the HBM bandwidth of the logical core's physical cores. PE: the two attention matmuls,
-    ``4*T*H*K*D`` flops, at the BF16 TensorE peak of those cores. A MODEL (see the module
+    ``4*T*H*K*D`` flops, at the BF16 TensorE peak of those cores. With ``value_dim`` V < D the
+    output is ``T*H*V`` and the value matmul ``2*T*H*K*V`` flops. A MODEL (see the module
     docstring for sources).
     """
+    V = D if value_dim is None else value_dim
     hw = HARDWARE[target]
     row_itemsize = itemsize if row_itemsize is None else row_itemsize
-    nbytes = 2 * T * H * D * itemsize + T * K * D * row_itemsize + T * K * 4 * (1 + scales_per_row)
-    flops = 4 * T * H * K * D
+    nbytes = T * H * (D + V) * itemsize + T * K * D * row_itemsize + T * K * 4 * (1 + scales_per_row)
+    flops = 2 * T * H * K * (D + V)
     return {
         "hbm_bound_us": nbytes / (hw.hbm_gbps_per_core * hw.lnc * 1e3),
         "pe_bound_us": flops / (hw.pe_bf16_tflops_per_core * hw.lnc * 1e6),

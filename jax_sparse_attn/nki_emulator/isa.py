@@ -115,6 +115,13 @@ _BINARY_OPS = {
     nl.maximum: np.maximum, nl.minimum: np.minimum,
     np.add: np.add, np.subtract: np.subtract, np.multiply: np.multiply, np.divide: np.divide,
     np.maximum: np.maximum, np.minimum: np.minimum,
+    # Comparisons give 1.0 / 0.0 (the ALU's boolean result, stored in dst's dtype; range_select
+    # page lists nl.equal/less/less_equal/greater/greater_equal as comparison operators). NaN
+    # compares false (IEEE; inferred).
+    nl.equal: nl.compare_values(np.equal), nl.not_equal: nl.compare_values(np.not_equal),
+    nl.less: nl.compare_values(np.less), nl.less_equal: nl.compare_values(np.less_equal),
+    nl.greater: nl.compare_values(np.greater),
+    nl.greater_equal: nl.compare_values(np.greater_equal),
 }  # fmt: skip
 _REDUCE_OPS = {
     nl.add: np.add, nl.multiply: np.multiply, nl.max: np.maximum, nl.min: np.minimum,
@@ -1089,3 +1096,17 @@ def iota(dst: Tensor, pattern: Any, offset: int = 0, channel_multiplier: int = 0
     full = full.astype(np.int32).reshape(dst.shape)
     write(dst, full)
     _charge(ctx, instr, None, dst, [])
+
+
+# Selection instructions (max8, nc_find_index8, nc_match_replace8, nc_n_gather, select_reduce):
+# their rules and sources are in _select.py.
+from ._select import (  # noqa: E402
+    max8,
+    nc_find_index8,
+    nc_match_replace8,
+    nc_n_gather,
+    select_reduce,
+    topk,
+)
+
+__all__ += ["max8", "nc_find_index8", "nc_match_replace8", "nc_n_gather", "select_reduce", "topk"]

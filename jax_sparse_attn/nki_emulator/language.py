@@ -644,3 +644,26 @@ def sum(x: Tensor, axis: Any, dtype: Any = None, keepdims: bool = False, **kwarg
     """Sum along free axes ``axis`` (never axis 0, the partition axis)."""
     no_extra(kwargs, "nl.sum")
     return _reduction("sum", np.add, x, axis, dtype, keepdims)
+
+
+# Comparisons (elementwise 1.0 / 0.0 in fp32; NaN compares false, IEEE, inferred): the ALU
+# operators of nki.language that nisa.tensor_scalar / tensor_tensor take as op (range_select page,
+# v2.32.0, lists equal, less, less_equal, greater, greater_equal as comparison operators).
+def compare_values(ufunc):
+    """A numpy comparison as an ALU function returning fp32 1.0 / 0.0 (used by isa.py)."""
+
+    def fn(a, b):
+        return ufunc(a, b).astype(F32)
+
+    fn.__name__ = ufunc.__name__
+    return fn
+
+
+equal = _binary("equal", compare_values(np.equal))
+not_equal = _binary("not_equal", compare_values(np.not_equal))
+less = _binary("less", compare_values(np.less))
+less_equal = _binary("less_equal", compare_values(np.less_equal))
+greater = _binary("greater", compare_values(np.greater))
+greater_equal = _binary("greater_equal", compare_values(np.greater_equal))
+__all__ += ["equal", "not_equal", "less", "less_equal", "greater", "greater_equal"]
+

@@ -1,0 +1,178 @@
+"""Modelled Trainium time of the indexer's NKI kernel:
+``python -m jax_sparse_attn.bench --model trn2 --op indexer --shape T,R,Hi,Di,K``.
+
+A MODEL, NOT A MEASUREMENT. Each shape runs :func:`jax_sparse_attn.indexer.neuron.indexer_topk_neuron`
+with ``emulated=True`` (packing, the kernel source under the project's NKI emulator, unpacking)
+for the last ``T`` tokens of a causal sequence of ``R`` rows (positions ``R - T .. R - 1``),
+``NEURON_PLATFORM_TARGET_OVERRIDE`` set to the target, and records every launch's modelled cost
+(:mod:`jax_sparse_attn.nki_emulator.cost`; docs/nki-emulator.md, "Cost model").
+
+Bounds, per logical core (the target's LNC physical cores), docs/indexer-kernel.md:
+
+* ``hbm_bound_us``: the key bytes that must be read, ``rows_read * Di * itemsize`` (the rows
+  valid for at least one token: all ``R`` here), over the HBM bandwidth;
+* ``pe_bound_us``: the score matmuls over the valid rows, ``2 * Hi * Di`` flops per (token,
+  valid row), at the BF16 TensorE peak.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from typing import Iterable, Optional
+
+import numpy as np
+
+LABEL = "MODEL (not a measurement): NKI emulator cost model, see docs/nki-emulator.md"
+DEFAULT_SHAPES = ((1, 131072, 64, 128, 2048), (16, 131072, 64, 128, 2048),
+                  (128, 32768, 64, 128, 2048))  # fmt: skip
+
+
+def indexer_bounds(target: str, T: int, R: int, Hi: int, Di: int, *, itemsize: int = 2) -> dict:
+    """``hbm_bound_us`` and ``pe_bound_us`` of the last ``T`` tokens of a causal sequence of
+    ``R`` rows (module docstring), per logical core of ``target``."""
+    from ..nki_emulator.cost import HARDWARE
+
+    hw = HARDWARE[target]
+    positions = np.arange(R - T, R)
+    valid = np.clip(positions + 1, 0, R)
+    rows_read = int(valid.max()) if T else 0
+    nbytes = rows_read * Di * itemsize
+    flops = 2 * Hi * Di * int(valid.sum())
+    return {
+        "hbm_bound_us": nbytes / (hw.hbm_gbps_per_core * hw.lnc * 1e3),
+        "pe_bound_us": flops / (hw.pe_bf16_tflops_per_core * hw.lnc * 1e6),
+        "bound_bytes": nbytes,
+        "bound_flops": flops,
+        "cores": hw.lnc,
+    }
+
+
+def _inputs(T: int, R: int, Hi: int, Di: int, seed: int = 0):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((T, Hi, Di), np.float32), jnp.bfloat16)
+    keys = jnp.asarray(rng.standard_normal((R, Di), np.float32), jnp.bfloat16)
+    weights = jnp.asarray(rng.standard_normal((T, Hi), np.float32) * (Hi * Di) ** -0.5)
+    positions = jnp.arange(R - T, R, dtype=jnp.int32)
+    return q, weights, keys, positions
+
+
+def model_indexer_shape(target: str, T: int, R: int, Hi: int, Di: int, K: int) -> dict:
+    """The modelled figures of one ``indexer_topk`` call on ``target`` (module docstring)."""
+    import jax
+
+    from .. import nki_emulator
+    from ..nki_emulator.cost import ENGINES
+    from .neuron import indexer_topk_neuron
+
+    start = time.perf_counter()
+    q, weights, keys, positions = _inputs(T, R, Hi, Di)
+    previous = os.environ.get(nki_emulator.TARGET_ENV)
+    os.environ[nki_emulator.TARGET_ENV] = target
+    jax.clear_caches()
+    try:
+        with nki_emulator.recording(cost=True) as rec:
+            idx, _ = indexer_topk_neuron(q, weights, keys, None, positions, topk=K,
+                                         compress_ratio=1, emulated=True)  # fmt: skip
+            np.asarray(idx)
+    finally:
+        if previous is None:
+            os.environ.pop(nki_emulator.TARGET_ENV, None)
+        else:
+            os.environ[nki_emulator.TARGET_ENV] = previous
+        jax.clear_caches()
+    per_engine = dict.fromkeys(ENGINES, 0.0)
+    modelled = 0.0
+    by_instruction: dict = {}
+    for run in rec.runs:  # programs of a launch in parallel, launches in sequence
+        costs = [p.cost for p in run.programs]
+        modelled += max(c.modelled_us for c in costs)
+        for e in ENGINES:
+            per_engine[e] += max(c.engine_us[e] for c in costs)
+        busiest = max(costs, key=lambda c: c.modelled_us)
+        for name, (count, us) in busiest.by_instruction.items():
+            entry = by_instruction.setdefault(name, [0, 0.0])
+            entry[0] += count
+            entry[1] += us
+    bounds = indexer_bounds(target, T, R, Hi, Di)
+    bound = max(bounds["hbm_bound_us"], bounds["pe_bound_us"])
+    return {
+        "target": target,
+        "shape": {"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K},
+        "modelled_us": modelled,
+        "hbm_bound_us": bounds["hbm_bound_us"],
+        "pe_bound_us": bounds["pe_bound_us"],
+        "modelled_over_bound": modelled / bound if bound else None,
+        "instructions": max(r.compiled_instructions_per_program for r in rec.runs),
+        "instructions_executed": sum(r.instructions for r in rec.runs),
+        "busiest_engine": max(per_engine, key=per_engine.get),
+        "per_engine_us": per_engine,
+        "busiest_program_us_by_instruction": {
+            k: round(v[1], 3) for k, v in sorted(by_instruction.items(), key=lambda kv: -kv[1][1])
+        },
+        "launches": len(rec.runs),
+        "grid": max(r.grid for r in rec.runs),
+        "host_seconds": time.perf_counter() - start,
+    }
+
+
+def _row(r: dict) -> str:
+    s = r["shape"]
+    shape = f"T={s['T']} R={s['R']} Hi={s['Hi']} Di={s['Di']} K={s['K']}"
+    if "error" in r:
+        return f"{r['target']:<5} {shape:<38} error: {r['error']}"
+    engines = " ".join(f"{e}={v:.1f}" for e, v in r["per_engine_us"].items())
+    return (f"{r['target']:<5} {shape:<38} {r['modelled_us']:10.1f} {r['hbm_bound_us']:9.1f} "
+            f"{r['pe_bound_us']:9.1f} {r['modelled_over_bound']:7.2f}x {r['instructions']:8d} "
+            f"{r['busiest_engine']:<7} [{engines}]")  # fmt: skip
+
+
+def run_indexer_model(target: str, shapes: Optional[Iterable[tuple]] = None,
+                      json_path: Optional[str] = None) -> int:  # fmt: skip
+    """Model every ``(T, R, Hi, Di, K)`` shape on ``target``; print a table, optionally write
+    JSON; 0 if every shape ran."""
+    from ..bench_model import TARGETS, _cpu, _error_message
+
+    if target not in TARGETS:
+        raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
+    print(f"# {LABEL}; op indexer; target {target}; host CPU: {_cpu()}", flush=True)
+    print(f"# {'tgt':<5} {'shape':<38} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>8} "
+          f"{'instrs':>8} busiest [per engine us]", flush=True)  # fmt: skip
+    records, ok = [], True
+    for T, R, Hi, Di, K in shapes or DEFAULT_SHAPES:
+        try:
+            rec = model_indexer_shape(target, T, R, Hi, Di, K)
+        except Exception as err:  # noqa: BLE001 - a shape the kernel rejects is a result too
+            ok = False
+            rec = {"target": target, "shape": {"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K},
+                   "error": _error_message(err)}  # fmt: skip
+        records.append(rec)
+        print(_row(rec), flush=True)
+    if json_path:
+        result = {
+            "kind": LABEL,
+            "op": "indexer",
+            "target": target,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host_cpu": _cpu(),
+            "notes": [
+                "the last T tokens of a causal sequence of R rows (positions R-T .. R-1), bf16 q "
+                "and keys, no key_scale",
+                "modelled_us: busiest engine of each program (perfect overlap), programs of a "
+                "launch in parallel, launches in sequence",
+                "hbm_bound_us: the key rows valid for some token, read once (bf16); pe_bound_us: "
+                "2*Hi*Di flops per (token, valid row) at the BF16 TensorE peak; both per logical "
+                "core",
+                "instructions: compiled instructions of the largest program (hardware-loop "
+                "bodies count once)",
+            ],
+            "records": records,
+        }
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"# wrote {json_path}", flush=True)
+    return 0 if ok else 1

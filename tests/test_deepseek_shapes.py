@@ -1,0 +1,433 @@
+"""The DeepSeek-shaped arguments: ``topk_length``, ``value_dim`` and a second cache (``extra_kv``).
+
+Every result is held to the float64 oracles of ``tests/oracle.py`` (or to the single-cache call on
+the concatenation, bit for bit, where the contract says so); rows that no real slot selects hold
+NaN, so any read of them would show.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sparse_attn as jsa
+from oracle import BF16, attention_bf16_contract, attention_f64, gather, lse_f64, within_one_ulp
+
+IMPLEMENTATIONS = ["reference", "nki_emulated"]
+
+
+def _case(rng, T=3, H=4, D=64, R=50, K=20):
+    q = rng.standard_normal((T, H, D)).astype(BF16)
+    kv = rng.standard_normal((R, D)).astype(BF16)
+    idx = rng.integers(-1, R, size=(T, K)).astype(np.int32)
+    sink = rng.standard_normal(H).astype(np.float32)
+    return q, kv, idx, sink
+
+
+def _poison_unselected(kv, idx, valid):
+    """kv with NaN in every row that no valid slot selects."""
+    kv = np.array(kv)
+    used = np.zeros(len(kv), bool)
+    used[idx[valid]] = True
+    kv[~used] = np.nan
+    return kv
+
+
+# --- topk_length ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_topk_length_empties_the_tail_slots(rng, implementation):
+    q, kv, idx, sink = _case(rng)
+    T, K = idx.shape
+    lengths = np.array([0, 7, K + 5], np.int64)  # none, some, all (beyond K: all)
+    real = (np.arange(K)[None, :] < lengths[:, None]) & (idx >= 0)
+    kv = _poison_unselected(kv, idx, real)
+    out, lse = jsa.gathered_attn_idx(q, kv, idx, sink, topk_length=lengths, return_lse=True,
+                                     implementation=implementation)
+    x, valid = gather(kv, idx)
+    valid &= real
+    x[~valid] = 0
+    assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid, sink)) == 1.0
+    np.testing.assert_allclose(np.asarray(lse), lse_f64(q, x, valid, sink), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(out[0]).any()  # length 0: exactly 0
+
+    g = np.where(real[..., None], gather(kv, idx)[0], np.nan).astype(BF16)  # tail rows NaN
+    empty = np.where(idx >= 0, 0.0, -np.inf).astype(np.float32)  # idx's -1 slots
+    out_g = jsa.gathered_attn(q, g, sink, bias=empty, topk_length=lengths,
+                              implementation=implementation)
+    np.testing.assert_array_equal(np.asarray(out_g, np.float32), np.asarray(out, np.float32))
+
+
+def test_topk_length_gradient_never_reaches_tail_rows(rng):
+    q, kv, idx, sink = _case(rng)
+    idx = np.tile(np.arange(20, dtype=np.int32), (3, 1))
+    lengths = np.array([3, 10, 20])
+
+    def loss(q, kv):
+        out = jsa.gathered_attn_idx(q, kv, idx, sink, topk_length=lengths)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    dq, dkv = jax.grad(loss, argnums=(0, 1))(q, kv)
+    assert not np.asarray(dkv[20:]).any()  # never selected
+    assert np.asarray(dkv[:20], np.float32).any()
+    # The same gradient as the call with the tail slots set to -1 (the index rewrite it replaces).
+    rewritten = np.where(np.arange(20)[None, :] < lengths[:, None], idx, -1)
+    dq2, dkv2 = jax.grad(
+        lambda q, kv: jnp.sum(jsa.gathered_attn_idx(q, kv, rewritten, sink).astype(jnp.float32) ** 2),
+        argnums=(0, 1))(q, kv)
+    np.testing.assert_array_equal(np.asarray(dq, np.float32), np.asarray(dq2, np.float32))
+    np.testing.assert_array_equal(np.asarray(dkv, np.float32), np.asarray(dkv2, np.float32))
+
+
+def test_topk_length_under_vmap_and_fp8(rng):
+    q, kv, idx, sink = _case(rng)
+    B = 2
+    qs, idxs = np.stack([q, q[::-1]]), np.stack([idx, idx[::-1]])
+    lengths = np.array([[1, 5, 20], [20, 0, 3]])
+    got = jax.vmap(lambda q, i, n: jsa.gathered_attn_idx(q, kv, i, sink, topk_length=n))(
+        qs, idxs, lengths)
+    for b in range(B):
+        want = jsa.gathered_attn_idx(qs[b], kv, np.where(np.arange(20) < lengths[b][:, None],
+                                                          idxs[b], -1), sink)
+        np.testing.assert_array_equal(np.asarray(got[b], np.float32), np.asarray(want, np.float32))
+    kv8 = np.asarray(kv, np.float32).astype(jnp.float8_e4m3fn)
+    scale = np.ones(len(kv), np.float32)
+    got8 = jsa.gathered_attn_idx(q, kv8, idx, sink, kv_scale=scale, topk_length=lengths[0])
+    want8 = jsa.gathered_attn_idx(q, kv8, np.where(np.arange(20) < lengths[0][:, None], idx, -1),
+                                  sink, kv_scale=scale)
+    np.testing.assert_array_equal(np.asarray(got8, np.float32), np.asarray(want8, np.float32))
+
+
+def test_topk_length_bad_input_names_the_argument(rng):
+    q, kv, idx, sink = _case(rng)
+    with pytest.raises(ValueError, match="topk_length must have shape"):
+        jsa.gathered_attn_idx(q, kv, idx, topk_length=np.array([1, 2]))
+    with pytest.raises(TypeError, match="topk_length must have an integer dtype"):
+        jsa.gathered_attn_idx(q, kv, idx, topk_length=np.array([1.0, 2.0, 3.0]))
+
+
+# --- value_dim ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("D, V", [(80, 64), (200, 129), (64, 1)])
+def test_value_dim_output_is_the_first_columns(rng, implementation, D, V):
+    q, kv, idx, sink = _case(rng, D=D)
+    kv[:, V:][rng.random(kv[:, V:].shape) < 0.3] = 0  # values beyond V never matter, logits do
+    out, lse = jsa.gathered_attn_idx(q, kv, idx, sink, value_dim=V, return_lse=True,
+                                     implementation=implementation)
+    assert out.shape == (3, 4, V) and out.dtype == jnp.bfloat16
+    x, valid = gather(kv, idx)
+    assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid, sink,
+                                                                   value_dim=V)) == 1.0
+    np.testing.assert_allclose(np.asarray(lse), lse_f64(q, x, valid, sink), rtol=1e-5, atol=1e-5)
+    g_out = jsa.gathered_attn(q, x, sink, bias=np.where(valid, 0, -np.inf), value_dim=V,
+                              implementation=implementation)
+    np.testing.assert_array_equal(np.asarray(g_out, np.float32), np.asarray(out, np.float32))
+
+
+def test_value_dim_gradients_match_float64(rng):
+    from oracle import central_differences
+
+    T, H, D, R, K, V = 2, 2, 12, 9, 5, 8
+    q = rng.standard_normal((T, H, D))
+    kv = rng.standard_normal((R, D))
+    idx = rng.integers(-1, R, size=(T, K))
+    sink = rng.standard_normal(H)
+    ct = rng.standard_normal((T, H, V))
+    ct_lse = rng.standard_normal((T, H))
+
+    def value(a):
+        x, valid = gather(a["kv"], idx)
+        return (np.sum(attention_f64(a["q"], x, valid, a["sink"], value_dim=V) * ct)
+                + np.sum(lse_f64(a["q"], x, valid, a["sink"]) * ct_lse))
+
+    want = central_differences(value, {"q": q, "kv": kv, "sink": sink}, ["q", "kv", "sink"])
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    _, vjp = jax.vjp(lambda q, kv, s: jsa.gathered_attn_idx(q, kv, idx, s, value_dim=V,
+                                                            return_lse=True),
+                     f32(q), f32(kv), f32(sink))
+    dq, dkv, dsink = vjp((f32(ct), f32(ct_lse)))
+    for got, name in ((dq, "q"), (dkv, "kv"), (dsink, "sink")):
+        np.testing.assert_allclose(np.asarray(got), want[name], rtol=2e-3, atol=2e-4, err_msg=name)
+    # jvp: the directional derivative along q and kv.
+    dirs = (rng.standard_normal(q.shape), rng.standard_normal(kv.shape))
+    _, tangent = jax.jvp(lambda q, kv: jsa.gathered_attn_idx(q, kv, idx, f32(sink), value_dim=V),
+                         (f32(q), f32(kv)), tuple(map(f32, dirs)))
+    eps = 1e-6
+    x_p, valid = gather(kv + eps * dirs[1], idx)
+    x_m, _ = gather(kv - eps * dirs[1], idx)
+    fd = (attention_f64(q + eps * dirs[0], x_p, valid, sink, value_dim=V)
+          - attention_f64(q - eps * dirs[0], x_m, valid, sink, value_dim=V)) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(tangent), fd, rtol=2e-3, atol=2e-4)
+
+
+def test_value_dim_vmap_merge_and_fp8(rng):
+    q, kv, idx, sink = _case(rng, D=80)
+    V = 64
+    qs = np.stack([q, q[::-1]])
+    kvs = np.stack([kv, kv[::-1]])
+    got = jax.vmap(lambda q, kv: jsa.gathered_attn_idx(q, kv, idx, sink, value_dim=V))(qs, kvs)
+    for b in range(2):
+        want = jsa.gathered_attn_idx(qs[b], kvs[b], idx, sink, value_dim=V)
+        np.testing.assert_array_equal(np.asarray(got[b], np.float32), np.asarray(want, np.float32))
+    # Two halves of the slots merged by lse: the attention over all of them (float64 oracle).
+    half = idx.shape[1] // 2
+    a = jsa.gathered_attn_idx(q, kv, idx[:, :half], sink, value_dim=V, return_lse=True)
+    b = jsa.gathered_attn_idx(q, kv, idx[:, half:], None, value_dim=V, return_lse=True)
+    merged, _ = jsa.merge_attention([a[0], b[0]], [a[1], b[1]])
+    x, valid = gather(kv, idx)
+    np.testing.assert_allclose(np.asarray(merged, np.float64),
+                               attention_f64(q, x, valid, sink, value_dim=V), atol=2e-2)
+    # FP8: the value_dim columns of the dequantised rows.
+    kv8 = np.asarray(kv, np.float32).astype(jnp.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2, size=(len(kv), 5)).astype(np.float32)  # G = 16
+    for implementation in IMPLEMENTATIONS:
+        out8 = jsa.gathered_attn_idx(q, kv8, idx, sink, kv_scale=scale, value_dim=V,
+                                     implementation=implementation)
+        deq = (kv8.astype(np.float32).reshape(len(kv), 5, 16) * scale[:, :, None]).reshape(
+            len(kv), 80).astype(BF16)
+        x, valid = gather(deq, idx)
+        assert out8.shape == (3, 4, V)
+        assert within_one_ulp(np.asarray(out8), attention_bf16_contract(q, x, valid, sink,
+                                                                        value_dim=V)) == 1.0
+
+
+def test_value_dim_gradient_under_fp8_and_bad_values(rng):
+    q, kv, idx, sink = _case(rng, D=80)
+    kv8 = np.asarray(kv, np.float32).astype(jnp.float8_e4m3fn)
+    dq = jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(
+        q, kv8, idx, sink, kv_scale=np.ones(len(kv), np.float32), value_dim=64,
+        implementation="nki_emulated").astype(jnp.float32)))(q)
+    dq_ref = jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(
+        q, kv8.astype(BF16), idx, sink, value_dim=64).astype(jnp.float32)))(q)
+    np.testing.assert_allclose(np.asarray(dq, np.float32), np.asarray(dq_ref, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    for bad in (0, 81, -1):
+        with pytest.raises(ValueError, match="value_dim"):
+            jsa.gathered_attn_idx(q, kv, idx, value_dim=bad)
+    with pytest.raises(TypeError, match="value_dim"):
+        jsa.gathered_attn(q, gather(kv, idx)[0], value_dim=64.0)
+
+
+# --- two caches in one call ----------------------------------------------------------------------
+
+
+def _two_caches(rng, T=3, H=4, D=64, R=50, K=20, R2=30, K2=7, dtype=BF16):
+    q = rng.standard_normal((T, H, D)).astype(dtype)
+    kv = rng.standard_normal((R, D)).astype(dtype)
+    kv2 = rng.standard_normal((R2, D)).astype(dtype)
+    idx = rng.integers(-1, R, size=(T, K)).astype(np.int32)
+    idx2 = rng.integers(-1, R2, size=(T, K2)).astype(np.int32)
+    sink = rng.standard_normal(H).astype(np.float32)
+    return q, kv, kv2, idx, idx2, sink
+
+
+def _concatenated(kv, kv2, idx, idx2):
+    """The single-cache form of two caches (numpy): one cache, the extra indices moved by R."""
+    R = len(kv)
+    return np.concatenate([kv, kv2]), np.concatenate([idx, np.where(idx2 >= 0, idx2 + R, -1)], 1)
+
+
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_two_caches_equal_the_call_on_the_concatenation_bit_for_bit(rng, implementation):
+    q, kv, kv2, idx, idx2, sink = _two_caches(rng)
+    # Rows no slot selects, in either cache, hold NaN.
+    kv = _poison_unselected(kv, idx, idx >= 0)
+    kv2 = _poison_unselected(kv2, idx2, idx2 >= 0)
+    T, K, K2 = 3, idx.shape[1], idx2.shape[1]
+    bias = rng.standard_normal((T, K + K2)).astype(np.float32)
+    bias[0, K + 1] = -np.inf
+    lengths, lengths2 = np.array([K, 3, 0]), np.array([0, K2, 2])
+    got = jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, extra_kv=kv2, extra_idx=idx2,
+                                topk_length=lengths, extra_topk_length=lengths2, value_dim=48,
+                                return_lse=True, implementation=implementation)
+    cat, idx_cat = _concatenated(kv, kv2, idx, idx2)
+    lengths_cat = np.concatenate([np.arange(K)[None] < lengths[:, None],
+                                  np.arange(K2)[None] < lengths2[:, None]], 1)
+    idx_cat = np.where(lengths_cat, idx_cat, -1)
+    want = jsa.gathered_attn_idx(q, cat, idx_cat, sink, bias=bias, value_dim=48, return_lse=True,
+                                 implementation=implementation)
+    # Bit for bit on both paths (on nki_emulated the kernel's arithmetic is the same whichever
+    # way its rows arrive).
+    _same_bits(got[0], want[0])
+    _same_bits(got[1], want[1])
+    x, valid = gather(cat, idx_cat)
+    x[~valid] = 0
+    assert within_one_ulp(np.asarray(got[0]), attention_bf16_contract(
+        q, x, valid, sink, bias, value_dim=48)) == 1.0
+    assert np.isfinite(np.asarray(got[0], np.float32)).all()
+
+
+def test_two_caches_gradients_reach_both(rng):
+    q, kv, kv2, idx, idx2, sink = _two_caches(rng, dtype=np.float32)
+    unselected = np.ones(len(kv2), bool)
+    unselected[idx2[idx2 >= 0]] = False
+    kv2[unselected] = np.nan
+    T, K2 = 3, idx2.shape[1]
+    bias = rng.standard_normal((T, idx.shape[1] + K2)).astype(np.float32)
+
+    def loss(q, kv, kv2, sink, bias):
+        out, lse = jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, extra_kv=kv2,
+                                         extra_idx=idx2, return_lse=True)
+        return jnp.sum(out ** 2) + jnp.sum(jnp.sin(lse))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, kv, kv2, sink, bias)
+    cat, idx_cat = _concatenated(kv, kv2, idx, idx2)
+
+    def loss_cat(q, cat, sink, bias):
+        out, lse = jsa.gathered_attn_idx(q, cat, idx_cat, sink, bias=bias, return_lse=True)
+        return jnp.sum(out ** 2) + jnp.sum(jnp.sin(lse))
+
+    dq, dcat, dsink, dbias = jax.grad(loss_cat, argnums=(0, 1, 2, 3))(q, cat, sink, bias)
+    assert np.isfinite(np.asarray(grads[2])).all()
+    assert not np.asarray(grads[2])[unselected].any() and np.asarray(grads[2]).any()
+    for got, want in ((grads[0], dq), (np.concatenate([grads[1], grads[2]]), dcat),
+                      (grads[3], dsink), (grads[4], dbias)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # And against float64 central differences of the union's attention, for the second cache.
+    from oracle import central_differences
+
+    ct = rng.standard_normal((3, 4, 64))
+
+    def value(a):
+        c, i = _concatenated(kv, a["kv2"], idx, idx2)
+        x, valid = gather(c, i)
+        return np.sum(attention_f64(q, x, valid, sink, bias) * ct)
+
+    small = {"kv2": np.where(unselected[:, None], 0.0, kv2).astype(np.float64)}
+    fd = central_differences(value, small, ["kv2"])["kv2"]
+    _, vjp = jax.vjp(lambda kv2: jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, extra_kv=kv2,
+                                                       extra_idx=idx2), kv2)
+    np.testing.assert_allclose(np.asarray(vjp(jnp.asarray(ct, jnp.float32))[0])[~unselected],
+                               fd[~unselected], rtol=2e-3, atol=2e-4)
+
+
+def test_two_caches_under_vmap_and_jvp(rng):
+    q, kv, kv2, idx, idx2, sink = _two_caches(rng, dtype=np.float32)
+    B = 2
+    kvs2 = np.stack([kv2, kv2[::-1]])
+    qs = np.stack([q, q[::-1]])
+    f = lambda q, kv2: jsa.gathered_attn_idx(q, kv, idx, sink, extra_kv=kv2, extra_idx=idx2)  # noqa: E731
+    got = jax.vmap(f)(qs, kvs2)
+    for b in range(B):
+        np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(f(qs[b], kvs2[b])))
+    grads = jax.vmap(jax.grad(lambda q, kv2: jnp.sum(f(q, kv2) ** 2), argnums=1))(qs, kvs2)
+    for b in range(B):
+        one = jax.grad(lambda kv2: jnp.sum(f(qs[b], kv2) ** 2))(kvs2[b])
+        np.testing.assert_allclose(np.asarray(grads[b]), np.asarray(one), rtol=1e-6, atol=1e-7)
+    d = rng.standard_normal(kv2.shape).astype(np.float32)
+    _, tangent = jax.jvp(lambda kv2: f(q, kv2), (kv2,), (d,))
+    eps = 1e-3
+    fd = (np.asarray(f(q, kv2 + eps * d), np.float64) - np.asarray(f(q, kv2 - eps * d))) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(tangent), fd, rtol=1e-2, atol=1e-3)
+
+
+def test_two_caches_bad_input_names_the_argument(rng):
+    q, kv, kv2, idx, idx2, sink = _two_caches(rng)
+    with pytest.raises(ValueError, match="extra_kv needs extra_idx"):
+        jsa.gathered_attn_idx(q, kv, idx, extra_kv=kv2)
+    with pytest.raises(ValueError, match="extra_idx is for a second cache"):
+        jsa.gathered_attn_idx(q, kv, idx, extra_idx=idx2)
+    with pytest.raises(ValueError, match="extra_topk_length is for a second cache"):
+        jsa.gathered_attn_idx(q, kv, idx, extra_topk_length=np.ones(3, int))
+    with pytest.raises(ValueError, match="extra_kv must have shape"):
+        jsa.gathered_attn_idx(q, kv, idx, extra_kv=kv2[:, :8], extra_idx=idx2)
+    with pytest.raises(ValueError, match="extra_idx must have shape"):
+        jsa.gathered_attn_idx(q, kv, idx, extra_kv=kv2, extra_idx=idx2[:2])
+    with pytest.raises(ValueError, match=r"bias must have shape \[T, K\] = \(3, 27\)"):
+        jsa.gathered_attn_idx(q, kv, idx, bias=np.zeros((3, 20)), extra_kv=kv2, extra_idx=idx2)
+    with pytest.raises(NotImplementedError, match="extra_kv with an FP8 kv"):
+        jsa.gathered_attn_idx(q, np.asarray(kv, np.float32).astype(jnp.float8_e4m3fn), idx,
+                              kv_scale=np.ones(50, np.float32), extra_kv=kv2, extra_idx=idx2)
+
+
+# --- FP8 as an operand of the primitive; DeepSeek's split rows -------------------------------------
+
+
+def _split_rows(rng, R, D8, Dr, G, power_of_two=False):
+    """An FP8 cache [R, D8] with f32 scales per G columns and 16-bit rope columns [R, Dr]; returns
+    them and the logical rows [dequantised | rope] (numpy, bf16)."""
+    kv8 = rng.standard_normal((R, D8)).astype(np.float32).astype(jnp.float8_e4m3fn)
+    if power_of_two:  # V4: ue8m0 scales
+        scale = np.exp2(rng.integers(-4, 3, size=(R, D8 // G))).astype(np.float32)
+    else:
+        scale = rng.uniform(0.01, 0.1, size=(R, D8 // G)).astype(np.float32)
+    rope = rng.standard_normal((R, Dr)).astype(BF16)
+    dequant = (kv8.astype(np.float32).reshape(R, -1, G) * scale[:, :, None]).reshape(R, D8)
+    logical = np.concatenate([dequant.astype(BF16), rope], axis=1)
+    return kv8, scale, rope, logical
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layout", ["v3.2", "v4"])
+def test_split_fp8_rows_follow_the_contract_on_the_logical_rows(rng, implementation, layout):
+    D8, G, pow2 = (256, 128, False) if layout == "v3.2" else (448, 64, True)
+    Dr, R, T, H, K = 64, 40, 3, 4, 24
+    kv8, scale, rope, logical = _split_rows(rng, R, D8, Dr, G, pow2)
+    q = rng.standard_normal((T, H, D8 + Dr)).astype(BF16)
+    idx = rng.integers(-1, R, size=(T, K)).astype(np.int32)
+    sink = rng.standard_normal(H).astype(np.float32)
+    used = np.zeros(R, bool)
+    used[idx[idx >= 0]] = True
+    # Garbage in every row no slot selects: FP8 NaN bytes, inf scales, NaN rope columns.
+    kv8.view(np.uint8)[~used] = 0x7F
+    scale[~used] = np.inf
+    rope[~used] = np.nan
+    out, lse = jsa.gathered_attn_idx(q, kv8, idx, sink, kv_scale=scale, kv_rope=rope,
+                                     value_dim=D8, return_lse=True, implementation=implementation)
+    assert out.shape == (T, H, D8)
+    x, valid = gather(logical, idx)
+    assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid, sink,
+                                                                   value_dim=D8)) == 1.0
+    np.testing.assert_allclose(np.asarray(lse), lse_f64(q, x, valid, sink), rtol=1e-5, atol=1e-5)
+    if pow2 and implementation == "reference":
+        # Power-of-two scales dequantise exactly: bit for bit the op on the 16-bit logical rows.
+        plain = jsa.gathered_attn_idx(q, np.where(used[:, None], logical, 0).astype(BF16), idx,
+                                      sink, value_dim=D8, return_lse=True)
+        _same_bits(out, plain[0])
+        _same_bits(lse, plain[1])
+
+
+def test_fp8_goes_through_the_primitive_and_its_gradient(rng):
+    kv8, scale, rope, logical = _split_rows(rng, 30, 128, 64, 64)
+    q = rng.standard_normal((2, 4, 192)).astype(np.float32)
+    idx = rng.integers(-1, 30, size=(2, 10)).astype(np.int32)
+    f = lambda q: jsa.gathered_attn_idx(q, kv8, idx, kv_scale=scale, kv_rope=rope)  # noqa: E731
+    jaxpr = jax.make_jaxpr(f)(q)
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is jsa.gathered_attn_idx_p]
+    assert [np.dtype(v.aval.dtype) for v in eqn.invars[1:2]] == [np.dtype(jnp.float8_e4m3fn)]
+    assert len(eqn.invars) == 8  # q, kv, idx, sink, bias, scale, kv_scale, kv_rope
+    got = jax.grad(lambda q: jnp.sum(f(q) ** 2))(q)
+    # f32 q: the FP8 columns dequantise to f32 (q's dtype), not to bf16.
+    dequant = (kv8.astype(np.float32).reshape(30, -1, 64) * scale[:, :, None]).reshape(30, 128)
+    rows_f32 = np.concatenate([dequant, rope.astype(np.float32)], axis=1)
+    want = jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(q, rows_f32, idx) ** 2))(q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # vmap over sequences with their own split caches.
+    qs, kvs8 = np.stack([q, q[::-1]]), np.stack([kv8, kv8[::-1]])
+    scales, ropes = np.stack([scale, scale[::-1]]), np.stack([rope, rope[::-1]])
+    got = jax.vmap(lambda q, k, s, r: jsa.gathered_attn_idx(q, k, idx, kv_scale=s, kv_rope=r))(
+        qs, kvs8, scales, ropes)
+    for b in range(2):
+        one = jsa.gathered_attn_idx(qs[b], kvs8[b], idx, kv_scale=scales[b], kv_rope=ropes[b])
+        np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(one))
+
+
+def test_kv_rope_bad_input_names_the_argument(rng):
+    kv8, scale, rope, _ = _split_rows(rng, 30, 128, 64, 64)
+    q = rng.standard_normal((2, 4, 192)).astype(BF16)
+    idx = np.zeros((2, 3), np.int32)
+    with pytest.raises(ValueError, match="kv_rope must have shape"):
+        jsa.gathered_attn_idx(q, kv8, idx, kv_scale=scale, kv_rope=rope[:, :32])
+    with pytest.raises(TypeError, match="kv_rope must be a 16-bit float"):
+        jsa.gathered_attn_idx(q, kv8, idx, kv_scale=scale, kv_rope=rope.astype(np.float32))
+    with pytest.raises(ValueError, match="kv_rope is the unquantised part of an FP8 cache"):
+        jsa.gathered_attn_idx(q, np.zeros((30, 128), BF16), idx, kv_rope=rope)
