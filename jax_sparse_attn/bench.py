@@ -720,7 +720,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 "prefill in a subprocess.")
     p.add_argument("--cases", default="decode,prefill",
                    help="comma-separated groups of shapes: decode, prefill, mla, grad (default: "
-                   "decode,prefill; use grad with --grad)")
+                   "decode,prefill; use grad with --grad); indexer (indexer_topk against an f32 "
+                   "GEMM and the dense path) and layer-decode (the Flax layer's donated decode "
+                   "step against the indexer and the op alone): see bench_indexer.py")
     p.add_argument("--shape", type=_parse_shape, action="append",
                    help="a custom shape T,H,D,K,R (repeatable; replaces --cases)")
     p.add_argument("--quick", action="store_true",
@@ -764,6 +766,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "f32 scales)")
     p.add_argument("--scale-groups", type=int, default=1,
                    help="with --model and an FP8 --kv-dtype: f32 scales per cache row")
+    p.add_argument("--indexer-sweep", action="store_true",
+                   help="instead: time and peak memory of indexer_topk and the dense path against "
+                   "T (prefill) and R (decode), each point in a fresh process (--json to keep it; "
+                   "python -m jax_sparse_attn.plots --indexer-sweep JSON --png PATH draws it)")
+    p.add_argument("--max-size", type=int, default=None,
+                   help="with --indexer-sweep: skip the prefill points with T above this")
+    p.add_argument("--indexer-sweep-child", metavar="SHAPE_JSON", help=argparse.SUPPRESS)
+    p.add_argument("--indexer-path", choices=("op", "dense"), default="op", help=argparse.SUPPRESS)
+    p.add_argument("--indexer-only", metavar="NAMES",
+                   help="with --cases indexer: only these cases (comma-separated names, e.g. "
+                   "idx-v32-prefill,idx-v32-decode,idx-small-prefill)")
+    p.add_argument("--layer-memory-child", type=int, metavar="T", help=argparse.SUPPRESS)
+    p.add_argument("--layer-sizes", metavar="JSON", help=argparse.SUPPRESS)
+    p.add_argument("--layer-selection", default="streaming", help=argparse.SUPPRESS)
     p.add_argument("--value-dim", type=int, default=None,
                    help="with --model: the value columns (value_dim <= D; default D); each "
                    "shape is modelled with all D columns of values too, for the ratio")
@@ -778,6 +794,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # --shape parses five integers; for the indexer they are T, R, Hi, Di, K.
         shapes = [(s.T, s.H, s.D, s.K, s.R) for s in a.shape] if a.shape else None
         return run_indexer_model(a.model, shapes, a.json)
+
+    if a.layer_memory_child:
+        from . import bench_indexer
+
+        print(json.dumps(bench_indexer.layer_memory_child(
+            a.layer_memory_child, json.loads(a.layer_sizes), a.dtype, a.layer_selection)))
+        return 0
+    if a.indexer_sweep_child or a.indexer_sweep:
+        return _indexer_sweep_main(a)
+
     if a.model:
         from .bench_model import run_model
 
@@ -842,12 +868,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{rec['rows_same_bits_as_unchunked']}", flush=True)
         ok = rec["within_limit"] and rec.get("rows_same_bits_as_unchunked", True)
     else:
+        groups = [group.strip() for group in a.cases.split(",")]
+        indexer_groups = [g for g in groups if g in ("indexer", "layer-decode")]
+        groups = [g for g in groups if g not in indexer_groups]
         if a.shape:
             shapes = a.shape
-        elif a.quick:
+        elif a.quick and not indexer_groups:
             shapes = QUICK_SHAPES
         else:
-            shapes = [s for group in a.cases.split(",") for s in SHAPES[group.strip()]]
+            shapes = [s for group in groups for s in SHAPES[group]]
         repeats = a.repeats or (3 if a.quick else 15)
         for shape in shapes:
             try:
@@ -872,12 +901,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"{rec['kv_scatter_over_op']:.2f} of the op's time"
                       + (f"; with everything else at the GEMM's rate the op would reach "
                          f"{bound:.2f} of it" if bound is not None else ""), flush=True)
+        if indexer_groups:
+            result["records"] += _indexer_cases(indexer_groups, a)
         ok = True
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"# wrote {a.json}")
     return 0 if ok else 1
+
+
+def _indexer_cases(groups, a) -> list:
+    """The indexer and layer-decode cases (bench_indexer.py), printed as they finish."""
+    from . import bench_indexer as bi
+
+    records = []
+    repeats = a.repeats or 3
+    if "indexer" in groups:
+        shapes = bi.QUICK_INDEXER_SHAPES if a.quick else bi.INDEXER_SHAPES
+        if a.indexer_only:
+            wanted = {name.strip() for name in a.indexer_only.split(",")}
+            shapes = [s for s in shapes if s.name in wanted]
+        done = []
+        for shape in shapes:
+            rec = bi.bench_indexer_shape(shape, a.dtype, a.implementation, repeats,
+                                         min(a.warmup, 1), gemm=not a.no_gemm)
+            done.append(rec)
+            table = bi.format_indexer_table(done).splitlines()
+            print("\n".join(table if len(done) == 1 else table[-1:]), flush=True)
+            if "dense_skipped" in rec:
+                print(f"  {shape.name}: dense path skipped: {rec['dense_skipped']}", flush=True)
+        records += done
+    if "layer-decode" in groups:
+        sizes = bi.QUICK_LAYER_DECODE if a.quick else bi.LAYER_DECODE
+        rec = bi.bench_layer_decode(sizes, a.dtype, a.implementation, a.repeats or 7, a.warmup)
+        print(bi.format_layer_decode(rec), flush=True)
+        records.append(rec)
+    return records
+
+
+def _indexer_sweep_main(a) -> int:
+    from . import bench_indexer as bi
+
+    if a.indexer_sweep_child:
+        shape = bi.IndexerShape(**json.loads(a.indexer_sweep_child))
+        print(json.dumps(bi.sweep_child(shape, a.indexer_path, a.dtype, a.repeats or 3)))
+        return 0
+    result = bi.sweep(quick=a.quick, dtype_name=a.dtype, max_size=a.max_size, repeats=a.repeats)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"# wrote {a.json}")
+    return 0
 
 
 if __name__ == "__main__":

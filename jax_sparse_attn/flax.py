@@ -1,4 +1,4 @@
-"""A Flax NNX layer for DeepSeek-style sparse attention (indexer + top-k + sinks) on the project's op.
+"""A Flax NNX layer for DeepSeek-style sparse attention (indexer + top-k + sinks) on the project's ops.
 
 Needs Flax: ``pip install ".[flax]"`` in a clone of the repository (or ``pip install "flax>=0.11"``);
 the core package never imports this module.
@@ -11,12 +11,40 @@ The layer, per token (``E`` model features, ``H`` heads of dim ``D``, one shared
     ik   = x @ W_ik           -> [Di]       indexer key, cached beside the KV row
     w    = x @ W_iw           -> [Hi]       per-token weights of the indexer heads
     I[r] = sum_j w[j] * relu(iq[j] . ik[r]) / sqrt(Hi * Di)     indexer score of cache row r
-    idx  = the top-k rows r by I[r] among the valid rows r <= position; empty slots are -1
+    idx  = the top-k rows r by I[r] among the valid rows; empty slots are -1
     out  = gathered_attn_idx(q, kv, idx, sink) @ W_o            sink: a learned logit per head
 
-(DeepSeek V3.2's "lightning indexer" computes the same kind of score.) A cache row is valid for a
-token only when its position is at or before the token's: rows in the future, and rows not written
-yet, never enter the top-k, and a token with fewer than ``k`` valid rows gets empty slots.
+(DeepSeek V3.2's "lightning indexer" computes the same kind of score.) The selection is
+:func:`jax_sparse_attn.indexer_topk`, which streams over the cache rows and never builds the
+``[T, R]`` scores: memory ``O(T * topk)`` whatever the cache size. :func:`indexer_scores` and
+:func:`select_topk_rows` are the dense form (``[B, T, R]`` scores, then ``lax.top_k``), kept for
+short sequences and tests (``SparseAttention(..., selection="dense")``); at ``T = R = 16,384``
+the dense form needs about 8 GiB. A call of more than ``PREFILL_BLOCK_TOKENS`` tokens selects and
+attends in blocks of that many tokens, one after the other, so that a long prefill's indices and
+attention buffers do not grow with ``T`` (a causal prefill of 65,536 tokens at E=512, H=16, D=128,
+K=2048, Hi=4, Di=64, bf16 grows the process by 1.6 GiB, 2.3 GiB without the blocks;
+``benchmarks/cpu-2core-jax0.10.2-avx2-layer-memory.json``).
+
+**Validity.** A cache row is valid for a token only when its position is at or before the
+token's: rows in the future, and rows not written yet, never enter the top-k, and a token with
+fewer than ``k`` valid rows gets empty slots.
+
+**Compressed rows** (``compress_ratio = c > 1``, DeepSeek V4's compressed sparse attention). The
+indexer selects among compressed rows: row ``j`` is the **mean** (in f32, rounded once to the
+compute dtype) of the KV rows, and separately of the indexer keys, of the ``c`` tokens at positions
+``j*c .. j*c + c - 1``. A compressed row is valid for a token at position ``p`` only once its block is
+complete, ``(j + 1) * c <= p + 1`` (``indexer_topk``'s rule). Attention then runs over the selected
+compressed rows. The cache keeps the raw rows as well (``raw_kv``, ``raw_index_keys``) so that a
+block completed by a later call (decode, one token at a time) is pooled from them; this is the
+layer's own simple form of V4's compression (V4 learns its compression weights).
+
+**Sliding window** (``window = W``). Each token also attends to the ``W`` most recent raw rows,
+positions ``p - W + 1 .. p`` (its own row included), as V4 does with ``W = 128``. The union is
+computed as two calls of the op merged by their log-sum-exp (:func:`jax_sparse_attn.merge_attention`):
+the selected rows without the sink, the window with it. With ``compress_ratio = 1`` both come from
+the same rows, so a selected row inside the window is dropped from the selection (it is attended
+once, as part of the window); with ``c > 1`` they are different rows (compressed and raw).
+Each partial output is rounded to the compute dtype before the f32 merge.
 
 **Cache design.** The cache is an explicit, immutable pytree :class:`SparseAttentionCache` that the
 caller owns and threads through calls (functional style; no hidden state on the module), so one
@@ -24,20 +52,35 @@ module serves training, prefill and decode, and a jitted step is a pure function
 ``(module, x, cache)``:
 
 - ``y = layer(x)``: the whole sequence ``x [B, T, E]`` attends causally to itself (training).
-- ``y, cache = layer(x, cache)``: the ``T`` new tokens of each sequence are written at rows
-  ``cache.length[b] + t`` (their positions) and attend to everything cached up to their own
-  position. Prefill is ``T`` tokens at once, decode is ``T = 1``; both give the same result as
-  ``layer`` over the full sequence.
+- ``y, cache = layer(x, cache)``: the ``T`` new tokens of each sequence are written at positions
+  ``cache.length[b] + t`` and attend to everything cached up to their own position. Prefill is
+  ``T`` tokens at once, decode is ``T = 1``; both give the same result as ``layer`` over the full
+  sequence.
+
+A decode loop should jit the step with the cache donated, so that the new rows are written into
+the cache's own buffers instead of a copy of a cache that may hold a million rows::
+
+    step = nnx.jit(lambda m, x, cache: m(x, cache), donate_argnums=2)
+    for ...:
+        y, cache = step(layer, x_t, cache)     # the old cache is consumed
+
+A bfloat16 cache is stored as its **bit patterns** (``uint16`` arrays): XLA:CPU updates a bf16 array
+by converting all of it to f32 and back (a full pass over the cache, 0.07 to 0.15 s per decode step
+at a million rows, donated or not), while an integer array is updated in place. The layer reads
+the rows back as bf16 (:meth:`SparseAttentionCache.values` does the same for a user). No gradient
+flows through the cached path (use ``layer(x)`` for training).
 
 **Batch.** ``x`` always has a leading batch axis ``B``; every sequence has its own cache rows and
-its own ``length`` (sequences may be at different positions). The op is called under ``jax.vmap``
-over ``B``, whose rule folds the per-sequence caches into one.
+its own ``length`` (sequences may be at different positions). The ops are called under ``jax.vmap``
+over ``B``.
 
 **Gradients.** The top-k selection returns integer indices, so no gradient reaches the indexer
 through the main loss (``W_iq``, ``W_ik``, ``W_iw`` get zeros). Gradients flow through the attention
 into ``W_q``, ``W_kv``, ``W_o`` and the sink. DeepSeek trains the indexer with a separate
-distillation loss against the dense attention: :meth:`SparseAttention.indexer_loss`.
-:meth:`SparseAttention.select_rows` shows which rows each token attends to.
+distillation loss: :meth:`SparseAttention.indexer_loss` (``dense=True``: against the dense
+attention over every causal row, short sequences; ``dense=False``: the KL over the selected rows
+only, bounded memory, DeepSeek V3.2's sparse training stage). :meth:`SparseAttention.select_rows`
+shows which rows each token attends to.
 
 No positional encoding is applied inside the layer; add one upstream (e.g. to ``x``) if needed.
 """
@@ -57,37 +100,83 @@ except ImportError as err:  # pragma: no cover - exercised only without flax
     ) from err
 
 from .api import gathered_attn_idx
+from .merge import merge_attention
 
 __all__ = ["SparseAttention", "SparseAttentionCache", "indexer_scores", "select_topk_rows"]
+
+# How the layer selects rows: the streaming op, or the dense scores + lax.top_k (short sequences).
+SELECTIONS = ("streaming", "dense")
+# Tokens per chunk of the sparse indexer loss's target: its gathered rows are
+# [chunk, topk, D] f32 (64 MiB at topk = 2048, D = 128).
+SPARSE_LOSS_CHUNK_TOKENS = 64
+# Tokens per block of a long call's selection and attention: the [B, block, topk] indices and the
+# attention's working set exist for one block at a time (256 MiB of int32 indices at topk = 2048
+# for 32k tokens would otherwise grow with T).
+PREFILL_BLOCK_TOKENS = 8192
+
+
+def _storage_dtype(dtype):
+    """The dtype a cache array of ``dtype`` rows is stored in: bf16 as its uint16 bit patterns."""
+    return jnp.dtype(jnp.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+
+
+def _to_storage(rows, stored_dtype):
+    """Rows in the cache's storage dtype (bf16 bit patterns for a uint16 cache)."""
+    if stored_dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(rows.astype(jnp.bfloat16), jnp.uint16)
+    return rows.astype(stored_dtype)
+
+
+def _values(stored):
+    """The float rows of a cache array (a uint16 array holds bf16 bit patterns)."""
+    if stored is None or stored.dtype != jnp.uint16:
+        return stored
+    return jax.lax.bitcast_convert_type(stored, jnp.bfloat16)
 
 
 class SparseAttentionCache(NamedTuple):
     """Per-sequence cache of one :class:`SparseAttention` layer (a pytree of arrays).
 
+    A bfloat16 cache holds its rows as ``uint16`` bit patterns (see the module docstring: XLA:CPU
+    would otherwise copy the whole cache at each update); :meth:`values` returns the float view.
+
     Attributes:
-      kv: ``[B, R, D]`` cached KV rows (key = value), in the layer's compute dtype.
-      index_keys: ``[B, R, Di]`` cached indexer keys, same dtype.
-      length: ``[B]`` int32, rows written so far in each sequence = position of its next token.
-        Rows at or beyond ``length`` are empty slots for every token.
+      kv: ``[B, R, D]`` the rows the indexer selects from: the KV rows (key = value) of the tokens
+        (``compress_ratio = 1``, ``R = max_len``), or the compressed rows (``R = max_len // c``).
+      index_keys: ``[B, R, Di]`` the indexer keys of those rows, same dtype.
+      length: ``[B]`` int32, tokens written so far in each sequence = position of its next token.
+      raw_kv: ``[B, max_len, D]`` the tokens' own KV rows, only with ``compress_ratio > 1``
+        (window attention and the pooling of blocks completed later read them); else ``None``.
+      raw_index_keys: ``[B, max_len, Di]`` the tokens' own indexer keys, only with
+        ``compress_ratio > 1``; else ``None``.
     """
 
     kv: jax.Array
     index_keys: jax.Array
     length: jax.Array
+    raw_kv: Optional[jax.Array] = None
+    raw_index_keys: Optional[jax.Array] = None
+
+    def values(self) -> "SparseAttentionCache":
+        """The same cache with bf16 bit patterns (``uint16``) read back as ``bfloat16`` arrays."""
+        return self._replace(**{name: _values(getattr(self, name))
+                                for name in ("kv", "index_keys", "raw_kv", "raw_index_keys")})
 
 
-def indexer_scores(index_queries, index_weights, index_keys, positions):
-    """Indexer scores of every cache row for every token, with causally invalid rows at ``-inf``.
+def indexer_scores(index_queries, index_weights, index_keys, positions, compress_ratio: int = 1):
+    """Dense indexer scores of every cache row for every token, invalid rows at ``-inf``.
 
-    ``I[b, t, r] = sum_j w[b, t, j] * relu(iq[b, t, j] . ik[b, r]) / sqrt(Hi * Di)`` for
-    ``r <= positions[b, t]``, and ``-inf`` for later rows.
+    ``I[b, t, r] = sum_j w[b, t, j] * relu(iq[b, t, j] . ik[b, r]) / sqrt(Hi * Di)`` for the
+    valid rows ``(r + 1) * compress_ratio <= positions[b, t] + 1`` (ratio 1: ``r <= position``),
+    ``-inf`` for the others. This is the dense form, ``O(B T R)`` memory: for short sequences and
+    tests; the layer selects with the streaming :func:`jax_sparse_attn.indexer_topk` by default.
 
     Args:
       index_queries: ``[B, T, Hi, Di]`` float, indexer queries.
       index_weights: ``[B, T, Hi]`` float, per-token weights of the indexer heads.
       index_keys: ``[B, R, Di]`` float, indexer keys of the cache rows.
-      positions: ``[B, T]`` integer, the position of each token; row ``r`` is valid iff
-        ``r <= positions[b, t]``.
+      positions: ``[B, T]`` integer, the position of each token.
+      compress_ratio: tokens per row (static int >= 1).
 
     Returns:
       ``[B, T, R]`` float32 scores.
@@ -100,12 +189,14 @@ def indexer_scores(index_queries, index_weights, index_keys, positions):
         "bthr,bth->btr", jax.nn.relu(dots), index_weights.astype(jnp.float32)
     ) * jnp.float32((heads * dim) ** -0.5)
     rows = jnp.arange(index_keys.shape[1], dtype=jnp.int32)
-    valid = rows[None, None, :] <= positions[:, :, None]
+    valid = (rows[None, None, :] + 1) * compress_ratio <= positions[:, :, None] + 1
     return jnp.where(valid, scores, -jnp.inf)
 
 
 def select_topk_rows(scores, topk: int):
     """The ``min(topk, R)`` highest-scoring rows per token; slots without a valid row are ``-1``.
+
+    The dense form's selection (``lax.top_k`` over all ``R`` scores; for short sequences and tests).
 
     Args:
       scores: ``[B, T, R]`` float, ``-inf`` for invalid rows (as from :func:`indexer_scores`).
@@ -120,24 +211,68 @@ def select_topk_rows(scores, topk: int):
     return jnp.where(top_scores > -jnp.inf, top_rows.astype(jnp.int32), jnp.int32(-1))
 
 
+def _pool_blocks(rows, ratio: int):
+    """``[B, N, X]`` rows -> ``[B, max(N // ratio, 1), X]`` means of consecutive blocks (f32
+    accumulation, rounded once). With no complete block, one zero row that no token may select
+    (row 0 is valid only at positions >= ratio - 1, which a shorter sequence does not reach)."""
+    B, N, X = rows.shape
+    blocks = N // ratio
+    if blocks == 0:
+        return jnp.zeros((B, 1, X), rows.dtype)
+    summed = rows[:, : blocks * ratio].astype(jnp.float32).reshape(B, blocks, ratio, X).sum(2)
+    return (summed / ratio).astype(rows.dtype)
+
+
+def _pad_slots(idx, width: int):
+    """``[..., k]`` -> ``[..., width]`` with ``-1`` (empty) slots appended."""
+    missing = width - idx.shape[-1]
+    if missing <= 0:
+        return idx
+    return jnp.concatenate([idx, jnp.full(idx.shape[:-1] + (missing,), -1, idx.dtype)], axis=-1)
+
+
+class _Prepared(NamedTuple):
+    """What one call works on (batched): the queries, the selectable rows and their indexer keys,
+    the raw rows (the window's), the indexer's queries and weights, the positions, the new cache."""
+
+    q: jax.Array  # [B, T, H, D]
+    rows: jax.Array  # [B, R, D], float: the rows the selection points into
+    keys: jax.Array  # [B, R, Di], float: their indexer keys
+    raw: jax.Array  # [B, N, D] float: the tokens' own rows, which the window points into
+    iq: jax.Array  # [B, T, Hi, Di]
+    iw: jax.Array  # [B, T, Hi]
+    positions: jax.Array  # [B, T] int32
+    cache: Optional[SparseAttentionCache]
+
+
 class SparseAttention(nnx.Module):
     """DeepSeek-style sparse attention: indexer, top-k rows of a shared KV cache, sinks.
 
-    See the module docstring for the math and the cache design. No projection has a bias.
+    See the module docstring for the math, the compressed rows, the window and the cache design.
+    No projection has a bias.
 
     Args:
       features: ``E``, input and output feature size.
       num_heads: ``H``, query heads.
       head_dim: ``D``, size of a head and of a KV row.
-      topk: ``K``, cache rows each token attends to (fewer when fewer are valid).
+      topk: ``K``, rows each token attends to (fewer when fewer are valid).
       index_heads: ``Hi``, indexer heads.
       index_dim: ``Di``, indexer head size.
       scale: softmax scale of the attention logits; default ``D ** -0.5``.
-      dtype: compute dtype of the projections, the cache and the op (e.g. ``jnp.bfloat16``);
+      compress_ratio: ``c``, tokens per selectable row: 1 (DeepSeek V3.2: every token's row), or
+        ``c > 1`` (V4-style: the indexer selects among rows that are the means of ``c``
+        consecutive tokens' rows).
+      window: ``W``, or ``None``: every token also attends to the ``W`` most recent tokens' rows.
+      selection: ``"streaming"`` (:func:`jax_sparse_attn.indexer_topk`, bounded memory; the
+        default) or ``"dense"`` (:func:`indexer_scores` + :func:`select_topk_rows`, ``O(T R)``
+        memory; short sequences and tests). Both select the same rows up to float rounding of
+        near-ties.
+      dtype: compute dtype of the projections, the cache and the ops (e.g. ``jnp.bfloat16``);
         default: the promoted dtype of the input and the parameters.
       param_dtype: dtype of the parameters (the sink is always float32).
-      implementation: passed to :func:`jax_sparse_attn.gathered_attn_idx` (``None``: the Neuron
-        kernel on Trainium, the jnp reference elsewhere).
+      implementation: passed to :func:`jax_sparse_attn.gathered_attn_idx` and
+        :func:`jax_sparse_attn.indexer_topk` (``None``: the Neuron kernel on Trainium, the jnp
+        reference elsewhere).
       rngs: ``nnx.Rngs`` for the initialisers.
 
     Attributes:
@@ -156,6 +291,9 @@ class SparseAttention(nnx.Module):
         index_heads: int = 4,
         index_dim: int = 32,
         scale: Optional[float] = None,
+        compress_ratio: int = 1,
+        window: Optional[int] = None,
+        selection: str = "streaming",
         dtype=None,
         param_dtype=jnp.float32,
         implementation: Optional[str] = None,
@@ -168,16 +306,24 @@ class SparseAttention(nnx.Module):
             ("topk", topk),
             ("index_heads", index_heads),
             ("index_dim", index_dim),
-        ):
-            if int(value) != value or value < 1:
+            ("compress_ratio", compress_ratio),
+        ) + ((("window", window),) if window is not None else ()):
+            if isinstance(value, bool) or int(value) != value or value < 1:
                 raise ValueError(f"SparseAttention: {name} must be a positive integer; got {value!r}")
+        if selection not in SELECTIONS:
+            raise ValueError(
+                f"SparseAttention: selection must be one of {SELECTIONS}; got {selection!r}"
+            )
         self.features = features
         self.num_heads = num_heads
         self.head_dim = head_dim
-        self.topk = topk
+        self.topk = int(topk)
         self.index_heads = index_heads
         self.index_dim = index_dim
         self.scale = scale
+        self.compress_ratio = int(compress_ratio)
+        self.window = None if window is None else int(window)
+        self.selection = selection
         self.dtype = dtype
         self.implementation = implementation
 
@@ -195,17 +341,33 @@ class SparseAttention(nnx.Module):
         self.sink = nnx.Param(jnp.zeros((num_heads,), jnp.float32))
 
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> SparseAttentionCache:
-        """An empty cache of ``max_len`` rows per sequence (``length = 0``).
+        """An empty cache for ``max_len`` tokens per sequence (``length = 0``).
 
-        ``dtype`` defaults to the layer's ``dtype``, else float32. Tokens whose position is
-        ``>= max_len`` are not stored (they still attend to the rows that are).
+        ``dtype`` defaults to the layer's ``dtype``, else float32 (bf16 is stored as uint16 bit
+        patterns). With ``compress_ratio = c > 1`` the cache holds ``max_len // c`` compressed
+        rows and the ``max_len`` raw rows. Tokens whose position is ``>= max_len`` are not stored
+        (they still attend to the rows that are).
         """
+        c = self.compress_ratio
+        if max_len < c:
+            raise ValueError(
+                f"SparseAttention.init_cache: max_len must be at least compress_ratio = {c}; "
+                f"got {max_len}"
+            )
         if dtype is None:
             dtype = jnp.float32 if self.dtype is None else self.dtype
+        stored = _storage_dtype(dtype)
+
+        def zeros(rows, width):
+            return jnp.zeros((batch_size, rows, width), stored)
+
+        raw = c > 1
         return SparseAttentionCache(
-            kv=jnp.zeros((batch_size, max_len, self.head_dim), dtype),
-            index_keys=jnp.zeros((batch_size, max_len, self.index_dim), dtype),
+            kv=zeros(max_len // c, self.head_dim),
+            index_keys=zeros(max_len // c, self.index_dim),
             length=jnp.zeros((batch_size,), jnp.int32),
+            raw_kv=zeros(max_len, self.head_dim) if raw else None,
+            raw_index_keys=zeros(max_len, self.index_dim) if raw else None,
         )
 
     def _project(self, x):
@@ -225,19 +387,36 @@ class SparseAttention(nnx.Module):
         if cache is None:
             return
         B = x.shape[0]
+        c = self.compress_ratio
+        hint = "make it with layer.init_cache(batch_size, max_len)"
+        raw = cache.raw_kv.shape[1] if getattr(cache.raw_kv, "ndim", 0) == 3 else None
+        rows = cache.kv.shape[1] if cache.kv.ndim == 3 else None
         want = {
-            "kv": (B, None, self.head_dim),
-            "index_keys": (B, None, self.index_dim),
+            "kv": (B, rows, self.head_dim),
+            "index_keys": (B, rows, self.index_dim),
             "length": (B,),
         }
-        rows = cache.kv.shape[1] if cache.kv.ndim == 3 else None
+        if c > 1:
+            if cache.raw_kv is None or cache.raw_index_keys is None:
+                raise ValueError(
+                    f"SparseAttention: with compress_ratio = {c} the cache needs raw_kv and "
+                    f"raw_index_keys ({hint})"
+                )
+            want["raw_kv"] = (B, raw, self.head_dim)
+            want["raw_index_keys"] = (B, raw, self.index_dim)
+            want["kv"] = (B, None if raw is None else raw // c, self.head_dim)
+            want["index_keys"] = want["kv"][:2] + (self.index_dim,)
+        elif cache.raw_kv is not None or cache.raw_index_keys is not None:
+            raise ValueError(
+                f"SparseAttention: a cache with raw_kv belongs to a layer with compress_ratio > 1; "
+                f"this layer has compress_ratio = 1 ({hint})"
+            )
         for name, shape in want.items():
             got = getattr(cache, name).shape
-            shape = tuple(rows if s is None else s for s in shape)
             if got != shape:
                 raise ValueError(
                     f"SparseAttention: cache.{name} must have shape {shape} for x {x.shape}; "
-                    f"got {got} (make it with layer.init_cache(batch_size, max_len))"
+                    f"got {got} ({hint})"
                 )
 
     def __call__(
@@ -249,7 +428,7 @@ class SparseAttention(nnx.Module):
           x: ``[B, T, E]`` float, the new tokens of each sequence.
           cache: ``None`` (the ``T`` tokens are the whole sequence, at positions ``0..T-1``), or a
             :class:`SparseAttentionCache` from :meth:`init_cache` or from a previous call (the
-            tokens are at positions ``cache.length[b] + t``).
+            tokens are at positions ``cache.length[b] + t``). Donate it in a jitted step.
 
         Returns:
           ``y [B, T, E]`` without a cache; ``(y, new_cache)`` with one, where ``new_cache`` holds
@@ -257,104 +436,268 @@ class SparseAttention(nnx.Module):
         """
         self._check_input(x, cache)
         B, T, _ = x.shape
-        q, kv, idx, new_cache = self._queries_rows_and_selection(x, cache)
+        p = self._prepare(x, cache)
+        block = PREFILL_BLOCK_TOKENS
+        if T <= block:
+            o = self._select_and_attend(p, p.q, p.iq, p.iw, p.positions)
+        else:
+            # Token blocks, one after the other: the selection [B, block, topk] and the attention's
+            # working set exist for one block at a time (padding tokens: position -1, no rows).
+            n = -(-T // block)
+            pad = n * block - T
 
-        def attend(q_b, kv_b, idx_b, sink):
-            return gathered_attn_idx(
-                q_b, kv_b, idx_b, sink, scale=self.scale, implementation=self.implementation
-            )
+            def blocks(a, fill=0):
+                a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2), constant_values=fill)
+                return jnp.moveaxis(a.reshape(B, n, block, *a.shape[2:]), 1, 0)
 
-        o = jax.vmap(attend, in_axes=(0, 0, 0, None))(q, kv.astype(q.dtype), idx, self.sink[...])
+            def one(args):
+                return self._select_and_attend(p, *args)
+
+            o = jax.lax.map(one, (blocks(p.q), blocks(p.iq), blocks(p.iw),
+                                  blocks(p.positions, -1)))
+            o = jnp.moveaxis(o, 0, 1).reshape(B, n * block, self.num_heads, self.head_dim)[:, :T]
         y = self.out(o.reshape(B, T, self.num_heads * self.head_dim))
-        return y if cache is None else (y, new_cache)
+        return y if cache is None else (y, p.cache)
+
+    def _select_and_attend(self, p: _Prepared, q, iq, iw, positions):
+        """Selection and attention of a block of tokens (``q [B, t, H, D]``, ``iq``, ``iw``,
+        ``positions [B, t]``) over the prepared rows -> ``o [B, t, H, D]``."""
+        idx = self._select(iq, iw, p.keys, positions)
+        sink = self.sink[...]
+        impl, scale = self.implementation, self.scale
+        if self.window is None:
+            def attend(q_b, kv_b, idx_b):
+                return gathered_attn_idx(q_b, kv_b, idx_b, sink, scale=scale, implementation=impl)
+
+            return jax.vmap(attend)(q, p.rows.astype(q.dtype), idx)
+
+        def partial(q_b, kv_b, idx_b, sink_b):
+            return gathered_attn_idx(q_b, kv_b, idx_b, sink_b, scale=scale, implementation=impl,
+                                     return_lse=True)
+
+        back = jnp.arange(self.window - 1, -1, -1, dtype=jnp.int32)
+        window_idx = positions[..., None] - back  # [B, t, W]: p - W + 1 .. p
+        window_idx = jnp.where(window_idx < 0, jnp.int32(-1), window_idx)
+        if self.compress_ratio == 1:
+            # Same rows: a selected row inside the window is attended once, in the window.
+            idx = jnp.where(idx > positions[..., None] - self.window, jnp.int32(-1), idx)
+        o_sel, lse_sel = jax.vmap(partial, in_axes=(0, 0, 0, None))(
+            q, p.rows.astype(q.dtype), idx, None)
+        o_win, lse_win = jax.vmap(partial, in_axes=(0, 0, 0, None))(
+            q, p.raw.astype(q.dtype), window_idx, sink)
+        return merge_attention([o_sel, o_win], [lse_sel, lse_win])[0]
 
     def select_rows(self, x: jax.Array, cache: Optional[SparseAttentionCache] = None) -> jax.Array:
-        """The cache rows the indexer picks for each token (what ``self(x, cache)`` attends to).
+        """The rows the indexer picks for each token (``self(x, cache)`` attends to these, and to
+        the window's rows when the layer has one).
 
         Args: as :meth:`__call__`; the cache is not modified.
 
         Returns:
-          ``[B, T, min(topk, R)]`` int32 rows (``R = T`` without a cache), best first; ``-1`` for
-          an empty slot.
+          ``[B, T, topk]`` int32 rows (compressed rows with ``compress_ratio > 1``), best first;
+          ``-1`` for an empty slot.
         """
         self._check_input(x, cache)
-        return self._queries_rows_and_selection(x, cache)[2]
+        p = self._prepare(x, cache)
+        return self._select(p.iq, p.iw, p.keys, p.positions)
 
-    def _queries_rows_and_selection(self, x, cache):
-        """Projections, the cache write and the top-k selection.
+    def _select(self, iq, iw, keys, positions, return_scores=False):
+        """The top-k rows ``[B, T, topk]`` (and their f32 scores, differentiable with respect to
+        iq, iw and keys) by the layer's selection."""
+        c, k = self.compress_ratio, self.topk
+        if self.selection == "dense":
+            scores = indexer_scores(iq, iw, keys, positions, c)
+            idx = _pad_slots(select_topk_rows(scores, k), k)
+            if not return_scores:
+                return idx
+            picked = jnp.take_along_axis(scores, jnp.maximum(idx, 0), axis=-1)
+            return idx, jnp.where(idx >= 0, picked, -jnp.inf)
+        from . import indexer_topk
 
-        Returns ``q [B, T, H, D]``, the rows to attend to ``kv [B, R, D]``, ``idx [B, T, k]`` and
-        the updated cache (``None`` without one).
-        """
+        def one(q_b, w_b, k_b, p_b):
+            return indexer_topk(q_b, w_b, k_b, p_b, k, compress_ratio=c,
+                                return_scores=return_scores, implementation=self.implementation)
+
+        return jax.vmap(one)(iq, iw, keys, positions)
+
+    def _prepare(self, x, cache) -> _Prepared:
+        """Projections, the cache writes (raw rows, pooled blocks) and the top-k selection."""
         B, T, _ = x.shape
+        c = self.compress_ratio
         q, rows, iq, ik, iw = self._project(x)
         offsets = jnp.arange(T, dtype=jnp.int32)[None, :]
         if cache is None:
             positions = jnp.broadcast_to(offsets, (B, T))
-            kv, index_keys, new_cache = rows, ik, None
+            raw = rows
+            if c == 1:
+                sel_rows, sel_keys = rows, ik
+            else:
+                sel_rows, sel_keys = _pool_blocks(rows, c), _pool_blocks(ik, c)
+            new_cache = None
         else:
             positions = cache.length[:, None] + offsets
-            batch = jnp.arange(B)[:, None]
-            # mode="drop": tokens beyond the cache's capacity are not stored instead of
-            # overwriting the last row (what a clamped dynamic_update_slice would do).
-            kv = cache.kv.at[batch, positions].set(rows.astype(cache.kv.dtype), mode="drop")
-            index_keys = cache.index_keys.at[batch, positions].set(
-                ik.astype(cache.index_keys.dtype), mode="drop"
-            )
-            new_cache = SparseAttentionCache(kv, index_keys, cache.length + T)
-        idx = select_topk_rows(indexer_scores(iq, iw, index_keys, positions), self.topk)
-        return q, kv, idx, new_cache
+            sel_rows, sel_keys, raw, new_cache = self._write(cache, rows, ik, positions)
+        return _Prepared(q, sel_rows, sel_keys, raw, iq, iw, positions, new_cache)
 
-    def indexer_loss(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _write(self, cache, rows, ik, positions):
+        """Writes the new tokens into the cache. Returns the selectable rows and keys and the raw
+        rows (float views of the new cache) and the new cache."""
+        B, T = positions.shape
+        c = self.compress_ratio
+        batch = jnp.arange(B)[:, None]
+
+        def put(stored, values, at):
+            # mode="drop": tokens beyond the capacity are not stored instead of overwriting the
+            # last row (what a clamped dynamic_update_slice would do).
+            return stored.at[batch, at].set(_to_storage(values, stored.dtype), mode="drop")
+
+        if c == 1:
+            kv = put(cache.kv, rows, positions)
+            keys = put(cache.index_keys, ik, positions)
+            new = SparseAttentionCache(kv, keys, cache.length + T)
+            return _values(kv), _values(keys), _values(kv), new
+        raw_kv = put(cache.raw_kv, rows, positions)
+        raw_keys = put(cache.raw_index_keys, ik, positions)
+        # The blocks that the call's tokens complete (at most T // c + 1), pooled from the raw rows.
+        first = cache.length // c
+        blocks = first[:, None] + jnp.arange(T // c + 1, dtype=jnp.int32)[None, :]  # [B, nb]
+        complete = (blocks + 1) * c <= (cache.length + T)[:, None]
+        members = blocks[..., None] * c + jnp.arange(c, dtype=jnp.int32)  # [B, nb, c]
+        rows_out = cache.kv.shape[1]
+        target = jnp.where(complete, blocks, rows_out)  # rows_out: out of range, dropped
+
+        def pooled(stored_raw, dtype):
+            got = _values(stored_raw.at[batch[..., None], members].get(mode="fill", fill_value=0))
+            return (got.astype(jnp.float32).sum(2) / c).astype(dtype)
+
+        kv = put(cache.kv, pooled(raw_kv, rows.dtype), target)
+        keys = put(cache.index_keys, pooled(raw_keys, ik.dtype), target)
+        new = SparseAttentionCache(kv, keys, cache.length + T, raw_kv, raw_keys)
+        return _values(kv), _values(keys), _values(raw_kv), new
+
+    def indexer_loss(self, x: jax.Array, *, sparse: bool = False) -> tuple[jax.Array, jax.Array]:
         """Distillation loss that trains the indexer to pick the rows the attention uses.
 
         The top-k indices give the indexer no gradient, so, as in DeepSeek V3.2, the indexer learns
-        from its own loss: for each token, the target distribution over its causal rows is the
-        layer's **dense** attention (softmax with the sink, every head), summed over heads and
-        normalised to 1; the loss is ``KL(target || softmax(indexer scores))``, averaged over tokens.
-        The target and the indexer's input are detached, so only ``index_query``, ``index_key`` and
-        ``index_weights`` receive gradients; add it to the main loss (optionally weighted).
+        from its own loss ``KL(target || softmax(indexer scores))``, averaged over tokens. The
+        target and the indexer's input are detached, so only ``index_query``, ``index_key`` and
+        ``index_weights`` receive gradients; add it to the main loss (optionally weighted). The
+        rows are the layer's selectable rows (compressed rows with ``compress_ratio > 1``); the
+        window plays no part.
 
-        Costs ``O(B * T * H * T)`` memory (dense attention over the sequence): meant for training
-        sequences, without a cache.
+        Two forms:
+
+        - ``sparse=False`` (dense; DeepSeek V3.2's warm-up stage): the target over every valid row
+          is the layer's **dense** attention (softmax with the sink, every head), summed over heads
+          and normalised to 1; the indexer's distribution is the softmax of its scores over the
+          same rows. ``O(B T H R)`` memory: use it for short training sequences (a few thousand
+          tokens).
+        - ``sparse=True`` (DeepSeek V3.2's sparse training stage; MaxText's
+          ``indexer_sparse_training``): both distributions are restricted to the ``topk`` rows the
+          indexer selects (:func:`jax_sparse_attn.indexer_topk` with ``return_scores=True``): the
+          target is the layer's sparse attention over those rows (softmax with the sink, per head,
+          summed over heads, normalised to 1), the prediction the softmax of their indexer
+          scores. Memory ``O(B T topk)``, computed in chunks of ``SPARSE_LOSS_CHUNK_TOKENS``
+          tokens: use it for long sequences, or whenever the layer is trained sparse.
+
+        A token with no valid row adds 0 to the mean.
 
         Args:
           x: ``[B, T, E]`` float, a whole sequence per batch element (positions ``0..T-1``).
+          sparse: which form (see above).
 
         Returns:
-          ``(loss, selected_mass)``: float32 scalars. ``selected_mass`` is the mean fraction of the
-          target mass that falls on the rows the indexer currently selects (1 = the top-k rows hold
-          all of the dense attention), a progress measure that has no gradient.
+          ``(loss, mass)``: float32 scalars with no gradient on ``mass``. Dense form: ``mass`` is
+          the mean fraction of the target mass that falls on the rows the indexer currently
+          selects (1 = the top-k rows hold all of the dense attention). Sparse form: ``mass`` is
+          the mean overlap ``sum_k min(target_k, prediction_k)`` of the two distributions over the
+          selected rows (1 = identical).
         """
         self._check_input(x, None)
         B, T, _ = x.shape
+        c = self.compress_ratio
         # Detached input: this loss trains the indexer only, never the layer's input.
         q, rows, iq, ik, iw = self._project(jax.lax.stop_gradient(x))
         q, rows = jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows)
+        if c > 1:
+            rows, ik = _pool_blocks(rows, c), _pool_blocks(ik, c)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
-        valid = jnp.arange(T)[None, None, :] <= positions[:, :, None]  # [B, T, R=T]
-
         scale = self.head_dim**-0.5 if self.scale is None else self.scale
+        sink = jax.lax.stop_gradient(self.sink[...])
+        if sparse:
+            return self._sparse_indexer_loss(q, rows, iq, ik, iw, positions, scale, sink)
+
+        R = rows.shape[1]
+        valid = (jnp.arange(R)[None, None, :] + 1) * c <= positions[:, :, None] + 1  # [B, T, R]
         logits = jnp.einsum("bthd,brd->bthr", q, rows, preferred_element_type=jnp.float32)
         logits = jnp.where(valid[:, :, None, :], logits * jnp.float32(scale), -jnp.inf)
-        sink = jax.lax.stop_gradient(self.sink[...])[None, None, :, None]
-        # A +inf sink takes all of its head's attention (the op outputs 0 there): that head adds
-        # nothing to the target; keep it out of the max so that no inf - inf appears.
-        sink_wins = sink == jnp.inf
-        sink = jnp.where(sink_wins, -jnp.inf, sink)
-        m = jnp.maximum(jnp.max(logits, -1, keepdims=True), sink)
-        e = jnp.exp(logits - m)
-        probs = e / (jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m))  # [B, T, H, R]
-        probs = jnp.where(sink_wins, 0.0, probs)
-        target = jnp.sum(probs, axis=2)
-        target = target / jnp.maximum(jnp.sum(target, -1, keepdims=True), jnp.float32(1e-30))
+        target = _attention_mass(logits, sink[None, None, :, None])  # [B, T, R]
 
-        scores = indexer_scores(iq, iw, ik, positions)
-        log_pred = jnp.where(valid, jax.nn.log_softmax(scores, axis=-1), 0.0)
-        log_target = jnp.log(jnp.where(target > 0, target, 1.0))
-        loss = jnp.mean(jnp.sum(target * (log_target - log_pred), axis=-1))
+        scores = indexer_scores(iq, iw, ik, positions, c)
+        any_valid = valid.any(-1, keepdims=True)
+        # A token with no valid row: 0 instead of log_softmax(all -inf) = NaN (and NaN gradients).
+        log_pred = jnp.where(valid, jax.nn.log_softmax(jnp.where(any_valid, scores, 0.0), -1), 0.0)
+        loss = jnp.mean(_kl(target, log_pred))
 
         idx = select_topk_rows(scores, self.topk)
         picked = jnp.take_along_axis(target, jnp.maximum(idx, 0), axis=-1)
         selected_mass = jnp.mean(jnp.sum(jnp.where(idx >= 0, picked, 0.0), axis=-1))
         return loss, jax.lax.stop_gradient(selected_mass)
+
+    def _sparse_indexer_loss(self, q, rows, iq, ik, iw, positions, scale, sink):
+        """The sparse form of :meth:`indexer_loss` (see there)."""
+        idx, scores = self._select(iq, iw, ik, positions, return_scores=True)  # [B, T, K]
+        idx = jax.lax.stop_gradient(idx)
+        chunk = SPARSE_LOSS_CHUNK_TOKENS
+        B, T = idx.shape[:2]
+        pad = -T % chunk
+
+        def target_of_sequence(q_b, rows_b, idx_b):
+            # [T, H, D], [R, D], [T, K] -> [T, K]: the sparse attention's mass per selected row,
+            # token chunk by token chunk so that only [chunk, K, D] rows are gathered at a time.
+            q_c = jnp.pad(q_b, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, *q_b.shape[1:])
+            idx_c = jnp.pad(idx_b, ((0, pad), (0, 0)), constant_values=-1)
+            idx_c = idx_c.reshape(-1, chunk, idx_b.shape[-1])
+
+            def one_chunk(args):
+                q_t, idx_t = args
+                got = rows_b.at[jnp.maximum(idx_t, 0)].get(mode="fill", fill_value=0)
+                logits = jnp.einsum("thd,tkd->thk", q_t, got, preferred_element_type=jnp.float32)
+                logits = jnp.where((idx_t >= 0)[:, None, :], logits * jnp.float32(scale), -jnp.inf)
+                return _attention_mass(logits, sink[None, :, None])
+
+            return jax.lax.map(one_chunk, (q_c, idx_c)).reshape(-1, idx_b.shape[-1])[:T]
+
+        target = jax.lax.stop_gradient(jax.vmap(target_of_sequence)(q, rows, idx))
+        valid = idx >= 0
+        any_valid = valid.any(-1, keepdims=True)
+        safe = jnp.where(valid & any_valid, scores, jnp.where(any_valid, -jnp.inf, 0.0))
+        log_pred = jnp.where(valid, jax.nn.log_softmax(safe, -1), 0.0)
+        loss = jnp.mean(_kl(target, log_pred))
+        overlap = jnp.sum(jnp.where(valid, jnp.minimum(target, jnp.exp(log_pred)), 0.0), -1)
+        return loss, jax.lax.stop_gradient(jnp.mean(overlap))
+
+
+def _attention_mass(logits, sink):
+    """Attention probabilities with the sink in the denominator, summed over heads (axis -2) and
+    normalised to 1 over the rows (last axis); 0 for a token with no valid row.
+
+    logits ``[..., H, R]`` f32 with ``-inf`` for invalid rows; sink broadcastable to it.
+    """
+    # A +inf sink takes all of its head's attention (the op outputs 0 there): that head adds
+    # nothing to the target; keep it out of the max so that no inf - inf appears.
+    sink_wins = sink == jnp.inf
+    sink = jnp.where(sink_wins, -jnp.inf, sink)
+    m = jnp.maximum(jnp.max(logits, -1, keepdims=True), sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(logits - m)
+    probs = e / jnp.maximum(jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m), jnp.float32(1e-30))
+    probs = jnp.where(sink_wins, 0.0, probs)
+    target = jnp.sum(probs, axis=-2)
+    return target / jnp.maximum(jnp.sum(target, -1, keepdims=True), jnp.float32(1e-30))
+
+
+def _kl(target, log_pred):
+    """``sum_r target * (log target - log_pred)`` over the last axis (0 where target is 0)."""
+    log_target = jnp.log(jnp.where(target > 0, target, 1.0))
+    return jnp.sum(target * (log_target - log_pred), axis=-1)

@@ -238,12 +238,83 @@ def write_png(result: dict, path: str, dpi: int = 90) -> None:
     plt.close(fig)
 
 
+# --- the indexer: time and memory against T and R (data: bench_indexer.sweep) -----------------------
+
+
+def _indexer_sweep_points(points: Sequence[dict], axis: str, path: str, field: str):
+    xs = [p[axis] for p in points if p.get(path)]
+    return xs, [p[path][field] for p in points if p.get(path)]
+
+
+def draw_indexer_sweep(ax_time, ax_memory, points: Sequence[dict], axis: str, title: str) -> None:
+    """Median time and peak memory growth of one call against ``axis`` ("T" or "R"): the
+    streaming ``indexer_topk`` and the dense path (``indexer_scores`` + ``select_topk_rows``);
+    the dense path's points that would not fit are marked with their computed size."""
+    gib = 2**30
+    for path, style, label in (("op", "o-", "indexer_topk (streaming)"),
+                               ("dense", "s--", "dense scores + lax.top_k")):
+        xs, t = _indexer_sweep_points(points, axis, path, "median_s")
+        ax_time.plot(xs, t, style, label=label)
+        xs, m = _indexer_sweep_points(points, axis, path, "growth_bytes")
+        ax_memory.plot(xs, [v / gib for v in m], style, label=label + " (measured)")
+    skipped = [p for p in points if not p.get("dense")]
+    if skipped:
+        ax_memory.plot([p[axis] for p in skipped], [p["dense_bytes"] / gib for p in skipped], "x",
+                       color="tab:orange", label="dense products + scores (computed; not run)")
+    ticks = [p[axis] for p in points]
+    for ax, ylabel in ((ax_time, "s per call (median)"),
+                       (ax_memory, "peak RSS growth of one call (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ticks, [f"{v // 1024}k" if v >= 1024 else str(v) for v in ticks])
+        _plain_log_axes(ax)
+        ax.set_xlabel(axis)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def indexer_figure(result: dict):
+    """The indexer sweep as a 2 x 2 figure: prefill (T = R) and decode (T = 1) rows, time and
+    memory columns. ``result`` as from ``bench_indexer.sweep`` (or its JSON)."""
+    fig, axes = pyplot().subplots(2, 2, figsize=(12, 8))
+    f = result["sizes"]["fixed"]
+    dims = f"Hi={f['Hi']}, Di={f['Di']}, K={f['K']}"
+    draw_indexer_sweep(axes[0, 0], axes[0, 1], result["prefill"], "T",
+                       f"Causal prefill, T = R ({dims})")
+    draw_indexer_sweep(axes[1, 0], axes[1, 1], result["decode"], "R",
+                       f"Decode, T = 1 ({dims})")
+    fig.suptitle(_subtitle(result), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def write_indexer_png(result: dict, path: str, dpi: int = 90) -> None:
+    fig = indexer_figure(result)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Only the child process of the naive memory measurement (``bench --plot`` is the command)."""
+    """The child process of the naive memory measurement (``bench --plot`` is the command), or
+    ``--indexer-sweep JSON --png PATH``: draws a saved indexer sweep
+    (``python -m jax_sparse_attn.bench --indexer-sweep --json JSON`` measures it)."""
     p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.plots", description=__doc__.splitlines()[0])
-    p.add_argument("--naive-memory-child", metavar="T,H,D,K,R", required=True)
+    p.add_argument("--naive-memory-child", metavar="T,H,D,K,R")
+    p.add_argument("--indexer-sweep", metavar="JSON", help="a saved indexer sweep to draw")
+    p.add_argument("--png", metavar="PATH", help="with --indexer-sweep: where to write the chart")
     p.add_argument("--dtype", choices=sorted(bench.DTYPES), default="bf16")
     a = p.parse_args(argv)
+    if a.indexer_sweep:
+        if not a.png:
+            p.error("--indexer-sweep needs --png PATH")
+        with open(a.indexer_sweep) as f:
+            write_indexer_png(json.load(f), a.png)
+        print(f"# wrote {a.png}")
+        return 0
+    if not a.naive_memory_child:
+        p.error("give --naive-memory-child T,H,D,K,R or --indexer-sweep JSON --png PATH")
     T, H, D, K, R = (int(v) for v in a.naive_memory_child.split(","))
     print(json.dumps(naive_memory_child(bench.Shape("memory-naive", T, H, D, K, R), a.dtype)))
     return 0

@@ -131,3 +131,42 @@ def test_two_caches_command_line_times_the_alternatives(tmp_path, capsys):
     # Two roundings against one: close, not necessarily equal.
     assert 0 <= rec["max_abs_diff_merge_vs_op"] < 0.05
     assert "concatenate then call" in capsys.readouterr().out
+
+
+def test_indexer_cases_count_the_causal_pairs_and_check_against_float64(rng):
+    from jax_sparse_attn import bench_indexer as bi
+
+    prefill = bi.IndexerShape("p", 6, 2, 4, 3, 6)
+    decode = bi.IndexerShape("d", 1, 2, 4, 3, 10)
+    assert prefill.valid_pairs == 6 * 7 // 2 and decode.valid_pairs == 10
+    assert prefill.flops == 2 * 2 * 4 * 21
+    # check_selection: the f64 top-k passes; a wrong row is counted out.
+    q = rng.standard_normal((6, 2, 4)).astype(np.float32)
+    w = rng.standard_normal((6, 2)).astype(np.float32)
+    keys = rng.standard_normal((6, 4)).astype(np.float32)
+    positions = prefill.positions
+    idx = np.full((6, 3), -1, np.int32)
+    for t in range(6):
+        s = np.maximum(q[t].astype(np.float64) @ keys[: t + 1].T.astype(np.float64), 0).T @ w[t]
+        top = np.argsort(-s, kind="stable")[:3]
+        idx[t, : len(top)] = top
+    good = bi.check_selection(idx, q, w, keys, positions, 3, tokens=6)
+    assert good["rows_in_f64_topk"] == 1.0 and good["max_gap_rel"] == 0.0
+    bad = idx.copy()
+    last = int(np.setdiff1d(np.arange(6), idx[5])[0])
+    bad[5, 2] = last
+    assert bi.check_selection(bad, q, w, keys, positions, 3, tokens=6)["rows_in_f64_topk"] < 1.0
+
+
+@pytest.mark.slow  # compiles the indexer and a layer decode step: tens of seconds
+def test_indexer_command_line_writes_json(tmp_path, capsys):
+    out = tmp_path / "indexer.json"
+    assert bench.main(["--cases", "indexer,layer-decode", "--quick", "--repeats", "2",
+                       "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [r["case"] for r in records] == ["indexer", "indexer", "layer-decode"]
+    for rec in records[:2]:
+        assert rec["selection_check"]["rows_in_f64_topk"] == 1.0
+        assert rec["dense_same_rows"] == 1.0 and rec["op_fraction_of_gemm_f32"] > 0
+    assert records[2]["step_over_parts"] > 0
+    assert "layer-decode" in capsys.readouterr().out

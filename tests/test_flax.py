@@ -24,9 +24,17 @@ from jax_sparse_attn.flax import (  # noqa: E402
 E, H, D, HI, DI = 16, 4, 8, 3, 8
 
 
-def make_layer(topk, seed=0, dtype=None, sink=None):
+# The layer's default selection is the streaming indexer_topk; each distinct shape compiles its
+# streaming loop (seconds), so most tests here check the layer's mechanics with the dense
+# selection, and the tests marked STREAMING run the default one (selections equal: tested).
+SELECTION = "dense"
+STREAMING = "streaming"
+
+
+def make_layer(topk, seed=0, dtype=None, sink=None, selection=None, **options):
     layer = SparseAttention(
-        E, H, D, topk, index_heads=HI, index_dim=DI, dtype=dtype, rngs=nnx.Rngs(seed)
+        E, H, D, topk, index_heads=HI, index_dim=DI, dtype=dtype,
+        selection=selection or SELECTION, rngs=nnx.Rngs(seed), **options
     )
     if sink is not None:
         layer.sink[...] = jnp.asarray(sink, jnp.float32)
@@ -100,14 +108,17 @@ def test_topk_covering_the_sequence_is_dense_causal_attention(dtype, tol):
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=tol, atol=tol)
     # The same through a cache larger than the sequence (rows past T are never written).
     cache = layer.init_cache(B, T + 3)
-    assert cache.kv.dtype == (dtype or jnp.float32)
+    # bf16 rows are stored as their uint16 bit patterns (in-place updates on XLA:CPU).
+    assert cache.kv.dtype == (jnp.uint16 if dtype == jnp.bfloat16 else jnp.float32)
+    assert cache.values().kv.dtype == (dtype or jnp.float32)
     y_cached, cache = nnx.jit(lambda m, x, c: m(x, c))(layer, x, cache)
     np.testing.assert_allclose(np.asarray(y_cached, np.float64), want, rtol=tol, atol=tol)
 
 
-def test_sparse_selection_matches_numpy_oracle():
+@pytest.mark.parametrize("selection", ["dense", STREAMING])
+def test_sparse_selection_matches_numpy_oracle(selection):
     B, T, K = 2, 9, 3
-    layer = make_layer(topk=K, seed=3, sink=SINK)
+    layer = make_layer(topk=K, seed=3, sink=SINK, selection=selection)
     x = inputs(B, T, seed=4)
     wt = weights(layer)
     scores = oracle_index_scores(wt, np.asarray(x, np.float64))
@@ -165,10 +176,10 @@ def test_indexer_scores_and_topk_rows():
     assert select_topk_rows(jnp.asarray(got), 50).shape == (B, T, R)
 
 
-@pytest.mark.parametrize("prefill", [1, 5])
-def test_prefill_then_decode_matches_the_full_sequence(prefill):
+@pytest.mark.parametrize("prefill, selection", [(1, "dense"), (5, STREAMING)])
+def test_prefill_then_decode_matches_the_full_sequence(prefill, selection):
     B, T, K, max_len = 2, 9, 3, 12
-    layer = make_layer(topk=K, seed=6, sink=SINK)
+    layer = make_layer(topk=K, seed=6, sink=SINK, selection=selection)
     x = inputs(B, T, seed=7)
     full = nnx.jit(lambda m, x: m(x))(layer, x)
 
@@ -318,3 +329,260 @@ def test_indexer_loss_matches_numpy_and_trains_only_the_indexer(sink):
     for linear in (grads.query, grads.kv, grads.out):
         assert not np.asarray(linear.kernel[...]).any()
     assert not np.asarray(grads.sink[...]).any()
+
+
+# --- compressed rows, the sliding window, the bf16 cache, the sparse indexer loss -----------------
+
+
+def pooled(a, ratio):
+    """[B, N, X] float64 -> [B, N // ratio, X]: means of consecutive blocks of ``ratio`` rows."""
+    B, N, X = a.shape
+    n = N // ratio
+    return a[:, : n * ratio].reshape(B, n, ratio, X).mean(2)
+
+
+def oracle_parts(wt, x, ratio):
+    """float64 projections: q [B,T,H,D], raw rows [B,T,D], selectable rows and their indexer keys
+    (pooled when ratio > 1), iq [B,T,HI,DI], iw [B,T,HI]."""
+    B, T, _ = x.shape
+    q = (x @ wt["q"]).reshape(B, T, H, D)
+    raw = x @ wt["kv"]
+    ik = x @ wt["ik"]
+    rows, keys = (raw, ik) if ratio == 1 else (pooled(raw, ratio), pooled(ik, ratio))
+    return q, raw, rows, keys, (x @ wt["iq"]).reshape(B, T, HI, DI), x @ wt["iw"]
+
+
+def oracle_selection(keys, iq, iw, ratio, K):
+    """Top-K selectable rows per token (float64 scores, ties to the lower row), with a check that
+    the test data has no float32 near-tie at the boundary."""
+    B, T = iq.shape[:2]
+    chosen = {}
+    for b in range(B):
+        for t in range(T):
+            n = min((t + 1) // ratio, keys.shape[1])
+            s = [(iw[b, t] * np.maximum(iq[b, t] @ keys[b, r], 0)).sum() / np.sqrt(HI * DI)
+                 for r in range(n)]
+            order = sorted(range(n), key=lambda r: (-s[r], r))
+            if n > K:
+                gap = s[order[K - 1]] - s[order[K]]
+                assert gap == 0 or gap > 1e-4, f"degenerate test data at b={b}, t={t}"
+            chosen[b, t] = order[:K]
+    return chosen
+
+
+def oracle_attention(wt, q, attended):
+    """float64 layer output; ``attended[b, t]`` is the [n, D] matrix of rows token (b, t) attends
+    to (each row once); softmax with the sink in the denominator."""
+    B, T = q.shape[:2]
+    o = np.zeros((B, T, H, D))
+    for b in range(B):
+        for t in range(T):
+            rows = attended[b, t]
+            for h in range(H):
+                logits = rows @ q[b, t, h] * D**-0.5
+                m = max(logits.max(initial=-np.inf), wt["sink"][h])
+                e = np.exp(logits - m)
+                o[b, t, h] = e @ rows / (e.sum() + np.exp(wt["sink"][h] - m))
+    return o.reshape(B, T, H * D) @ wt["o"]
+
+
+def oracle_v4_layer(wt, x, ratio, window, K):
+    """The layer with compress_ratio and window, in float64: selected (compressed) rows and the
+    window's raw rows; with ratio 1 the union of the two sets of rows (no row twice)."""
+    x = np.asarray(x, np.float64)
+    q, raw, rows, keys, iq, iw = oracle_parts(wt, x, ratio)
+    chosen = oracle_selection(keys, iq, iw, ratio, K)
+    attended = {}
+    for (b, t), sel in chosen.items():
+        win = list(range(max(0, t - window + 1), t + 1)) if window else []
+        if ratio == 1:
+            attended[b, t] = raw[b, sorted(set(sel) | set(win))]
+        else:
+            attended[b, t] = np.concatenate([rows[b, sel], raw[b, win]]).reshape(-1, D)
+    return oracle_attention(wt, q, attended), chosen
+
+
+@pytest.mark.parametrize("ratio, window, selection", [
+    (4, None, "dense"), (1, 3, "dense"), (3, 4, "dense"),
+    pytest.param(3, 4, STREAMING, marks=pytest.mark.slow)],
+    ids=["compressed", "window", "compressed+window", "compressed+window-streaming"])
+def test_compressed_rows_and_window_match_numpy_oracle(ratio, window, selection):
+    B, T, K = 2, 13, 2
+    layer = make_layer(topk=K, seed=21, sink=SINK, compress_ratio=ratio, window=window,
+                       selection=selection)
+    x = inputs(B, T, seed=22)
+    want, chosen = oracle_v4_layer(weights(layer), x, ratio, window, K)
+    picked = np.asarray(layer.select_rows(x))
+    for (b, t), sel in chosen.items():
+        assert picked[b, t].tolist() == sel + [-1] * (K - len(sel)), (b, t)
+    y = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+    # A real difference from plain top-k over raw rows (the options do something).
+    plain = make_layer(topk=K, seed=21, sink=SINK)
+    assert np.abs(np.asarray(plain(x)) - want).max() > 1e-3
+
+    # Through a cache, prefill then one token at a time (blocks complete across calls).
+    step = nnx.jit(lambda m, x, c: m(x, c))
+    cache = layer.init_cache(B, 16)
+    pieces = []
+    for lo, hi in [(0, 5)] + [(t, t + 1) for t in range(5, T)]:
+        y_part, cache = step(layer, x[:, lo:hi], cache)
+        pieces.append(y_part)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(pieces, 1)), want, rtol=2e-5, atol=2e-5)
+    if ratio > 1:
+        # The cached compressed rows are the block means of the raw rows written so far.
+        raw = np.asarray(x, np.float64) @ weights(layer)["kv"]
+        got = np.asarray(cache.kv)[:, : T // ratio]
+        np.testing.assert_allclose(got, pooled(raw, ratio), rtol=1e-5, atol=1e-6)
+        assert not np.asarray(cache.kv)[:, T // ratio:].any()  # incomplete block: not written
+
+
+def test_bf16_cache_is_stored_as_bits_and_decodes_like_the_full_sequence():
+    B, T, K = 1, 7, 3
+    layer = make_layer(topk=K, seed=23, dtype=jnp.bfloat16, sink=SINK, compress_ratio=2, window=2)
+    x = inputs(B, T, seed=24).astype(jnp.bfloat16)
+    full = nnx.jit(lambda m, x: m(x))(layer, x)
+    step = nnx.jit(lambda m, x, c: m(x, c), donate_argnums=2)
+    cache = layer.init_cache(B, 8)
+    assert {a.dtype for a in (cache.kv, cache.index_keys, cache.raw_kv)} == {jnp.dtype(jnp.uint16)}
+    pieces = []
+    for t in range(T):
+        y, cache = step(layer, x[:, t : t + 1], cache)
+        pieces.append(y)
+    np.testing.assert_array_equal(np.asarray(jnp.concatenate(pieces, 1), np.float32),
+                                  np.asarray(full, np.float32))
+    # The stored bits are the bf16 rows of the projection.
+    rows = np.asarray(layer.kv(x), np.float32)
+    np.testing.assert_array_equal(np.asarray(cache.values().raw_kv[:, :T], np.float32), rows)
+
+
+def test_v4_options_are_checked():
+    with pytest.raises(ValueError, match="compress_ratio must be a positive integer"):
+        make_layer(topk=2, compress_ratio=0)
+    with pytest.raises(ValueError, match="window must be a positive integer"):
+        make_layer(topk=2, window=0)
+    with pytest.raises(ValueError, match="selection must be one of"):
+        make_layer(topk=2, selection="approximate")
+    layer = make_layer(topk=2, compress_ratio=4)
+    with pytest.raises(ValueError, match="max_len must be at least compress_ratio = 4"):
+        layer.init_cache(1, 3)
+    plain_cache = make_layer(topk=2).init_cache(1, 8)
+    with pytest.raises(ValueError, match="needs raw_kv and raw_index_keys"):
+        layer(jnp.zeros((1, 1, E)), plain_cache)
+    with pytest.raises(ValueError, match="belongs to a layer with compress_ratio > 1"):
+        make_layer(topk=2)(jnp.zeros((1, 1, E)), layer.init_cache(1, 8))
+
+
+def oracle_sparse_indexer_loss(wt, x, ratio, K):
+    """float64 sparse indexer loss: per token, over its selected rows S, the layer's attention
+    (sink in each head's denominator) summed over heads and normalised, against the softmax of
+    the indexer scores over S; KL averaged over tokens. Also the mean overlap sum min(p, q)."""
+    x = np.asarray(x, np.float64)
+    q, _, rows, keys, iq, iw = oracle_parts(wt, x, ratio)
+    chosen = oracle_selection(keys, iq, iw, ratio, K)
+    B, T = x.shape[:2]
+    loss, overlap = 0.0, 0.0
+    for (b, t), sel in chosen.items():
+        if not sel:
+            continue
+        r = rows[b, sel]
+        target = np.zeros(len(sel))
+        for h in range(H):
+            if wt["sink"][h] == np.inf:
+                continue
+            logits = r @ q[b, t, h] * D**-0.5
+            m = max(logits.max(), wt["sink"][h])
+            e = np.exp(logits - m)
+            target += e / (e.sum() + np.exp(wt["sink"][h] - m))
+        target /= target.sum()
+        s = np.array([(iw[b, t] * np.maximum(iq[b, t] @ keys[b, j], 0)).sum() / np.sqrt(HI * DI)
+                      for j in sel])
+        log_pred = s - s.max() - np.log(np.exp(s - s.max()).sum())
+        loss += (target * (np.log(target) - log_pred)).sum() / (B * T)
+        overlap += np.minimum(target, np.exp(log_pred)).sum() / (B * T)
+    return loss, overlap
+
+
+@pytest.mark.parametrize("ratio, selection", [
+    (1, "dense"), (1, STREAMING), pytest.param(2, STREAMING, marks=pytest.mark.slow)],
+    ids=["dense-selection", "streaming", "compressed-streaming"])
+def test_sparse_indexer_loss_matches_numpy_and_trains_only_the_indexer(ratio, selection):
+    B, T, K = 2, 9, 3
+    layer = make_layer(topk=K, seed=25, sink=SINK, compress_ratio=ratio, selection=selection)
+    x = inputs(B, T, seed=26)
+    want_loss, want_overlap = oracle_sparse_indexer_loss(weights(layer), x, ratio, K)
+    (loss, overlap), grads = nnx.jit(nnx.value_and_grad(
+        lambda m, x: m.indexer_loss(x, sparse=True), has_aux=True))(layer, x)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+    np.testing.assert_allclose(overlap, want_overlap, rtol=1e-5)
+    assert want_loss > 1e-3 and 0 < float(overlap) < 1
+    for linear in (grads.index_query, grads.index_key, grads.index_weights):
+        grad = np.asarray(linear.kernel[...])
+        assert np.isfinite(grad).all() and np.abs(grad).max() > 0
+    for linear in (grads.query, grads.kv, grads.out):
+        assert not np.asarray(linear.kernel[...]).any()
+    assert not np.asarray(grads.sink[...]).any()
+
+
+def test_sparse_indexer_loss_gradient_is_the_oracle_gradient():
+    # d loss / d W_iw by central differences of the float64 oracle, against jax.grad.
+    B, T, K = 1, 7, 3
+    layer = make_layer(topk=K, seed=27, sink=SINK)
+    x = inputs(B, T, seed=28)
+    grads = nnx.grad(lambda m, x: m.indexer_loss(x, sparse=True)[0])(layer, x)
+    got = np.asarray(grads.index_weights.kernel[...], np.float64)
+    wt = weights(layer)
+    rng = np.random.default_rng(0)
+    direction = rng.standard_normal(wt["iw"].shape)
+    eps = 1e-5
+
+    def at(shift):
+        moved = dict(wt, iw=wt["iw"] + shift * direction)
+        return oracle_sparse_indexer_loss(moved, x, 1, K)[0]
+
+    want = (at(eps) - at(-eps)) / (2 * eps)
+    np.testing.assert_allclose((got * direction).sum(), want, rtol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_long_calls_run_in_token_blocks_with_the_same_result(window, monkeypatch):
+    import jax_sparse_attn.flax as layer_module
+
+    B, T, K = 2, 11, 3
+    layer = make_layer(topk=K, seed=29, sink=SINK, window=window)
+    x = inputs(B, T, seed=30)
+    want, _ = oracle_v4_layer(weights(layer), x, 1, window, K)
+    monkeypatch.setattr(layer_module, "PREFILL_BLOCK_TOKENS", 4)  # read while tracing: 3 blocks
+    y = nnx.jit(lambda m, x: m(x))(layer, x)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+    y_cached, _ = nnx.jit(lambda m, x, c: m(x, c))(layer, x, layer.init_cache(B, 16))
+    np.testing.assert_allclose(np.asarray(y_cached), want, rtol=2e-5, atol=2e-5)
+
+
+def test_dense_indexer_loss_over_compressed_rows_matches_numpy():
+    # compress_ratio = 2: the target is the dense attention over the complete compressed rows;
+    # tokens 0 (no complete block yet) add 0 to the mean, with finite gradients.
+    B, T, K, ratio = 1, 7, 2, 2
+    layer = make_layer(topk=K, seed=31, sink=SINK, compress_ratio=ratio)
+    x = inputs(B, T, seed=32)
+    wt = weights(layer)
+    q, _, rows, keys, iq, iw = oracle_parts(wt, np.asarray(x, np.float64), ratio)
+    want = 0.0
+    for t in range(T):
+        n = (t + 1) // ratio
+        if n == 0:
+            continue
+        target = np.zeros(n)
+        for h in range(H):
+            logits = rows[0, :n] @ q[0, t, h] * D**-0.5
+            m = max(logits.max(), wt["sink"][h])
+            e = np.exp(logits - m)
+            target += e / (e.sum() + np.exp(wt["sink"][h] - m))
+        target /= target.sum()
+        s = np.array([(iw[0, t] * np.maximum(iq[0, t] @ keys[0, j], 0)).sum() / np.sqrt(HI * DI)
+                      for j in range(n)])
+        log_pred = s - s.max() - np.log(np.exp(s - s.max()).sum())
+        want += (target * (np.log(target) - log_pred)).sum() / T
+    (loss, _), grads = nnx.value_and_grad(lambda m, x: m.indexer_loss(x), has_aux=True)(layer, x)
+    np.testing.assert_allclose(loss, want, rtol=1e-4)
+    assert np.isfinite(np.asarray(grads.index_query.kernel[...])).all()

@@ -69,3 +69,56 @@ def test_bench_plot_writes_a_png_and_the_sweep(tmp_path):
         # The naive version materialises the gathered slots: its peak holds at least them.
         assert point["naive_growth_bytes"] >= point["gathered_slot_bytes"]
         assert point["op_growth_bytes"] > 0
+
+
+def _indexer_point(axis_T, axis_R, op, dense):
+    point = {"T": axis_T, "R": axis_R, "dense_bytes": 4 * axis_T * axis_R * 5,
+             "op": {"median_s": op[0], "growth_bytes": op[1]}}
+    point["dense"] = None if dense is None else {"median_s": dense[0], "growth_bytes": dense[1]}
+    return point
+
+
+def test_indexer_figure_draws_the_sweep_values(rng):
+    sizes = {"fixed": dict(Hi=4, Di=64, K=2048), "prefill_T": [4096, 8192], "decode_R": [4096]}
+    op = rng.uniform(0.1, 2.0, (3, 2))
+    dense = rng.uniform(0.1, 2.0, (2, 2))
+    result = {"environment": bench.environment(), "dtype": "bf16", "sizes": sizes,
+              "prefill": [_indexer_point(4096, 4096, op[0] * [1, 2**30], dense[0] * [1, 2**30]),
+                          _indexer_point(8192, 8192, op[1] * [1, 2**30], None)],
+              "decode": [_indexer_point(1, 4096, op[2] * [1, 2**30], dense[1] * [1, 2**30])]}
+    fig = plots.indexer_figure(result)
+    time_prefill, memory_prefill, time_decode, _ = fig.axes
+    op_t, dense_t = time_prefill.lines
+    np.testing.assert_allclose(op_t.get_xdata(), [4096, 8192])
+    np.testing.assert_allclose(op_t.get_ydata(), op[:2, 0])
+    np.testing.assert_allclose(dense_t.get_ydata(), [dense[0, 0]])  # 8192 did not fit
+    op_m, dense_m, computed = memory_prefill.lines
+    np.testing.assert_allclose(op_m.get_ydata(), op[:2, 1])
+    np.testing.assert_allclose(dense_m.get_ydata(), [dense[0, 1]])
+    np.testing.assert_allclose(computed.get_ydata(), [4 * 8192 * 8192 * 5 / 2**30])
+    np.testing.assert_allclose(time_decode.lines[0].get_xdata(), [4096])
+
+
+def test_benchmarks_never_import_the_plotting_module():
+    # One direction only: plots imports the benchmarks' data, never the other way round.
+    code = ("import sys, jax_sparse_attn.bench, jax_sparse_attn.bench_indexer; "
+            "print('jax_sparse_attn.plots' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow  # eight fresh processes, each compiling one small indexer call
+def test_indexer_sweep_writes_json_and_the_chart_draws_it(tmp_path):
+    sweep_json, png = tmp_path / "sweep.json", tmp_path / "indexer.png"
+    assert bench.main(["--indexer-sweep", "--quick", "--json", str(sweep_json)]) == 0
+    result = json.loads(sweep_json.read_text())
+    from jax_sparse_attn import bench_indexer
+
+    sizes = bench_indexer.SWEEP["quick"]
+    assert [p["T"] for p in result["prefill"]] == sizes["prefill_T"]
+    assert [p["R"] for p in result["decode"]] == sizes["decode_R"]
+    for point in result["prefill"] + result["decode"]:
+        assert point["op"]["median_s"] > 0 and point["op"]["growth_bytes"] > 0
+        assert point["dense"]["median_s"] > 0  # the quick sizes all fit
+    assert plots.main(["--indexer-sweep", str(sweep_json), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
