@@ -1,20 +1,21 @@
-"""jax-sparse-attn: DeepSeek-style top-k sparse attention with attention sinks as JAX primitives.
+"""jax-sparse-attn: both halves of DeepSeek sparse attention as JAX primitives.
 
-``gathered_attn(q, g, sink)`` attends over pre-gathered slots; ``gathered_attn_idx(q, kv, idx, sink)``
-gathers the slots from a shared KV cache by index (also from an FP8 cache with ``kv_scale``, and
-from a cache split over its rows across devices). With ``return_lse=True`` both also return the
-log-sum-exp, and ``merge_attention(outs, lses)`` combines partial results over disjoint slot
-sets, and ``paged_indices`` maps logical rows to the rows of a paged cache. Both ops run the project's NKI kernel on AWS Trainium and a bf16-exact pure-jnp reference
-everywhere else.
+- The indexer, ``indexer_topk(q, weights, keys, positions, topk)``: each token's top-k cache rows
+  by the lightning-indexer score, exact and in bounded memory (``indexer/``).
+- The attention, ``gathered_attn(q, g, sink)`` over pre-gathered slots and
+  ``gathered_attn_idx(q, kv, idx, sink)`` gathering them from a shared KV cache by index (also
+  FP8 caches, two caches in one softmax, a cache split over its rows across devices); with
+  ``return_lse=True`` both return the log-sum-exp, and ``merge_attention(outs, lses)`` combines
+  partial results; ``paged_indices`` maps logical rows to a paged cache's rows (``attention/``).
+
+Each op runs the project's NKI kernel on AWS Trainium and a pure-jnp reference everywhere else.
+The public API is :mod:`jax_sparse_attn.api`.
 """
 
-from . import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)
-from .api import gathered_attn, gathered_attn_idx
-from .indexer.api import indexer_topk
+from .api import gathered_attn, gathered_attn_idx, indexer_topk, merge_attention, paged_indices
+from .attention import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)
+from .attention.primitive import gathered_attn_idx_p, gathered_attn_p
 from .indexer.primitive import indexer_topk_p
-from .merge import merge_attention
-from .paging import paged_indices
-from .primitives import gathered_attn_idx_p, gathered_attn_p
 
 # Registers implementation="nki_emulated" and the lazy "neuron" platform lowerings. Imports no
 # Neuron SDK: safe on every machine.

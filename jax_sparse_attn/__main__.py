@@ -76,7 +76,7 @@ def float64_attention(q, kv, idx, sink, scale):
 PATH_DESCRIPTIONS = {
     "nki": "the NKI kernel on a NeuronCore",
     "nki_emulated": "nki_emulated: the Neuron data path with the kernel run by the host NKI emulator",
-    "reference": "the jnp reference (jax_sparse_attn/reference.py)",
+    "reference": "the jnp reference (jax_sparse_attn/attention/reference.py)",
 }
 
 

@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cpu_products, gathered_attn_idx, reference
+from . import cpu_products, gathered_attn_idx
+from .attention import reference
 
 IMPLEMENTATIONS = ("none", "reference", "nki", "nki_emulated")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}

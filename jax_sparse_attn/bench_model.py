@@ -250,7 +250,7 @@ def run_model(
     (default :func:`default_shapes`). ``row_transposes``: ``"tensor"`` or ``"dma"`` overrides
     the kernel's ``ROW_TRANSPOSES`` for this run (the variant comparison of docs/neuron-kernel.md).
     """
-    from .neuron import kernels
+    from .attention import kernel as kernels
 
     if row_transposes is None:
         row_transposes = kernels.ROW_TRANSPOSES

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import sharding
-from .merge import merge_attention
+from .attention.merge import merge_attention
 
 # Operand positions of gathered_attn_idx_p: q, kv, idx, sink, bias, scale; then either the second
 # cache (extra_kv, extra_idx, extra_bias) or an FP8 cache's kv_scale (and kv_rope).

@@ -100,7 +100,7 @@ except ImportError as err:  # pragma: no cover - exercised only without flax
     ) from err
 
 from .api import gathered_attn_idx
-from .merge import merge_attention
+from .attention.merge import merge_attention
 
 __all__ = ["SparseAttention", "SparseAttentionCache", "indexer_scores", "select_topk_rows"]
 

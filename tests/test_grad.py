@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jax_sparse_attn as jsa
-from jax_sparse_attn import cpu_products, reference
+from jax_sparse_attn import cpu_products
+from jax_sparse_attn.attention import reference
 from oracle import BF16, attention_f64, central_differences, gather, moved_along
 
 T, H, D, R, K = 6, 3, 4, 6, 5

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jax_sparse_attn as jsa
-from jax_sparse_attn import primitives
-from jax_sparse_attn.neuron import lowering
+from jax_sparse_attn.attention import primitive
+from jax_sparse_attn.attention import neuron
 
 
 def test_import_never_warns_or_imports_the_neuron_sdk():
@@ -40,8 +40,8 @@ def test_nki_without_the_sdk_is_a_clear_error_at_trace_time(indexed):
 
 
 def test_nki_emulated_is_a_registered_path():
-    assert primitives.path("nki_emulated", False) is lowering.emulated_gathered_attn_lse
-    assert primitives.path("nki_emulated", True) is lowering.emulated_gathered_attn_idx_lse
+    assert primitive.path("nki_emulated", False) is neuron.emulated_gathered_attn_lse
+    assert primitive.path("nki_emulated", True) is neuron.emulated_gathered_attn_idx_lse
 
 
 def test_emulated_path_runs_through_a_host_callback():
@@ -67,33 +67,33 @@ def test_neuron_rules_wait_for_jax_to_know_the_platform(monkeypatch):
         if not known:
             raise NotImplementedError(f"Registering a lowering for an unknown platform {platform}")
 
-    monkeypatch.setattr(lowering.mlir, "register_lowering", register_lowering)
-    monkeypatch.setattr(lowering, "_neuron_lowerings_registered", False)
+    monkeypatch.setattr(neuron.mlir, "register_lowering", register_lowering)
+    monkeypatch.setattr(neuron, "_neuron_lowerings_registered", False)
 
     known = False
-    assert lowering.register_neuron_lowerings(c_api=object()) is False
+    assert neuron.register_neuron_lowerings(c_api=object()) is False
     known = True
     calls.clear()
-    assert lowering.register_neuron_lowerings(c_api=object()) is True
+    assert neuron.register_neuron_lowerings(c_api=object()) is True
     assert calls == [
-        (primitives.gathered_attn_p, "neuron"),
-        (primitives.gathered_attn_idx_p, "neuron"),
+        (primitive.gathered_attn_p, "neuron"),
+        (primitive.gathered_attn_idx_p, "neuron"),
     ]
     calls.clear()
-    assert lowering.register_neuron_lowerings(c_api=object()) is True  # once only
+    assert neuron.register_neuron_lowerings(c_api=object()) is True  # once only
     assert calls == []
 
 
 def test_on_this_machine_no_neuron_rule_is_registered():
-    assert lowering.register_neuron_lowerings() is False
+    assert neuron.register_neuron_lowerings() is False
 
 
 def test_neuron_rule_dispatch(monkeypatch):
     """On the "neuron" platform: None and "nki" take the kernel path, the others their own path."""
     seen = []
-    monkeypatch.setattr(lowering, "nki_gathered_attn_idx_lse",
+    monkeypatch.setattr(neuron, "nki_gathered_attn_idx_lse",
                         lambda *a, value_dim=None: seen.append("kernel") or (a[0], a[3]))
-    rule = lowering._neuron_rule(True)
+    rule = neuron._neuron_rule(True)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
@@ -108,7 +108,7 @@ def test_neuron_rule_dispatch(monkeypatch):
     assert seen == ["kernel", "kernel"]
     # Every rule returns (out, lse).
     for got, want in zip(rule(*args, implementation="reference"),
-                         primitives.path("reference", True)(*args)):
+                         primitive.path("reference", True)(*args)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert seen == ["kernel", "kernel"]
 
@@ -117,7 +117,7 @@ def test_neuron_rule_dispatch(monkeypatch):
 def test_nki_emulated_on_the_neuron_platform_is_a_clear_error(indexed):
     """JAX on Neuron has no host callbacks: the "neuron" rule refuses nki_emulated, naming the
     limitation and the CPU backend."""
-    rule = lowering._neuron_rule(indexed)
+    rule = neuron._neuron_rule(indexed)
     q = jnp.ones((2, 4, 64), jnp.bfloat16)
     args = (q, jnp.ones((8, 64), jnp.bfloat16)) + ((jnp.zeros((2, 3), jnp.int32),) if indexed else ())
     with pytest.raises(NotImplementedError, match=r"host callbacks.*Neuron.*jax\.devices\('cpu'\)"):
@@ -134,19 +134,19 @@ def test_neuron_target_follows_the_nki_variable(monkeypatch, value, target):
         monkeypatch.delenv("NEURON_PLATFORM_TARGET_OVERRIDE", raising=False)
     else:
         monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", value)
-    assert lowering.neuron_target() == target
+    assert neuron.neuron_target() == target
 
 
 def test_neuron_target_rejects_an_unknown_value(monkeypatch):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "inf2")
     with pytest.raises(ValueError, match="NEURON_PLATFORM_TARGET_OVERRIDE"):
-        lowering.neuron_target()
+        neuron.neuron_target()
 
 
 def test_kernel_variant_per_target():
     """trn1 (NeuronCore-v2) has no indirect DMA: both ops run the pre-gathered kernel there, the
     indexed op's rows gathered by XLA; trn2 and trn3 gather inside the kernel."""
-    from jax_sparse_attn.neuron import kernels
+    from jax_sparse_attn.attention import kernel as kernels
 
     assert kernels.kernel_for("trn1", True) == (kernels.gathered_attn_kernel, True)
     assert kernels.kernel_for("trn1", False) == (kernels.gathered_attn_kernel, False)
@@ -164,9 +164,9 @@ def test_launch_grid_matches_the_logical_core(monkeypatch, value, programs):
         monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     else:
         monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", value)
-    assert lowering.launch_programs("trn2") == programs
-    assert lowering.launch_programs("trn3") == programs
-    assert lowering.launch_programs("trn1") == 1
+    assert neuron.launch_programs("trn2") == programs
+    assert neuron.launch_programs("trn3") == programs
+    assert neuron.launch_programs("trn1") == 1
 
 
 @pytest.mark.parametrize("flags, env, programs", [
@@ -181,8 +181,8 @@ def test_launch_grid_is_the_compilers_lnc(monkeypatch, flags, env, programs):
         monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     else:
         monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", env)
-    assert lowering.launch_programs("trn2") == programs
-    assert lowering.launch_programs("trn3") == programs
+    assert neuron.launch_programs("trn2") == programs
+    assert neuron.launch_programs("trn3") == programs
 
 
 @pytest.mark.parametrize("flags, env, match", [
@@ -204,21 +204,21 @@ def test_launch_grid_refuses_a_mismatch_or_an_unknown_lnc(monkeypatch, flags, en
         else:
             monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=match):
-        lowering.launch_programs("trn2")
+        neuron.launch_programs("trn2")
 
 
 def test_trn1_refuses_a_compiler_lnc_of_2(monkeypatch):
     monkeypatch.setenv("NEURON_CC_FLAGS", "--lnc=2")
     with pytest.raises(ValueError, match="NCC_EARG001"):
-        lowering.launch_programs("trn1")
+        neuron.launch_programs("trn1")
     monkeypatch.setenv("NEURON_CC_FLAGS", "--lnc=1")
-    assert lowering.launch_programs("trn1") == 1
+    assert neuron.launch_programs("trn1") == 1
 
 
 def test_trn1_runs_only_the_kernel_without_indirect_dma():
     """Under the emulator's trn1 target (which rejects indirect DMA and dma_transpose) the
     pre-gathered kernel runs and the indexed one is refused."""
-    from jax_sparse_attn.neuron import kernels
+    from jax_sparse_attn.attention import kernel as kernels
     from jax_sparse_attn.nki_emulator import NkiEmulatorError, simulate
 
     rng = np.random.default_rng(1)
@@ -248,9 +248,9 @@ def test_the_neuron_extra_is_the_supported_range():
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     assert tuple(extras["neuron"]) == versions.NEURON_REQUIREMENTS
     for requirement in versions.NEURON_REQUIREMENTS:
-        assert f"'{requirement}'" in lowering.install_hint()
+        assert f"'{requirement}'" in neuron.install_hint()
     assert set(versions.SDK_RELEASES) == set(versions.SUPPORTED_VERSIONS)
     for version, release in versions.SDK_RELEASES.items():
         assert release.nki.startswith(version + ".")
         assert release.sdk.startswith(versions.SDK_OF_VERSION[version] + ".")
-        assert f"{release.sdk} (NKI {release.nki})" in lowering.install_hint()
+        assert f"{release.sdk} (NKI {release.nki})" in neuron.install_hint()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_sparse_attn.constants import BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL, UP_COLS
-from jax_sparse_attn.neuron import packing
+from jax_sparse_attn.attention import packing
 
 BF16 = ml_dtypes.bfloat16
 
@@ -248,7 +248,7 @@ def test_pack_then_unpack_of_q_is_the_bf16_query():
 
 
 def test_sbuf_estimate_grows_with_slots_and_dim():
-    from jax_sparse_attn.neuron.kernels import sbuf_bytes_per_partition
+    from jax_sparse_attn.attention.kernel import sbuf_bytes_per_partition
 
     base = sbuf_bytes_per_partition(64, 512, 2048)
     # Slot rows and their transpose dominate: 2 * Kp * Dp * 2 bytes over 128 partitions.

@@ -18,7 +18,7 @@ import jax_sparse_attn as jsa
 from jax_sparse_attn.constants import (
     BIAS_PREFIX_COLS, EMPTY_LOGIT, EMPTY_SLOT_INDEX, SCALE_COL, UP_COLS,
 )  # fmt: skip
-from jax_sparse_attn.neuron import kernels
+from jax_sparse_attn.attention import kernel as kernels
 from jax_sparse_attn.nki_emulator import versions
 
 BF16 = ml_dtypes.bfloat16
@@ -777,7 +777,7 @@ def test_emulated_path_saturates_logits_that_overflow(target):
 def test_emulated_lse_functions(target):
     """The ``*_lse`` functions of the Neuron data path (for ``return_lse``): lse [T, H] f32 =
     max + log(den) to 1e-6 relative, the sink for a row with no valid slot (-inf without one)."""
-    from jax_sparse_attn.neuron import lowering
+    from jax_sparse_attn.attention import neuron
 
     rng = np.random.default_rng(65)
     T, H, D, K, R = 4, 6, 64, 40, 50
@@ -786,7 +786,7 @@ def test_emulated_lse_functions(target):
     scale = np.full(T, 0.15, np.float32)
     for with_sink in (True, False):
         s = sink if with_sink else np.full(H, -np.inf, np.float32)
-        out, lse = jax.jit(lowering.emulated_gathered_attn_idx_lse)(
+        out, lse = jax.jit(neuron.emulated_gathered_attn_idx_lse)(
             as_bf16(q), as_bf16(kv), jnp.asarray(idx, jnp.int32), jnp.asarray(s),
             jnp.asarray(bias), jnp.asarray(scale))  # fmt: skip
         expected, expected_lse = idx_model(q, kv, idx, s, bias, 0.15, with_lse=True)
@@ -796,7 +796,7 @@ def test_emulated_lse_functions(target):
         np.testing.assert_array_equal(lse[2], s)
         np.testing.assert_allclose(lse, expected_lse, rtol=2e-6)
         x = kv[np.clip(idx, 0, R - 1)]
-        g_out, g_lse = lowering.emulated_gathered_attn_lse(
+        g_out, g_lse = neuron.emulated_gathered_attn_lse(
             as_bf16(q), as_bf16(x), jnp.asarray(s),
             jnp.asarray(np.where((idx >= 0) & (idx < R), bias, -np.inf)), jnp.asarray(scale))  # fmt: skip
         np.testing.assert_array_equal(np.asarray(g_lse, np.float64), lse)

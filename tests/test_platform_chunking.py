@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_sparse_attn as jsa
-from jax_sparse_attn import autodiff, reference
+from jax_sparse_attn.attention import autodiff, reference
 
 H, D, K, R = 16, 512, 2048, 65536
 

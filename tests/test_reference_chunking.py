@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jax_sparse_attn as jsa
-from jax_sparse_attn import cpu_products, reference
+from jax_sparse_attn import cpu_products
+from jax_sparse_attn.attention import reference
 from oracle import BF16, attention_bf16_contract, attention_f64, gather, within_one_ulp
 
 T, H, D, K = 7, 3, 32, 24

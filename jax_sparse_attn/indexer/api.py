@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import fp8
-from ..api import _as_array, _check_implementation, _check_rank, _dtype, _shape
+from ..attention import fp8
+from ..checks import as_array, check_implementation, check_rank, dtype_of, shape_of
 from ..constants import FLT_MAX, MAX_ROWS
 from . import primitive
 from .reference import MAX_TOPK
@@ -21,7 +21,7 @@ _INT32 = np.iinfo(np.int32)
 
 
 def _check_float_or_fp8(name: str, x) -> None:
-    dtype = _dtype(x)
+    dtype = dtype_of(x)
     if not (jnp.issubdtype(dtype, jnp.floating)):
         raise TypeError(
             f"{name} must be a floating dtype (bf16, f16, f32 or float8_e4m3fn); got {dtype}"
@@ -77,8 +77,8 @@ def _check_scale(scale, default: float):
     ):
         kind = getattr(scale, "dtype", type(scale).__name__)
         raise TypeError(f"scale must be a real number (cast to f32); got {kind!s}: {scale!r:.40}")
-    if _shape(scale) != ():
-        raise ValueError(f"scale must be a scalar; got shape {_shape(scale)}")
+    if shape_of(scale) != ():
+        raise ValueError(f"scale must be a scalar; got shape {shape_of(scale)}")
     return jnp.clip(jnp.asarray(scale, jnp.float32), -FLT_MAX, FLT_MAX)
 
 
@@ -129,52 +129,52 @@ def indexer_topk(
       slots. The scores are differentiable with respect to ``q``, ``weights`` and ``keys``; the
       indices and ``key_scale`` carry no gradient.
     """
-    _check_implementation(implementation)
+    check_implementation(implementation)
     for name, x in (("q", q), ("weights", weights), ("keys", keys), ("positions", positions),
                     ("key_scale", key_scale)):
         if isinstance(x, (str, bytes)):
             raise TypeError(f"{name} must be an array; got a {type(x).__name__}")
     q, weights, keys, positions, key_scale = (
-        _as_array(n, a)
+        as_array(n, a)
         for n, a in (("q", q), ("weights", weights), ("keys", keys), ("positions", positions),
                      ("key_scale", key_scale))
     )
-    _check_rank("q", q, 3, "[T, Hi, Di]")
+    check_rank("q", q, 3, "[T, Hi, Di]")
     _check_float_or_fp8("q", q)
-    _check_rank("weights", weights, 2, "[T, Hi]")
+    check_rank("weights", weights, 2, "[T, Hi]")
     _check_float_or_fp8("weights", weights)
-    _check_rank("keys", keys, 2, "[R, Di]")
+    check_rank("keys", keys, 2, "[R, Di]")
     _check_float_or_fp8("keys", keys)
-    _check_rank("positions", positions, 1, "[T]")
-    if not jnp.issubdtype(_dtype(positions), jnp.integer):
-        raise TypeError(f"positions must have an integer dtype; got {_dtype(positions)}")
-    T, Hi, Di = _shape(q)
-    R = _shape(keys)[0]
-    if _shape(weights) != (T, Hi):
-        raise ValueError(f"weights must have shape [T, Hi] = ({T}, {Hi}) to match q {_shape(q)}; "
-                         f"got {_shape(weights)}")
-    if _shape(keys)[1] != Di:
-        raise ValueError(f"keys must have shape [R, Di] = (R, {Di}) to match q {_shape(q)}; "
-                         f"got {_shape(keys)}")
-    if _shape(positions) != (T,):
-        raise ValueError(f"positions must have shape [T] = ({T},) to match q {_shape(q)}; "
-                         f"got {_shape(positions)}")
+    check_rank("positions", positions, 1, "[T]")
+    if not jnp.issubdtype(dtype_of(positions), jnp.integer):
+        raise TypeError(f"positions must have an integer dtype; got {dtype_of(positions)}")
+    T, Hi, Di = shape_of(q)
+    R = shape_of(keys)[0]
+    if shape_of(weights) != (T, Hi):
+        raise ValueError(f"weights must have shape [T, Hi] = ({T}, {Hi}) to match q {shape_of(q)}; "
+                         f"got {shape_of(weights)}")
+    if shape_of(keys)[1] != Di:
+        raise ValueError(f"keys must have shape [R, Di] = (R, {Di}) to match q {shape_of(q)}; "
+                         f"got {shape_of(keys)}")
+    if shape_of(positions) != (T,):
+        raise ValueError(f"positions must have shape [T] = ({T},) to match q {shape_of(q)}; "
+                         f"got {shape_of(positions)}")
     if R > MAX_ROWS:
         raise ValueError(f"keys has {R} rows; at most {MAX_ROWS} can be indexed with int32")
     topk = _static_int("topk", topk, 0, MAX_TOPK)
     compress_ratio = _static_int("compress_ratio", compress_ratio, 1)
     if key_scale is None:
-        if fp8.is_fp8(_dtype(keys)):
-            raise ValueError(f"an FP8 key cache (keys dtype {_dtype(keys)}) needs key_scale [R] "
+        if fp8.is_fp8(dtype_of(keys)):
+            raise ValueError(f"an FP8 key cache (keys dtype {dtype_of(keys)}) needs key_scale [R] "
                              f"= ({R},), its positive per-row f32 scales")
         key_scale = jnp.ones((R,), jnp.float32)
     else:
         _check_float_or_fp8("key_scale", key_scale)
-        if _shape(key_scale) != (R,):
+        if shape_of(key_scale) != (R,):
             raise ValueError(f"key_scale must have shape [R] = ({R},) to match keys "
-                             f"{_shape(keys)}; got {_shape(key_scale)}")
+                             f"{shape_of(keys)}; got {shape_of(key_scale)}")
         key_scale = jax.lax.stop_gradient(jnp.asarray(key_scale, jnp.float32))
-    dtype = _compute_dtype(_dtype(q), _dtype(keys))
+    dtype = _compute_dtype(dtype_of(q), dtype_of(keys))
     scale = _check_scale(scale, (Hi * Di) ** -0.5)
     q = jnp.asarray(q).astype(dtype)
     keys = jnp.asarray(keys).astype(dtype)

@@ -2,7 +2,7 @@
 
 :func:`indexer_topk_neuron` takes the primitive's operands (docs/indexer.md): ``emulated=True``
 runs the kernel source under the project's NKI emulator on the host (``jax.pure_callback``, as
-``jax_sparse_attn/neuron/lowering.py`` does for the attention op); ``emulated=False`` calls it
+``jax_sparse_attn/attention/neuron.py`` does for the attention op); ``emulated=False`` calls it
 through ``nki.jit`` (NKI's own ``nki_call``) on a Neuron device. docs/indexer-kernel.md describes
 the packing, the kernel and its cost.
 """
@@ -114,7 +114,7 @@ def _call_emulated(target, shares, programs, plan, operands, tiles):
 @functools.lru_cache(maxsize=None)
 def _jitted(kernel):
     if _kernel.nki is None:
-        from ..neuron.lowering import NEURON_INSTALL_HINT
+        from ..attention.neuron import NEURON_INSTALL_HINT
 
         raise RuntimeError(
             f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}"
@@ -161,7 +161,7 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
     past the valid rows (docs/indexer.md). Raises ``ValueError`` naming the argument for shapes
     the kernel cannot take.
     """
-    from ..neuron.lowering import launch_programs, neuron_target
+    from ..attention.neuron import launch_programs, neuron_target
 
     T, Hi, Di = q.shape
     R = keys.shape[0]

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
 
-from .. import primitives as attention_primitives
+from ..attention import primitive as attention_primitives
 from .. import sharding as shared_sharding
 from . import reference
 from . import sharding as indexer_sharding

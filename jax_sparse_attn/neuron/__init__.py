@@ -1,20 +1,21 @@
-"""The Neuron path: packing for the NKI kernels, the kernels, and their lowerings.
+"""What both ops share on the Neuron path: whether the SDK is here, and the registrations.
 
 Nothing here imports the Neuron SDK at import time: importing the package on a machine without
 Neuron never fails or warns. Importing this package
 
 - registers ``implementation="nki_emulated"`` (the Neuron data path with the kernel source run by
-  the project's NKI emulator on the host) for both primitives, and
+  the project's NKI emulator on the host) for the attention's primitives (the indexer's primitive
+  dispatches to ``indexer/neuron.py`` itself), and
 - asks JAX to register the ``"neuron"`` platform lowerings once its plugins are discovered.
 
-Modules: :mod:`.packing` (jnp pack / unpack), :mod:`.kernels` (the NKI kernel source),
-:mod:`.lowering` (kernel calls, the emulated path, the platform rules).
+Each op's kernel, packing and lowering live in its own package: ``attention/kernel.py``,
+``attention/packing.py``, ``attention/neuron.py``; ``indexer/kernel.py``, ``indexer/neuron.py``.
 """
 
 from __future__ import annotations
 
-from .. import primitives
-from .lowering import (
+from ..attention import primitive
+from ..attention.neuron import (
     emulated_gathered_attn_idx_lse,
     emulated_gathered_attn_lse,
     install_hint,
@@ -22,15 +23,15 @@ from .lowering import (
 )
 
 # The primitives' paths return (out, lse): the emulated kernels' own lse.
-primitives.register_path("nki_emulated", emulated_gathered_attn_lse, emulated_gathered_attn_idx_lse)
+primitive.register_path("nki_emulated", emulated_gathered_attn_lse, emulated_gathered_attn_idx_lse)
 install_neuron_lowerings()
 
 
 def nki_available() -> bool:
     """Whether the Neuron SDK's ``nki`` (0.6 or 0.7 supported) can be imported here (imports it on first call)."""
-    from . import kernels
+    from ..attention import kernel
 
-    return kernels.nki is not None
+    return kernel.nki is not None
 
 
 def check_implementation_available(implementation: str) -> None:

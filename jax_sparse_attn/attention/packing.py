@@ -1,6 +1,6 @@
 """Packing the primitives' operands into the NKI kernel interface, and unpacking the result (jnp).
 
-The kernels (:mod:`jax_sparse_attn.neuron.kernels`, docs/neuron-kernel.md) accept bf16 only, ``K``
+The kernels (:mod:`jax_sparse_attn.attention.kernel`, docs/neuron-kernel.md) accept bf16 only, ``K``
 a multiple of 128, at most 128 heads per call, one ``[T, 16 + Kp]`` f32 tensor for scale
 and bias. :func:`pack_for_kernel` turns the primitive operands into that form:
 
@@ -47,7 +47,7 @@ from ..constants import (
     SCALE_COL,
     UP_COLS,
 )
-from ..reference import prescale_queries
+from .reference import prescale_queries
 
 
 def _round_up(n: int, multiple: int) -> int:

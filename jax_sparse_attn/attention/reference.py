@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
-from .cpu_products import ACCELERATOR_FORM, ProductForm, cpu_form
+from ..constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
+from ..cpu_products import ACCELERATOR_FORM, ProductForm, cpu_form
 
 # Target working set of one token chunk (gathered slots + fp32 logits/probabilities). Small on
 # purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM, which

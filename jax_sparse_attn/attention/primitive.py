@@ -44,8 +44,9 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir, xla
 
-from . import cache_sharding, reference, sharding
-from .constants import MAX_ROWS
+from .. import cache_sharding, sharding
+from . import reference
+from ..constants import MAX_ROWS
 
 gathered_attn_p = Primitive("gathered_attn")
 gathered_attn_idx_p = Primitive("gathered_attn_idx")

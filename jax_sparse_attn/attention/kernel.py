@@ -50,7 +50,7 @@ logits and their max, then a second pass for exp and the values, so the arithmet
    128 columns when H is small), multiplied by ``1 / den`` into a bf16 row; lse; store.
 
 The raw functions below are plain Python: ``nki.jit`` is applied where they are called on Neuron
-(:mod:`jax_sparse_attn.neuron.lowering`), the project's emulator and ``nki.simulate`` take them as
+(:mod:`jax_sparse_attn.attention.neuron`), the project's emulator and ``nki.simulate`` take them as
 they are. Importing this module never needs the Neuron SDK.
 """
 

@@ -64,8 +64,9 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
 
-from . import primitives, reference, sharding
-from .cpu_products import cpu_form
+from . import primitive, reference
+from .. import sharding
+from ..cpu_products import cpu_form
 
 # Operands that have a gradient, and the layout of each cotangent the backward primitive returns.
 # The sink's cotangent is returned per token and summed over tokens outside the primitive, so
@@ -381,7 +382,7 @@ def _num_slots(primal) -> int:
 def _tangent(indexed, active, value_dim, *operands):
     """Tangents of the output (q's dtype) and of the lse (f32). Operands: the primal operands,
     then the active tangents."""
-    names = primitives.operand_names(indexed, len(operands) - len(active))
+    names = primitive.operand_names(indexed, len(operands) - len(active))
     primal = dict(zip(names, operands[: len(names)]))
     tangent = dict(zip(active, operands[len(names):]))
     q = primal["q"]
@@ -409,7 +410,7 @@ def _cotangent(indexed, wanted, *operands):
     """Cotangents of the ``wanted`` operands, all f32. Operands: the primal operands, then the
     cotangents of the output and of the lse. The sink's is per token ``[T, H]``; the cache's is
     summed into ``[R, D]`` (each cache's into its own rows)."""
-    names = primitives.operand_names(indexed, len(operands) - 2)
+    names = primitive.operand_names(indexed, len(operands) - 2)
     primal = dict(zip(names, operands[: len(names)]))
     ct = tuple(operands[len(names):])
     if _is_empty(primal):
@@ -466,7 +467,7 @@ def _tangent_abstract_eval(*avals, active, value_dim):
 
 def _cotangent_shape(indexed, name, operands):
     """Shape and dtype of the cotangent of operand ``name`` (operands or their avals)."""
-    primal = dict(zip(primitives.operand_names(indexed, len(operands) - 2), operands))
+    primal = dict(zip(primitive.operand_names(indexed, len(operands) - 2), operands))
     if name == "sink":
         return primal["q"].shape[:2], jnp.float32  # per token: [T, H]
     return primal[name].shape, primal[name].dtype
@@ -485,10 +486,10 @@ def _cotangent_abstract_eval(indexed):
 
 def _tangent_lowering(indexed):
     def rule(*operands, active, value_dim):
-        names = primitives.operand_names(indexed, len(operands) - len(active)) + active
+        names = primitive.operand_names(indexed, len(operands) - len(active)) + active
         layouts = [sharding.LAYOUTS[n] for n in names]
         fn = functools.partial(_tangent, indexed, active, value_dim)
-        results = [sharding.LAYOUTS[n] for n in primitives.RESULTS]
+        results = [sharding.LAYOUTS[n] for n in primitive.RESULTS]
         return sharding.shard_local(fn, layouts, results)(*operands)
 
     return rule
@@ -497,7 +498,7 @@ def _tangent_lowering(indexed):
 def _cotangent_lowering(indexed):
     def rule(*operands, wanted, value_dim):
         del value_dim  # the output cotangent's own width says it
-        names = primitives.operand_names(indexed, len(operands) - 2) + primitives.RESULTS
+        names = primitive.operand_names(indexed, len(operands) - 2) + primitive.RESULTS
         layouts = [sharding.LAYOUTS[n] for n in names]
         fn = functools.partial(_cotangent, indexed, wanted)
         results = [COTANGENT_LAYOUTS[n] for n in wanted]
@@ -525,16 +526,16 @@ for _indexed in (False, True):
 
 
 for _indexed in (False, True):
-    batching.primitive_batchers[tangent_p[_indexed]] = primitives.make_batcher(
+    batching.primitive_batchers[tangent_p[_indexed]] = primitive.make_batcher(
         tangent_p[_indexed], _indexed,
         lambda params, count, _i=_indexed: (
-            primitives.operand_names(_i, count - len(params["active"])) + params["active"]),
+            primitive.operand_names(_i, count - len(params["active"])) + params["active"]),
         lambda params: (),
     )
-    batching.primitive_batchers[cotangent_p[_indexed]] = primitives.make_batcher(
+    batching.primitive_batchers[cotangent_p[_indexed]] = primitive.make_batcher(
         cotangent_p[_indexed], _indexed,
         lambda params, count, _i=_indexed: (
-            primitives.operand_names(_i, count - 2) + primitives.RESULTS),
+            primitive.operand_names(_i, count - 2) + primitive.RESULTS),
         # Per-example cache gradients need one cache per batch element.
         lambda params: tuple(n for n in ("kv", "extra_kv") if n in params["wanted"]),
     )
@@ -544,10 +545,10 @@ for _indexed in (False, True):
 
 
 def _forward_jvp(indexed):
-    prim = primitives.gathered_attn_idx_p if indexed else primitives.gathered_attn_p
+    prim = primitive.gathered_attn_idx_p if indexed else primitive.gathered_attn_p
 
     def rule(primals, tangents, *, implementation, value_dim):
-        names = primitives.operand_names(indexed, len(primals))
+        names = primitive.operand_names(indexed, len(primals))
         outs = prim.bind(*primals, implementation=implementation, value_dim=value_dim)
         active = tuple(
             n for n, t in zip(names, tangents) if n in DIFFERENTIABLE and type(t) is not ad.Zero
@@ -602,7 +603,7 @@ def _no_higher_order(name):
 
 
 for _indexed in (False, True):
-    _fwd = primitives.gathered_attn_idx_p if _indexed else primitives.gathered_attn_p
+    _fwd = primitive.gathered_attn_idx_p if _indexed else primitive.gathered_attn_p
     ad.primitive_jvps[_fwd] = _forward_jvp(_indexed)
     ad.primitive_transposes[tangent_p[_indexed]] = _tangent_transpose(_indexed)
     ad.primitive_jvps[tangent_p[_indexed]] = _no_higher_order(tangent_p[_indexed].name)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .constants import MAX_ROWS
+from ..constants import MAX_ROWS
 
 
 def _check_integer(name: str, x) -> None:

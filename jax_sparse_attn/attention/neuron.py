@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from .. import primitives
+from . import primitive as primitives
 from ..constants import value_shift
 from .packing import (
     KernelLayout,
@@ -173,7 +173,7 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
 
     With ``kv_scale`` (``[R, n]`` f32), ``slot_rows`` is an FP8 cache: the FP8 kernel reads it on
     trn2/trn3; on trn1 (or with D = 0) XLA gathers and dequantises the slots first."""
-    from . import kernels
+    from . import kernel as kernels
 
     T, H, D = q.shape
     value_dim = D if value_dim is None else value_dim
@@ -182,7 +182,7 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
         return empty_result(q, sink, value_dim)
     kernel, gather_in_xla = kernels.kernel_for(target, idx is not None, fp8=kv_scale is not None)
     if kv_scale is not None and (gather_in_xla or D == 0):
-        from .. import fp8
+        from . import fp8
 
         rows = slot_rows.shape[0]
         in_range = (idx >= 0) & (idx < rows)
@@ -211,7 +211,7 @@ def _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias):
     dtype, and the bias ``[T, K + K2]`` with every empty slot ``-inf``. XLA gathers the rows
     (zeros for an empty slot, whose row it never reads); the caches are not concatenated. The
     kernel itself reads one cache (docs/neuron-kernel.md)."""
-    from ..reference import gather_bits
+    from .reference import gather_bits
 
     parts, biases = [], []
     for cache, index, b in ((kv, idx, bias), (extra_kv, extra_idx, extra_bias)):
@@ -230,8 +230,8 @@ def _split_row_slots(kv, kv_scale, kv_rope, idx, bias):
     dequantised by XLA (``fp8.gather_dequantized``) next to its 16-bit ``kv_rope`` columns,
     ``g [T, K, D + Dr]`` bf16, and the bias with every empty slot ``-inf``. The FP8 kernel reads
     whole FP8 rows only (docs/neuron-kernel.md)."""
-    from .. import fp8
-    from ..reference import gather_bits
+    from . import fp8
+    from .reference import gather_bits
 
     rows = kv.shape[0]
     valid = (idx >= 0) & (idx < rows) & (bias != -jnp.inf)
@@ -256,7 +256,7 @@ def _kernel_args(packed: PackedOperands, group: int) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _jitted_kernel(kernel):
-    from . import kernels
+    from . import kernel as kernels
 
     if kernels.nki is None:
         raise RuntimeError(

@@ -1,0 +1,66 @@
+"""Argument checks shared by the public functions of both ops (attention and indexer): arrays
+from Python lists, ranks and dtypes named in the errors, and the ``implementation`` choice."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .attention import primitive
+
+ArrayLike = jax.typing.ArrayLike
+Scale = Union[float, ArrayLike, None]
+
+
+def shape_of(x) -> tuple:
+    return tuple(np.shape(x))
+
+
+def dtype_of(x):
+    return jax.dtypes.result_type(x) if not hasattr(x, "dtype") else np.dtype(x.dtype)
+
+
+def as_array(name: str, x):
+    """Python lists and tuples become arrays (numpy, so that integer indices keep their full width
+    until ``_normalise_idx``); anything that cannot become a numeric array raises a TypeError that
+    names the argument. Arrays and scalars pass through unchanged."""
+    if not isinstance(x, (list, tuple)):
+        return x
+    try:
+        arr = np.asarray(x)
+    except Exception:  # e.g. a list of traced arrays, or a ragged list
+        try:
+            arr = jnp.asarray(x)
+        except Exception as err:
+            raise TypeError(f"{name} must be an array; got a {type(x).__name__} that is not one: {err}")
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(
+            f"{name} must be an array of numbers; got a {type(x).__name__} of dtype {arr.dtype}"
+        )
+    return arr
+
+
+def check_rank(name: str, x, rank: int, layout: str) -> None:
+    if np.ndim(x) != rank:
+        raise ValueError(f"{name} must have rank {rank} ({layout}); got shape {shape_of(x)}")
+
+
+def check_float(name: str, x) -> None:
+    if not jnp.issubdtype(dtype_of(x), jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype (bf16, f16 or f32); got {dtype_of(x)}")
+
+
+def check_implementation(implementation: Optional[str]) -> None:
+    if implementation is None or implementation == "reference":
+        return
+    if implementation not in primitive.IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of None, 'reference', 'nki', 'nki_emulated'; "
+            f"got {implementation!r}"
+        )
+    from . import neuron
+
+    neuron.check_implementation_available(implementation)
