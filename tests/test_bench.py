@@ -51,6 +51,7 @@ def test_command_line_writes_json(tmp_path, capsys):
         assert len(rec["load_average"]["before"]) == len(rec["load_average"]["after"]) == 3
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_grad_command_line_times_the_kv_scatter_baseline(tmp_path, capsys):
     path = tmp_path / "grad.json"
     code = bench.main(["--shape", "2,4,64,32,128", "--grad", "--repeats", "2", "--warmup", "1",

@@ -163,6 +163,7 @@ def test_value_dim_gradients_match_float64(rng):
     np.testing.assert_allclose(np.asarray(tangent), fd, rtol=2e-3, atol=2e-4)
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_value_dim_vmap_merge_and_fp8(rng):
     q, kv, idx, sink = _case(rng, D=80)
     V = 64
@@ -266,6 +267,7 @@ def test_two_caches_equal_the_call_on_the_concatenation_bit_for_bit(rng, impleme
     assert np.isfinite(np.asarray(got[0], np.float32)).all()
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_two_caches_gradients_reach_both(rng):
     q, kv, kv2, idx, idx2, sink = _two_caches(rng, dtype=np.float32)
     unselected = np.ones(len(kv2), bool)
@@ -310,6 +312,7 @@ def test_two_caches_gradients_reach_both(rng):
                                fd[~unselected], rtol=2e-3, atol=2e-4)
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_two_caches_under_vmap_and_jvp(rng):
     q, kv, kv2, idx, idx2, sink = _two_caches(rng, dtype=np.float32)
     B = 2

@@ -96,6 +96,7 @@ def oracle_layer(wt, x, rows_of):
 SINK = [0.5, -1.0, 2.0, 0.0]
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 @pytest.mark.parametrize("dtype, tol", [(None, 2e-5), (jnp.bfloat16, 6e-2)])
 def test_topk_covering_the_sequence_is_dense_causal_attention(dtype, tol):
     B, T = 2, 6
@@ -237,6 +238,7 @@ def dense_layer_jnp(params, x):
     return o.reshape(B, T, H * D) @ params["o"]
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_gradients_with_flax_transforms():
     B, T = 2, 5
     layer = make_layer(topk=T, seed=12, sink=SINK)
@@ -524,6 +526,7 @@ def test_sparse_indexer_loss_matches_numpy_and_trains_only_the_indexer(ratio, se
     assert not np.asarray(grads.sink[...]).any()
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_sparse_indexer_loss_gradient_is_the_oracle_gradient():
     # d loss / d W_iw by central differences of the float64 oracle, against jax.grad.
     B, T, K = 1, 7, 3

@@ -118,6 +118,7 @@ def test_jvp_matches_float64_finite_differences(rng, form, cpu_product_layout):
     np.testing.assert_allclose(np.asarray(tangent), want, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 @pytest.mark.parametrize("form", ["idx", "gathered"])
 def test_jacfwd_equals_jacrev(rng, form):
     inputs = make_inputs(rng, form, edges=True)
@@ -215,6 +216,7 @@ def test_bf16_gradients_are_finite_and_close_to_f32(rng, form):
         np.testing.assert_allclose(g, want[name], rtol=3e-2, atol=3e-2, err_msg=name)
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 @pytest.mark.parametrize("form", ["idx", "gathered"])
 def test_bf16_backward_is_the_same_in_both_operand_forms(rng, form):
     """The backward multiplies widened f32 operands in every form: the native and f32 forms give

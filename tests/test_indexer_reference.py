@@ -26,7 +26,7 @@ PLANS = [reference.ChunkPlan(1, 16, 24 + 16), reference.ChunkPlan(5, 64, 24 + 64
          reference.ChunkPlan(16, 288, 24 + 288), reference.ChunkPlan(3, 48, 24 + 100)]
 
 
-@pytest.mark.parametrize("ratio", [1, 4])
+@pytest.mark.parametrize("ratio", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_bit_identical_across_chunk_plans(rng, ratio):
     T, Hi, Di, R, topk = 21, 4, 16, 300, 24
     q, w, k, ks = _inputs(rng, T, Hi, Di, R)

@@ -978,6 +978,7 @@ def test_emulated_fp8_path_never_reads_an_unselected_row_or_scale(target):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_emulated_fp8_path_gradient_and_vmap():
     """Gradients of q and the sink through the FP8 kernel path equal those of the op on
     kv_dequant; vmap over sequences with their own caches runs the kernel per sequence."""

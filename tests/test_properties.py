@@ -35,6 +35,7 @@ def cases(draw):
     )
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 @SETTINGS
 @given(cases())
 def test_f32_matches_float64_oracle(case):
@@ -46,6 +47,7 @@ def test_f32_matches_float64_oracle(case):
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # several seconds: CI runs it with the slow tests
 @SETTINGS
 @given(cases())
 def test_bf16_follows_the_contract(case):
