@@ -589,3 +589,16 @@ def test_dense_indexer_loss_over_compressed_rows_matches_numpy():
     (loss, _), grads = nnx.value_and_grad(lambda m, x: m.indexer_loss(x), has_aux=True)(layer, x)
     np.testing.assert_allclose(loss, want, rtol=1e-4)
     assert np.isfinite(np.asarray(grads.index_query.kernel[...])).all()
+
+
+@pytest.mark.slow  # both NKI kernels under the host emulator
+def test_layer_runs_both_kernels_emulated_and_matches_the_reference_layer():
+    # implementation="nki_emulated" reaches the indexer's kernel and the attention's kernel; where
+    # the two selections agree (here: everywhere) the outputs agree.
+    x = jax.random.normal(jax.random.key(0), (1, 12, 32), jnp.float32)
+    make = lambda impl: SparseAttention(32, 2, 16, 4, index_heads=2, index_dim=8,  # noqa: E731
+                                        dtype=jnp.bfloat16, implementation=impl, rngs=nnx.Rngs(0))
+    ref, emu = make(None), make("nki_emulated")
+    np.testing.assert_array_equal(np.asarray(emu.select_rows(x)), np.asarray(ref.select_rows(x)))
+    np.testing.assert_allclose(np.asarray(emu(x), np.float32), np.asarray(ref(x), np.float32),
+                               atol=1e-2)
