@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .attention import primitive
+from .constants import FLT_MAX
 
 ArrayLike = jax.typing.ArrayLike
 Scale = Union[float, ArrayLike, None]
@@ -64,3 +65,20 @@ def check_implementation(implementation: Optional[str]) -> None:
     from . import neuron
 
     neuron.check_implementation_available(implementation)
+
+
+def check_scale(scale, default: float):
+    """A real scalar softmax or score scale (``default`` for None) as f32, clamped to
+    ``+-FLT_MAX`` (an infinite scale saturates); strings, arrays of other shapes and non-numbers
+    raise errors that name ``scale``."""
+    if scale is None:
+        scale = default
+    if isinstance(scale, (str, bytes)) or not (
+        isinstance(scale, (int, float, np.number))
+        or (hasattr(scale, "dtype") and np.dtype(scale.dtype).kind in "biuf")
+    ):
+        kind = getattr(scale, "dtype", type(scale).__name__)
+        raise TypeError(f"scale must be a real number (cast to f32); got {kind!s}: {scale!r:.40}")
+    if shape_of(scale) != ():
+        raise ValueError(f"scale must be a scalar; got shape {shape_of(scale)}")
+    return jnp.clip(jnp.asarray(scale, jnp.float32), -FLT_MAX, FLT_MAX)

@@ -16,6 +16,7 @@ from ..checks import (
     check_float,
     check_implementation,
     check_rank,
+    check_scale,
     dtype_of,
     shape_of,
 )
@@ -45,18 +46,8 @@ def _sink_bias_scale(q_shape, k: int, sink, bias, scale):
         bias = jnp.where(
             bias == -jnp.inf, bias, jnp.clip(bias, jnp.float32(BIAS_FLOOR), jnp.float32(FLT_MAX))
         )
-    if scale is None:
-        scale = D**-0.5
-    if isinstance(scale, (str, bytes)) or not (
-        isinstance(scale, (int, float, np.number))
-        or (hasattr(scale, "dtype") and np.dtype(scale.dtype).kind in "biuf")
-    ):
-        kind = getattr(scale, "dtype", type(scale).__name__)
-        raise TypeError(f"scale must be a real number (cast to f32); got {kind!s}: {scale!r:.40}")
-    if shape_of(scale) != ():
-        raise ValueError(f"scale must be a scalar; got shape {shape_of(scale)}")
     # An infinite scale saturates like an overflowed logit (FLT_MAX), so 0 * scale stays 0.
-    scale = jnp.clip(jnp.asarray(scale, jnp.float32), -FLT_MAX, FLT_MAX)
+    scale = check_scale(scale, D**-0.5)
     scale = jnp.broadcast_to(scale, (T,))
     return sink, bias, scale
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import fp8
-from ..checks import as_array, check_implementation, check_rank, dtype_of, shape_of
-from ..constants import FLT_MAX, MAX_ROWS
+from ..checks import as_array, check_implementation, check_rank, check_scale, dtype_of, shape_of
+from ..constants import MAX_ROWS
 from . import primitive
 from .reference import MAX_TOPK
 
@@ -66,20 +66,6 @@ def _normalise_positions(positions):
     if positions.dtype.itemsize > 4 or positions.dtype == jnp.uint32:
         positions = jnp.clip(positions, -1, _INT32.max)
     return positions.astype(jnp.int32)
-
-
-def _check_scale(scale, default: float):
-    if scale is None:
-        scale = default
-    if isinstance(scale, (str, bytes)) or not (
-        isinstance(scale, (int, float, np.number))
-        or (hasattr(scale, "dtype") and np.dtype(scale.dtype).kind in "biuf")
-    ):
-        kind = getattr(scale, "dtype", type(scale).__name__)
-        raise TypeError(f"scale must be a real number (cast to f32); got {kind!s}: {scale!r:.40}")
-    if shape_of(scale) != ():
-        raise ValueError(f"scale must be a scalar; got shape {shape_of(scale)}")
-    return jnp.clip(jnp.asarray(scale, jnp.float32), -FLT_MAX, FLT_MAX)
 
 
 def indexer_topk(
@@ -175,7 +161,7 @@ def indexer_topk(
                              f"{shape_of(keys)}; got {shape_of(key_scale)}")
         key_scale = jax.lax.stop_gradient(jnp.asarray(key_scale, jnp.float32))
     dtype = _compute_dtype(dtype_of(q), dtype_of(keys))
-    scale = _check_scale(scale, (Hi * Di) ** -0.5)
+    scale = check_scale(scale, (Hi * Di) ** -0.5)
     q = jnp.asarray(q).astype(dtype)
     keys = jnp.asarray(keys).astype(dtype)
     weights = jnp.asarray(weights, jnp.float32) * scale
