@@ -168,8 +168,8 @@ def run(implementations):
         check(records, f"vmap/{axis_type}", fn, batched, mesh, specs)
     # The reference chunked over tokens (a loop over token blocks, as for long sequences): left
     # to the partitioner, a loop over a split axis would gather it.
-    chunk_bytes = jsa.reference.CHUNK_BYTES
-    jsa.reference.CHUNK_BYTES = 1
+    chunk_bytes = jsa.attention.reference.CHUNK_BYTES
+    jsa.attention.reference.CHUNK_BYTES = 1
     jax.clear_caches()
     for axis_type in ("Auto", "Explicit"):
         mesh = jax.make_mesh((8,), ("x",), axis_types=(getattr(AxisType, axis_type),))
@@ -179,7 +179,7 @@ def run(implementations):
         check(records, f"chunked_grad_local/{axis_type}",
               grad_of("idx", None, LOCAL_GRADS["tokens"]), make_inputs("idx", np.float32),
               mesh, specs)
-    jsa.reference.CHUNK_BYTES = chunk_bytes
+    jsa.attention.reference.CHUNK_BYTES = chunk_bytes
     jax.clear_caches()
     # A 2-D mesh: tokens over "x" and heads over "y" at once.
     for axis_type in ("Auto", "Explicit"):
