@@ -141,6 +141,13 @@ def _quiet_callback_errors():
         logger.setLevel(level)
 
 
+def write_json(result: dict, json_path: str) -> None:
+    """Writes a modelled-time record (``--json``) and says where."""
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"# wrote {json_path}", flush=True)
+
+
 def _error_message(err: Exception) -> str:
     """The emulator's own message when the kernel was rejected inside the host callback."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -326,9 +333,7 @@ def _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_tra
             ],
             "records": records,
         }
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"# wrote {json_path}", flush=True)
+        write_json(result, json_path)
     return 0 if ok else 1
 
 

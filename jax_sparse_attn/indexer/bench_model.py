@@ -18,7 +18,6 @@ Bounds, per logical core (the target's LNC physical cores), docs/indexer-kernel.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import time
 from typing import Iterable, Optional
@@ -135,7 +134,7 @@ def run_indexer_model(target: str, shapes: Optional[Iterable[tuple]] = None,
                       json_path: Optional[str] = None) -> int:  # fmt: skip
     """Model every ``(T, R, Hi, Di, K)`` shape on ``target``; print a table, optionally write
     JSON; 0 if every shape ran."""
-    from ..bench_model import TARGETS, _cpu, _error_message
+    from ..bench_model import TARGETS, _cpu, _error_message, write_json
 
     if target not in TARGETS:
         raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
@@ -172,7 +171,5 @@ def run_indexer_model(target: str, shapes: Optional[Iterable[tuple]] = None,
             ],
             "records": records,
         }
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"# wrote {json_path}", flush=True)
+        write_json(result, json_path)
     return 0 if ok else 1
