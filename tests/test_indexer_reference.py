@@ -28,6 +28,7 @@ PLANS = [reference.ChunkPlan(1, 16, 24 + 16), reference.ChunkPlan(5, 64, 24 + 64
 
 
 @pytest.mark.parametrize("ratio", [1, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_bit_identical_across_chunk_plans(rng, ratio):
     T, Hi, Di, R, topk = 21, 4, 16, 300, 24
     q, w, k, ks = _inputs(rng, T, Hi, Di, R)
@@ -72,6 +73,50 @@ def test_sort_best_first_against_numpy(rng, M):
     order = np.lexsort((np.arange(M)[None].repeat(6, 0), -keys.astype(np.int64)), axis=1)
     np.testing.assert_array_equal(got_k, np.take_along_axis(keys, order, 1))
     np.testing.assert_array_equal(got_r, np.take_along_axis(rows, order, 1))
+
+
+def _hard_key_rows(rng, M):
+    """Rows of keys that stress the one-pass sort's codes and the k-th search: clustered scores
+    beside an outlier (many share a code), scores across zero, NaN, +-inf and invalid entries,
+    exact ties, full-range integers, all equal."""
+    keys = lambda x: np.asarray(reference.order_keys(jnp.asarray(np.float32(x))))
+    rows = [
+        keys(np.r_[1e30, rng.uniform(1, 1.0001, M)][:M]),
+        keys(rng.standard_normal(M)),
+        keys(np.r_[np.inf, -np.inf, np.nan, rng.standard_normal(M)][:M]),
+        np.where(rng.random(M) < 0.4, reference.INVALID_KEY, keys(rng.standard_normal(M) + 3)),
+        rng.integers(-3, 3, M),
+        rng.integers(-(2**31) + 1, 2**31 - 1, M),
+        np.full(M, 5),
+    ]
+    return np.stack([np.roll(r, int(rng.integers(M))) for r in rows]).astype(np.int32)
+
+
+@pytest.mark.parametrize("M", [2, 7, 2048])
+def test_sort_best_first_on_hard_keys(rng, M):
+    hard = _hard_key_rows(rng, M)
+    # Together (one row's runs of equal codes send the whole call to the two-pass sort) and each
+    # row alone (most take the one pass with its pair swaps).
+    for keys in [hard] + [hard[i:i + 1] for i in range(len(hard))]:
+        rows = np.broadcast_to(np.arange(M, dtype=np.int32) + 100, keys.shape)
+        got_k, got_r = (np.asarray(a) for a in jax.jit(reference.sort_best_first)(
+            jnp.asarray(keys), jnp.asarray(rows)))
+        order = np.lexsort((np.arange(M)[None].repeat(len(keys), 0), -keys.astype(np.int64)),
+                           axis=1)
+        np.testing.assert_array_equal(got_k, np.take_along_axis(keys, order, 1))
+        np.testing.assert_array_equal(got_r, np.take_along_axis(rows, order, 1))
+
+
+@pytest.mark.parametrize("M, k", [(1, 1), (7, 1), (7, 7), (300, 24), (4096, 2048)])
+def test_kth_largest_against_numpy(rng, M, k):
+    keys = _hard_key_rows(rng, M)
+    want = -np.sort(-keys.astype(np.int64), axis=1)[:, k - 1]
+    got = jax.jit(reference.kth_largest, static_argnums=1)(jnp.asarray(keys), k)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    # From a known lower bound (a key with at least k at or above it), as the cuts call it.
+    below = np.maximum(want - rng.integers(0, 3, len(want)), -(2**31)).astype(np.int32)
+    got = jax.jit(lambda x, b: reference.kth_largest(x, k, b))(jnp.asarray(keys), below)
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_nothing_of_size_tokens_by_rows_is_built(rng):

@@ -23,12 +23,15 @@ prefill scores about half of the dense pairs), and keeps each token's running se
 - candidates are appended in row order (``prefix_counts``: triangular products, not XLA:CPU's slow
   ``cumsum``; one scatter of (key, row) pairs); when a token's buffer would overflow, every buffer
   of the chunk is cut back to its best ``topk`` and ``tau`` rises to the k-th best key
-  (``_cut_to_topk``: the threshold by a bisection of compare-and-count passes, not a sort, then an
-  order-keeping compaction, so buffer positions stay in row order among equal keys);
+  (``_cut_to_topk``: the threshold by a search of compare-and-count passes, interpolating between
+  bisection steps, not a sort; then an order-keeping compaction, so buffer positions stay in row
+  order among equal keys);
 - blocks are scored in pieces of about ``DOT_BYTES`` of products; pieces past every token's last
   valid row are skipped;
-- at the end each buffer is cut to ``topk`` and sorted best first by a two-pass LSD sort of
-  16-bit digits (``sort_best_first``), ties broken by buffer position, that is by row.
+- at the end each buffer is cut to ``topk`` and sorted best first (``sort_best_first``: one pass
+  of an integer sort on a code linear in the score, packed with the buffer position, and a fix of
+  lone pairs that shared a code; an exact two-pass LSD sort where that does not suffice), ties
+  broken by buffer position, that is by row.
 
 Every token is computed independently and each score's arithmetic does not depend on the chunk or
 block sizes, so the result is bit-identical across them (``tests/test_indexer_reference.py``). On
@@ -82,6 +85,11 @@ DOT_BYTES = 2**20
 MAX_BLOCK_ROWS = 8192
 MAX_CHUNK_TOKENS = 256
 MAX_WIDE_BLOCK_ROWS = 16384
+# Chunks of at most this many tokens (decode steps) take blocks of up to MAX_WIDE_BLOCK_ROWS.
+WIDE_BLOCK_TOKENS = 8
+# A chunk's candidate keys and rows ``2 [Tc, topk + Rb]`` int32 within this (the cuts and
+# compactions pass over them; measured fastest with Hi = 4, K = 2048 on a Zen 3: Tc = 64).
+BUFFER_BYTES = 2 * 2**20
 
 
 def order_keys(scores):
@@ -101,19 +109,10 @@ def scores_of_keys(keys):
     return jnp.where(keys == INVALID_KEY, jnp.float32(-jnp.inf), s)
 
 
-def sort_best_first(keys, rows):
-    """Sorts each row of ``keys [N, M]`` int32 descending, ties by position; ``rows`` follow.
-
-    Two stable passes of an integer sort on 16-bit digits (least significant first), each digit
-    packed with the element's position into one uint32 so that XLA sorts a single integer
-    operand (its fast path) and ties keep their order.
-    """
+def _sort_lsd(keys, rows, pos_bits: int):
+    """Two stable passes of an integer sort on 16-bit digits (least significant first), each
+    digit packed with the element's position into one uint32 (XLA's fast single-operand sort)."""
     M = keys.shape[-1]
-    if M > MAX_BUFFER:
-        raise ValueError(f"sort_best_first sorts at most {MAX_BUFFER} entries; got {M}")
-    if M <= 1:
-        return keys, rows
-    pos_bits = (M - 1).bit_length()
     mask = jnp.uint32((1 << pos_bits) - 1)
     desc = ~(jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(0x80000000))
     pos = jnp.broadcast_to(jnp.arange(M, dtype=jnp.uint32), keys.shape)
@@ -122,6 +121,70 @@ def sort_best_first(keys, rows):
     second = jax.lax.sort(high << pos_bits | pos, dimension=1) & mask
     perm = jnp.take_along_axis(first, second.astype(jnp.int32), axis=1).astype(jnp.int32)
     return jnp.take_along_axis(keys, perm, axis=1), jnp.take_along_axis(rows, perm, axis=1)
+
+
+def _rank_codes(keys, code_bits: int):
+    """uint32 codes below ``2**code_bits``, non-decreasing from the best key to the worst: +inf
+    first, the finite scores linearly in their value between the row's largest and least
+    finite one, then -inf, NaN, and ``INVALID_KEY`` last. Equal codes mean close scores."""
+    s = scores_of_keys(keys)
+    finite = jnp.isfinite(s)
+    top = jnp.max(jnp.where(finite, s, -jnp.inf), axis=1, keepdims=True)
+    bottom = jnp.min(jnp.where(finite, s, jnp.inf), axis=1, keepdims=True)
+    levels = jnp.float32((1 << code_bits) - 6)
+    # f32 rounding is monotone, so the codes keep the scores' order (ties in code aside).
+    scale = jnp.where(top > bottom, levels / (top - bottom), jnp.float32(0))
+    scale = jnp.where(jnp.isfinite(scale), scale, jnp.float32(0))
+    value = jnp.clip((top - jnp.where(finite, s, top)) * scale, 0, levels)
+    code = 1 + value.astype(jnp.uint32)
+    code = jnp.where(s == jnp.inf, jnp.uint32(0), code)
+    code = jnp.where(s == -jnp.inf, jnp.uint32((1 << code_bits) - 4), code)
+    code = jnp.where(keys == NAN_KEY, jnp.uint32((1 << code_bits) - 3), code)
+    return jnp.where(keys == INVALID_KEY, jnp.uint32((1 << code_bits) - 1), code)
+
+
+def _out_of_order(keys, pos):
+    """``[N, M - 1]``: whether entries i and i + 1 are out of best-first order (ties by
+    position, which never repeats)."""
+    a_k, b_k, a_p, b_p = keys[:, :-1], keys[:, 1:], pos[:, :-1], pos[:, 1:]
+    return (a_k < b_k) | ((a_k == b_k) & (a_p >= b_p))
+
+
+def sort_best_first(keys, rows):
+    """Sorts each row of ``keys [N, M]`` int32 descending, ties by position; ``rows`` follow.
+
+    XLA's single-operand integer sort is its fast path on CPU, and a uint32 holds the position
+    and ``32 - log2 M`` more bits: one pass sorts a code linear in the score (``_rank_codes``)
+    packed with the position. Scores that share a code come out in position order; a lone
+    misordered pair is swapped. Where a run of three or more shares a code (rare unless the scores
+    span a wide range), the chunk takes the exact two-pass LSD sort of the keys instead.
+    """
+    M = keys.shape[-1]
+    if M > MAX_BUFFER:
+        raise ValueError(f"sort_best_first sorts at most {MAX_BUFFER} entries; got {M}")
+    if M <= 1:
+        return keys, rows
+    pos_bits = (M - 1).bit_length()
+    code = _rank_codes(keys, 32 - pos_bits)
+    pos = jnp.broadcast_to(jnp.arange(M, dtype=jnp.uint32), keys.shape)
+    perm = (jax.lax.sort(code << pos_bits | pos, dimension=1)
+            & jnp.uint32((1 << pos_bits) - 1)).astype(jnp.int32)
+    k1 = jnp.take_along_axis(keys, perm, axis=1)
+    bad = _out_of_order(k1, perm)
+    none = jnp.zeros((keys.shape[0], 1), bool)
+    # Only lone pairs swap (the result stays a permutation); longer runs are caught below.
+    lone = bad & ~jnp.concatenate([none, bad[:, :-1]], axis=1) & ~jnp.concatenate(
+        [bad[:, 1:], none], axis=1)
+    swap_next = jnp.concatenate([lone, none], axis=1)  # entry i takes i + 1
+    swap_prev = jnp.concatenate([none, lone], axis=1)  # entry i takes i - 1
+    i = jnp.arange(M, dtype=jnp.int32)
+    fixed = jnp.take_along_axis(perm, jnp.where(swap_next, i + 1, jnp.where(swap_prev, i - 1, i)),
+                                axis=1)
+    k2 = jnp.take_along_axis(keys, fixed, axis=1)
+    return jax.lax.cond(
+        jnp.any(_out_of_order(k2, fixed)),
+        lambda: _sort_lsd(keys, rows, pos_bits),
+        lambda: (k2, jnp.take_along_axis(rows, fixed, axis=1)))
 
 
 # Segment length of ``prefix_counts``' triangular products (exact: f32 sums of at most 64 ones).
@@ -154,31 +217,73 @@ def _unsigned(keys):
     return jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
+def count_true(mask):
+    """The number of true entries of each row of ``mask [N, M]`` -> int32 ``[N]``: a product
+    with a vector of ones (exact: f32 sums of at most ``MAX_BUFFER`` ones), which XLA:CPU runs
+    about 1.7 times as fast as its row reduction."""
+    ones = jnp.ones((mask.shape[1],), jnp.float32)
+    return jnp.dot(mask.astype(jnp.float32), ones, precision=_EXACT).astype(jnp.int32)
+
+
+def _score_of_unsigned(u):
+    return scores_of_keys(jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32))
+
+
 def kth_largest(keys, k: int, below=None):
     """The k-th largest key of each row of ``keys [N, M]`` int32 (``INVALID_KEY`` entries count;
     ``k <= M``): the largest ``x`` with ``count(keys >= x) >= k``. ``below [N]``, when given, is a
     key known to satisfy that count (the search starts there).
 
-    A bisection on the key's 32 bits, each step one fused compare-and-count over the row (XLA's
-    sorts and ``top_k`` are far slower on CPU); it stops as soon as every row has converged.
+    A search on the key's 32 bits, each step one fused compare-and-count over the row (XLA's
+    sorts and ``top_k`` are far slower on CPU). It keeps ``lo`` (at least k keys at or above) and
+    ``hi`` (fewer than k above it) with their counts, and alternates a step that interpolates the
+    count linearly between them with a bisection step (so it never takes more than twice the
+    bisection's steps); a row is done once ``lo == hi``, or once exactly k keys lie at or above
+    ``lo`` (the answer is their least) or exactly k - 1 above ``hi`` (the answer is the largest
+    key at or below it). The loop stops as soon as every row is done.
     """
     u = _unsigned(keys)
     k = jnp.int32(k)
+    count = lambda x: count_true(u >= x[:, None])
+
+    def finished(lo, hi, c_lo, c_hi):
+        return (lo >= hi) | (c_lo == k) | (c_hi == k - 1)
 
     def cond(state):
-        lo, hi = state
-        return jnp.any(lo < hi)
+        step, lo, hi, c_lo, c_hi = state
+        return jnp.any(~finished(lo, hi, c_lo, c_hi))
 
     def body(state):
-        lo, hi = state
-        mid = lo + (hi - lo) // 2 + jnp.where(lo < hi, jnp.uint32(1), jnp.uint32(0))
-        ok = jnp.sum(u >= mid[:, None], axis=1, dtype=jnp.int32) >= k
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+        step, lo, hi, c_lo, c_hi = state
+        active = ~finished(lo, hi, c_lo, c_hi)
+        gap = jnp.where(active, hi - lo, jnp.uint32(1))  # >= 1 where active
+        # The score where the count would cross k - 1/2 if it fell linearly from c_lo at lo's
+        # score to c_hi at hi's (by the keys' bits where a score is not finite).
+        frac = (c_lo - k).astype(jnp.float32) + 0.5
+        frac = frac / (c_lo - c_hi).astype(jnp.float32)
+        s_lo, s_hi = _score_of_unsigned(lo), _score_of_unsigned(hi)
+        by_value = jnp.isfinite(s_lo) & jnp.isfinite(s_hi)
+        s_mid = s_lo + frac * jnp.where(by_value, s_hi - s_lo, jnp.float32(0))
+        from_value = _unsigned(order_keys(jnp.where(jnp.isfinite(s_mid), s_mid, s_lo))) - lo
+        by_bits = jnp.minimum(frac * gap.astype(jnp.float32), jnp.float32(4294967040.0))
+        guess = jnp.where(by_value & (from_value <= gap), from_value, by_bits.astype(jnp.uint32))
+        offset = jnp.where(step % 3 == 2, gap // 2, jnp.maximum(guess, 1) - 1)
+        mid = lo + 1 + jnp.minimum(offset, gap - 1)
+        c = count(mid)
+        up = active & (c >= k)
+        down = active & (c < k)
+        return (step + 1, jnp.where(up, mid, lo), jnp.where(down, mid - 1, hi),
+                jnp.where(up, c, c_lo), jnp.where(down, c, c_hi))
 
-    lo = jnp.zeros(keys.shape[:1], jnp.uint32) if below is None else _unsigned(below)
+    lo = jnp.min(u, axis=1)  # all M >= k keys lie at or above it
+    lo = lo if below is None else jnp.maximum(lo, _unsigned(below))
     hi = jnp.max(u, axis=1)
-    lo, _ = jax.lax.while_loop(cond, body, (lo, hi))
-    return jax.lax.bitcast_convert_type(lo ^ jnp.uint32(0x80000000), jnp.int32)
+    state = (jnp.int32(0), lo, hi, count(lo), jnp.zeros(keys.shape[:1], jnp.int32))
+    _, lo, hi, c_lo, c_hi = jax.lax.while_loop(cond, body, state)
+    least_above = jnp.min(jnp.where(u >= lo[:, None], u, jnp.uint32(0xFFFFFFFF)), axis=1)
+    largest_below = jnp.max(jnp.where(u <= hi[:, None], u, jnp.uint32(0)), axis=1)
+    answer = jnp.where(c_lo == k, least_above, jnp.where(c_hi == k - 1, largest_below, lo))
+    return jax.lax.bitcast_convert_type(answer ^ jnp.uint32(0x80000000), jnp.int32)
 
 
 def compact(keys, rows, keep, size: int, offset=None):
@@ -230,21 +335,24 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
                budget: int = CHUNK_BYTES) -> ChunkPlan:
     """Chunk and block sizes: the products of one chunk and block ``[Tc, Hi, Rb]`` f32 near
     ``budget`` bytes, blocks of at least ``MIN_BLOCK_ROWS`` rows (fewer only for a smaller
-    cache), and a candidate buffer of ``topk + Rb`` entries (a cut always makes room for one
-    block)."""
+    cache) and of about ``topk`` rows where several tokens share a chunk, a candidate buffer of
+    ``topk + Rb`` entries (a cut always makes room for one block), and the chunk's buffers within
+    ``BUFFER_BYTES``."""
     Rb = int(min(max(rows, 1), MAX_BLOCK_ROWS))
     if Rb > MIN_BLOCK_ROWS:
-        Rb = max(MIN_BLOCK_ROWS, min(Rb, budget // (4 * max(heads, 1) * 8)))
+        Rb = max(MIN_BLOCK_ROWS, min(Rb, budget // (4 * max(heads, 1) * 8),
+                                     _round_up(topk, BLOCK_ALIGN)))
     Rb = min(Rb, MAX_BUFFER - topk) if topk < MAX_BUFFER else 1
     if Rb > BLOCK_ALIGN:
         # XLA:CPU's products take another summation order for a block narrower than a few
         # vectors; blocks of whole multiples keep every score's bits the same for every plan.
         Rb -= Rb % BLOCK_ALIGN
     Tc = budget // (4 * max(heads, 1) * Rb)
+    Tc = min(Tc, BUFFER_BYTES // (8 * (topk + Rb)))
     Tc = int(max(1, min(num_tokens, MAX_CHUNK_TOKENS, Tc)))
-    # A small chunk (a decode step) takes longer blocks, scored in pieces: fewer loop steps.
-    wide = min(max(rows, 1), MAX_WIDE_BLOCK_ROWS, budget // (4 * max(heads, 1) * Tc))
-    if topk < MAX_BUFFER:
+    if Tc <= WIDE_BLOCK_TOKENS and topk < MAX_BUFFER:
+        # A small chunk (a decode step) takes longer blocks, scored in pieces: fewer loop steps.
+        wide = min(max(rows, 1), MAX_WIDE_BLOCK_ROWS, budget // (4 * max(heads, 1) * Tc))
         Rb = max(Rb, min(wide, MAX_BUFFER - topk))
     return ChunkPlan(Tc, max(Rb, 1), topk + max(Rb, 1))
 
