@@ -778,6 +778,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--indexer-only", metavar="NAMES",
                    help="with --cases indexer: only these cases (comma-separated names, e.g. "
                    "idx-v32-prefill,idx-v32-decode,idx-small-prefill)")
+    p.add_argument("--layer-memory", type=int, nargs="?", const=-1, default=None, metavar="T",
+                   help="instead: peak memory growth of the Flax layer's causal prefill of T "
+                   "tokens (default 65536, issue 17's case) in a fresh process")
     p.add_argument("--layer-memory-child", type=int, metavar="T", help=argparse.SUPPRESS)
     p.add_argument("--layer-sizes", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--layer-selection", default="streaming", help=argparse.SUPPRESS)
@@ -802,6 +805,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(bench_indexer.layer_memory_child(
             a.layer_memory_child, json.loads(a.layer_sizes), a.dtype, a.layer_selection)))
         return 0
+    if a.layer_memory is not None:
+        from . import bench_indexer
+
+        return bench_indexer.layer_memory_main(a.layer_memory, a.dtype, a.json)
     if a.indexer_sweep_child or a.indexer_sweep:
         return _indexer_sweep_main(a)
 

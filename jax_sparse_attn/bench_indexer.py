@@ -450,3 +450,23 @@ def run_layer_memory_check(T: int = LAYER_PREFILL_T, sizes: Optional[dict] = Non
     if proc.returncode != 0:
         raise RuntimeError(f"layer memory check failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def layer_memory_main(T: int, dtype_name: str, json_path: Optional[str]) -> int:
+    """``--layer-memory [T]``: :func:`run_layer_memory_check` (T < 0: ``LAYER_PREFILL_T``), printed
+    against ``LAYER_PREFILL_LIMIT_BYTES``; exit status 1 above it."""
+    T = LAYER_PREFILL_T if T < 0 else T
+    env = bench.environment()
+    rec = run_layer_memory_check(T, dtype_name=dtype_name)
+    gib = 2**30
+    s = rec["sizes"]
+    print(f"# jax {env['jax']}; CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}")
+    print(f"layer prefill T={T} (E={s['E']} H={s['H']} D={s['D']} K={s['K']} Hi={s['Hi']} "
+          f"Di={s['Di']}, {dtype_name}): peak RSS growth {rec['growth_bytes'] / gib:.2f} GiB "
+          f"(limit {rec['limit_bytes'] / gib:.1f} GiB; the dense selection's products alone "
+          f"{rec['dense_products_bytes'] / gib:.1f} GiB) in {rec['seconds_first_call']:.1f} s",
+          flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": env, "layer_memory": rec}, f, indent=1)
+    return 0 if rec["growth_bytes"] <= rec["limit_bytes"] else 1

@@ -76,6 +76,7 @@ def test_kv_scatter_baseline_adds_every_token_rows():
     np.testing.assert_allclose(got, want, rtol=2**-8, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cpu_products_flag_times_each_form_in_the_same_rounds(tmp_path):
     path = tmp_path / "forms.json"
     code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "0",
@@ -109,6 +110,7 @@ def test_sdpa_baseline_is_attention_without_a_sink(rng):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_sdpa_flag_times_the_baseline(tmp_path, capsys):
     path = tmp_path / "sdpa.json"
     code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "1", "--sdpa",

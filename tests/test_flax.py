@@ -116,7 +116,7 @@ def test_topk_covering_the_sequence_is_dense_causal_attention(dtype, tol):
     np.testing.assert_allclose(np.asarray(y_cached, np.float64), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("selection", ["dense", STREAMING])
+@pytest.mark.parametrize("selection", [pytest.param("dense", marks=pytest.mark.slow), STREAMING])
 def test_sparse_selection_matches_numpy_oracle(selection):
     B, T, K = 2, 9, 3
     layer = make_layer(topk=K, seed=3, sink=SINK, selection=selection)
@@ -197,6 +197,7 @@ def test_prefill_then_decode_matches_the_full_sequence(prefill, selection):
     assert not np.asarray(cache.kv[:, T:]).any()
 
 
+@pytest.mark.slow
 def test_sequences_at_different_positions_use_their_own_cache():
     T, K, max_len = 6, 4, 8
     layer = make_layer(topk=K, seed=8, sink=SINK)
@@ -405,7 +406,8 @@ def oracle_v4_layer(wt, x, ratio, window, K):
 
 
 @pytest.mark.parametrize("ratio, window, selection", [
-    (4, None, "dense"), (1, 3, "dense"), (3, 4, "dense"),
+    pytest.param(4, None, "dense", marks=pytest.mark.slow),
+    pytest.param(1, 3, "dense", marks=pytest.mark.slow), (3, 4, "dense"),
     pytest.param(3, 4, STREAMING, marks=pytest.mark.slow)],
     ids=["compressed", "window", "compressed+window", "compressed+window-streaming"])
 def test_compressed_rows_and_window_match_numpy_oracle(ratio, window, selection):
@@ -439,6 +441,7 @@ def test_compressed_rows_and_window_match_numpy_oracle(ratio, window, selection)
         assert not np.asarray(cache.kv)[:, T // ratio:].any()  # incomplete block: not written
 
 
+@pytest.mark.slow
 def test_bf16_cache_is_stored_as_bits_and_decodes_like_the_full_sequence():
     B, T, K = 1, 7, 3
     layer = make_layer(topk=K, seed=23, dtype=jnp.bfloat16, sink=SINK, compress_ratio=2, window=2)
@@ -547,7 +550,7 @@ def test_sparse_indexer_loss_gradient_is_the_oracle_gradient():
     np.testing.assert_allclose((got * direction).sum(), want, rtol=1e-3)
 
 
-@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 3])
 def test_long_calls_run_in_token_blocks_with_the_same_result(window, monkeypatch):
     import jax_sparse_attn.flax as layer_module
 
@@ -562,6 +565,7 @@ def test_long_calls_run_in_token_blocks_with_the_same_result(window, monkeypatch
     np.testing.assert_allclose(np.asarray(y_cached), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_dense_indexer_loss_over_compressed_rows_matches_numpy():
     # compress_ratio = 2: the target is the dense attention over the complete compressed rows;
     # tokens 0 (no complete block yet) add 0 to the mean, with finite gradients.

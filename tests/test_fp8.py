@@ -80,6 +80,7 @@ def test_the_whole_cache_is_never_dequantised(rng):
     assert not wide, wide
 
 
+@pytest.mark.slow
 def test_gradient_of_q_equals_the_one_on_the_dequantised_cache(rng):
     q, kv, kv_scale, idx, sink, bias = make_case(rng, "e4m3fn", 2, dtype=np.float32)
     kv_dequant = dequantise(kv, kv_scale, np.float32)

@@ -79,8 +79,9 @@ def vjp_of_op(form, inputs, cotangent, **kw):
     return out, dict(zip(FLOAT_ARGS, vjp(jnp.asarray(cotangent, out.dtype))))
 
 
-@pytest.mark.parametrize("form", ["idx", "gathered"])
-@pytest.mark.parametrize("edges", [False, True], ids=["random", "edges"])
+@pytest.mark.parametrize("form", ["idx", pytest.param("gathered", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("edges", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["random", "edges"])
 def test_vjp_matches_float64_finite_differences(rng, form, edges, cpu_product_layout):
     inputs = make_inputs(rng, form, edges)
     cotangent = rng.standard_normal((T, H, D)).astype(np.float32)
@@ -135,7 +136,7 @@ def test_jacfwd_equals_jacrev(rng, form):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("form", ["idx", "gathered"])
+@pytest.mark.parametrize("form", [pytest.param("idx", marks=pytest.mark.slow), "gathered"])
 def test_grad_under_jit_matches_eager(rng, form):
     inputs = make_inputs(rng, form, edges=True)
     idx = inputs["idx"]
@@ -184,6 +185,7 @@ def test_vmap_of_grad_matches_per_example_grads(rng, cache_axis, sink_axis):
             np.testing.assert_allclose(np.asarray(got[b]), want[name], rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_vmap_of_grad_gathered(rng):
     B = 2
     q = rng.standard_normal((B, T, H, D)).astype(np.float32)
@@ -235,7 +237,7 @@ def test_bf16_backward_is_the_same_in_both_operand_forms(rng, form):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), arg
 
 
-@pytest.mark.parametrize("form", ["idx", "gathered"])
+@pytest.mark.parametrize("form", ["idx", pytest.param("gathered", marks=pytest.mark.slow)])
 def test_token_chunked_backward_matches_one_chunk(rng, form, monkeypatch):
     tokens = 7  # not a multiple of the chunk: the padding tokens must contribute nothing
     q = rng.standard_normal((tokens, H, D)).astype(np.float32)
@@ -289,6 +291,7 @@ def test_forward_under_grad_still_binds_the_primitive(rng):
     assert forward.params["implementation"] == "reference"
 
 
+@pytest.mark.slow
 def test_second_order_raises_a_clear_error(rng):
     inputs = make_inputs(rng, "idx", edges=False)
 

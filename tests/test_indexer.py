@@ -62,7 +62,7 @@ def test_exact_ties_go_to_the_lower_row(rng):
     s, _ = scores_f64(q, w, k)
     rank = int(np.sum(s[0] > s[0, 30]))
     # Token t's topk ends t + 1 entries into the tie group: its lower rows are the ones kept.
-    for t in range(T):
+    for t in (0, 2):  # each topk compiles anew: two cuts into the group
         idx = np.asarray(indexer_topk(q, w, k, [R - 1] * T, rank + t + 1))[t]
         assert list(idx[rank:]) == [5, 17, 30, 33][: t + 1], (t, idx)
 

@@ -44,14 +44,16 @@ def test_long_fp8_prefill_stays_within_the_bf16_bound():
     assert rec["contract_check"]["within_one_ulp"] >= 0.999, rec
 
 
-def test_layer_long_prefill_grows_memory_by_at_most_3_gib():
+def test_layer_long_prefill_grows_memory_by_at_most_1_gib():
     # The Flax layer (E=512, H=16, D=128, K=2048, 4 indexer heads of 64, bf16) prefilling
-    # T = 65,536 tokens into its cache: the streaming indexer never builds the [T, T] scores (the
-    # dense selection's products alone would be 64 GiB).
+    # T = 16,384 tokens into its cache: the streaming indexer never builds the [T, T] scores (the
+    # dense selection's products alone would be 4 GiB). Issue 17's case, T = 65,536 within 3 GiB,
+    # takes minutes: `python -m jax_sparse_attn.bench --layer-memory`.
     pytest.importorskip("flax")
     from jax_sparse_attn import bench_indexer
 
-    rec = bench_indexer.run_layer_memory_check(bench_indexer.LAYER_PREFILL_T, timeout=1800)
-    assert rec["dense_products_bytes"] == 64 * 2**30
-    assert rec["finite"] and rec["length"] == bench_indexer.LAYER_PREFILL_T, rec
-    assert rec["growth_bytes"] <= bench_indexer.LAYER_PREFILL_LIMIT_BYTES, rec
+    T = 16384
+    rec = bench_indexer.run_layer_memory_check(T, timeout=900)
+    assert rec["dense_products_bytes"] == 4 * 2**30
+    assert rec["finite"] and rec["length"] == T, rec
+    assert rec["growth_bytes"] <= 2**30, rec

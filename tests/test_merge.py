@@ -26,7 +26,8 @@ def errors(got, want):
     return err.max(), err.mean()
 
 
-@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype", [BF16, pytest.param(np.float32, marks=pytest.mark.slow)],
+                         ids=["bf16", "f32"])
 def test_merge_of_two_halves_is_as_accurate_as_one_call(rng, dtype):
     q, kv, idx, sink, bias, in_a = split_case(rng, dtype=dtype)
     f = jax.jit(lambda q, kv, idx, sink, bias: jsa.gathered_attn_idx(
@@ -70,6 +71,7 @@ def test_minus_inf_partials_contribute_nothing():
     np.testing.assert_allclose(np.asarray(total), [0.5 + np.log(2.0)], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_all_minus_inf_gives_zero_and_no_nan():
     o = jnp.ones((2, 3, 4, 5), jnp.bfloat16)
     lse = jnp.full((2, 3, 4), -jnp.inf)

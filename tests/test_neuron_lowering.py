@@ -88,6 +88,7 @@ def test_on_this_machine_no_neuron_rule_is_registered():
     assert neuron.register_neuron_lowerings() is False
 
 
+@pytest.mark.slow
 def test_neuron_rule_dispatch(monkeypatch):
     """On the "neuron" platform: None and "nki" take the kernel path, the others their own path."""
     seen = []

@@ -102,7 +102,9 @@ def _check_common(packed, layout, q, sink, bias, scale, valid):
 
 
 @pytest.mark.parametrize(
-    "T, H, D, K, programs", [(2, 130, 64, 100, 1), (3, 1, 576, 1, 2), (1, 200, 128, 129, 2)]
+    "T, H, D, K, programs", [(2, 130, 64, 100, 1),
+                             pytest.param(3, 1, 576, 1, 2, marks=pytest.mark.slow),
+                             pytest.param(1, 200, 128, 129, 2, marks=pytest.mark.slow)]
 )
 def test_pack_gathered(T, H, D, K, programs):
     rng = np.random.default_rng(0)

@@ -774,6 +774,7 @@ def test_emulated_path_saturates_logits_that_overflow(target):
     assert_matches_contract(out, idx_model(q, kv, idx, sink, zeros, D**-0.5))
 
 
+@pytest.mark.slow
 def test_emulated_lse_functions(target):
     """The ``*_lse`` functions of the Neuron data path (for ``return_lse``): lse [T, H] f32 =
     max + log(den) to 1e-6 relative, the sink for a row with no valid slot (-inf without one)."""
