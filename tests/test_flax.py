@@ -550,7 +550,8 @@ def test_sparse_indexer_loss_gradient_is_the_oracle_gradient():
     np.testing.assert_allclose((got * direction).sum(), want, rtol=1e-3)
 
 
-@pytest.mark.parametrize("window", [pytest.param(None, marks=pytest.mark.slow), 3])
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [None, 3])
 def test_long_calls_run_in_token_blocks_with_the_same_result(window, monkeypatch):
     import jax_sparse_attn.flax as layer_module
 

@@ -67,6 +67,7 @@ def test_exact_ties_go_to_the_lower_row(rng):
         assert list(idx[rank:]) == [5, 17, 30, 33][: t + 1], (t, idx)
 
 
+@pytest.mark.slow
 def test_nan_ranks_below_every_number_and_minus_inf_is_selected(rng):
     T, Hi, Di, R = 3, 2, 4, 12
     q = jnp.ones((T, Hi, Di), jnp.float32)
@@ -178,6 +179,7 @@ def _score_grads_f64(q, w, k, ks, scale, idx, ct):
     return gq, gw, gk
 
 
+@pytest.mark.slow
 def test_score_gradients_against_float64(rng):
     T, Hi, Di, R, topk = 5, 3, 8, 30, 6
     q, w, k = make(rng, T, Hi, Di, R, jnp.float32)
