@@ -19,7 +19,8 @@ def make(rng, T, Hi, Di, R, dtype=jnp.bfloat16):
     return q, w, k
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow),
+                                   pytest.param(jnp.float32, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("T,Hi,Di,R,topk", [(13, 4, 32, 300, 16), (3, 8, 64, 2000, 128),
                                              (7, 2, 16, 40, 64)])
 def test_selection_matches_float64(rng, dtype, T, Hi, Di, R, topk):
@@ -31,7 +32,7 @@ def test_selection_matches_float64(rng, dtype, T, Hi, Di, R, topk):
     check_selection(idx, scores, s, bound, valid_rows(positions, R), topk)
 
 
-@pytest.mark.parametrize("ratio", [1, 4, 128])
+@pytest.mark.parametrize("ratio", [pytest.param(1, marks=pytest.mark.slow), 4, 128])
 def test_compress_ratio_validity(rng, ratio):
     T, R, topk = 11, 64, 8
     q, w, k = make(rng, T, 4, 16, R)

@@ -225,6 +225,7 @@ def test_install_hints_in_error_messages_work_from_a_clone():
     assert "jax-sparse-attn[" not in sources
 
 
+@pytest.mark.slow
 def test_indexer_snippet_selects_the_exact_top_rows():
     from indexer_oracle import check_rows, scores_f64, valid_rows
 
