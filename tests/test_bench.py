@@ -173,3 +173,13 @@ def test_indexer_command_line_writes_json(tmp_path, capsys):
         assert rec["dense_same_rows"] == 1.0 and rec["op_fraction_of_gemm_f32"] > 0
     assert records[2]["step_over_parts"] > 0
     assert "layer-decode" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_layer_memory_flag_measures_a_fresh_process(tmp_path):
+    pytest.importorskip("flax")
+    out = tmp_path / "layer-memory.json"
+    assert bench.main(["--layer-memory", "512", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())["layer_memory"]
+    assert rec["T"] == 512 and rec["length"] == 512 and rec["finite"]
+    assert 0 < rec["growth_bytes"] <= rec["limit_bytes"]
