@@ -28,8 +28,8 @@ def _record(axis, value, op_s, naive_s, fixed):
 
 def test_figures_draw_the_sweep_values(rng):
     sizes = plots.SWEEPS["quick"]
-    op_k, naive_k = rng.uniform(1e-4, 1e-2, (2, 4))
-    op_t, naive_t = rng.uniform(1e-4, 1e-2, (2, 3))
+    op_k, naive_k = rng.uniform(1e-4, 1e-2, (2, len(sizes["time_vs_K"]["K"])))
+    op_t, naive_t = rng.uniform(1e-4, 1e-2, (2, len(sizes["time_vs_T"]["T"])))
     result = {
         "environment": bench.environment(), "implementation": "none", "dtype": "bf16", "sizes": sizes,
         "time_vs_K": [_record("K", k, o, n, sizes["time_vs_K"]["fixed"])
