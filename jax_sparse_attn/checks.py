@@ -54,6 +54,11 @@ def check_float(name: str, x) -> None:
         raise TypeError(f"{name} must be a floating dtype (bf16, f16 or f32); got {dtype_of(x)}")
 
 
+def check_integer(name: str, x) -> None:
+    if not jnp.issubdtype(dtype_of(x), jnp.integer):
+        raise TypeError(f"{name} must have an integer dtype; got {dtype_of(x)}")
+
+
 def check_implementation(implementation: Optional[str]) -> None:
     if implementation is None or implementation == "reference":
         return

@@ -13,6 +13,7 @@ from ..checks import (
     ArrayLike,
     Scale,
     as_array,
+    check_integer,
     check_float,
     check_implementation,
     check_rank,
@@ -60,8 +61,7 @@ def _apply_topk_length(bias, topk_length, name: str = "topk_length"):
         return bias
     topk_length = as_array(name, topk_length)
     T, K = shape_of(bias)
-    if not jnp.issubdtype(dtype_of(topk_length), jnp.integer):
-        raise TypeError(f"{name} must have an integer dtype; got {dtype_of(topk_length)}")
+    check_integer(name, topk_length)
     if shape_of(topk_length) != (T,):
         raise ValueError(f"{name} must have shape [T] = ({T},); got {shape_of(topk_length)}")
     if isinstance(topk_length, np.ndarray):  # full width on the host (an int64 beyond int32)
@@ -211,8 +211,7 @@ def _check_extra_cache(q_shape, extra_kv, extra_idx):
     check_rank("extra_kv", extra_kv, 2, "[R2, D]")
     check_float("extra_kv", extra_kv)
     check_rank("extra_idx", extra_idx, 2, "[T, K2]")
-    if not jnp.issubdtype(dtype_of(extra_idx), jnp.integer):
-        raise TypeError(f"extra_idx must have an integer dtype; got {dtype_of(extra_idx)}")
+    check_integer("extra_idx", extra_idx)
     if shape_of(extra_kv)[1] != D:
         raise ValueError(
             f"extra_kv must have shape [R2, D] = (R2, {D}) to match q {q_shape}; got {shape_of(extra_kv)}"
@@ -309,8 +308,7 @@ def gathered_attn_idx(
     check_rank("kv", kv, 2, "[R, D]")
     check_float("kv", kv)
     check_rank("idx", idx, 2, "[T, K]")
-    if not jnp.issubdtype(dtype_of(idx), jnp.integer):
-        raise TypeError(f"idx must have an integer dtype; got {dtype_of(idx)}")
+    check_integer("idx", idx)
     T, H, D = shape_of(q)
     R = shape_of(kv)[0]
     if kv_rope is not None:

@@ -13,13 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..checks import check_integer
 from ..constants import MAX_ROWS
-
-
-def _check_integer(name: str, x) -> None:
-    dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else jax.dtypes.result_type(x)
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"{name} must have an integer dtype; got {dtype}")
 
 
 def paged_indices(idx, block_table, block_size: int) -> jax.Array:
@@ -49,8 +44,8 @@ def paged_indices(idx, block_table, block_size: int) -> jax.Array:
         idx = np.asarray(idx)
     if isinstance(block_table, (list, tuple)):
         block_table = np.asarray(block_table)
-    _check_integer("idx", idx)
-    _check_integer("block_table", block_table)
+    check_integer("idx", idx)
+    check_integer("block_table", block_table)
     if np.ndim(block_table) != 1:
         raise ValueError(
             f"block_table must have rank 1 ([num_blocks]); got shape {np.shape(block_table)} "

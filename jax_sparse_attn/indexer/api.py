@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import fp8
-from ..checks import as_array, check_implementation, check_rank, check_scale, dtype_of, shape_of
+from ..checks import (as_array, check_implementation, check_integer, check_rank, check_scale,
+                      dtype_of, shape_of)
 from ..constants import MAX_ROWS
 from . import primitive
 from .reference import MAX_TOPK
@@ -132,8 +133,7 @@ def indexer_topk(
     check_rank("keys", keys, 2, "[R, Di]")
     _check_float_or_fp8("keys", keys)
     check_rank("positions", positions, 1, "[T]")
-    if not jnp.issubdtype(dtype_of(positions), jnp.integer):
-        raise TypeError(f"positions must have an integer dtype; got {dtype_of(positions)}")
+    check_integer("positions", positions)
     T, Hi, Di = shape_of(q)
     R = shape_of(keys)[0]
     if shape_of(weights) != (T, Hi):
