@@ -255,7 +255,9 @@ def _kernel_args(packed: PackedOperands, group: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_kernel(kernel):
+def jitted_kernel(kernel):
+    """``nki.jit`` of an NKI kernel function (either op's), once per kernel; a RuntimeError with the
+    install hint where the Neuron SDK is missing."""
     from . import kernel as kernels
 
     if kernels.nki is None:
@@ -267,7 +269,7 @@ def _jitted_kernel(kernel):
 
 def _call_nki_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout, options):
     del target  # nki.jit compiles for the target NEURON_PLATFORM_TARGET_OVERRIDE names
-    jitted = _jitted_kernel(kernel)
+    jitted = jitted_kernel(kernel)
     if layout.programs > 1:
         jitted = jitted[layout.programs]  # kernel[2]: one program per physical core (LNC=2)
     results = [jitted(*_kernel_args(packed, g), **options) for g in range(layout.head_groups)]

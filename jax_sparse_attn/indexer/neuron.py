@@ -111,20 +111,11 @@ def _call_emulated(target, shares, programs, plan, operands, tiles):
     return packed[..., :k], packed[..., k:].astype(jnp.int32)
 
 
-@functools.lru_cache(maxsize=None)
-def _jitted(kernel):
-    if _kernel.nki is None:
-        from ..attention.neuron import NEURON_INSTALL_HINT
-
-        raise RuntimeError(
-            f"the NKI kernel needs the Neuron SDK (`import nki` failed): {NEURON_INSTALL_HINT}"
-        )
-    return _kernel.nki.jit(kernel)
-
-
 def _call_nki(target, shares, programs, plan, operands):
+    from ..attention.neuron import jitted_kernel  # the shared nki.jit cache and install hint
+
     match = _kernel.selection_variant(target)
-    first = _jitted(_kernel.indexer_topk_kernel)
+    first = jitted_kernel(_kernel.indexer_topk_kernel)
     if shares > 1:
         first = first[shares]  # one program per physical core (LNC=2), each a share of the rows
     part_keys, part_rows = first(*operands, topk=plan.topk, chunk=plan.chunk, match_indices=match)
@@ -132,7 +123,7 @@ def _call_nki(target, shares, programs, plan, operands):
         keys = part_keys[0][..., : plan.topk]
         idx = jnp.where(keys > jnp.float32(_kernel.MARKER), part_rows[0][..., : plan.topk], -1.0)
         return keys, idx.astype(jnp.int32)
-    merge = _jitted(_kernel.indexer_merge_kernel)
+    merge = jitted_kernel(_kernel.indexer_merge_kernel)
     if programs > 1:
         merge = merge[programs]
     return merge(part_keys, part_rows, topk=plan.topk, match_indices=match)
