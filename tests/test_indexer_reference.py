@@ -78,7 +78,7 @@ def test_sort_best_first_against_numpy(rng, M):
 def _hard_key_rows(rng, M):
     """Rows of keys that stress the one-pass sort's codes and the k-th search: clustered scores
     beside an outlier (many share a code), scores across zero, NaN, +-inf and invalid entries,
-    exact ties, full-range integers, all equal."""
+    exact ties, full-range integers, all equal, a long run that shares a code."""
     keys = lambda x: np.asarray(reference.order_keys(jnp.asarray(np.float32(x))))
     rows = [
         keys(np.r_[1e30, rng.uniform(1, 1.0001, M)][:M]),
@@ -88,6 +88,8 @@ def _hard_key_rows(rng, M):
         rng.integers(-3, 3, M),
         rng.integers(-(2**31) + 1, 2**31 - 1, M),
         np.full(M, 5),
+        # Distinct keys a few bits apart beside the extremes: they share one code, worst first.
+        np.r_[-(2**31) + 1, 2**31 - 1, 1000 + 3 * np.arange(M)][:M],
     ]
     return np.stack([np.roll(r, int(rng.integers(M))) for r in rows]).astype(np.int32)
 
@@ -117,6 +119,86 @@ def test_kth_largest_against_numpy(rng, M, k):
     below = np.maximum(want - rng.integers(0, 3, len(want)), -(2**31)).astype(np.int32)
     got = jax.jit(lambda x, b: reference.kth_largest(x, k, b))(jnp.asarray(keys), below)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def _best_first_order(keys):
+    """numpy: each row's positions best first (key descending, position ascending)."""
+    M = keys.shape[1]
+    return np.lexsort((np.arange(M)[None].repeat(len(keys), 0), -keys.astype(np.int64)), axis=1)
+
+
+@pytest.mark.parametrize("M, k, cap", [(7, 1, 1), (7, 3, 5), (300, 24, 40), (4096, 2048, 2112),
+                                       (4096, 2048, 2560)])
+def test_cut_threshold_against_numpy(rng, M, k, cap):
+    keys = _hard_key_rows(rng, M)
+    valid = keys != reference.INVALID_KEY
+    best = -np.sort(-np.where(valid, keys, -(2**31)).astype(np.int64), axis=1)
+    kth = best[:, k - 1]
+    for below in [None, np.where(valid.sum(1) >= k, kth - rng.integers(0, 3, len(kth)),
+                                 reference.INVALID_KEY).astype(np.int32)]:
+        got = np.asarray(jax.jit(lambda x, b: reference.cut_threshold(x, k, cap, b))(
+            jnp.asarray(keys), None if below is None else jnp.asarray(below)))
+        assert (got > reference.INVALID_KEY).all()
+        n = (valid & (keys >= got[:, None])).sum(1)
+        np.testing.assert_array_equal(n >= np.minimum(k, valid.sum(1)), True)
+        # At most cap, unless the keys equal to the k-th key alone go past it: then x is it.
+        over = n > cap
+        np.testing.assert_array_equal(got[over], kth[over])
+        assert ((keys[over] > kth[over, None]).sum(1) < k).all()
+
+
+@pytest.mark.parametrize("M, k, cap", [(7, 3, 5), (300, 24, 40), (4096, 2048, 2112)])
+def test_cut_keeps_the_best_in_buffer_order(rng, M, k, cap):
+    keys = _hard_key_rows(rng, M)
+    rows = rng.permutation(M * len(keys)).reshape(keys.shape).astype(np.int32)
+    pairs = jnp.stack([jnp.asarray(keys), jnp.asarray(rows)], axis=-1)
+    out, count, tau = (np.asarray(a) for a in jax.jit(
+        lambda p: reference.cut(p, k, cap, cap + 3))(pairs))
+    order = _best_first_order(keys)
+    for i in range(len(keys)):
+        n_valid = int((keys[i] != reference.INVALID_KEY).sum())
+        assert min(k, n_valid) <= count[i] <= cap
+        kept = out[i, :count[i]]
+        assert (out[i, count[i]:, 0] == reference.INVALID_KEY).all()
+        # The kept entries: a subset of the row in its order, holding its best min(k, valid).
+        pos = {int(r): j for j, r in enumerate(rows[i])}
+        where = np.array([pos[int(r)] for r in kept[:, 1]])
+        assert (np.diff(where) > 0).all()
+        np.testing.assert_array_equal(kept[:, 0], keys[i, where])
+        assert set(order[i, :min(k, n_valid)]) <= set(where)
+        if count[i] >= k:  # tau: a key that k kept entries reach
+            assert (kept[:, 0] >= tau[i]).sum() >= k
+        else:
+            assert tau[i] == reference.INVALID_KEY
+
+
+@pytest.mark.parametrize("M, k", [(40, 24), (4096, 2048)])
+def test_best_first_against_numpy(rng, M, k):
+    keys = _hard_key_rows(rng, M)
+    rows = np.broadcast_to(np.arange(M, dtype=np.int32) * 7, keys.shape)
+    got_k, got_r = (np.asarray(a) for a in jax.jit(lambda p: reference.best_first(p, k))(
+        jnp.stack([jnp.asarray(keys), jnp.asarray(rows)], axis=-1)))
+    order = _best_first_order(keys)[:, :k]
+    np.testing.assert_array_equal(got_k, np.take_along_axis(keys, order, 1))
+    np.testing.assert_array_equal(got_r, np.take_along_axis(rows, order, 1))
+
+
+@pytest.mark.parametrize("L", [1, 31, 32, 300, 4608])
+def test_prefix_counts_and_compact_against_numpy(rng, L):
+    mask = rng.random((5, L)) < np.array([0.0, 0.1, 0.5, 0.9, 1.0])[:, None]
+    np.testing.assert_array_equal(np.asarray(reference.prefix_counts(jnp.asarray(mask))),
+                                  np.cumsum(mask, axis=1))
+    pairs = rng.integers(-100, 100, (5, L, 2)).astype(np.int32)
+    start = rng.integers(0, 4, 5).astype(np.int32)
+    size = L + 3
+    old = rng.integers(-100, 100, (5, size, 2)).astype(np.int32)
+    got, count = (np.asarray(a) for a in reference.compact(
+        jnp.asarray(pairs), jnp.asarray(mask), size, offset=(jnp.asarray(start), jnp.asarray(old))))
+    for i in range(5):
+        want = np.concatenate([old[i, :start[i]], pairs[i][mask[i]]])[:size]
+        assert count[i] == len(want)
+        np.testing.assert_array_equal(got[i, :len(want)], want)
+        np.testing.assert_array_equal(got[i, len(want):], old[i, len(want):])
 
 
 def test_nothing_of_size_tokens_by_rows_is_built(rng):

@@ -15,31 +15,31 @@ prefill scores about half of the dense pairs), and keeps each token's running se
 
 - every score becomes an int32 *order key* (``order_keys``: a monotone map of the f32 bits, NaN
   just below ``-inf``, invalid rows at ``INVALID_KEY``), so ranking is exact integer comparison;
-- a row joins the token's candidate buffer only if its key beats the token's threshold ``tau``,
-  the k-th best key seen so far (strictly: a later row that ties loses to the earlier ones);
+- a row joins the token's candidate buffer only if its key beats the token's threshold ``tau``
+  (strictly: a later row that ties loses to the earlier ones);
 - before a token's first cut, a block of at least ``2 topk`` rows also drops the rows below the
   k-th best of its pair maxima (a floor that k distinct rows reach), so the first block does not
   flood the buffer;
 - candidates are appended in row order (``prefix_counts``: triangular products, not XLA:CPU's slow
-  ``cumsum``; one scatter of (key, row) pairs); when a token's buffer would overflow, every buffer
-  of the chunk is cut back to its best ``topk`` and ``tau`` rises to the k-th best key
-  (``_cut_to_topk``: the threshold by a search of compare-and-count passes, interpolating between
-  bisection steps, not a sort; then an order-keeping compaction, so buffer positions stay in row
-  order among equal keys);
-- blocks are scored in pieces of about ``DOT_BYTES`` of products; pieces past every token's last
-  valid row are skipped;
-- at the end each buffer is cut to ``topk`` and sorted best first (``sort_best_first``: one pass
-  of an integer sort on a code linear in the score, packed with the buffer position, and a fix of
-  lone pairs that shared a code; an exact two-pass LSD sort where that does not suffice), ties
-  broken by buffer position, that is by row.
+  ``cumsum``; one scatter of (key, row) pairs, ``compact``); when a token's buffer would
+  overflow, every buffer of the chunk is ``cut``: it keeps its entries at or above a threshold
+  that between ``topk`` and ``topk + cut_slack`` of them reach (``cut_threshold``: a search of
+  compare-and-count passes, not a sort), in row order, and ``tau`` rises to it;
+- blocks are scored and appended in pieces of about ``DOT_BYTES`` of products; pieces past every
+  token's last valid row are skipped;
+- at the end each buffer is cut to at most ``topk + FINAL_SLACK`` entries and sorted best first
+  (``best_first``, ``sort_best_first``: one pass of an integer sort on a code that follows the
+  keys' bits, packed with the buffer position, and odd-even rounds for the runs that shared a
+  code; an exact two-pass LSD sort where those do not suffice), ties broken by buffer position,
+  that is by row.
 
 Every token is computed independently and each score's arithmetic does not depend on the chunk or
 block sizes, so the result is bit-identical across them (``tests/test_indexer_reference.py``). On
 CPU the products take the form that ``cpu_products.cpu_product_form`` picks (16-bit operands, or
 widened to f32 in cache: same contract, another summation order).
 
-Memory beyond the inputs and outputs: one chunk's working set, ``O(Tc (Hi Rb + topk + Rb))``
-(``chunk_plan``).
+Memory beyond the inputs and outputs: one chunk's working set, ``O(Tc (Hi Rd + topk + Rb))``
+with ``Rd`` the rows of a piece (``chunk_plan``, ``dot_rows``).
 """
 
 from __future__ import annotations
@@ -68,13 +68,12 @@ def _key_of(x: float) -> int:
 # A NaN score ranks just below -inf (and above the invalid rows).
 NAN_KEY = np.int32(_key_of(-np.inf) - 1)
 
-# Working-set target of one chunk's products ``[Tc, Hi, Rb]`` f32: small enough to stay in the CPU
-# caches between the product, the relu and the head sum (as the attention reference's chunks).
+# Bounds a block's rows (``[8, Hi, Rb]`` f32 within it) and a decode step's wide blocks' products.
 CHUNK_BYTES = 4 * 2**20
-# Largest candidate buffer per token: the LSD sort packs a buffer position in 16 bits.
-MAX_BUFFER = 2**16
-# Largest topk the API accepts: a buffer of topk candidates plus one block must fit MAX_BUFFER.
-MAX_TOPK = MAX_BUFFER // 2
+# Longest row ``sort_best_first`` takes: the LSD sort packs a position in 16 bits.
+MAX_SORT = 2**16
+# Largest topk the API accepts: the final sort takes topk + FINAL_SLACK entries.
+MAX_TOPK = MAX_SORT // 2
 MIN_BLOCK_ROWS = 256
 # Blocks score a multiple of 16 rows: XLA:CPU's f32 dot sums in another order when the row count
 # is not one (measured on jaxlib 0.10, AVX2: blocks of 1000 or 3000 rows differ from 512 or 2048
@@ -125,29 +124,31 @@ def _sort_lsd(keys, rows, pos_bits: int):
 
 def _rank_codes(keys, code_bits: int):
     """uint32 codes below ``2**code_bits``, non-decreasing from the best key to the worst: +inf
-    first, the finite scores linearly in their value between the row's largest and least
-    finite one, then -inf, NaN, and ``INVALID_KEY`` last. Equal codes mean close scores."""
+    first, the finite scores by their keys' bits between the row's largest and least finite one
+    (shifted right to fit ``code_bits - 1`` bits), then -inf, NaN, and ``INVALID_KEY`` last.
+    Equal codes mean close scores: within a relative ``2**-23`` times the shift's power of two,
+    so scores that cluster near 0 or at one magnitude stay apart."""
+    u = _unsigned(keys)
+    finite = jnp.isfinite(scores_of_keys(keys))
+    top = jnp.max(jnp.where(finite, u, jnp.uint32(0)), axis=1, keepdims=True)
+    bottom = jnp.min(jnp.where(finite, u, jnp.uint32(0xFFFFFFFF)), axis=1, keepdims=True)
+    span = jnp.where(top > bottom, top - bottom, jnp.uint32(0))
+    shift = jnp.maximum(32 - jax.lax.clz(span).astype(jnp.int32) - (code_bits - 1), 0)
+    code = 1 + (jnp.where(finite, top - u, jnp.uint32(0)) >> shift.astype(jnp.uint32))
     s = scores_of_keys(keys)
-    finite = jnp.isfinite(s)
-    top = jnp.max(jnp.where(finite, s, -jnp.inf), axis=1, keepdims=True)
-    bottom = jnp.min(jnp.where(finite, s, jnp.inf), axis=1, keepdims=True)
-    levels = jnp.float32((1 << code_bits) - 6)
-    # f32 rounding is monotone, so the codes keep the scores' order (ties in code aside).
-    scale = jnp.where(top > bottom, levels / (top - bottom), jnp.float32(0))
-    scale = jnp.where(jnp.isfinite(scale), scale, jnp.float32(0))
-    value = jnp.clip((top - jnp.where(finite, s, top)) * scale, 0, levels)
-    code = 1 + value.astype(jnp.uint32)
     code = jnp.where(s == jnp.inf, jnp.uint32(0), code)
     code = jnp.where(s == -jnp.inf, jnp.uint32((1 << code_bits) - 4), code)
     code = jnp.where(keys == NAN_KEY, jnp.uint32((1 << code_bits) - 3), code)
     return jnp.where(keys == INVALID_KEY, jnp.uint32((1 << code_bits) - 1), code)
 
 
-def _out_of_order(keys, pos):
+def _out_of_order(keys, pos, next_keys=None, next_pos=None):
     """``[N, M - 1]``: whether entries i and i + 1 are out of best-first order (ties by
-    position, which never repeats)."""
-    a_k, b_k, a_p, b_p = keys[:, :-1], keys[:, 1:], pos[:, :-1], pos[:, 1:]
-    return (a_k < b_k) | ((a_k == b_k) & (a_p >= b_p))
+    position, which never repeats); of ``(keys, pos)`` and ``(next_keys, next_pos)`` where
+    those are given."""
+    if next_keys is None:
+        keys, pos, next_keys, next_pos = keys[:, :-1], pos[:, :-1], keys[:, 1:], pos[:, 1:]
+    return (keys < next_keys) | ((keys == next_keys) & (pos >= next_pos))
 
 
 def sort_best_first(keys, rows):
@@ -155,13 +156,13 @@ def sort_best_first(keys, rows):
 
     XLA's single-operand integer sort is its fast path on CPU, and a uint32 holds the position
     and ``32 - log2 M`` more bits: one pass sorts a code linear in the score (``_rank_codes``)
-    packed with the position. Scores that share a code come out in position order; a lone
-    misordered pair is swapped. Where a run of three or more shares a code (rare unless the scores
-    span a wide range), the chunk takes the exact two-pass LSD sort of the keys instead.
+    packed with the position. Scores that share a code come out in position order, and a few
+    rounds of odd-even transposition put such runs in order; where ``FIX_ROUNDS`` rounds do not
+    suffice (a long run: scores that span a wide range), the exact two-pass LSD sort of the keys.
     """
     M = keys.shape[-1]
-    if M > MAX_BUFFER:
-        raise ValueError(f"sort_best_first sorts at most {MAX_BUFFER} entries; got {M}")
+    if M > MAX_SORT:
+        raise ValueError(f"sort_best_first sorts at most {MAX_SORT} entries; got {M}")
     if M <= 1:
         return keys, rows
     pos_bits = (M - 1).bit_length()
@@ -170,33 +171,60 @@ def sort_best_first(keys, rows):
     perm = (jax.lax.sort(code << pos_bits | pos, dimension=1)
             & jnp.uint32((1 << pos_bits) - 1)).astype(jnp.int32)
     k1 = jnp.take_along_axis(keys, perm, axis=1)
-    bad = _out_of_order(k1, perm)
-    none = jnp.zeros((keys.shape[0], 1), bool)
-    # Only lone pairs swap (the result stays a permutation); longer runs are caught below.
-    lone = bad & ~jnp.concatenate([none, bad[:, :-1]], axis=1) & ~jnp.concatenate(
-        [bad[:, 1:], none], axis=1)
-    swap_next = jnp.concatenate([lone, none], axis=1)  # entry i takes i + 1
-    swap_prev = jnp.concatenate([none, lone], axis=1)  # entry i takes i - 1
-    i = jnp.arange(M, dtype=jnp.int32)
-    fixed = jnp.take_along_axis(perm, jnp.where(swap_next, i + 1, jnp.where(swap_prev, i - 1, i)),
-                                axis=1)
-    k2 = jnp.take_along_axis(keys, fixed, axis=1)
-    return jax.lax.cond(
-        jnp.any(_out_of_order(k2, fixed)),
-        lambda: _sort_lsd(keys, rows, pos_bits),
-        lambda: (k2, jnp.take_along_axis(rows, fixed, axis=1)))
+
+    def cond(state):
+        step, _, _, bad = state
+        return (step < FIX_ROUNDS) & bad
+
+    def body(state):
+        step, k, p, _ = state
+        k, p = _exchange_pairs(*_exchange_pairs(k, p, 0), 1)
+        return step + 1, k, p, jnp.any(_out_of_order(k, p))
+
+    _, k2, fixed, bad = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), k1, perm, jnp.any(_out_of_order(k1, perm))))
+    return jax.lax.cond(bad, lambda: _sort_lsd(keys, rows, pos_bits),
+                        lambda: (k2, jnp.take_along_axis(rows, fixed, axis=1)))
 
 
-# Segment length of ``prefix_counts``' triangular products (exact: f32 sums of at most 64 ones).
-PREFIX_SEGMENT = 64
+# Rounds of odd-even transposition after the one-pass sort: a run of n entries that share a code
+# is in order after n rounds.
+FIX_ROUNDS = 8
+
+
+def _exchange_pairs(keys, pos, first: int):
+    """One phase of odd-even transposition: entries ``(i, i + 1)`` for ``i = first, first + 2,
+    ...`` swap where out of best-first order (ties by ``pos``, which never repeats)."""
+    N, M = keys.shape
+    n = (M - first) // 2
+    if n == 0:
+        return keys, pos
+    end = first + 2 * n
+    k = keys[:, first:end].reshape(N, n, 2)
+    p = pos[:, first:end].reshape(N, n, 2)
+    swap = _out_of_order(k[..., 0], p[..., 0], k[..., 1], p[..., 1])
+
+    def exchanged(x):
+        a, b = x[..., 0], x[..., 1]
+        pair = jnp.stack([jnp.where(swap, b, a), jnp.where(swap, a, b)], axis=-1)
+        return pair.reshape(N, 2 * n)
+
+    def put(x, mid):
+        return jnp.concatenate([x[:, :first], mid, x[:, end:]], axis=1)
+
+    return put(keys, exchanged(k)), put(pos, exchanged(p))
+
+
+# Segment length of ``prefix_counts``' triangular products (measured fastest on a Zen 3).
+PREFIX_SEGMENT = 32
 
 
 def prefix_counts(mask):
     """Inclusive prefix counts of ``mask [N, L]`` bool along its rows -> int32 ``[N, L]``.
 
     XLA:CPU's ``cumsum`` is slow (a reduce-window); this is two small products instead: within
-    segments of ``PREFIX_SEGMENT`` entries by an upper-triangular matrix of ones (exact: integer
-    sums below 2**24 in f32), then the segment totals' running sum.
+    segments of ``PREFIX_SEGMENT`` entries by an upper-triangular matrix of ones, then the
+    segment totals by a strictly upper-triangular one (exact: integer sums below 2**24 in f32).
     """
     N, L = mask.shape
     S = min(PREFIX_SEGMENT, L)
@@ -206,9 +234,10 @@ def prefix_counts(mask):
         m = jnp.pad(m, ((0, 0), (0, G * S - L)))
     tri = jnp.triu(jnp.ones((S, S), jnp.float32))
     within = jnp.einsum("ngs,su->ngu", m.reshape(N, G, S), tri, precision=_EXACT)
-    totals = within[:, :, -1].astype(jnp.int32)
-    before = jnp.cumsum(totals, axis=1) - totals
-    out = within.astype(jnp.int32) + before[:, :, None]
+    # The totals of the segments before each one, by a strictly triangular product as well.
+    before = jnp.einsum("ng,gh->nh", within[:, :, -1], jnp.triu(jnp.ones((G, G), jnp.float32), 1),
+                        precision=_EXACT)
+    out = (within + before[:, :, None]).astype(jnp.int32)
     return out.reshape(N, G * S)[:, :L]
 
 
@@ -219,7 +248,7 @@ def _unsigned(keys):
 
 def count_true(mask):
     """The number of true entries of each row of ``mask [N, M]`` -> int32 ``[N]``: a product
-    with a vector of ones (exact: f32 sums of at most ``MAX_BUFFER`` ones), which XLA:CPU runs
+    with a vector of ones (exact: f32 sums of fewer than 2**24 ones), which XLA:CPU runs
     about 1.7 times as fast as its row reduction."""
     ones = jnp.ones((mask.shape[1],), jnp.float32)
     return jnp.dot(mask.astype(jnp.float32), ones, precision=_EXACT).astype(jnp.int32)
@@ -229,100 +258,197 @@ def _score_of_unsigned(u):
     return scores_of_keys(jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32))
 
 
-def kth_largest(keys, k: int, below=None):
-    """The k-th largest key of each row of ``keys [N, M]`` int32 (``INVALID_KEY`` entries count;
-    ``k <= M``): the largest ``x`` with ``count(keys >= x) >= k``. ``below [N]``, when given, is a
-    key known to satisfy that count (the search starts there).
+def _search(u, k: int, cap: int, lo):
+    """The search loop of ``kth_largest`` and ``cut_threshold`` on ``u [N, M]`` uint32 keys, from
+    ``lo [N]``: returns ``(lo, hi, c_lo, c_hi)``, where ``c_lo`` keys lie at or above ``lo`` and
+    ``c_hi < k`` above ``hi``, once ``k <= c_lo <= cap``, ``c_hi == k - 1``, ``lo == hi``, or
+    (from a ``lo`` that fewer than k keys reach) ``c_lo < k``.
 
-    A search on the key's 32 bits, each step one fused compare-and-count over the row (XLA's
-    sorts and ``top_k`` are far slower on CPU). It keeps ``lo`` (at least k keys at or above) and
-    ``hi`` (fewer than k above it) with their counts, and alternates a step that interpolates the
-    count linearly between them with a bisection step (so it never takes more than twice the
-    bisection's steps); a row is done once ``lo == hi``, or once exactly k keys lie at or above
-    ``lo`` (the answer is their least) or exactly k - 1 above ``hi`` (the answer is the largest
-    key at or below it). The loop stops as soon as every row is done.
+    Each step is one fused compare-and-count over the row (XLA's sorts and ``top_k`` are far
+    slower on CPU) at a point that interpolates the count linearly between ``lo`` and ``hi``
+    (aiming at the middle of ``[k, cap]``), with the Illinois rule against skewed scores (an end
+    that stays twice counts half as far from the target), and every ``BISECT_EVERY``-th step a
+    bisection of the keys' bits. The loop stops as soon as every row is done.
     """
-    u = _unsigned(keys)
+    target = jnp.float32((k + cap) / 2 if cap > k else k - 0.5)
     k = jnp.int32(k)
     count = lambda x: count_true(u >= x[:, None])
 
     def finished(lo, hi, c_lo, c_hi):
-        return (lo >= hi) | (c_lo == k) | (c_hi == k - 1)
+        return (lo >= hi) | ((c_lo >= k) & (c_lo <= cap)) | (c_hi == k - 1) | (c_lo < k)
 
     def cond(state):
-        step, lo, hi, c_lo, c_hi = state
+        step, lo, hi, c_lo, c_hi, _, _, _ = state
         return jnp.any(~finished(lo, hi, c_lo, c_hi))
 
     def body(state):
-        step, lo, hi, c_lo, c_hi = state
+        step, lo, hi, c_lo, c_hi, f_lo, f_hi, moved = state
         active = ~finished(lo, hi, c_lo, c_hi)
         gap = jnp.where(active, hi - lo, jnp.uint32(1))  # >= 1 where active
-        # The score where the count would cross k - 1/2 if it fell linearly from c_lo at lo's
-        # score to c_hi at hi's (by the keys' bits where a score is not finite).
-        frac = (c_lo - k).astype(jnp.float32) + 0.5
-        frac = frac / (c_lo - c_hi).astype(jnp.float32)
+        # The score where the count would reach the target if it fell linearly from lo's score
+        # to hi's, f_lo and f_hi above and below it (by the keys' bits where a score is not
+        # finite).
+        frac = f_lo / jnp.maximum(f_lo - f_hi, jnp.float32(1e-30))
         s_lo, s_hi = _score_of_unsigned(lo), _score_of_unsigned(hi)
         by_value = jnp.isfinite(s_lo) & jnp.isfinite(s_hi)
         s_mid = s_lo + frac * jnp.where(by_value, s_hi - s_lo, jnp.float32(0))
         from_value = _unsigned(order_keys(jnp.where(jnp.isfinite(s_mid), s_mid, s_lo))) - lo
         by_bits = jnp.minimum(frac * gap.astype(jnp.float32), jnp.float32(4294967040.0))
         guess = jnp.where(by_value & (from_value <= gap), from_value, by_bits.astype(jnp.uint32))
-        offset = jnp.where(step % 3 == 2, gap // 2, jnp.maximum(guess, 1) - 1)
+        offset = jnp.where(step % BISECT_EVERY == BISECT_EVERY - 1, gap // 2,
+                           jnp.maximum(guess, 1) - 1)
         mid = lo + 1 + jnp.minimum(offset, gap - 1)
         c = count(mid)
         up = active & (c >= k)
         down = active & (c < k)
+        f = c.astype(jnp.float32) - target
+        # Illinois: the end that stays while the other moves again counts half as far.
+        f_hi = jnp.where(up & (moved == 1), f_hi * 0.5, f_hi)
+        f_lo = jnp.where(down & (moved == -1), f_lo * 0.5, f_lo)
         return (step + 1, jnp.where(up, mid, lo), jnp.where(down, mid - 1, hi),
-                jnp.where(up, c, c_lo), jnp.where(down, c, c_hi))
+                jnp.where(up, c, c_lo), jnp.where(down, c, c_hi),
+                jnp.where(up, jnp.maximum(f, 0.5), f_lo), jnp.where(down, f, f_hi),
+                jnp.where(up, 1, jnp.where(down, -1, moved)))
 
+    hi = jnp.max(u, axis=1)
+    c_lo, c_hi = count(lo), jnp.zeros(u.shape[:1], jnp.int32)
+    # Scores of exactly 0 (every head's relu at 0) are a point mass that the search would only
+    # close in on bit by bit: one pass counts the keys at or above 0 and above 0, and the range
+    # shrinks to one side of it (to 0 itself where the k-th key is 0).
+    zero = _unsigned(order_keys(jnp.float32(0)))
+    c_zero, c_above = count_true(jnp.concatenate([u >= zero, u > zero])).reshape(2, -1)
+    for point, c in ((zero, c_zero), (zero + 1, c_above)):
+        up = (c >= k) & (point > lo)
+        lo, c_lo = jnp.where(up, point, lo), jnp.where(up, c, c_lo)
+        down = (c < k) & (point - 1 < hi)
+        hi, c_hi = jnp.where(down, point - 1, hi), jnp.where(down, c, c_hi)
+    to_target = lambda c: c.astype(jnp.float32) - target
+    state = (jnp.int32(0), lo, hi, c_lo, c_hi, jnp.maximum(to_target(c_lo), 0.5), to_target(c_hi),
+             jnp.zeros(u.shape[:1], jnp.int32))
+    _, lo, hi, c_lo, c_hi, _, _, _ = jax.lax.while_loop(cond, body, state)
+    return lo, hi, c_lo, c_hi
+
+
+# Every BISECT_EVERY-th step of the search halves the range of keys (a bound on its steps).
+BISECT_EVERY = 4
+
+
+def _largest_at_or_below(u, hi):
+    return jnp.max(jnp.where(u <= hi[:, None], u, jnp.uint32(0)), axis=1)
+
+
+def _key_of_unsigned(u):
+    return jax.lax.bitcast_convert_type(u ^ jnp.uint32(0x80000000), jnp.int32)
+
+
+def kth_largest(keys, k: int, below=None):
+    """The k-th largest key of each row of ``keys [N, M]`` int32 (``INVALID_KEY`` entries count;
+    ``k <= M``): the largest ``x`` with ``count(keys >= x) >= k``. ``below [N]``, when given, is a
+    key known to satisfy that count (the search starts there).
+
+    A search of compare-and-count passes (``_search``); a row is done once ``lo == hi``, or once
+    exactly k keys lie at or above ``lo`` (the answer is their least) or exactly k - 1 above
+    ``hi`` (the answer is the largest key at or below it).
+    """
+    u = _unsigned(keys)
     lo = jnp.min(u, axis=1)  # all M >= k keys lie at or above it
     lo = lo if below is None else jnp.maximum(lo, _unsigned(below))
-    hi = jnp.max(u, axis=1)
-    state = (jnp.int32(0), lo, hi, count(lo), jnp.zeros(keys.shape[:1], jnp.int32))
-    _, lo, hi, c_lo, c_hi = jax.lax.while_loop(cond, body, state)
+    lo, hi, c_lo, c_hi = _search(u, k, k, lo)
     least_above = jnp.min(jnp.where(u >= lo[:, None], u, jnp.uint32(0xFFFFFFFF)), axis=1)
-    largest_below = jnp.max(jnp.where(u <= hi[:, None], u, jnp.uint32(0)), axis=1)
-    answer = jnp.where(c_lo == k, least_above, jnp.where(c_hi == k - 1, largest_below, lo))
-    return jax.lax.bitcast_convert_type(answer ^ jnp.uint32(0x80000000), jnp.int32)
+    answer = jnp.where(c_lo == k, least_above,
+                       jnp.where(c_hi == k - 1, _largest_at_or_below(u, hi), lo))
+    return _key_of_unsigned(answer)
 
 
-def compact(keys, rows, keep, size: int, offset=None):
-    """The entries where ``keep``, moved to the front in their order (after ``offset`` [N]
-    entries of ``out``, when given as ``(offset, out_keys, out_rows)``); ``size`` wide, the rest
-    ``INVALID_KEY``. Returns ``(keys, rows)``."""
-    N = keys.shape[0]
-    dest = prefix_counts(keep) - 1
-    if offset is None:
-        out_k = jnp.full((N, size), INVALID_KEY, jnp.int32)
-        out_r = jnp.zeros((N, size), jnp.int32)
+def cut_threshold(keys, k: int, cap: int, below=None):
+    """A threshold ``x [N]`` (an int32 key above ``INVALID_KEY``) for each row of ``keys [N, M]``:
+    at least ``k`` valid keys lie at or above it (all of them where fewer than k are valid), and
+    at most ``cap`` unless more than ``cap - k`` keys equal the k-th largest. ``below``: a key
+    that at least k keys reach, when known.
+
+    A cut needs no more: keeping the keys at or above ``x`` keeps the best k. The window of
+    ``cap - k + 1`` counts ends the search in fewer passes than the exact k-th largest."""
+    u = _unsigned(keys)
+    # The least valid key (a real score, for the interpolation; above all if there is none),
+    # or the known bound where every row has one.
+    least = lambda: jnp.min(jnp.where(u > 0, u, jnp.uint32(0xFFFFFFFF)), axis=1)
+    if below is None:
+        lo = least()
     else:
-        count, out_k, out_r = offset
-        dest = dest + count[:, None]
-    dest = jnp.where(keep, dest, size)
+        b = _unsigned(below)
+        lo = jax.lax.cond(jnp.all(b > 0), lambda: b, lambda: jnp.maximum(least(), b))
+    lo, hi, c_lo, c_hi = _search(u, k, cap, lo)
+    in_window = (c_lo >= k) & (c_lo <= cap)
+    use_below = ~in_window & (c_lo >= k) & (c_hi == k - 1)
+    return _key_of_unsigned(jax.lax.cond(
+        jnp.any(use_below), lambda: jnp.where(use_below, _largest_at_or_below(u, hi), lo),
+        lambda: lo))
+
+
+def compact(pairs, keep, size: int, offset=None):
+    """The entries of ``pairs [N, L, 2]`` (key, row) where ``keep [N, L]``, moved to the front in
+    their order (after the first ``offset[0] [N]`` entries of ``offset[1] [N, size, 2]``, when
+    given); ``size`` wide, the rest ``(INVALID_KEY, 0)``; entries past ``size`` are dropped.
+    Returns ``(pairs [N, size, 2], count [N])``, count the entries now held."""
+    N = pairs.shape[0]
+    ranks = prefix_counts(keep)
+    if offset is None:
+        start, out = jnp.zeros((N,), jnp.int32), jnp.stack(
+            [jnp.full((N, size), INVALID_KEY, jnp.int32), jnp.zeros((N, size), jnp.int32)], -1)
+    else:
+        start, out = offset
+    dest = ranks - 1 + start[:, None]
     tok = jnp.arange(N, dtype=jnp.int32)[:, None]
-    # One scatter of (key, row) pairs: XLA:CPU's scatter costs per index, not per byte.
-    out = jnp.stack([out_k, out_r], axis=-1).at[tok, dest].set(
-        jnp.stack([keys, rows], axis=-1), mode="drop", unique_indices=True)
-    return out[..., 0], out[..., 1]
+    # One scatter of (key, row) pairs on flat indices: XLA:CPU's scatter costs per index, not
+    # per byte, and one index per pair is faster than two.
+    flat = jnp.where(keep & (dest < size), tok * size + dest, N * size)
+    out = out.reshape(N * size, 2).at[flat.reshape(-1)].set(
+        pairs.reshape(-1, 2), mode="drop", unique_indices=True).reshape(N, size, 2)
+    return out, jnp.minimum(start + ranks[:, -1], size)
 
 
-def _cut_to_topk(keys, rows, k: int, size: int, below=None):
-    """Keeps each row's best ``k`` entries in their buffer order (ties: the earlier positions),
-    ``size`` wide. Returns ``(keys, rows, count, tau)`` with ``tau`` the k-th best key.
-    ``below``: as for ``kth_largest``."""
-    tau = kth_largest(keys, k, below)
-    above = keys > tau[:, None]
-    ties = (keys == tau[:, None]) & (keys != INVALID_KEY)
-    room = k - jnp.sum(above, axis=1, dtype=jnp.int32)
-    n_ties = jnp.sum(ties, axis=1, dtype=jnp.int32)
+def cut(pairs, k: int, cap: int, size: int, below=None):
+    """Keeps each row's entries of ``pairs [N, M, 2]`` (key, row) at or above a ``cut_threshold``
+    x (at least its best ``k``, at most ``cap``) in their buffer order, ``size >= cap`` wide.
+    Where equal keys at x would keep more than ``cap``, x is the k-th key, and only the earliest
+    of them that the best k need are kept. Returns ``(pairs, count, tau)``: ``tau`` is a key that
+    at least k kept entries reach (later entries equal to it rank below them), ``INVALID_KEY``
+    where fewer than k are valid."""
+    keys = pairs[..., 0]
+    x = cut_threshold(keys, k, cap, below)
+    above = keys > x[:, None]
+    at = keys == x[:, None]  # x is above INVALID_KEY
+    n_above = count_true(above)
+    n = n_above + count_true(at)
 
-    def trim_ties(_):  # more ties at tau than room: the earliest ones
-        return above | (ties & (prefix_counts(ties) <= room[:, None]))
+    def trim_ties(_):  # as many of the earliest ties as the best k need (all rows: still >= k)
+        return above | (at & (prefix_counts(at) <= (k - n_above)[:, None]))
 
-    keep = jax.lax.cond(jnp.any(n_ties > room), trim_ties, lambda _: above | ties, None)
-    out_k, out_r = compact(keys, rows, keep, size)
-    count = jnp.minimum(jnp.sum(keep, axis=1, dtype=jnp.int32), size)
-    return out_k, out_r, count, tau
+    keep = jax.lax.cond(jnp.any(n > cap), trim_ties, lambda _: above | at, None)
+    out, count = compact(pairs, keep, size)
+    return out, count, jnp.where(count >= k, x, INVALID_KEY)
+
+
+# The final cut keeps up to topk + FINAL_SLACK entries for the sort (which takes the best topk):
+# a few more entries to sort, fewer passes to find the threshold.
+FINAL_SLACK = 64
+
+
+def best_first(pairs, k: int, below=None):
+    """The best ``k`` entries of each row of ``pairs [N, M, 2]`` (key, row; ``M >= k``;
+    ``INVALID_KEY`` for none), best first, ties by position: ``(keys [N, k], rows [N, k])``.
+    ``below``: a key that at least k entries reach, when known."""
+    width = _round_up(k + FINAL_SLACK, BLOCK_ALIGN)
+    if pairs.shape[1] > width:
+        pairs, _, _ = cut(pairs, k, width, width, below)
+    keys, rows = sort_best_first(pairs[..., 0], pairs[..., 1])
+    return keys[:, :k], rows[:, :k]
+
+
+def cut_slack(block: int) -> int:
+    """How many entries beyond topk a cut in the stream may keep: a wider window ends the
+    threshold's search sooner, and the buffer holds that many more."""
+    return _round_up(block // 4, BLOCK_ALIGN)
 
 
 class ChunkPlan(NamedTuple):
@@ -333,28 +459,32 @@ class ChunkPlan(NamedTuple):
 
 def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
                budget: int = CHUNK_BYTES) -> ChunkPlan:
-    """Chunk and block sizes: the products of one chunk and block ``[Tc, Hi, Rb]`` f32 near
-    ``budget`` bytes, blocks of at least ``MIN_BLOCK_ROWS`` rows (fewer only for a smaller
-    cache) and of about ``topk`` rows where several tokens share a chunk, a candidate buffer of
-    ``topk + Rb`` entries (a cut always makes room for one block), and the chunk's buffers within
-    ``BUFFER_BYTES``."""
+    """Chunk and block sizes: blocks of at least ``MIN_BLOCK_ROWS`` rows (fewer only for a
+    smaller cache), of about ``topk`` rows where several tokens share a chunk and of at most
+    ``budget / (32 Hi)``, a candidate buffer of ``topk + cut_slack(Rb) + Rb`` entries (a cut
+    always makes room for one block), and as many tokens as keep the chunk's buffers within
+    ``BUFFER_BYTES``. A chunk of at most ``WIDE_BLOCK_TOKENS`` tokens (a decode step) takes
+    blocks of up to ``MAX_WIDE_BLOCK_ROWS`` rows with ``[Tc, Hi, Rb]`` f32 within ``budget``.
+    Blocks are scored in pieces of ``DOT_BYTES`` (``dot_rows``)."""
     Rb = int(min(max(rows, 1), MAX_BLOCK_ROWS))
     if Rb > MIN_BLOCK_ROWS:
         Rb = max(MIN_BLOCK_ROWS, min(Rb, budget // (4 * max(heads, 1) * 8),
                                      _round_up(topk, BLOCK_ALIGN)))
-    Rb = min(Rb, MAX_BUFFER - topk) if topk < MAX_BUFFER else 1
     if Rb > BLOCK_ALIGN:
         # XLA:CPU's products take another summation order for a block narrower than a few
         # vectors; blocks of whole multiples keep every score's bits the same for every plan.
         Rb -= Rb % BLOCK_ALIGN
-    Tc = budget // (4 * max(heads, 1) * Rb)
-    Tc = min(Tc, BUFFER_BYTES // (8 * (topk + Rb)))
+    # The products are bounded by their pieces (dot_rows), so the buffers bound the chunk: more
+    # tokens per chunk spread each step's fixed costs (measured: Hi = 64 takes 20% less time
+    # with 32 tokens per chunk than with 8).
+    Tc = BUFFER_BYTES // (8 * (topk + Rb + cut_slack(Rb)))
     Tc = int(max(1, min(num_tokens, MAX_CHUNK_TOKENS, Tc)))
-    if Tc <= WIDE_BLOCK_TOKENS and topk < MAX_BUFFER:
+    if Tc <= WIDE_BLOCK_TOKENS:
         # A small chunk (a decode step) takes longer blocks, scored in pieces: fewer loop steps.
         wide = min(max(rows, 1), MAX_WIDE_BLOCK_ROWS, budget // (4 * max(heads, 1) * Tc))
-        Rb = max(Rb, min(wide, MAX_BUFFER - topk))
-    return ChunkPlan(Tc, max(Rb, 1), topk + max(Rb, 1))
+        Rb = max(Rb, wide)
+    Rb = max(Rb, 1)
+    return ChunkPlan(Tc, Rb, topk + Rb + cut_slack(Rb))
 
 
 def row_limits(positions, compress_ratio: int, rows: int):
@@ -418,70 +548,71 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     R, Di = keys.shape
     Rb = block_rows(plan, q.shape[1])
     Rd = dot_rows(plan, q.shape[1])
-    M = max(plan.buffer, topk + Rb)
+    slack = cut_slack(Rb)
+    M = max(plan.buffer, topk + slack + Rb)
     last = jnp.max(limit)
     nblocks = (jnp.max(limit) + Rb - 1) // Rb
-    block_row = jnp.arange(Rb, dtype=jnp.int32)[None, :]
+    piece_row = jnp.arange(Rd, dtype=jnp.int32)[None, :]
 
     def step(b, state):
-        buf_k, buf_r, count, tau = state
+        buf, count, tau = state
         first = b * Rb
         start = jnp.minimum(first, R - Rb)  # the last block may overlap the one before it
-        rows = start + block_row
-        valid = (rows < limit[:, None]) & (rows >= first)
 
         def piece(lo):
-            def score(_):
-                kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
-                sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
-                return order_keys(block_scores(q, w, kb, sb, widen))
-            if Rd == Rb:
-                return score(None)
-            return jax.lax.cond(lo < last, score,
-                                lambda _: jnp.full((Tc, Rd), INVALID_KEY, jnp.int32), None)
+            rows = lo + piece_row
+            kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
+            sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
+            new = order_keys(block_scores(q, w, kb, sb, widen))
+            return jnp.where((rows < limit[:, None]) & (rows >= first), new, INVALID_KEY)
 
-        scored = [piece(start + i) for i in range(0, Rb, Rd)]
-        scored = scored[0] if len(scored) == 1 else jnp.concatenate(scored, axis=1)
-        new = jnp.where(valid, scored, INVALID_KEY)
+        # Pieces past every token's last valid row are neither scored nor compacted.
+        los = [start + i for i in range(0, Rb, Rd)]
+        live = [None if Rd == Rb else lo < last for lo in los]
+        pieces = [piece(lo) if on is None else jax.lax.cond(
+            on, piece, lambda _: jnp.full((Tc, Rd), INVALID_KEY, jnp.int32), lo)
+            for lo, on in zip(los, live)]
         if Rb // 2 >= topk:
             # Before a token's first cut: the k-th best of the block's pair maxima bounds its k-th
             # best key from below (k distinct rows reach it), so the block's first flood of
             # candidates shrinks to about topk.
             floor = jax.lax.cond(
                 jnp.any(tau == INVALID_KEY),
-                lambda n: kth_largest(jnp.maximum(n[:, 0::2], n[:, 1::2]), topk),
-                lambda n: jnp.full((Tc,), INVALID_KEY, jnp.int32), new)
-            new = jnp.where(new >= floor[:, None], new, INVALID_KEY)
+                lambda ps: kth_largest(jnp.concatenate(
+                    [jnp.maximum(n[:, 0::2], n[:, 1::2]) for n in ps], axis=1), topk),
+                lambda ps: jnp.full((Tc,), INVALID_KEY, jnp.int32), pieces)
+            pieces = [jnp.where(n >= floor[:, None], n, INVALID_KEY) for n in pieces]
         else:
             floor = None
-        arrivals = jnp.sum(new > tau[:, None], axis=1, dtype=jnp.int32)
+        arrivals = sum(count_true(n > tau[:, None]) for n in pieces)
 
-        def cut(state):
-            buf_k, buf_r, count, tau = state
-            return _cut_to_topk(buf_k, buf_r, topk, M, _known_kth_bound(count, tau, topk))
+        def cut_buffers(state):
+            buf, count, tau = state
+            return cut(buf, topk, topk + slack, M, _known_kth_bound(count, tau, topk))
 
-        buf_k, buf_r, count, tau = jax.lax.cond(
-            jnp.any(count + arrivals > M), cut, lambda s: s, (buf_k, buf_r, count, tau)
-        )
-        take = new > tau[:, None]
-        buf_k, buf_r = compact(new, jnp.broadcast_to(rows, new.shape), take, M,
-                               offset=(count, buf_k, buf_r))
-        count = count + jnp.sum(take, axis=1, dtype=jnp.int32)
+        buf, count, tau = jax.lax.cond(
+            jnp.any(count + arrivals > M), cut_buffers, lambda s: s, (buf, count, tau))
+
+        def append(args):
+            buf, count, new, lo = args
+            pairs = jnp.stack([new, jnp.broadcast_to(lo + piece_row, new.shape)], axis=-1)
+            return compact(pairs, new > tau[:, None], M, offset=(count, buf))
+
+        for new, lo, on in zip(pieces, los, live):
+            args = (buf, count, new, lo)
+            buf, count = append(args) if on is None else jax.lax.cond(
+                on, append, lambda a: a[:2], args)
         if floor is not None:  # a later row equal to the floor loses to the k rows before it
             tau = jnp.maximum(tau, floor)
-        return buf_k, buf_r, count, tau
+        return buf, count, tau
 
     state = (
-        jnp.full((Tc, M), INVALID_KEY, jnp.int32),
-        jnp.zeros((Tc, M), jnp.int32),
+        jnp.stack([jnp.full((Tc, M), INVALID_KEY, jnp.int32), jnp.zeros((Tc, M), jnp.int32)], -1),
         jnp.zeros((Tc,), jnp.int32),
         jnp.full((Tc,), INVALID_KEY, jnp.int32),
     )
-    buf_k, buf_r, count, tau = jax.lax.fori_loop(0, nblocks, step, state)
-    if M > topk:
-        buf_k, buf_r, _, _ = _cut_to_topk(buf_k, buf_r, topk, topk,
-                                          _known_kth_bound(count, tau, topk))
-    return sort_best_first(buf_k, buf_r)
+    buf, count, tau = jax.lax.fori_loop(0, nblocks, step, state)
+    return best_first(buf, topk, _known_kth_bound(count, tau, topk))
 
 
 def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,

@@ -41,8 +41,7 @@ def merge_candidates(idx, scores, topk: int):
     """The best ``topk`` of candidate lists ``[T, n]`` (rows ascending among equal scores in
     list order) by the indexer's ranking: ``(idx [T, topk], scores [T, topk])``."""
     keys = jnp.where(idx >= 0, reference.order_keys(scores), reference.INVALID_KEY)
-    keys, rows, _, _ = reference._cut_to_topk(keys, idx, topk, topk)
-    keys, rows = reference.sort_best_first(keys, rows)
+    keys, rows = reference.best_first(jnp.stack([keys, idx], axis=-1), topk)
     return jnp.where(keys == reference.INVALID_KEY, -1, rows), reference.scores_of_keys(keys)
 
 
