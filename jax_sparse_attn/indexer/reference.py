@@ -650,8 +650,10 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
     Tc = plan.tokens
     limit = row_limits(positions, ratio, R)
     n = -(-T // Tc)
+    lanes = LANES if n >= LANES else 1
+    n = _round_up(n, lanes)
     pad = n * Tc - T
-    if pad:
+    if pad:  # padded tokens have no valid row
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
         limit = jnp.pad(limit, (0, pad))
@@ -663,15 +665,25 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
 
     def one(args):
         # Each chunk returns its final (idx, scores): a caller that drops the scores then holds
-        # one [T, topk] array, not the keys and rows besides.
-        q_c, w_c, l_c = args
-        k, r = _select_chunk(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan, widen=widen)
-        return jnp.where(k == INVALID_KEY, -1, r), scores_of_keys(k)
+        # one [T, topk] array, not the keys and rows besides. The lanes' chunks are independent
+        # programs, which XLA:CPU runs side by side (its sorts and scatters use one core each).
+        out = []
+        for q_c, w_c, l_c in zip(*args):
+            k, r = _select_chunk(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan,
+                                 widen=widen)
+            out.append((jnp.where(k == INVALID_KEY, -1, r), scores_of_keys(k)))
+        return tuple(jnp.stack(x) for x in zip(*out))
 
-    chunks = (q.reshape(n, Tc, Hi, Di), weights.reshape(n, Tc, Hi), limit.reshape(n, Tc))
-    if n == 1:
+    steps = n // lanes
+    chunks = (q.reshape(steps, lanes, Tc, Hi, Di), weights.reshape(steps, lanes, Tc, Hi),
+              limit.reshape(steps, lanes, Tc))
+    if steps == 1:
         idx, scores = one(tuple(c[0] for c in chunks))
     else:
         idx, scores = jax.lax.map(one, chunks)
-        idx, scores = idx.reshape(n * Tc, topk), scores.reshape(n * Tc, topk)
-    return idx[:T], scores[:T]
+    return idx.reshape(n * Tc, topk)[:T], scores.reshape(n * Tc, topk)[:T]
+
+
+# Token chunks selected side by side in each step of the chunk loop (measured on 2 cores: about
+# 10% faster than one).
+LANES = 2
