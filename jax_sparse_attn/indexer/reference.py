@@ -553,11 +553,6 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     last = jnp.max(limit)
     nblocks = (jnp.max(limit) + Rb - 1) // Rb
     piece_row = jnp.arange(Rd, dtype=jnp.int32)[None, :]
-    # The pieces are sliced from the keys' bits: XLA:CPU otherwise widens a 16-bit cache to f32
-    # once, outside the loop (a copy of every key, 512 MiB at 1M rows of 128, and slower per
-    # call at decode than widening each piece).
-    bits = {2: jnp.uint16, 4: jnp.uint32}.get(keys.dtype.itemsize, jnp.uint8)
-    key_bits = jax.lax.bitcast_convert_type(keys, bits)
 
     def step(b, state):
         buf, count, tau = state
@@ -566,8 +561,7 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
 
         def piece(lo):
             rows = lo + piece_row
-            kb = jax.lax.bitcast_convert_type(
-                jax.lax.dynamic_slice_in_dim(key_bits, lo, Rd, axis=0), keys.dtype)
+            kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
             sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
             new = order_keys(block_scores(q, w, kb, sb, widen))
             return jnp.where((rows < limit[:, None]) & (rows >= first), new, INVALID_KEY)
