@@ -52,6 +52,23 @@ def test_bit_identical_across_chunk_plans(rng, ratio):
     check_selection(*results[0], s, bound, valid_rows(positions, R, ratio), topk)
 
 
+@pytest.mark.slow
+def test_lanes_select_as_one_lane(rng, monkeypatch):
+    T, Hi, Di, R, topk = 37, 2, 16, 200, 8  # 37 chunks of one token: two lanes and a padded one
+    q, w, k, ks = _inputs(rng, T, Hi, Di, R)
+    positions = jnp.asarray(rng.integers(-3, R, T), jnp.int32)
+    plan = reference.ChunkPlan(1, 64, topk + 16 + 64)
+    results = []
+    for lanes in (1, 2):
+        monkeypatch.setattr(reference, "LANES", lanes)
+        results.append([np.asarray(x) for x in jax.jit(lambda *a: reference.indexer_topk_reference(
+            *a, topk=topk, compress_ratio=1, plan=plan))(q, w, k, ks, positions)])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    s, bound = scores_f64(q, w, k, scale=1.0)
+    check_selection(*results[1], s, bound, valid_rows(positions, R), topk)
+
+
 def test_order_keys_are_monotone_and_invertible():
     x = np.array([-np.inf, -3e38, -1.5, -1e-37, -0.0, 0.0, 1e-37, 2.0, 3e38, np.inf, np.nan],
                  np.float32)
@@ -127,8 +144,7 @@ def _best_first_order(keys):
     return np.lexsort((np.arange(M)[None].repeat(len(keys), 0), -keys.astype(np.int64)), axis=1)
 
 
-@pytest.mark.parametrize("M, k, cap", [(7, 1, 1), (7, 3, 5), (300, 24, 40), (4096, 2048, 2112),
-                                       (4096, 2048, 2560)])
+@pytest.mark.parametrize("M, k, cap", [(7, 1, 1), (7, 3, 5), (300, 24, 40), (4096, 2048, 2112)])
 def test_cut_threshold_against_numpy(rng, M, k, cap):
     keys = _hard_key_rows(rng, M)
     valid = keys != reference.INVALID_KEY
@@ -147,7 +163,7 @@ def test_cut_threshold_against_numpy(rng, M, k, cap):
         assert ((keys[over] > kth[over, None]).sum(1) < k).all()
 
 
-@pytest.mark.parametrize("M, k, cap", [(7, 3, 5), (300, 24, 40), (4096, 2048, 2112)])
+@pytest.mark.parametrize("M, k, cap", [(7, 3, 5), (4096, 2048, 2112)])
 def test_cut_keeps_the_best_in_buffer_order(rng, M, k, cap):
     keys = _hard_key_rows(rng, M)
     rows = rng.permutation(M * len(keys)).reshape(keys.shape).astype(np.int32)
@@ -183,7 +199,7 @@ def test_best_first_against_numpy(rng, M, k):
     np.testing.assert_array_equal(got_r, np.take_along_axis(rows, order, 1))
 
 
-@pytest.mark.parametrize("L", [1, 31, 32, 300, 4608])
+@pytest.mark.parametrize("L", [1, 31, 300, 4608])
 def test_prefix_counts_and_compact_against_numpy(rng, L):
     mask = rng.random((5, L)) < np.array([0.0, 0.1, 0.5, 0.9, 1.0])[:, None]
     np.testing.assert_array_equal(np.asarray(reference.prefix_counts(jnp.asarray(mask))),

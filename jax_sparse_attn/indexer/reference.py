@@ -590,8 +590,9 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
             buf, count, tau = state
             return cut(buf, topk, topk + slack, M, _known_kth_bound(count, tau, topk))
 
-        buf, count, tau = jax.lax.cond(
-            jnp.any(count + arrivals > M), cut_buffers, lambda s: s, (buf, count, tau))
+        if -(-R // Rb) * Rb > M:  # else every valid row fits: no cut to compile
+            buf, count, tau = jax.lax.cond(
+                jnp.any(count + arrivals > M), cut_buffers, lambda s: s, (buf, count, tau))
 
         def append(args):
             buf, count, new, lo = args
@@ -650,7 +651,7 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
     Tc = plan.tokens
     limit = row_limits(positions, ratio, R)
     n = -(-T // Tc)
-    lanes = LANES if n >= LANES else 1
+    lanes = LANES if n >= LANES_MIN_CHUNKS else 1
     n = _round_up(n, lanes)
     pad = n * Tc - T
     if pad:  # padded tokens have no valid row
@@ -685,5 +686,7 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
 
 
 # Token chunks selected side by side in each step of the chunk loop (measured on 2 cores: about
-# 10% faster than one).
+# 10% faster than one), where a call has at least LANES_MIN_CHUNKS chunks (the second lane adds
+# about a third to the compile time, which a short call would not win back).
 LANES = 2
+LANES_MIN_CHUNKS = 16
