@@ -155,10 +155,11 @@ def sort_best_first(keys, rows):
     """Sorts each row of ``keys [N, M]`` int32 descending, ties by position; ``rows`` follow.
 
     XLA's single-operand integer sort is its fast path on CPU, and a uint32 holds the position
-    and ``32 - log2 M`` more bits: one pass sorts a code linear in the score (``_rank_codes``)
-    packed with the position. Scores that share a code come out in position order, and a few
-    rounds of odd-even transposition put such runs in order; where ``FIX_ROUNDS`` rounds do not
-    suffice (a long run: scores that span a wide range), the exact two-pass LSD sort of the keys.
+    and ``32 - log2 M`` more bits: one pass sorts a code that follows the keys' bits
+    (``_rank_codes``) packed with the position. Scores that share a code come out in position
+    order, and a few rounds of odd-even transposition put such runs in order; where
+    ``FIX_ROUNDS`` rounds do not suffice (a long run: scores that span a wide range), the exact
+    two-pass LSD sort of the keys.
     """
     M = keys.shape[-1]
     if M > MAX_SORT:
