@@ -80,6 +80,12 @@ def test_order_keys_are_monotone_and_invertible():
     assert np.isnan(back[-1])
 
 
+def _best_first_order(keys):
+    """numpy: each row's positions best first (key descending, position ascending)."""
+    M = keys.shape[1]
+    return np.lexsort((np.arange(M)[None].repeat(len(keys), 0), -keys.astype(np.int64)), axis=1)
+
+
 @pytest.mark.parametrize("M", [1, 2, 5, 300, 4096])
 def test_sort_best_first_against_numpy(rng, M):
     keys = rng.integers(-20, 20, (6, M)).astype(np.int32)  # many ties
@@ -87,7 +93,7 @@ def test_sort_best_first_against_numpy(rng, M):
     rows = np.broadcast_to(np.arange(M, dtype=np.int32) * 3, keys.shape)
     got_k, got_r = (np.asarray(a) for a in reference.sort_best_first(jnp.asarray(keys),
                                                                       jnp.asarray(rows)))
-    order = np.lexsort((np.arange(M)[None].repeat(6, 0), -keys.astype(np.int64)), axis=1)
+    order = _best_first_order(keys)
     np.testing.assert_array_equal(got_k, np.take_along_axis(keys, order, 1))
     np.testing.assert_array_equal(got_r, np.take_along_axis(rows, order, 1))
 
@@ -120,8 +126,7 @@ def test_sort_best_first_on_hard_keys(rng, M):
         rows = np.broadcast_to(np.arange(M, dtype=np.int32) + 100, keys.shape)
         got_k, got_r = (np.asarray(a) for a in jax.jit(reference.sort_best_first)(
             jnp.asarray(keys), jnp.asarray(rows)))
-        order = np.lexsort((np.arange(M)[None].repeat(len(keys), 0), -keys.astype(np.int64)),
-                           axis=1)
+        order = _best_first_order(keys)
         np.testing.assert_array_equal(got_k, np.take_along_axis(keys, order, 1))
         np.testing.assert_array_equal(got_r, np.take_along_axis(rows, order, 1))
 
@@ -136,12 +141,6 @@ def test_kth_largest_against_numpy(rng, M, k):
     below = np.maximum(want - rng.integers(0, 3, len(want)), -(2**31)).astype(np.int32)
     got = jax.jit(lambda x, b: reference.kth_largest(x, k, b))(jnp.asarray(keys), below)
     np.testing.assert_array_equal(np.asarray(got), want)
-
-
-def _best_first_order(keys):
-    """numpy: each row's positions best first (key descending, position ascending)."""
-    M = keys.shape[1]
-    return np.lexsort((np.arange(M)[None].repeat(len(keys), 0), -keys.astype(np.int64)), axis=1)
 
 
 @pytest.mark.parametrize("M, k, cap", [(7, 1, 1), (7, 3, 5), (300, 24, 40), (4096, 2048, 2112)])

@@ -86,9 +86,14 @@ MAX_CHUNK_TOKENS = 256
 MAX_WIDE_BLOCK_ROWS = 16384
 # Chunks of at most this many tokens (decode steps) take blocks of up to MAX_WIDE_BLOCK_ROWS.
 WIDE_BLOCK_TOKENS = 8
-# A chunk's candidate keys and rows ``2 [Tc, topk + Rb]`` int32 within this (the cuts and
-# compactions pass over them; measured fastest with Hi = 4, K = 2048 on a Zen 3: Tc = 64).
+# A chunk's candidate buffer ``[Tc, topk + cut_slack + Rb, 2]`` int32 within this (the cuts and
+# compactions pass over it; with Hi = 4, K = 2048 on a Zen 3, 32 to 128 tokens ran alike).
 BUFFER_BYTES = 2 * 2**20
+# Token chunks selected side by side in each step of the chunk loop (measured on 2 cores: about
+# 10% faster than one), where a call has at least LANES_MIN_CHUNKS chunks (the second lane adds
+# about a third to the compile time, which a short call would not win back).
+LANES = 2
+LANES_MIN_CHUNKS = 16
 
 
 def order_keys(scores):
@@ -113,7 +118,7 @@ def _sort_lsd(keys, rows, pos_bits: int):
     digit packed with the element's position into one uint32 (XLA's fast single-operand sort)."""
     M = keys.shape[-1]
     mask = jnp.uint32((1 << pos_bits) - 1)
-    desc = ~(jax.lax.bitcast_convert_type(keys, jnp.uint32) ^ jnp.uint32(0x80000000))
+    desc = ~_unsigned(keys)
     pos = jnp.broadcast_to(jnp.arange(M, dtype=jnp.uint32), keys.shape)
     first = jax.lax.sort((desc & jnp.uint32(0xFFFF)) << pos_bits | pos, dimension=1) & mask
     high = jnp.take_along_axis(desc >> 16, first.astype(jnp.int32), axis=1)
@@ -129,13 +134,13 @@ def _rank_codes(keys, code_bits: int):
     Equal codes mean close scores: within a relative ``2**-23`` times the shift's power of two,
     so scores that cluster near 0 or at one magnitude stay apart."""
     u = _unsigned(keys)
-    finite = jnp.isfinite(scores_of_keys(keys))
+    s = scores_of_keys(keys)
+    finite = jnp.isfinite(s)
     top = jnp.max(jnp.where(finite, u, jnp.uint32(0)), axis=1, keepdims=True)
     bottom = jnp.min(jnp.where(finite, u, jnp.uint32(0xFFFFFFFF)), axis=1, keepdims=True)
     span = jnp.where(top > bottom, top - bottom, jnp.uint32(0))
     shift = jnp.maximum(32 - jax.lax.clz(span).astype(jnp.int32) - (code_bits - 1), 0)
     code = 1 + (jnp.where(finite, top - u, jnp.uint32(0)) >> shift.astype(jnp.uint32))
-    s = scores_of_keys(keys)
     code = jnp.where(s == jnp.inf, jnp.uint32(0), code)
     code = jnp.where(s == -jnp.inf, jnp.uint32((1 << code_bits) - 4), code)
     code = jnp.where(keys == NAN_KEY, jnp.uint32((1 << code_bits) - 3), code)
@@ -552,7 +557,7 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     slack = cut_slack(Rb)
     M = max(plan.buffer, topk + slack + Rb)
     last = jnp.max(limit)
-    nblocks = (jnp.max(limit) + Rb - 1) // Rb
+    nblocks = (last + Rb - 1) // Rb
     piece_row = jnp.arange(Rd, dtype=jnp.int32)[None, :]
 
     def step(b, state):
@@ -585,13 +590,12 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
             pieces = [jnp.where(n >= floor[:, None], n, INVALID_KEY) for n in pieces]
         else:
             floor = None
-        arrivals = sum(count_true(n > tau[:, None]) for n in pieces)
-
         def cut_buffers(state):
             buf, count, tau = state
             return cut(buf, topk, topk + slack, M, _known_kth_bound(count, tau, topk))
 
         if -(-R // Rb) * Rb > M:  # else every valid row fits: no cut to compile
+            arrivals = sum(count_true(n > tau[:, None]) for n in pieces)
             buf, count, tau = jax.lax.cond(
                 jnp.any(count + arrivals > M), cut_buffers, lambda s: s, (buf, count, tau))
 
@@ -684,10 +688,3 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
     else:
         idx, scores = jax.lax.map(one, chunks)
     return idx.reshape(n * Tc, topk)[:T], scores.reshape(n * Tc, topk)[:T]
-
-
-# Token chunks selected side by side in each step of the chunk loop (measured on 2 cores: about
-# 10% faster than one), where a call has at least LANES_MIN_CHUNKS chunks (the second lane adds
-# about a third to the compile time, which a short call would not win back).
-LANES = 2
-LANES_MIN_CHUNKS = 16
