@@ -187,7 +187,9 @@ def test_cut_keeps_the_best_in_buffer_order(rng, M, k, cap):
             assert tau[i] == reference.INVALID_KEY
 
 
-@pytest.mark.parametrize("M, k", [(40, 24), (4096, 2048)])
+# Buffers up to WHOLE_SORT_MAX are sorted whole; longer ones are cut, then sorted in one pass.
+@pytest.mark.parametrize("M, k", [(40, 24), (reference.WHOLE_SORT_MAX, 13),
+                                  (reference.WHOLE_SORT_MAX + 1, 13), (4096, 2048)])
 def test_best_first_against_numpy(rng, M, k):
     keys = _hard_key_rows(rng, M)
     rows = np.broadcast_to(np.arange(M, dtype=np.int32) * 7, keys.shape)

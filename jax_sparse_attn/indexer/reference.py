@@ -435,6 +435,10 @@ def cut(pairs, k: int, cap: int, size: int, below=None):
     return out, count, jnp.where(count >= k, x, INVALID_KEY)
 
 
+# A buffer of at most this many entries is sorted whole by the exact two-pass sort: at this size
+# it runs about as fast as a cut and the one-pass sort (Zen 3: 0.5 ms per 56 rows of 128, 1.8 of
+# 512, against 0.5 and 1.0), and compiles in a tenth of the time (0.2 s against 1.7).
+WHOLE_SORT_MAX = 512
 # The final cut keeps up to topk + FINAL_SLACK entries for the sort (which takes the best topk):
 # a few more entries to sort, fewer passes to find the threshold.
 FINAL_SLACK = 64
@@ -444,8 +448,12 @@ def best_first(pairs, k: int, below=None):
     """The best ``k`` entries of each row of ``pairs [N, M, 2]`` (key, row; ``M >= k``;
     ``INVALID_KEY`` for none), best first, ties by position: ``(keys [N, k], rows [N, k])``.
     ``below``: a key that at least k entries reach, when known."""
+    M = pairs.shape[1]
+    if M <= WHOLE_SORT_MAX:
+        keys, rows = _sort_lsd(pairs[..., 0], pairs[..., 1], max(M - 1, 1).bit_length())
+        return keys[:, :k], rows[:, :k]
     width = _round_up(k + FINAL_SLACK, BLOCK_ALIGN)
-    if pairs.shape[1] > width:
+    if M > width:
         pairs, _, _ = cut(pairs, k, width, width, below)
     keys, rows = sort_best_first(pairs[..., 0], pairs[..., 1])
     return keys[:, :k], rows[:, :k]
