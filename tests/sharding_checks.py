@@ -90,9 +90,23 @@ def one_device(inputs):
     return {k: jax.device_put(v, device) for k, v in inputs.items()}
 
 
-def check(records, name, fn, inputs, mesh, specs, single_device_fn=None):
+# One-device results by the check's name less its mesh and layout, which they do not depend on:
+# each is compiled once, not once per axis type and layout.
+_SINGLE_DEVICE = {}
+
+
+def _single_device_key(name, per_layout):
+    dropped = ("Auto", "Explicit") + (() if per_layout else tuple(LAYOUTS))
+    return "/".join(p for p in name.split("/") if p not in dropped)
+
+
+def check(records, name, fn, inputs, mesh, specs, single_device_fn=None, per_layout=False):
+    """``per_layout``: the function itself depends on the layout (the gradients it takes)."""
     jitted = jax.jit(fn)
-    want = jax.jit(single_device_fn or fn)(*one_device(inputs).values())
+    key = _single_device_key(name, per_layout)
+    if key not in _SINGLE_DEVICE:
+        _SINGLE_DEVICE[key] = jax.jit(single_device_fn or fn)(*one_device(inputs).values())
+    want = _SINGLE_DEVICE[key]
     sharded = place(inputs, mesh, specs)
     record = {"check": name, "collectives": collectives(jitted, *sharded.values())}
     record.update(compare(jitted(*sharded.values()), want))
@@ -146,12 +160,13 @@ def run(implementations):
                 inputs = make_inputs(form, np.float32)
                 specs = specs_of(form, layout)
                 check(records, f"grad_local/{tag}",
-                      grad_of(form, None, LOCAL_GRADS[layout]), inputs, mesh, specs)
+                      grad_of(form, None, LOCAL_GRADS[layout]), inputs, mesh, specs,
+                      per_layout=True)
                 if "nki_emulated" in implementations and (form, layout) == ("idx", "tokens"):
                     # The forward pass of the gradient runs the emulated kernel.
                     check(records, f"grad_local_emulated/{tag}",
                           grad_of(form, "nki_emulated", LOCAL_GRADS[layout]),
-                          inputs, mesh, specs)
+                          inputs, mesh, specs, per_layout=True)
                 check(records, f"grad_all/{tag}",
                       grad_of(form, None, ARG_NAMES), inputs, mesh, specs)
         for layout in LAYOUTS:
