@@ -42,7 +42,7 @@ SWEEPS = {
     "quick": {
         "time_vs_K": {"fixed": dict(T=4, H=8, D=128, R=2048), "K": [64, 512]},
         "time_vs_T": {"fixed": dict(H=8, D=128, K=256, R=4096), "T": [8, 128]},
-        "memory_vs_T": {"fixed": dict(H=8, D=128, K=256, R=4096), "T": [64, 256], "naive_T": [64, 256]},
+        "memory_vs_T": {"fixed": dict(H=8, D=128, K=256, R=4096), "T": [256], "naive_T": [256]},
     },
 }
 TIMING_REPEATS = {"full": 5, "quick": 2}
