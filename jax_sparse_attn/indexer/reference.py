@@ -99,8 +99,8 @@ LANES_MIN_CHUNKS = 16
 # the loop: a copy of every key, which one token with few heads pays in full (Zen 3, T = 1:
 # Hi = 4, Di = 64, R = 128k 24 -> 11 ms; Hi = 16, 25 -> 14 ms; Hi = 16, Di = 128, R = 256k
 # 113 -> 81 ms). With more heads the products on the widened copy are faster (Hi = 32, R = 256k:
-# 51 -> 72 ms; Hi = 64, R = 1M: 275 -> 341 ms); a prefill (Hi = 4) ran alike either way, with
-# 5% more memory sliced from the bits.
+# 51 -> 72 ms; Hi = 64, R = 1M: 275 -> 341 ms), and a prefill (Hi = 4, T = R = 8192) ran alike
+# either way: its many chunks share the copy.
 SLICE_BITS_MAX_HEADS = 16
 
 
