@@ -94,14 +94,6 @@ BUFFER_BYTES = 2 * 2**20
 # about a third to the compile time, which a short call would not win back).
 LANES = 2
 LANES_MIN_CHUNKS = 16
-# A decode step's chunk (at most WIDE_BLOCK_TOKENS tokens) with at most this many heads slices
-# its blocks' keys from their bits. XLA:CPU otherwise widens a 16-bit cache to f32 once, before
-# the loop: a copy of every key, which one token with few heads pays in full (Zen 3, T = 1:
-# Hi = 4, Di = 64, R = 128k 24 -> 11 ms; Hi = 16, 25 -> 14 ms; Hi = 16, Di = 128, R = 256k
-# 113 -> 81 ms). With more heads the products on the widened copy are faster (Hi = 32, R = 256k:
-# 51 -> 72 ms; Hi = 64, R = 1M: 275 -> 341 ms), and a prefill (Hi = 4, T = R = 8192) ran alike
-# either way: its many chunks share the copy.
-SLICE_BITS_MAX_HEADS = 16
 
 
 def order_keys(scores):
@@ -575,13 +567,6 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     last = jnp.max(limit)
     nblocks = (last + Rb - 1) // Rb
     piece_row = jnp.arange(Rd, dtype=jnp.int32)[None, :]
-    if Tc <= WIDE_BLOCK_TOKENS and q.shape[1] <= SLICE_BITS_MAX_HEADS:
-        bits = {2: jnp.uint16, 4: jnp.uint32}.get(keys.dtype.itemsize, jnp.uint8)
-        key_bits = jax.lax.bitcast_convert_type(keys, bits)
-        take_keys = lambda lo: jax.lax.bitcast_convert_type(
-            jax.lax.dynamic_slice_in_dim(key_bits, lo, Rd, axis=0), keys.dtype)
-    else:
-        take_keys = lambda lo: jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
 
     def step(b, state):
         buf, count, tau = state
@@ -590,7 +575,7 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
 
         def piece(lo):
             rows = lo + piece_row
-            kb = take_keys(lo)
+            kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
             sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
             new = order_keys(block_scores(q, w, kb, sb, widen))
             return jnp.where((rows < limit[:, None]) & (rows >= first), new, INVALID_KEY)
