@@ -48,8 +48,8 @@ def main(T, R, Hi, Di, K):
     s, bound = scores_f64(q[tokens], w[tokens], keys)
     check_rows(np.asarray(idx)[tokens], s, bound, valid_rows(np.asarray(positions)[tokens], R), K)
     print(json.dumps({"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K, "growth_bytes": growth,
-                      "compile_growth_bytes": compile_growth, "output_bytes": T * K * 4, "dense_score_bytes": T * R * 4,
-                      "seconds": seconds}))
+                      "compile_growth_bytes": compile_growth, "output_bytes": T * K * 4,
+                      "dense_score_bytes": T * R * 4, "seconds": seconds}))
 
 
 if __name__ == "__main__":
