@@ -107,7 +107,7 @@ def test_benchmarks_never_import_the_plotting_module():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.slow  # eight fresh processes, each compiling one small indexer call
+@pytest.mark.slow  # four fresh processes, each compiling one small indexer call
 def test_indexer_sweep_writes_json_and_the_chart_draws_it(tmp_path):
     sweep_json, png = tmp_path / "sweep.json", tmp_path / "indexer.png"
     assert bench.main(["--indexer-sweep", "--quick", "--json", str(sweep_json)]) == 0

@@ -13,7 +13,7 @@ import sharding_checks as checks
 from conftest import run_on_8_devices
 
 # One subprocess with 8 host devices compiles every layout: about 30 s on 2 cores.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.oldest_jax_too]
 
 IMPLEMENTATIONS = [None, "nki_emulated"]
 AXIS_TYPES = ("Auto", "Explicit")
