@@ -95,7 +95,8 @@ def check(records, name, mesh, specs, implementation=None):
     records.append(record)
 
 
-def check_fp8(records, name, mesh):
+def check_fp8(records, name, mesh, window=False):
+    """An FP8 cache split over its rows; with ``window``, beside a replicated bf16 second cache."""
     import ml_dtypes
 
     inputs = make_inputs()
@@ -103,9 +104,16 @@ def check_fp8(records, name, mesh):
     inputs["kv"] = (rng.standard_normal((R, D)) * 4).astype(ml_dtypes.float8_e4m3fn)
     inputs["kv_scale"] = rng.uniform(0.01, 0.1, (R, 2)).astype(np.float32)
     specs = {"q": P(), "kv": P("y"), "idx": P(), "sink": P(), "bias": P(), "kv_scale": P("y")}
+    if window:
+        W = 8
+        inputs["extra_kv"] = rng.standard_normal((T * W, D)).astype(jnp.bfloat16)
+        inputs["extra_idx"] = (np.arange(T)[:, None] * W + np.arange(W)).astype(np.int32)
+        inputs["bias"] = np.concatenate([inputs["bias"], np.zeros((T, W), np.float32)], 1)
+        specs.update(extra_kv=P(), extra_idx=P())
 
-    def f(q, kv, idx, sink, bias, kv_scale):
-        return jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, kv_scale=kv_scale)
+    def f(q, kv, idx, sink, bias, kv_scale, extra_kv=None, extra_idx=None):
+        return jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, kv_scale=kv_scale,
+                                     extra_kv=extra_kv, extra_idx=extra_idx)
 
     fn = jax.jit(f)
     single = fn(*(jax.device_put(v, jax.devices()[0]) for v in inputs.values()))
@@ -148,6 +156,8 @@ def run():
               {"q": P(None, "x"), "kv": P("y"), "idx": P(), "sink": P("x"), "bias": P()})
         # An FP8 cache split over its rows: the gathered bytes are summed over the devices.
         check_fp8(records, f"fp8/rows/{axis_type}", jax.make_mesh((8,), ("y",), axis_types=(kind,)))
+        check_fp8(records, f"fp8+window/rows/{axis_type}",
+                  jax.make_mesh((8,), ("y",), axis_types=(kind,)), window=True)
         # The lse with a replicated cache, tokens or heads split: local, like the output.
         mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
         check(records, f"lse/tokens/{axis_type}", mesh,

@@ -5,6 +5,8 @@ the concatenation, bit for bit, where the contract says so); rows that no real s
 NaN, so any read of them would show.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -347,9 +349,6 @@ def test_two_caches_bad_input_names_the_argument(rng):
         jsa.gathered_attn_idx(q, kv, idx, extra_kv=kv2, extra_idx=idx2[:2])
     with pytest.raises(ValueError, match=r"bias must have shape \[T, K\] = \(3, 27\)"):
         jsa.gathered_attn_idx(q, kv, idx, bias=np.zeros((3, 20)), extra_kv=kv2, extra_idx=idx2)
-    with pytest.raises(NotImplementedError, match="extra_kv with an FP8 kv"):
-        jsa.gathered_attn_idx(q, np.asarray(kv, np.float32).astype(jnp.float8_e4m3fn), idx,
-                              kv_scale=np.ones(50, np.float32), extra_kv=kv2, extra_idx=idx2)
 
 
 # --- FP8 as an operand of the primitive; DeepSeek's split rows -------------------------------------
@@ -422,6 +421,63 @@ def test_fp8_goes_through_the_primitive_and_its_gradient(rng):
     for b in range(2):
         one = jsa.gathered_attn_idx(qs[b], kvs8[b], idx, kv_scale=scales[b], kv_rope=ropes[b])
         np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(one))
+
+
+@pytest.mark.parametrize("implementation, rows", [
+    ("reference", "split"), pytest.param("reference", "whole", marks=pytest.mark.slow),
+    pytest.param("nki_emulated", "split", marks=pytest.mark.slow),
+    pytest.param("nki_emulated", "whole", marks=pytest.mark.slow)])
+def test_fp8_cache_beside_a_16_bit_window_is_one_softmax(rng, implementation, rows):
+    # V4: FP8 compressed rows (power-of-two scales per 64, rope columns in bf16) and a bf16 window
+    # as the second cache. Power-of-two scales dequantise exactly, so the call equals the
+    # single-cache one on [logical rows; window] bit for bit.
+    T, H, R, K, R2, K2 = 3, 4, 40, 16, 12, 5
+    D8, Dr = (192, 64) if rows == "split" else (256, 0)
+    kv8, scale, rope, logical = _split_rows(rng, R, D8, max(Dr, 1), 64, power_of_two=True)
+    if rows == "whole":
+        rope, logical = None, logical[:, :D8]
+    q = rng.standard_normal((T, H, D8 + Dr)).astype(BF16)
+    kv2 = rng.standard_normal((R2, D8 + Dr)).astype(BF16)
+    idx = rng.integers(-1, R, size=(T, K)).astype(np.int32)
+    idx2 = rng.integers(-1, R2, size=(T, K2)).astype(np.int32)
+    sink = rng.standard_normal(H).astype(np.float32)
+    bias = rng.standard_normal((T, K + K2)).astype(np.float32)
+    bias[1, K + 2] = -np.inf
+    used = np.zeros(R, bool)
+    used[idx[idx >= 0]] = True
+    kv8.view(np.uint8)[~used] = 0x7F  # garbage in unselected rows of both caches
+    scale[~used] = np.inf
+    if rope is not None:
+        rope[~used] = np.nan
+    kv2 = _poison_unselected(kv2, idx2, idx2 >= 0)
+    call = functools.partial(jsa.gathered_attn_idx, sink=sink, bias=bias, extra_idx=idx2,
+                             kv_scale=scale, kv_rope=rope, return_lse=True,
+                             implementation=implementation)
+    out, lse = call(q, kv8, idx, extra_kv=kv2)
+    cat, idx_cat = _concatenated(np.where(used[:, None], logical, 0).astype(BF16), kv2, idx, idx2)
+    want = jsa.gathered_attn_idx(q, cat, idx_cat, sink, bias=bias, return_lse=True,
+                                 implementation=implementation)
+    _same_bits(out, want[0])
+    _same_bits(lse, want[1])
+    x, valid = gather(cat, idx_cat)
+    x[~valid] = 0
+    assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid, sink, bias)) == 1.0
+    if implementation != "reference":
+        return
+    # Gradients reach q and the window, not the FP8 rows; as the single-cache call's.
+    loss = lambda q, kv2: jnp.sum(call(q, kv8, idx, extra_kv=kv2)[0].astype(jnp.float32) ** 2)  # noqa: E731
+    dq, dkv2 = jax.grad(loss, argnums=(0, 1))(q, kv2)
+    cat_loss = lambda q, cat: jnp.sum(jsa.gathered_attn_idx(  # noqa: E731
+        q, cat, idx_cat, sink, bias=bias).astype(jnp.float32) ** 2)
+    want_dq, want_dcat = jax.grad(cat_loss, argnums=(0, 1))(q, cat)
+    _same_bits(dq, want_dq)
+    _same_bits(dkv2, want_dcat[R:])
+    assert np.isfinite(np.asarray(dq, np.float32)).all()
+    # vmap over sequences with their own FP8 caches and windows.
+    got = jax.vmap(lambda q, k, s, w: call(q, k, idx, kv_scale=s, extra_kv=w)[0])(
+        np.stack([q, q]), np.stack([kv8, kv8]), np.stack([scale, scale]), np.stack([kv2, kv2[::-1]]))
+    _same_bits(got[0], out)
+    _same_bits(got[1], call(q, kv8, idx, extra_kv=kv2[::-1])[0])
 
 
 def test_kv_rope_bad_input_names_the_argument(rng):

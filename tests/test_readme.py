@@ -198,6 +198,11 @@ def test_split_fp8_rows_snippet():
     assert out.shape == (4, 64, 512) and out.dtype == jnp.bfloat16
     x, valid = gather(logical, idx)
     assert within_one_ulp(out, attention_bf16_contract(q, x, valid)) >= 0.999
+    # The compressed rows and the window in one softmax.
+    window, widx = np.asarray(ns["window"]), np.asarray(ns["window_idx"])
+    x2, v2 = gather(window, widx)
+    x, valid = np.concatenate([x, x2], 1), np.concatenate([valid, v2], 1)
+    assert within_one_ulp(np.asarray(ns["out_v4"]), attention_bf16_contract(q, x, valid)) >= 0.999
 
 
 @pytest.mark.slow  # three Flax programs to compile: about 5 s

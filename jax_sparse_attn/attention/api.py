@@ -283,7 +283,8 @@ def gathered_attn_idx(
         with one rounding, as the single-cache call on ``[kv; extra_kv]`` with indices
         ``[idx | extra_idx + R]`` would (bit for bit on the reference), without concatenating the
         caches. ``bias`` is then ``[T, K + K2]`` (the main slots first). Gradients reach both
-        caches. Not with an FP8 ``kv``.
+        caches (not an FP8 ``kv``). Beside an FP8 ``kv`` (and ``kv_rope``), ``extra_kv`` stays
+        16-bit, in q's dtype (V4: FP8 compressed rows and a bf16 window).
       extra_topk_length: ``[T]`` any integer dtype, or ``None``: ``topk_length`` of the second
         cache's slots (needs ``extra_kv``).
       kv_rope: ``[R, Dr]`` 16-bit float, or ``None``: with an FP8 ``kv [R, D - Dr]`` and its
@@ -330,36 +331,23 @@ def gathered_attn_idx(
         sink, bias, scale = _sink_bias_scale(shape_of(q), K, sink, bias, scale)
     else:
         extra_kv, extra_idx = _check_extra_cache(shape_of(q), extra_kv, extra_idx)
-        if kv_scale is not None or fp8.is_fp8(dtype_of(kv)):
-            raise NotImplementedError(
-                "extra_kv with an FP8 kv (kv_scale) is not implemented; pass both caches in q's "
-                "dtype, or make two calls and merge them with merge_attention"
-            )
         K2 = shape_of(extra_idx)[1]
         sink, bias, scale = _sink_bias_scale(shape_of(q), K + K2, sink, bias, scale)
         bias, extra_bias = bias[:, :K], bias[:, K:]
         extra_bias = _apply_topk_length(extra_bias, extra_topk_length, "extra_topk_length")
     bias = _apply_topk_length(bias, topk_length)
-    if extra_kv is not None:
-        kv = jnp.asarray(kv, q.dtype)
-        out, lse = primitive.gathered_attn_idx_p.bind(
-            q, kv, idx, sink, bias, scale, jnp.asarray(extra_kv, q.dtype), extra_idx, extra_bias,
-            implementation=implementation, value_dim=value_dim,
-        )
-        return (out, lse) if return_lse else out
+    # The second cache, in q's dtype, after the main cache's operands (primitive.operand_names).
+    extra = () if extra_kv is None else (jnp.asarray(extra_kv, q.dtype), extra_idx, extra_bias)
     if kv_scale is not None or fp8.is_fp8(dtype_of(kv)):
         # FP8 cache: the cache and its scales are operands of the primitive; every path gathers
         # the FP8 rows of the slots and dequantises only those (fp8.py). No gradient reaches them.
         kv_scale = jax.lax.stop_gradient(fp8.check_kv_scale(shape_of(kv), dtype_of(kv), kv_scale))
         kv = jax.lax.stop_gradient(jnp.asarray(kv))
         split = () if kv_rope is None else (jax.lax.stop_gradient(kv_rope),)
-        out, lse = primitive.gathered_attn_idx_p.bind(
-            q, kv, idx, sink, bias, scale, kv_scale, *split, implementation=implementation,
-            value_dim=value_dim,
-        )
-        return (out, lse) if return_lse else out
-    kv = jnp.asarray(kv, q.dtype)
+        operands = (q, kv, idx, sink, bias, scale, kv_scale, *split, *extra)
+    else:
+        operands = (q, jnp.asarray(kv, q.dtype), idx, sink, bias, scale, *extra)
     out, lse = primitive.gathered_attn_idx_p.bind(
-        q, kv, idx, sink, bias, scale, implementation=implementation, value_dim=value_dim
+        *operands, implementation=implementation, value_dim=value_dim
     )
     return (out, lse) if return_lse else out

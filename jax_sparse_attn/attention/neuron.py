@@ -206,15 +206,19 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, sink, q.dtype)
 
 
-def _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias):
-    """Two caches' slots side by side for the pre-gathered kernel, ``g [T, K + K2, D]`` in kv's
-    dtype, and the bias ``[T, K + K2]`` with every empty slot ``-inf``. XLA gathers the rows
-    (zeros for an empty slot, whose row it never reads); the caches are not concatenated. The
-    kernel itself reads one cache (docs/neuron-kernel.md)."""
+def _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale=None, kv_rope=None):
+    """Two caches' slots side by side for the pre-gathered kernel, ``g [T, K + K2, D]`` in
+    extra_kv's dtype, and the bias ``[T, K + K2]`` with every empty slot ``-inf``. XLA gathers the
+    rows (zeros for an empty slot, whose row it never reads), an FP8 main cache's dequantised
+    (``_fp8_slots``); the caches are not concatenated. The kernel itself reads one cache
+    (docs/neuron-kernel.md)."""
     from .reference import gather_bits
 
-    parts, biases = [], []
-    for cache, index, b in ((kv, idx, bias), (extra_kv, extra_idx, extra_bias)):
+    parts, biases, caches = [], [], ((kv, idx, bias), (extra_kv, extra_idx, extra_bias))
+    if kv_scale is not None:
+        g, b = _fp8_slots(kv, kv_scale, kv_rope, idx, bias, extra_kv.dtype)
+        parts, biases, caches = [g], [b], caches[1:]
+    for cache, index, b in caches:
         rows = cache.shape[0]
         valid = (index >= 0) & (index < rows) & (b != -jnp.inf)
         if rows:
@@ -225,19 +229,22 @@ def _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias):
     return jnp.concatenate(parts, axis=1), jnp.concatenate(biases, axis=1)
 
 
-def _split_row_slots(kv, kv_scale, kv_rope, idx, bias):
-    """DeepSeek's split FP8 rows for the pre-gathered kernel: each slot's FP8 columns gathered and
-    dequantised by XLA (``fp8.gather_dequantized``) next to its 16-bit ``kv_rope`` columns,
-    ``g [T, K, D + Dr]`` bf16, and the bias with every empty slot ``-inf``. The FP8 kernel reads
-    whole FP8 rows only (docs/neuron-kernel.md)."""
+def _fp8_slots(kv, kv_scale, kv_rope, idx, bias, dtype=jnp.bfloat16):
+    """An FP8 cache's slots for the pre-gathered kernel: each slot's FP8 columns gathered and
+    dequantised by XLA (``fp8.gather_dequantized``), with DeepSeek's split rows next to their
+    16-bit ``kv_rope`` columns, ``g [T, K, D (+ Dr)]`` in ``dtype``, and the bias with every empty
+    slot ``-inf``. The FP8 kernel reads whole FP8 rows of one cache only
+    (docs/neuron-kernel.md)."""
     from . import fp8
     from .reference import gather_bits
 
     rows = kv.shape[0]
     valid = (idx >= 0) & (idx < rows) & (bias != -jnp.inf)
-    nope = fp8.gather_dequantized(kv, kv_scale, jnp.where(valid, idx, -1), jnp.bfloat16)
-    rope = gather_bits(kv_rope.astype(jnp.bfloat16), jnp.where(valid, idx, rows))
-    return jnp.concatenate([nope, rope], axis=-1), jnp.where(valid, bias, -jnp.inf)
+    g = fp8.gather_dequantized(kv, kv_scale, jnp.where(valid, idx, -1), dtype)
+    if kv_rope is not None:
+        rope = gather_bits(kv_rope.astype(dtype), jnp.where(valid, idx, rows))
+        g = jnp.concatenate([g, rope], axis=-1)
+    return g, jnp.where(valid, bias, -jnp.inf)
 
 
 def _kernel_args(packed: PackedOperands, group: int) -> tuple:
@@ -289,15 +296,17 @@ def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extr
     """The Neuron path of ``gathered_attn_idx_p`` with the lse: q ``[T, H, D]``, kv ``[R, D]``,
     idx ``[T, K]`` int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32
     -> ``(out [T, H, value_dim], lse [T, H] f32)``. With a second cache (``extra_*``) XLA gathers
-    both caches' slots and the pre-gathered kernel runs on them (``_union_slots``). With
+    both caches' slots (an FP8 main cache's dequantised) and the pre-gathered kernel runs on
+    them (``_union_slots``). With
     ``kv_scale`` (``[R, n]`` f32) ``kv`` is an FP8 cache: the FP8 kernel reads it on trn2/trn3; on
     trn1 XLA gathers and dequantises the slots first. With ``kv_rope`` (split rows) XLA gathers
-    and dequantises the slots for the pre-gathered kernel (``_split_row_slots``)."""
+    and dequantises the slots for the pre-gathered kernel (``_fp8_slots``)."""
     if extra_kv is not None:
-        g, union_bias = _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias)
+        g, union_bias = _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias,
+                                     kv_scale, kv_rope)
         return nki_gathered_attn_lse(q, g, sink, union_bias, scale, value_dim=value_dim)
     if kv_rope is not None:
-        g, slot_bias = _split_row_slots(kv, kv_scale, kv_rope, idx, bias)
+        g, slot_bias = _fp8_slots(kv, kv_scale, kv_rope, idx, bias)
         return nki_gathered_attn_lse(q, g, sink, slot_bias, scale, value_dim=value_dim)
     return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
                        kv_scale=kv_scale, value_dim=value_dim)
@@ -371,10 +380,11 @@ def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None,
 
     Operands and result as :func:`nki_gathered_attn_idx_lse`."""
     if extra_kv is not None:
-        g, union_bias = _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias)
+        g, union_bias = _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias,
+                                     kv_scale, kv_rope)
         return emulated_gathered_attn_lse(q, g, sink, union_bias, scale, value_dim=value_dim)
     if kv_rope is not None:
-        g, slot_bias = _split_row_slots(kv, kv_scale, kv_rope, idx, bias)
+        g, slot_bias = _fp8_slots(kv, kv_scale, kv_rope, idx, bias)
         return emulated_gathered_attn_lse(q, g, sink, slot_bias, scale, value_dim=value_dim)
     return _run_packed(
         _call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,

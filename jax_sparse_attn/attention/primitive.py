@@ -13,7 +13,8 @@ R would): nothing is concatenated but each token's gathered slots. An FP8 cache 
 one more operand, ``kv_scale [R, n]`` f32 (its dequantisation scales, one per group of ``D // n``
 columns), and every path reads the FP8 rows itself. The operand count says which form a bind has
 (``operand_names``): 6, 7 (FP8), 8 (FP8 with ``kv_rope [R, Dr]``, the 16-bit columns after the FP8
-ones: the logical row is ``[dequantised kv | kv_rope]``) or 9 (two caches).
+ones: the logical row is ``[dequantised kv | kv_rope]``), 9 (two caches), or 10 and 11 (an FP8
+main cache, split or not, beside a 16-bit second one: V4's compressed rows and window).
 
 Both primitives return two results, ``out [T, H, value_dim]`` in q's dtype and ``lse [T, H]`` f32 (the
 log-sum-exp of each token and head's logits with the sink). They always do, and the public
@@ -72,16 +73,14 @@ CACHE_COMPANION = {"kv_scale": "kv", "kv_rope": "kv"}
 
 
 def operand_names(indexed: bool, count: int) -> tuple:
-    """The names of a bind's ``count`` operands (with the second cache when there are nine, with
-    an FP8 cache's scales when there are seven)."""
+    """The names of a bind's ``count`` operands: the six, then an FP8 cache's scales (and
+    ``kv_rope``), then the second cache; each count names one form (6 to 11)."""
     names = OPERANDS[indexed]
-    if indexed and count == len(names) + len(EXTRA_OPERANDS):
-        return names + EXTRA_OPERANDS
-    if indexed and count == len(names) + len(FP8_OPERANDS):
-        return names + FP8_OPERANDS
-    if indexed and count == len(names) + len(FP8_SPLIT_OPERANDS):
-        return names + FP8_SPLIT_OPERANDS
-    return names
+    if not indexed:
+        return names
+    forms = [names + fp8_names + extra for fp8_names in ((), FP8_OPERANDS, FP8_SPLIT_OPERANDS)
+             for extra in ((), EXTRA_OPERANDS)]
+    return next((f for f in forms if len(f) == count), names)
 
 # Host-runnable data paths by implementation name: (gathered_fn, gathered_idx_fn), each taking the
 # primitive's operands and the keyword ``value_dim``, and returning ``(out, lse)``. The Neuron package registers "nki_emulated".

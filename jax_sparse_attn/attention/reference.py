@@ -381,7 +381,8 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, ex
     Args:
       q: ``[T, H, D]`` float. kv: ``[R, D]`` in q's dtype. idx: ``[T, K]`` int32; a slot is empty when
       ``idx < 0`` or ``idx >= R``. sink: ``[H]`` f32. bias: ``[T, K]`` f32. scale: ``[T]`` f32.
-      extra_kv, extra_idx, extra_bias: ``[R2, D]``, ``[T, K2]`` int32, ``[T, K2]`` f32, or None.
+      extra_kv, extra_idx, extra_bias: ``[R2, D]``, ``[T, K2]`` int32, ``[T, K2]`` f32, or None;
+      ``extra_kv`` is in q's dtype, also beside an FP8 ``kv``.
       kv_scale: ``[R, n]`` f32 for an FP8 ``kv`` (``float8_e4m3fn`` / ``float8_e5m2``): each chunk
       of tokens gathers its FP8 rows (one byte per element) and their scales and dequantises
       them (``dequantise_slots``), so memory stays within the bound of a 16-bit cache; the cache
@@ -405,9 +406,10 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, ex
     itemsize = np.dtype(dtype).itemsize
     if kv_scale is not None:  # FP8: the raw bytes travel, dequantised after each gather
         fp8_dtype = kv.dtype
-        kv_bits = (to_bits(kv), kv_scale.astype(jnp.float32))
-        if kv_rope is not None:
-            kv_bits += (to_bits(kv_rope.astype(dtype)),)
+        # (FP8 bytes, scales, (rope bits,) or (), (16-bit second cache's bits,) or ())
+        kv_bits = (to_bits(kv), kv_scale.astype(jnp.float32),
+                   () if kv_rope is None else (to_bits(kv_rope.astype(dtype)),),
+                   () if extra_kv is None else (to_bits(extra_kv.astype(dtype)),))
     else:
         kv_bits = tuple(to_bits(c.astype(dtype)) for c in caches)
     valids = [(i >= 0) & (i < c.shape[0]) & (b != -jnp.inf) for c, i, b in zip(caches, indices, biases)]
@@ -420,12 +422,14 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, ex
         """The slots' rows as q's dtype's bits (dequantised FP8 rows with ``kv_scale``)."""
         if kv_scale is None:
             return _gather_union(kv_bits_, rows_t, D)
-        cache_bits, scales, *rope = kv_bits_
-        (rows_main,) = rows_t
+        cache_bits, scales, rope, extra = kv_bits_
+        rows_main, *rows_extra = rows_t
         slot_scale = scales.at[rows_main].get(mode="fill", fill_value=0)
         x = dequantise_slots(_gather_rows(cache_bits, rows_main), slot_scale, fp8_dtype, dtype)
         if rope:  # the 16-bit columns after the FP8 ones
             x = jnp.concatenate([x, _gather_rows(rope[0], rows_main)], axis=-1)
+        if extra:  # the second (16-bit) cache's slots after the main ones
+            x = jnp.concatenate([x, _gather_union(extra, tuple(rows_extra), D)], axis=-2)
         return x
 
     def gather_and_attend(form):
