@@ -40,11 +40,10 @@ layer's own simple form of V4's compression (V4 learns its compression weights).
 
 **Sliding window** (``window = W``). Each token also attends to the ``W`` most recent raw rows,
 positions ``p - W + 1 .. p`` (its own row included), as V4 does with ``W = 128``. The union is
-computed as two calls of the op merged by their log-sum-exp (:func:`jax_sparse_attn.merge_attention`):
-the selected rows without the sink, the window with it. With ``compress_ratio = 1`` both come from
+computed by one call of the op over two caches (``extra_kv``: the selected rows, then the window's
+raw rows), one softmax with the sink and one rounding. With ``compress_ratio = 1`` both come from
 the same rows, so a selected row inside the window is dropped from the selection (it is attended
 once, as part of the window); with ``c > 1`` they are different rows (compressed and raw).
-Each partial output is rounded to the compute dtype before the f32 merge.
 
 **Cache design.** The cache is an explicit, immutable pytree :class:`SparseAttentionCache` that the
 caller owns and threads through calls (functional style; no hidden state on the module), so one
@@ -100,7 +99,6 @@ except ImportError as err:  # pragma: no cover - exercised only without flax
     ) from err
 
 from .api import gathered_attn_idx
-from .attention.merge import merge_attention
 
 __all__ = ["SparseAttention", "SparseAttentionCache", "indexer_scores", "select_topk_rows"]
 
@@ -471,9 +469,9 @@ class SparseAttention(nnx.Module):
 
             return jax.vmap(attend)(q, p.rows.astype(q.dtype), idx)
 
-        def partial(q_b, kv_b, idx_b, sink_b):
-            return gathered_attn_idx(q_b, kv_b, idx_b, sink_b, scale=scale, implementation=impl,
-                                     return_lse=True)
+        def attend_both(q_b, kv_b, idx_b, raw_b, window_b):
+            return gathered_attn_idx(q_b, kv_b, idx_b, sink, scale=scale, implementation=impl,
+                                     extra_kv=raw_b, extra_idx=window_b)
 
         back = jnp.arange(self.window - 1, -1, -1, dtype=jnp.int32)
         window_idx = positions[..., None] - back  # [B, t, W]: p - W + 1 .. p
@@ -481,11 +479,8 @@ class SparseAttention(nnx.Module):
         if self.compress_ratio == 1:
             # Same rows: a selected row inside the window is attended once, in the window.
             idx = jnp.where(idx > positions[..., None] - self.window, jnp.int32(-1), idx)
-        o_sel, lse_sel = jax.vmap(partial, in_axes=(0, 0, 0, None))(
-            q, p.rows.astype(q.dtype), idx, None)
-        o_win, lse_win = jax.vmap(partial, in_axes=(0, 0, 0, None))(
-            q, p.raw.astype(q.dtype), window_idx, sink)
-        return merge_attention([o_sel, o_win], [lse_sel, lse_win])[0]
+        return jax.vmap(attend_both)(q, p.rows.astype(q.dtype), idx, p.raw.astype(q.dtype),
+                                     window_idx)
 
     def select_rows(self, x: jax.Array, cache: Optional[SparseAttentionCache] = None) -> jax.Array:
         """The rows the indexer picks for each token (``self(x, cache)`` attends to these, and to
