@@ -408,8 +408,10 @@ def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Opt
                      R: Optional[int] = None) -> dict:
     """Times ``gathered_attn_idx(q, window, window_idx, sink, extra_kv=compressed, extra_idx=...)``
     (one softmax over both caches) against (a) concatenating the two caches and one call on the
-    concatenation, and (b) two calls (the sink in the first) merged by ``merge_attention``; all
-    jitted, interleaved rounds. Returns the record with ``concat_over_op`` and ``merge_over_op``.
+    concatenation, and (b) two calls (the sink in the first) merged by ``merge_attention``; and
+    V4's FP8 split rows as the main cache beside the window, one call and two calls merged; all
+    jitted, interleaved rounds. Returns the record with ``concat_over_op``, ``merge_over_op``,
+    ``fp8_op_over_op`` and ``fp8_merge_over_fp8_op``.
     """
     from . import merge_attention
 
@@ -440,8 +442,27 @@ def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Opt
         b = gathered_attn_idx(q, compressed, topk_idx, None, return_lse=True)
         return merge_attention([a[0], b[0]], [a[1], b[1]])[0]
 
-    fns = {name: (jax.jit(fn), args) for name, fn in
-           (("op", two_caches), ("concat", concatenated), ("merge", merged))}
+    # V4's FP8 compressed rows (448 FP8 columns, power-of-two scales per 64, 64 bf16 rope columns)
+    # as the main cache beside the bf16 window: one call, and two calls merged.
+    fp8_cols = D - 64
+    fp8_args = jax.block_until_ready((
+        q, window, window_idx, compressed[:, :fp8_cols].astype(jnp.float8_e4m3fn),
+        jnp.exp2(jax.random.randint(keys[4], (R, fp8_cols // 64), -6, 0)).astype(jnp.float32),
+        compressed[:, fp8_cols:], topk_idx, sink))
+
+    def fp8_two_caches(q, window, window_idx, kv8, scales, rope, topk_idx, sink):
+        return gathered_attn_idx(q, kv8, topk_idx, sink, kv_scale=scales, kv_rope=rope,
+                                 extra_kv=window, extra_idx=window_idx)
+
+    def fp8_merged(q, window, window_idx, kv8, scales, rope, topk_idx, sink):
+        a = gathered_attn_idx(q, kv8, topk_idx, sink, kv_scale=scales, kv_rope=rope,
+                              return_lse=True)
+        b = gathered_attn_idx(q, window, window_idx, None, return_lse=True)
+        return merge_attention([a[0], b[0]], [a[1], b[1]])[0]
+
+    fns = {name: (jax.jit(fn), a) for name, fn, a in
+           (("op", two_caches, args), ("concat", concatenated, args), ("merge", merged, args),
+            ("fp8_op", fp8_two_caches, fp8_args), ("fp8_merge", fp8_merged, fp8_args))}
     outs = {name: np.asarray(jax.block_until_ready(fn(*a)), np.float32)
             for name, (fn, a) in fns.items()}
     load_before = _load_average()
@@ -456,8 +477,11 @@ def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Opt
         "times_s": times, "median_s": med,
         "concat_over_op": med["concat"] / med["op"],
         "merge_over_op": med["merge"] / med["op"],
+        "fp8_op_over_op": med["fp8_op"] / med["op"],
+        "fp8_merge_over_fp8_op": med["fp8_merge"] / med["fp8_op"],
         "op_same_bits_as_concat": same_as_concat,
         "max_abs_diff_merge_vs_op": float(np.abs(outs["merge"] - outs["op"]).max()),
+        "max_abs_diff_fp8_merge_vs_fp8_op": float(np.abs(outs["fp8_merge"] - outs["fp8_op"]).max()),
         "load_average": {"before": load_before, "after": _load_average()},
     }
 
@@ -854,7 +878,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"top-k={s['topk']} R={s['R']} {a.dtype}: one call {m['op'] * 1e3:.2f} ms; "
               f"concatenate then call {m['concat'] * 1e3:.2f} ms ({rec['concat_over_op']:.2f}x); "
               f"two calls + merge {m['merge'] * 1e3:.2f} ms ({rec['merge_over_op']:.2f}x); "
-              f"same bits as the concatenation: {rec['op_same_bits_as_concat']}; load "
+              f"same bits as the concatenation: {rec['op_same_bits_as_concat']}; FP8 split rows "
+              f"beside the window: one call {m['fp8_op'] * 1e3:.2f} ms "
+              f"({rec['fp8_op_over_op']:.2f}x of bf16), two calls + merge "
+              f"{rec['fp8_merge_over_fp8_op']:.2f}x of it; load "
               f"{rec['load_average']}", flush=True)
         ok = rec["op_same_bits_as_concat"]
     elif a.memory:

@@ -121,7 +121,7 @@ def test_sdpa_flag_times_the_baseline(tmp_path, capsys):
     assert len(rec["times_s"]["sdpa"]) == 2 and rec["sdpa_over_op"] > 0
 
 
-@pytest.mark.slow  # three programs to compile and time: several seconds
+@pytest.mark.slow  # five programs to compile and time: several seconds
 def test_two_caches_command_line_times_the_alternatives(tmp_path, capsys):
     path = tmp_path / "two.json"
     code = bench.main(["--two-caches", "--shape", "2,64,512,512,1024", "--repeats", "1",
@@ -129,10 +129,12 @@ def test_two_caches_command_line_times_the_alternatives(tmp_path, capsys):
     assert code == 0
     rec = json.loads(path.read_text())["two_caches"]
     assert rec["shape"]["T"] == 2 and rec["shape"]["R"] == 1024 and rec["shape"]["window"] == 128
-    assert set(rec["median_s"]) == {"op", "concat", "merge"}
+    assert set(rec["median_s"]) == {"op", "concat", "merge", "fp8_op", "fp8_merge"}
     assert rec["op_same_bits_as_concat"] is True
     # Two roundings against one: close, not necessarily equal.
     assert 0 <= rec["max_abs_diff_merge_vs_op"] < 0.05
+    assert 0 <= rec["max_abs_diff_fp8_merge_vs_fp8_op"] < 0.05
+    assert rec["fp8_op_over_op"] > 0 and rec["fp8_merge_over_fp8_op"] > 0
     assert "concatenate then call" in capsys.readouterr().out
 
 
