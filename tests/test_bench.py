@@ -28,6 +28,7 @@ def test_naive_baseline_and_contract_model_follow_the_contract(rng):
     assert within_one_ulp(model, want) >= 0.999
 
 
+@pytest.mark.slow  # the quick cases' compilations: 6-9 s
 def test_command_line_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "1",

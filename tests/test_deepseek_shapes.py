@@ -398,6 +398,7 @@ def test_split_fp8_rows_follow_the_contract_on_the_logical_rows(rng, implementat
         _same_bits(lse, plain[1])
 
 
+@pytest.mark.slow  # about 5 s
 def test_fp8_goes_through_the_primitive_and_its_gradient(rng):
     kv8, scale, rope, logical = _split_rows(rng, 30, 128, 64, 64)
     q = rng.standard_normal((2, 4, 192)).astype(np.float32)
@@ -423,10 +424,9 @@ def test_fp8_goes_through_the_primitive_and_its_gradient(rng):
         np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(one))
 
 
-@pytest.mark.parametrize("implementation, rows", [
-    ("reference", "split"), pytest.param("reference", "whole", marks=pytest.mark.slow),
-    pytest.param("nki_emulated", "split", marks=pytest.mark.slow),
-    pytest.param("nki_emulated", "whole", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 4-6 s a case; the default run checks the forward through README's V4 snippet
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("rows", ["split", "whole"])
 def test_fp8_cache_beside_a_16_bit_window_is_one_softmax(rng, implementation, rows):
     # V4: FP8 compressed rows (power-of-two scales per 64, rope columns in bf16) and a bf16 window
     # as the second cache. Power-of-two scales dequantise exactly, so the call equals the
