@@ -418,7 +418,7 @@ def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Opt
     shape = dict(V4_DECODE, **({"T": T} if T else {}), **({"R": R} if R else {}))
     T, H, D, W, K, R = (shape[k] for k in ("T", "H", "D", "window", "topk", "R"))
     dtype = DTYPES[dtype_name]
-    keys = jax.random.split(jax.random.key(3), 5)
+    keys = jax.random.split(jax.random.key(3), 6)
     q = jax.random.normal(keys[0], (T, H, D), dtype)
     window = jax.random.normal(keys[1], (T * W, D), dtype)  # each token's own 128 rows
     compressed = jax.random.normal(keys[2], (R, D), dtype)
@@ -447,7 +447,7 @@ def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Opt
     fp8_cols = D - 64
     fp8_args = jax.block_until_ready((
         q, window, window_idx, compressed[:, :fp8_cols].astype(jnp.float8_e4m3fn),
-        jnp.exp2(jax.random.randint(keys[4], (R, fp8_cols // 64), -6, 0)).astype(jnp.float32),
+        jnp.exp2(jax.random.randint(keys[5], (R, fp8_cols // 64), -6, 0)).astype(jnp.float32),
         compressed[:, fp8_cols:], topk_idx, sink))
 
     def fp8_two_caches(q, window, window_idx, kv8, scales, rope, topk_idx, sink):

@@ -206,27 +206,30 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, sink, q.dtype)
 
 
-def _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale=None, kv_rope=None):
-    """Two caches' slots side by side for the pre-gathered kernel, ``g [T, K + K2, D]`` in
-    extra_kv's dtype, and the bias ``[T, K + K2]`` with every empty slot ``-inf``. XLA gathers the
-    rows (zeros for an empty slot, whose row it never reads), an FP8 main cache's dequantised
-    (``_fp8_slots``); the caches are not concatenated. The kernel itself reads one cache
-    (docs/neuron-kernel.md)."""
+def _pregathered_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope):
+    """The slots ``(g [T, K (+ K2), D], bias)`` that XLA gathers for the pre-gathered kernel when
+    the kernel cannot read the cache itself (a second cache, split FP8 rows), else None. Two
+    caches' slots sit side by side, main first, in extra_kv's dtype, an FP8 main cache's
+    dequantised (``_fp8_slots``); the caches are not concatenated. Every empty slot's bias is
+    ``-inf`` and its row is zeros, never read (docs/neuron-kernel.md)."""
+    if extra_kv is None:
+        return None if kv_rope is None else _fp8_slots(kv, kv_scale, kv_rope, idx, bias)
+    main = (_plain_slots(kv, idx, bias) if kv_scale is None
+            else _fp8_slots(kv, kv_scale, kv_rope, idx, bias, extra_kv.dtype))
+    parts = (main, _plain_slots(extra_kv, extra_idx, extra_bias))
+    return tuple(jnp.concatenate(p, axis=1) for p in zip(*parts))
+
+
+def _plain_slots(cache, idx, bias):
+    """A 16-bit cache's slots ``[T, K, D]`` gathered as bits (zeros for an empty slot; a cache of
+    0 rows gives zeros) and the bias with every empty slot ``-inf``."""
     from .reference import gather_bits
 
-    parts, biases, caches = [], [], ((kv, idx, bias), (extra_kv, extra_idx, extra_bias))
-    if kv_scale is not None:
-        g, b = _fp8_slots(kv, kv_scale, kv_rope, idx, bias, extra_kv.dtype)
-        parts, biases, caches = [g], [b], caches[1:]
-    for cache, index, b in caches:
-        rows = cache.shape[0]
-        valid = (index >= 0) & (index < rows) & (b != -jnp.inf)
-        if rows:
-            parts.append(gather_bits(cache, jnp.where(valid, index, rows)))
-        else:
-            parts.append(jnp.zeros(index.shape + cache.shape[1:], cache.dtype))
-        biases.append(jnp.where(valid, b, -jnp.inf))
-    return jnp.concatenate(parts, axis=1), jnp.concatenate(biases, axis=1)
+    rows = cache.shape[0]
+    valid = (idx >= 0) & (idx < rows) & (bias != -jnp.inf)
+    g = (gather_bits(cache, jnp.where(valid, idx, rows)) if rows
+         else jnp.zeros(idx.shape + cache.shape[1:], cache.dtype))
+    return g, jnp.where(valid, bias, -jnp.inf)
 
 
 def _fp8_slots(kv, kv_scale, kv_rope, idx, bias, dtype=jnp.bfloat16):
@@ -297,17 +300,13 @@ def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extr
     idx ``[T, K]`` int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32
     -> ``(out [T, H, value_dim], lse [T, H] f32)``. With a second cache (``extra_*``) XLA gathers
     both caches' slots (an FP8 main cache's dequantised) and the pre-gathered kernel runs on
-    them (``_union_slots``). With
+    them (``_pregathered_slots``). With
     ``kv_scale`` (``[R, n]`` f32) ``kv`` is an FP8 cache: the FP8 kernel reads it on trn2/trn3; on
     trn1 XLA gathers and dequantises the slots first. With ``kv_rope`` (split rows) XLA gathers
-    and dequantises the slots for the pre-gathered kernel (``_fp8_slots``)."""
-    if extra_kv is not None:
-        g, union_bias = _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias,
-                                     kv_scale, kv_rope)
-        return nki_gathered_attn_lse(q, g, sink, union_bias, scale, value_dim=value_dim)
-    if kv_rope is not None:
-        g, slot_bias = _fp8_slots(kv, kv_scale, kv_rope, idx, bias)
-        return nki_gathered_attn_lse(q, g, sink, slot_bias, scale, value_dim=value_dim)
+    and dequantises the slots for the pre-gathered kernel (``_pregathered_slots``)."""
+    slots = _pregathered_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope)
+    if slots is not None:
+        return nki_gathered_attn_lse(q, slots[0], sink, slots[1], scale, value_dim=value_dim)
     return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
                        kv_scale=kv_scale, value_dim=value_dim)
 
@@ -379,13 +378,9 @@ def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None,
     """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``, with the lse.
 
     Operands and result as :func:`nki_gathered_attn_idx_lse`."""
-    if extra_kv is not None:
-        g, union_bias = _union_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias,
-                                     kv_scale, kv_rope)
-        return emulated_gathered_attn_lse(q, g, sink, union_bias, scale, value_dim=value_dim)
-    if kv_rope is not None:
-        g, slot_bias = _fp8_slots(kv, kv_scale, kv_rope, idx, bias)
-        return emulated_gathered_attn_lse(q, g, sink, slot_bias, scale, value_dim=value_dim)
+    slots = _pregathered_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope)
+    if slots is not None:
+        return emulated_gathered_attn_lse(q, slots[0], sink, slots[1], scale, value_dim=value_dim)
     return _run_packed(
         _call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
         kv_scale=kv_scale, value_dim=value_dim,

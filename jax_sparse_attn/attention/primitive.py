@@ -60,7 +60,8 @@ OPERANDS = {
     False: ("q", "g", "sink", "bias", "scale"),
     True: ("q", "kv", "idx", "sink", "bias", "scale"),
 }
-# The second cache of gathered_attn_idx_p (two caches in one softmax), after the six above.
+# The second cache of gathered_attn_idx_p (two caches in one softmax), after the six above (and
+# after an FP8 main cache's operands).
 EXTRA_OPERANDS = ("extra_kv", "extra_idx", "extra_bias")
 # The scales of an FP8 cache, after the six, and the 16-bit columns that follow its FP8 ones in a
 # split row (DeepSeek's layouts: kv_rope).
@@ -72,15 +73,17 @@ CACHE_INDEX = {"kv": "idx", "extra_kv": "extra_idx"}
 CACHE_COMPANION = {"kv_scale": "kv", "kv_rope": "kv"}
 
 
+# gathered_attn_idx_p's forms by operand count (6 to 11): the six, then an FP8 cache's scales (and
+# kv_rope), then the second cache.
+_INDEXED_FORMS = {len(f): f for f in (OPERANDS[True] + fp8_names + extra
+                                      for fp8_names in ((), FP8_OPERANDS, FP8_SPLIT_OPERANDS)
+                                      for extra in ((), EXTRA_OPERANDS))}
+
+
 def operand_names(indexed: bool, count: int) -> tuple:
-    """The names of a bind's ``count`` operands: the six, then an FP8 cache's scales (and
-    ``kv_rope``), then the second cache; each count names one form (6 to 11)."""
-    names = OPERANDS[indexed]
-    if not indexed:
-        return names
-    forms = [names + fp8_names + extra for fp8_names in ((), FP8_OPERANDS, FP8_SPLIT_OPERANDS)
-             for extra in ((), EXTRA_OPERANDS)]
-    return next((f for f in forms if len(f) == count), names)
+    """The names of a bind's ``count`` operands (``_INDEXED_FORMS``)."""
+    return _INDEXED_FORMS.get(count, OPERANDS[True]) if indexed else OPERANDS[False]
+
 
 # Host-runnable data paths by implementation name: (gathered_fn, gathered_idx_fn), each taking the
 # primitive's operands and the keyword ``value_dim``, and returning ``(out, lse)``. The Neuron package registers "nki_emulated".
