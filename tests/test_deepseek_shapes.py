@@ -347,6 +347,9 @@ def test_two_caches_bad_input_names_the_argument(rng):
         jsa.gathered_attn_idx(q, kv, idx, extra_kv=kv2[:, :8], extra_idx=idx2)
     with pytest.raises(ValueError, match="extra_idx must have shape"):
         jsa.gathered_attn_idx(q, kv, idx, extra_kv=kv2, extra_idx=idx2[:2])
+    # An FP8 second cache has no scales: casting it to q's dtype would read it at scale 1.
+    with pytest.raises(TypeError, match="extra_kv must be 16-bit or f32"):
+        jsa.gathered_attn_idx(q, kv, idx, extra_kv=kv2.astype(jnp.float8_e4m3fn), extra_idx=idx2)
     with pytest.raises(ValueError, match=r"bias must have shape \[T, K\] = \(3, 27\)"):
         jsa.gathered_attn_idx(q, kv, idx, bias=np.zeros((3, 20)), extra_kv=kv2, extra_idx=idx2)
 

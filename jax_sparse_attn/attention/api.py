@@ -210,6 +210,12 @@ def _check_extra_cache(q_shape, extra_kv, extra_idx):
     extra_idx = as_array("extra_idx", extra_idx)
     check_rank("extra_kv", extra_kv, 2, "[R2, D]")
     check_float("extra_kv", extra_kv)
+    if fp8.is_fp8(dtype_of(extra_kv)):
+        # It would be cast to q's dtype, that is read at scale 1: wrong for a scaled FP8 cache.
+        raise TypeError(
+            f"extra_kv must be 16-bit or f32 (bf16, f16, f32); got {dtype_of(extra_kv)}: the second "
+            "cache takes no FP8 scales, so dequantise it first (only kv may be FP8, with kv_scale)"
+        )
     check_rank("extra_idx", extra_idx, 2, "[T, K2]")
     check_integer("extra_idx", extra_idx)
     if shape_of(extra_kv)[1] != D:
@@ -284,7 +290,8 @@ def gathered_attn_idx(
         ``[idx | extra_idx + R]`` would (bit for bit on the reference), without concatenating the
         caches. ``bias`` is then ``[T, K + K2]`` (the main slots first). Gradients reach both
         caches (not an FP8 ``kv``). Beside an FP8 ``kv`` (and ``kv_rope``), ``extra_kv`` stays
-        16-bit, in q's dtype (V4: FP8 compressed rows and a bf16 window).
+        16-bit, in q's dtype (V4: FP8 compressed rows and a bf16 window); an FP8 ``extra_kv`` is
+        refused (it has no scales).
       extra_topk_length: ``[T]`` any integer dtype, or ``None``: ``topk_length`` of the second
         cache's slots (needs ``extra_kv``).
       kv_rope: ``[R, Dr]`` 16-bit float, or ``None``: with an FP8 ``kv [R, D - Dr]`` and its
