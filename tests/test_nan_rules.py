@@ -96,10 +96,19 @@ def _loss_and_grads(q, kv, idx, sink, bias, scale, implementation):
         out = jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, scale=scale, implementation=implementation)
         return jnp.sum(out.astype(jnp.float32) * w), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+    # One program per case (idx stays a host constant, at full width): an eager gradient would
+    # compile each operation of the rules on its own, which made these tests slow.
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
         jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale)
     )
     return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def _jitted_op(idx, implementation):
+    """``gathered_attn_idx`` over this ``idx`` (a host constant, at full width) as one program of
+    ``(q, kv, sink, bias, scale)``."""
+    return jax.jit(lambda q, kv, sink, bias, scale: jsa.gathered_attn_idx(
+        q, kv, idx, sink, bias=bias, scale=scale, implementation=implementation))
 
 
 @pytest.mark.slow
@@ -112,8 +121,9 @@ def test_poisoned_unselected_rows_change_no_bit(implementation):
     def check(case):
         args = (case["q"], case["idx"], case["sink"], case["bias"], case["scale"])
         q, idx, sink, bias, scale = args
-        out = jsa.gathered_attn_idx(q, case["kv"], idx, sink, bias=bias, scale=scale, implementation=implementation)
-        bad = jsa.gathered_attn_idx(q, case["poisoned"], idx, sink, bias=bias, scale=scale, implementation=implementation)
+        op = _jitted_op(idx, implementation)
+        out = op(q, case["kv"], sink, bias, scale)
+        bad = op(q, case["poisoned"], sink, bias, scale)
         _assert_same_bits(np.asarray(bad), np.asarray(out), "output")
         assert np.all(np.isfinite(np.asarray(bad, np.float32)))
 
@@ -213,10 +223,7 @@ def test_finite_inputs_never_give_nan(implementation):
     @given(extreme_cases(dtypes))
     def check(case):
         q, kv, idx, sink, bias, scale = case
-        out = np.asarray(
-            jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, scale=scale, implementation=implementation),
-            np.float64,
-        )
+        out = np.asarray(_jitted_op(idx, implementation)(q, kv, sink, bias, scale), np.float64)
         assert not np.isnan(out).any()
         # The output is a convex combination of the selected rows (sink weight aside), so it
         # never exceeds their largest magnitude beyond the bf16 rounding of the probabilities.
