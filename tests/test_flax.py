@@ -407,7 +407,8 @@ def oracle_v4_layer(wt, x, ratio, window, K):
 
 @pytest.mark.parametrize("ratio, window, selection", [
     pytest.param(4, None, "dense", marks=pytest.mark.slow),
-    pytest.param(1, 3, "dense", marks=pytest.mark.slow), (3, 4, "dense"),
+    pytest.param(1, 3, "dense", marks=pytest.mark.slow),
+    pytest.param(3, 4, "dense", marks=pytest.mark.slow),
     pytest.param(3, 4, STREAMING, marks=pytest.mark.slow)],
     ids=["compressed", "window", "compressed+window", "compressed+window-streaming"])
 def test_compressed_rows_and_window_match_numpy_oracle(ratio, window, selection):

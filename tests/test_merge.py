@@ -26,8 +26,8 @@ def errors(got, want):
     return err.max(), err.mean()
 
 
-@pytest.mark.parametrize("dtype", [BF16, pytest.param(np.float32, marks=pytest.mark.slow)],
-                         ids=["bf16", "f32"])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
 def test_merge_of_two_halves_is_as_accurate_as_one_call(rng, dtype):
     q, kv, idx, sink, bias, in_a = split_case(rng, dtype=dtype)
     f = jax.jit(lambda q, kv, idx, sink, bias: jsa.gathered_attn_idx(
@@ -98,6 +98,7 @@ def test_plus_inf_partial_gives_zero_output():
     assert all(np.all(np.isfinite(np.asarray(x))) for x in g)
 
 
+@pytest.mark.slow
 def test_gradient_matches_float64_finite_differences(rng):
     N, T, H, D = 3, 2, 2, 3
     o = rng.standard_normal((N, T, H, D))

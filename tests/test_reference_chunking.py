@@ -75,7 +75,7 @@ def same_bits(a, b):
         # More slots than cache rows: each chunk gathers its own slots inside the loop.
         ("gather-in-loop", 50, 2**40),
         # A cache bigger than all the slots, but pre-gathering disabled: also the in-loop gather.
-        ("gather-in-loop-big-cache", 400, 0),
+        pytest.param("gather-in-loop-big-cache", 400, 0, marks=pytest.mark.slow),
         # A cache bigger than all the slots: one gather up front, then the products by chunks.
         ("pregather", 400, 2**40),
     ],
