@@ -20,7 +20,8 @@ long prefill (T=4096, K=2048, D=512, H=16 by default; the gathered slots alone w
 and checks a few output rows against the same tokens computed without chunking.
 
 ``--plot PATH`` instead sweeps K and T (time, op against naive) and T (memory) and writes the charts
-as one PNG (``jax_sparse_attn/plots.py``; needs matplotlib, the ``plot`` extra).
+as one PNG (measured by ``bench_sweeps.py``, drawn by ``plots.py``; needs matplotlib, the ``plot``
+extra).
 
 ``--two-caches`` times the two-cache call (``extra_kv``) at a DeepSeek V4 decode shape (a sliding
 window of 128 rows per token beside compressed rows picked by top-k) against its two
@@ -843,10 +844,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          value_dim=a.value_dim)
 
     if a.plot:
-        from . import plots  # matplotlib is optional: imported only for --plot
+        from . import bench_sweeps, plots  # matplotlib is optional: imported only for --plot
 
         plots.pyplot()  # fails now, not after minutes of measuring, where matplotlib is missing
-        result = plots.sweep(quick=a.quick, implementation=a.implementation, dtype_name=a.dtype)
+        result = bench_sweeps.sweep(quick=a.quick, implementation=a.implementation,
+                                    dtype_name=a.dtype)
         plots.write_png(result, a.plot)
         if a.json:
             with open(a.json, "w") as f:

@@ -1,5 +1,6 @@
 """The charts (jax_sparse_attn/plots.py, ``bench --plot``): they draw the measured values, the
-sweep measures what it says, and the core package never imports matplotlib."""
+sweep (jax_sparse_attn/bench_sweeps.py) measures what it says, the core package never imports
+matplotlib, and the charts never import the benchmarks (nor the reverse at import time)."""
 
 import json
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from jax_sparse_attn import bench
+from jax_sparse_attn import bench, bench_sweeps
 
 pytest.importorskip("matplotlib")
 from jax_sparse_attn import plots  # noqa: E402  (after the skip: plots needs matplotlib to draw)
@@ -27,7 +28,7 @@ def _record(axis, value, op_s, naive_s, fixed):
 
 
 def test_figures_draw_the_sweep_values(rng):
-    sizes = plots.SWEEPS["quick"]
+    sizes = bench_sweeps.SWEEPS["quick"]
     op_k, naive_k = rng.uniform(1e-4, 1e-2, (2, len(sizes["time_vs_K"]["K"])))
     op_t, naive_t = rng.uniform(1e-4, 1e-2, (2, len(sizes["time_vs_T"]["T"])))
     result = {
@@ -59,7 +60,7 @@ def test_bench_plot_writes_a_png_and_the_sweep(tmp_path):
     assert bench.main(["--plot", str(png), "--quick", "--json", str(sweep_json)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(sweep_json.read_text())
-    sizes = plots.SWEEPS["quick"]
+    sizes = bench_sweeps.SWEEPS["quick"]
     assert [r["shape"]["K"] for r in result["time_vs_K"]] == sizes["time_vs_K"]["K"]
     assert [r["shape"]["T"] for r in result["time_vs_T"]] == sizes["time_vs_T"]["T"]
     for rec in result["time_vs_K"] + result["time_vs_T"]:
@@ -100,11 +101,18 @@ def test_indexer_figure_draws_the_sweep_values(rng):
 
 
 def test_benchmarks_never_import_the_plotting_module():
-    # One direction only: plots imports the benchmarks' data, never the other way round.
-    code = ("import sys, jax_sparse_attn.bench, jax_sparse_attn.bench_indexer; "
-            "print('jax_sparse_attn.plots' in sys.modules)")
+    # bench --plot imports plots when it draws, so plots must not import back from the benchmarks.
+    code = ("import sys, jax_sparse_attn.bench, jax_sparse_attn.bench_indexer, "
+            "jax_sparse_attn.bench_sweeps; print('jax_sparse_attn.plots' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_plotting_module_imports_no_benchmark():
+    code = ("import sys, jax_sparse_attn.plots; "
+            "print(sorted(m for m in sys.modules if m.startswith('jax_sparse_attn.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.slow  # four fresh processes, each compiling one small indexer call
