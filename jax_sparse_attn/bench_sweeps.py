@@ -111,7 +111,6 @@ def sweep(quick: bool = False, implementation: str = "none", dtype_name: str = "
     return result
 
 
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The child process of the naive memory measurement (``bench --plot`` is the command)."""
     p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.bench_sweeps",

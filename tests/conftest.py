@@ -67,33 +67,3 @@ def run_on_8_devices(script: str, *args: str) -> dict:
     found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {r["check"]: r for r in found}
 
-
-# tests/test_nki_kernels.py: the kernels' own simulations run no JAX (the emulator and the kernels
-# are numpy), and the data path through JAX (test_emulated_*) has no branch on the NKI version.
-KERNEL_TESTS = "test_nki_kernels.py"
-THROUGH_JAX = "test_emulated_"
-# Files that run no JAX program at all: the emulator's own rules and its cost model.
-JAX_FREE_FILES = {"test_nki_emulator.py", "test_nki_emulator_select.py", "test_nki_cost_model.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Marks the tests that run no JAX ``jax_free`` (CI runs them with one JAX, the newest), and
-    runs the JAX data path of the kernels under the default NKI version only: the kernels' own
-    simulations cover every version."""
-    from jax_sparse_attn.nki_emulator import versions
-
-    kept, dropped = [], []
-    for item in items:
-        name = item.path.name
-        through_jax = item.name.startswith(THROUGH_JAX)
-        if name in JAX_FREE_FILES or (name == KERNEL_TESTS and not through_jax):
-            item.add_marker(pytest.mark.jax_free)
-        params = getattr(item, "callspec", None)
-        version = params.params.get("nki_version") if params else None
-        if name == KERNEL_TESTS and through_jax and version not in (None, versions.DEFAULT_VERSION):
-            dropped.append(item)
-        else:
-            kept.append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = kept

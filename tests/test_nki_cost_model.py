@@ -15,6 +15,9 @@ from jax_sparse_attn.nki_emulator import cost, simulate
 from jax_sparse_attn.nki_emulator import isa as nisa
 from jax_sparse_attn.nki_emulator import language as nl
 
+# The cost model: no JAX program runs (CI runs these with one JAX, the newest).
+pytestmark = pytest.mark.jax_free
+
 BF16 = ml_dtypes.bfloat16
 GHZ = {  # (tensor, vector, scalar, gpsimd) clocks from the architecture guides
     "trn1": (2.8, 1.12, 1.4, 1.4),

@@ -29,6 +29,9 @@ from jax_sparse_attn.nki_emulator.errors import (
 )
 from jax_sparse_attn.nki_emulator.versions import NkiDeprecationWarning
 
+# The emulator's own rules: no JAX program runs (CI runs these with one JAX, the newest).
+pytestmark = pytest.mark.jax_free
+
 BF16 = ml_dtypes.bfloat16
 F32_TOL = dict(rtol=2e-6, atol=1e-6)
 

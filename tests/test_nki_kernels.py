@@ -24,14 +24,28 @@ from jax_sparse_attn.nki_emulator import versions
 BF16 = ml_dtypes.bfloat16
 
 
-@pytest.fixture(autouse=True, params=[
-    v if v == versions.DEFAULT_VERSION else pytest.param(v, marks=pytest.mark.slow)
-    for v in versions.SUPPORTED_VERSIONS
-])  # fmt: skip
+# The data path through JAX (the nki_emulated implementation) has no branch on the NKI version.
+THROUGH_JAX = "test_emulated_"
+
+
+def pytest_generate_tests(metafunc):
+    """The kernels' own simulations run under each NKI version the kernels support (README,
+    "Running on Trainium"): the newest in the default run, the others in the slow run. They run
+    no JAX (the emulator and the kernels are numpy): jax_free, so CI runs them with one JAX. The
+    data path through JAX (``test_emulated_*``) runs under the default version only."""
+    if metafunc.function.__name__.startswith(THROUGH_JAX):
+        params = [versions.DEFAULT_VERSION]
+    else:
+        params = [pytest.param(v, marks=[pytest.mark.jax_free] + (
+            [] if v == versions.DEFAULT_VERSION else [pytest.mark.slow]))
+            for v in versions.SUPPORTED_VERSIONS]
+    metafunc.parametrize("nki_version", params, indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def nki_version(request, monkeypatch):
-    """Every test here runs under each NKI version the kernels support (README, "Running on
-    Trainium"): the newest in the default run, the others in the slow run. The environment
-    variable (not a thread-local) so that the host callbacks of nki_emulated see it too."""
+    """The NKI version of the test (``pytest_generate_tests``), set in the environment variable
+    (not a thread-local) so that the host callbacks of nki_emulated see it too."""
     monkeypatch.setenv(versions.VERSION_ENV, request.param)
     return request.param
 
