@@ -70,14 +70,14 @@ def test_topk_length_gradient_never_reaches_tail_rows(rng):
         out = jsa.gathered_attn_idx(q, kv, idx, sink, topk_length=lengths)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    dq, dkv = jax.grad(loss, argnums=(0, 1))(q, kv)
+    dq, dkv = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, kv)
     assert not np.asarray(dkv[20:]).any()  # never selected
     assert np.asarray(dkv[:20], np.float32).any()
     # The same gradient as the call with the tail slots set to -1 (the index rewrite it replaces).
     rewritten = np.where(np.arange(20)[None, :] < lengths[:, None], idx, -1)
-    dq2, dkv2 = jax.grad(
+    dq2, dkv2 = jax.jit(jax.grad(
         lambda q, kv: jnp.sum(jsa.gathered_attn_idx(q, kv, rewritten, sink).astype(jnp.float32) ** 2),
-        argnums=(0, 1))(q, kv)
+        argnums=(0, 1)))(q, kv)
     np.testing.assert_array_equal(np.asarray(dq, np.float32), np.asarray(dq2, np.float32))
     np.testing.assert_array_equal(np.asarray(dkv, np.float32), np.asarray(dkv2, np.float32))
 
@@ -147,16 +147,17 @@ def test_value_dim_gradients_match_float64(rng):
 
     want = central_differences(value, {"q": q, "kv": kv, "sink": sink}, ["q", "kv", "sink"])
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    _, vjp = jax.vjp(lambda q, kv, s: jsa.gathered_attn_idx(q, kv, idx, s, value_dim=V,
-                                                            return_lse=True),
-                     f32(q), f32(kv), f32(sink))
-    dq, dkv, dsink = vjp((f32(ct), f32(ct_lse)))
+    op = lambda q, kv, s: jsa.gathered_attn_idx(q, kv, idx, s, value_dim=V, return_lse=True)  # noqa: E731
+    # jitted: one program (eagerly, each operation of the rules compiles on its own)
+    dq, dkv, dsink = jax.jit(lambda q, kv, s, c: jax.vjp(op, q, kv, s)[1](c))(
+        f32(q), f32(kv), f32(sink), (f32(ct), f32(ct_lse)))
     for got, name in ((dq, "q"), (dkv, "kv"), (dsink, "sink")):
         np.testing.assert_allclose(np.asarray(got), want[name], rtol=2e-3, atol=2e-4, err_msg=name)
     # jvp: the directional derivative along q and kv.
     dirs = (rng.standard_normal(q.shape), rng.standard_normal(kv.shape))
-    _, tangent = jax.jvp(lambda q, kv: jsa.gathered_attn_idx(q, kv, idx, f32(sink), value_dim=V),
-                         (f32(q), f32(kv)), tuple(map(f32, dirs)))
+    _, tangent = jax.jit(lambda p, t: jax.jvp(
+        lambda q, kv: jsa.gathered_attn_idx(q, kv, idx, f32(sink), value_dim=V), p, t))(
+            (f32(q), f32(kv)), tuple(map(f32, dirs)))
     eps = 1e-6
     x_p, valid = gather(kv + eps * dirs[1], idx)
     x_m, _ = gather(kv - eps * dirs[1], idx)
@@ -200,11 +201,11 @@ def test_value_dim_vmap_merge_and_fp8(rng):
 def test_value_dim_gradient_under_fp8_and_bad_values(rng):
     q, kv, idx, sink = _case(rng, D=80)
     kv8 = np.asarray(kv, np.float32).astype(jnp.float8_e4m3fn)
-    dq = jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(
+    dq = jax.jit(jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(
         q, kv8, idx, sink, kv_scale=np.ones(len(kv), np.float32), value_dim=64,
-        implementation="nki_emulated").astype(jnp.float32)))(q)
-    dq_ref = jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(
-        q, kv8.astype(BF16), idx, sink, value_dim=64).astype(jnp.float32)))(q)
+        implementation="nki_emulated").astype(jnp.float32))))(q)
+    dq_ref = jax.jit(jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(
+        q, kv8.astype(BF16), idx, sink, value_dim=64).astype(jnp.float32))))(q)
     np.testing.assert_allclose(np.asarray(dq, np.float32), np.asarray(dq_ref, np.float32),
                                rtol=1e-2, atol=1e-2)
     for bad in (0, 81, -1):
@@ -283,14 +284,14 @@ def test_two_caches_gradients_reach_both(rng):
                                          extra_idx=idx2, return_lse=True)
         return jnp.sum(out ** 2) + jnp.sum(jnp.sin(lse))
 
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, kv, kv2, sink, bias)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, kv, kv2, sink, bias)
     cat, idx_cat = _concatenated(kv, kv2, idx, idx2)
 
     def loss_cat(q, cat, sink, bias):
         out, lse = jsa.gathered_attn_idx(q, cat, idx_cat, sink, bias=bias, return_lse=True)
         return jnp.sum(out ** 2) + jnp.sum(jnp.sin(lse))
 
-    dq, dcat, dsink, dbias = jax.grad(loss_cat, argnums=(0, 1, 2, 3))(q, cat, sink, bias)
+    dq, dcat, dsink, dbias = jax.jit(jax.grad(loss_cat, argnums=(0, 1, 2, 3)))(q, cat, sink, bias)
     assert np.isfinite(np.asarray(grads[2])).all()
     assert not np.asarray(grads[2])[unselected].any() and np.asarray(grads[2]).any()
     for got, want in ((grads[0], dq), (np.concatenate([grads[1], grads[2]]), dcat),
@@ -411,11 +412,11 @@ def test_fp8_goes_through_the_primitive_and_its_gradient(rng):
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is jsa.gathered_attn_idx_p]
     assert [np.dtype(v.aval.dtype) for v in eqn.invars[1:2]] == [np.dtype(jnp.float8_e4m3fn)]
     assert len(eqn.invars) == 8  # q, kv, idx, sink, bias, scale, kv_scale, kv_rope
-    got = jax.grad(lambda q: jnp.sum(f(q) ** 2))(q)
+    got = jax.jit(jax.grad(lambda q: jnp.sum(f(q) ** 2)))(q)
     # f32 q: the FP8 columns dequantise to f32 (q's dtype), not to bf16.
     dequant = (kv8.astype(np.float32).reshape(30, -1, 64) * scale[:, :, None]).reshape(30, 128)
     rows_f32 = np.concatenate([dequant, rope.astype(np.float32)], axis=1)
-    want = jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(q, rows_f32, idx) ** 2))(q)
+    want = jax.jit(jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(q, rows_f32, idx) ** 2)))(q)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     # vmap over sequences with their own split caches.
     qs, kvs8 = np.stack([q, q[::-1]]), np.stack([kv8, kv8[::-1]])
@@ -469,10 +470,10 @@ def test_fp8_cache_beside_a_16_bit_window_is_one_softmax(rng, implementation, ro
         return
     # Gradients reach q and the window, not the FP8 rows; as the single-cache call's.
     loss = lambda q, kv2: jnp.sum(call(q, kv8, idx, extra_kv=kv2)[0].astype(jnp.float32) ** 2)  # noqa: E731
-    dq, dkv2 = jax.grad(loss, argnums=(0, 1))(q, kv2)
+    dq, dkv2 = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, kv2)
     cat_loss = lambda q, cat: jnp.sum(jsa.gathered_attn_idx(  # noqa: E731
         q, cat, idx_cat, sink, bias=bias).astype(jnp.float32) ** 2)
-    want_dq, want_dcat = jax.grad(cat_loss, argnums=(0, 1))(q, cat)
+    want_dq, want_dcat = jax.jit(jax.grad(cat_loss, argnums=(0, 1)))(q, cat)
     _same_bits(dq, want_dq)
     _same_bits(dkv2, want_dcat[R:])
     assert np.isfinite(np.asarray(dq, np.float32)).all()

@@ -35,7 +35,9 @@ def test_bit_identical_across_chunk_plans(rng, ratio):
     positions = jnp.asarray(np.concatenate([rng.integers(0, R * ratio, T - 2), [-5, 10**9]]),
                             jnp.int32)
     results = []
-    for plan in [None] + PLANS:
+    # Every plan at ratio 1; at ratio 4 (whose rule only changes the rows' limits) two of them,
+    # one token per chunk and several: each plan is a compile of several seconds.
+    for plan in [None] + (PLANS if ratio == 1 else PLANS[::2]):
         run = jax.jit(lambda *a, plan=plan: reference.indexer_topk_reference(
             *a, topk=topk, compress_ratio=ratio, plan=plan))
         results.append([np.asarray(x) for x in run(q, w, k, ks, positions)])

@@ -89,19 +89,24 @@ def poisoned_cases(draw, small):
     )
 
 
-def _loss_and_grads(q, kv, idx, sink, bias, scale, implementation):
-    w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+def _loss_and_grads(idx, q_shape, implementation):
+    """``(out, grads of q, kv, sink, bias, scale)`` of a weighted sum of ``gathered_attn_idx``
+    over this ``idx`` as one program of ``(q, kv, sink, bias, scale)``: idx stays a host constant,
+    at full width, and a case calls it on its clean and its poisoned cache (one compile)."""
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(q_shape), jnp.float32)
 
     def loss(q, kv, sink, bias, scale):
         out = jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, scale=scale, implementation=implementation)
         return jnp.sum(out.astype(jnp.float32) * w), out
 
-    # One program per case (idx stays a host constant, at full width): an eager gradient would
-    # compile each operation of the rules on its own, which made these tests slow.
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
-        jnp.asarray(q), jnp.asarray(kv), jnp.asarray(sink), jnp.asarray(bias), jnp.asarray(scale)
-    )
-    return np.asarray(out), [np.asarray(g) for g in grads]
+    # An eager gradient would compile each operation of the rules on its own.
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+    def run(q, kv, sink, bias, scale):
+        (_, out), grads = grad(*map(jnp.asarray, (q, kv, sink, bias, scale)))
+        return np.asarray(out), [np.asarray(g) for g in grads]
+
+    return run
 
 
 def _jitted_op(idx, implementation):
@@ -139,8 +144,9 @@ def test_poisoned_unselected_rows_change_no_gradient(implementation):
     @given(poisoned_cases(small))
     def check(case):
         q, idx, sink, bias, scale = case["q"], case["idx"], case["sink"], case["bias"], case["scale"]
-        out, grads = _loss_and_grads(q, case["kv"], idx, sink, bias, scale, implementation)
-        bad_out, bad_grads = _loss_and_grads(q, case["poisoned"], idx, sink, bias, scale, implementation)
+        run = _loss_and_grads(idx, q.shape, implementation)
+        out, grads = run(q, case["kv"], sink, bias, scale)
+        bad_out, bad_grads = run(q, case["poisoned"], sink, bias, scale)
         _assert_same_bits(bad_out, out, "output")
         for name, g, b in zip(("q", "kv", "sink", "bias", "scale"), grads, bad_grads):
             _assert_same_bits(b, g, f"d{name}")
