@@ -193,7 +193,7 @@ def test_score_gradients_against_float64(rng):
                               return_scores=True)
         return jnp.sum(jnp.where(idx >= 0, s, 0.0) * ct)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(q, w, k)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, w, k)
     idx = np.asarray(indexer_topk(q, w, k, positions, topk, key_scale=ks, scale=0.5))
     want = _score_grads_f64(q, w, k, np.asarray(ks, np.float64), 0.5, idx, ct)
     for g, x in zip(grads, want):

@@ -760,7 +760,7 @@ def test_emulated_path_gradient_ignores_unselected_rows(poison):
             out = jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, implementation="nki_emulated")
             return jnp.sum(out.astype(jnp.float32) * target_out)
 
-        return jax.grad(loss, argnums=(0, 1, 2))(as_bf16(q), as_bf16(kv), jnp.asarray(sink))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(as_bf16(q), as_bf16(kv), jnp.asarray(sink))
 
     dq, dkv, dsink = grads(kv)
     dq0, dkv0, dsink0 = grads(clean)
@@ -1007,11 +1007,11 @@ def test_emulated_fp8_path_gradient_and_vmap():
                                     implementation=implementation)  # fmt: skip
         return jnp.sum(out.astype(jnp.float32) * w)
 
-    dq, dsink = jax.grad(loss, argnums=(0, 1))(as_bf16(q), jnp.asarray(sink), jnp.asarray(kv),
-                                               jnp.asarray(kv_scale), "nki_emulated")  # fmt: skip
-    dq0, dsink0 = jax.grad(lambda q, s: jnp.sum(jsa.gathered_attn_idx(
+    dq, dsink = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=4)(
+        as_bf16(q), jnp.asarray(sink), jnp.asarray(kv), jnp.asarray(kv_scale), "nki_emulated")
+    dq0, dsink0 = jax.jit(jax.grad(lambda q, s: jnp.sum(jsa.gathered_attn_idx(
         q, as_bf16(kv_dequant), idx, s, bias=bias, implementation="reference").astype(jnp.float32) * w),
-        argnums=(0, 1))(as_bf16(q), jnp.asarray(sink))  # fmt: skip
+        argnums=(0, 1)))(as_bf16(q), jnp.asarray(sink))  # fmt: skip
     np.testing.assert_array_equal(np.asarray(dq, np.float32), np.asarray(dq0, np.float32))
     np.testing.assert_array_equal(np.asarray(dsink), np.asarray(dsink0))
 
