@@ -405,6 +405,13 @@ def bench_shape(shape: Shape, dtype_name: str, implementation: str, repeats: int
 V4_DECODE = {"T": 16, "H": 64, "D": 512, "window": 128, "topk": 512, "R": 262144}
 
 
+def _merged_by_lse(a, b):
+    """The output of two ``(out, lse)`` calls merged by their lse: the two-calls alternative."""
+    from . import merge_attention
+
+    return merge_attention([a[0], b[0]], [a[1], b[1]])[0]
+
+
 def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Optional[int] = None,
                      R: Optional[int] = None) -> dict:
     """Times ``gathered_attn_idx(q, window, window_idx, sink, extra_kv=compressed, extra_idx=...)``
@@ -414,8 +421,6 @@ def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Opt
     jitted, interleaved rounds. Returns the record with ``concat_over_op``, ``merge_over_op``,
     ``fp8_op_over_op`` and ``fp8_merge_over_fp8_op``.
     """
-    from . import merge_attention
-
     shape = dict(V4_DECODE, **({"T": T} if T else {}), **({"R": R} if R else {}))
     T, H, D, W, K, R = (shape[k] for k in ("T", "H", "D", "window", "topk", "R"))
     dtype = DTYPES[dtype_name]
@@ -439,9 +444,8 @@ def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Opt
         return gathered_attn_idx(q, kv, idx, sink)
 
     def merged(q, window, window_idx, compressed, topk_idx, sink):
-        a = gathered_attn_idx(q, window, window_idx, sink, return_lse=True)
-        b = gathered_attn_idx(q, compressed, topk_idx, None, return_lse=True)
-        return merge_attention([a[0], b[0]], [a[1], b[1]])[0]
+        return _merged_by_lse(gathered_attn_idx(q, window, window_idx, sink, return_lse=True),
+                              gathered_attn_idx(q, compressed, topk_idx, None, return_lse=True))
 
     # V4's FP8 compressed rows (448 FP8 columns, power-of-two scales per 64, 64 bf16 rope columns)
     # as the main cache beside the bf16 window: one call, and two calls merged.
@@ -456,10 +460,9 @@ def bench_two_caches(repeats: int, warmup: int, dtype_name: str = "bf16", T: Opt
                                  extra_kv=window, extra_idx=window_idx)
 
     def fp8_merged(q, window, window_idx, kv8, scales, rope, topk_idx, sink):
-        a = gathered_attn_idx(q, kv8, topk_idx, sink, kv_scale=scales, kv_rope=rope,
-                              return_lse=True)
-        b = gathered_attn_idx(q, window, window_idx, None, return_lse=True)
-        return merge_attention([a[0], b[0]], [a[1], b[1]])[0]
+        return _merged_by_lse(gathered_attn_idx(q, kv8, topk_idx, sink, kv_scale=scales,
+                                                kv_rope=rope, return_lse=True),
+                              gathered_attn_idx(q, window, window_idx, None, return_lse=True))
 
     fns = {name: (jax.jit(fn), a) for name, fn, a in
            (("op", two_caches, args), ("concat", concatenated, args), ("merge", merged, args),

@@ -89,3 +89,16 @@ def test_python_lists_and_tuples_are_accepted_as_arrays():
     # a list index beyond int32 is an empty slot, as a numpy int64 index is
     wide = jsa.gathered_attn_idx(qn, kvn, [[0, 2**32 + 4, -1], [2, 2, 7]])
     np.testing.assert_array_equal(np.asarray(wide), np.asarray(jsa.gathered_attn_idx(qn, kvn, [[0, -1, -1], [2, 2, -1]])))
+
+
+def test_a_bind_of_no_known_form_is_an_error():
+    # The primitives' rules name their operands by count: an unknown count (a bind this package
+    # never makes) fails loudly rather than reading operands under the six-operand names.
+    from jax_sparse_attn.attention import primitive
+
+    assert primitive.operand_names(True, 6)[-1] == "scale"
+    assert primitive.operand_names(True, 11)[-3:] == ("extra_kv", "extra_idx", "extra_bias")
+    assert primitive.operand_names(False, 5) == ("q", "g", "sink", "bias", "scale")
+    for indexed, count in ((True, 5), (True, 12), (False, 6)):
+        with pytest.raises(ValueError, match=f"no form of {count} operands"):
+            primitive.operand_names(indexed, count)

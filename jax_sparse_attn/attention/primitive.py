@@ -81,8 +81,13 @@ _INDEXED_FORMS = {len(f): f for f in (OPERANDS[True] + fp8_names + extra
 
 
 def operand_names(indexed: bool, count: int) -> tuple:
-    """The names of a bind's ``count`` operands (``_INDEXED_FORMS``)."""
-    return _INDEXED_FORMS.get(count, OPERANDS[True]) if indexed else OPERANDS[False]
+    """The names of a bind's ``count`` operands (``_INDEXED_FORMS``). A count of no form is a
+    bind this package never makes: an error, not the six-operand names."""
+    forms = _INDEXED_FORMS if indexed else {len(OPERANDS[False]): OPERANDS[False]}
+    if count not in forms:
+        raise ValueError(f"gathered_attn{'_idx' if indexed else ''}_p has no form of {count} "
+                         f"operands (forms: {sorted(forms)})")
+    return forms[count]
 
 
 # Host-runnable data paths by implementation name: (gathered_fn, gathered_idx_fn), each taking the
