@@ -9,7 +9,9 @@ Run through the benchmark's command line (``python -m jax_sparse_attn.bench``):
   ``DENSE_BUDGET_BYTES``, the dense path (``flax.indexer_scores`` + ``flax.select_topk_rows``, the
   layer's form before the op). FLOPs: ``2 Hi Di`` per valid (token, row) pair (the products; the
   relu and head sum are not counted). A few tokens' selections are checked against float64
-  numpy scores.
+  numpy scores. On the jnp reference the same rounds also time its streaming of the scores with
+  no selection (``scores alone``: the rate the op would reach if selecting cost nothing;
+  ``selection_share_of_op`` in the JSON).
 - ``--cases layer-decode``: one decode step of ``SparseAttention`` (E=512, H=16, D=128, K=2048,
   Hi=4, Di=64, bf16) over a 1M-row cache, jitted with the cache donated, against the indexer call
   and the attention op alone at the same shapes, in the same rounds (target: the step within
@@ -124,6 +126,19 @@ def op_fn(shape: IndexerShape, implementation: Optional[str] = None):
                                                    implementation=implementation))
 
 
+def scores_alone_fn(shape: IndexerShape):
+    """The reference's streaming of the scores without the selection, jitted, same signature
+    (``reference.streamed_scores_alone``): the op's time less this one's is the selection's."""
+    from .indexer import reference
+
+    def scores(q, w, k, p):
+        return reference.streamed_scores_alone(
+            q, w * (shape.Hi * shape.Di) ** -0.5, k, jnp.ones((k.shape[0],), jnp.float32),
+            p.astype(jnp.int32), topk=shape.K, compress_ratio=1)[1]
+
+    return jax.jit(scores)
+
+
 def dense_fn(shape: IndexerShape):
     """The dense path (the layer's selection before the op), jitted, same signature and output
     width ``min(K, R)``. Needs flax (it lives in ``jax_sparse_attn.flax``)."""
@@ -175,6 +190,8 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
     idx = jax.block_until_ready(op(q, w, keys, positions))
     first_call_s = time.perf_counter() - start
     fns = {"op": (op, (q, w, keys, positions))}
+    if impl in (None, "reference"):  # the jnp reference: its scores alone, in the same rounds
+        fns["scores_alone"] = (scores_alone_fn(shape), (q, w, keys, positions))
     dense_skipped = None
     if dense:
         if shape.dense_bytes > DENSE_BUDGET_BYTES:
@@ -211,6 +228,8 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
         "median_cpu_s": cpu_med,
         "cores_busy": {k: cpu_med[k] / med[k] for k in med if med[k] > 0},
     }
+    if "scores_alone" in med:
+        rec["selection_share_of_op"] = 1 - med["scores_alone"] / med["op"]
     if dense_skipped:
         rec["dense_skipped"] = dense_skipped
     if "dense" in med:
@@ -222,6 +241,10 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
         rec["gemm_f32_flops"] = gemm_flops
         rec["gemm_f32_gflops"] = gemm_flops / med["gemm_f32"] / 1e9
         rec["op_fraction_of_gemm_f32"] = rec["op_gflops"] / rec["gemm_f32_gflops"]
+        if "scores_alone" in med:
+            # The rate the op would reach if the selection were free (same FLOPs).
+            rec["scores_alone_fraction_of_gemm_f32"] = (
+                shape.flops / med["scores_alone"] / 1e9 / rec["gemm_f32_gflops"])
         if cpu_med["op"] > 0 and cpu_med["gemm_f32"] > 0:
             rec["op_fraction_of_gemm_f32_per_cpu_s"] = (
                 (shape.flops / cpu_med["op"]) / (gemm_flops / cpu_med["gemm_f32"]))
@@ -232,7 +255,8 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
 
 def format_indexer_table(records) -> str:
     head = (f"{'case':<18} {'shape':<36} {'op ms':>9} {'dense ms':>9} {'dense/op':>8} "
-            f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'target':>6} {'in f64 top-k':>12}")
+            f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'target':>6} {'scores alone':>12} "
+            f"{'in f64 top-k':>12}")
     lines = [head, "-" * len(head)]
     for r in records:
         s = IndexerShape(**r["shape"])
@@ -243,8 +267,10 @@ def format_indexer_table(records) -> str:
                 else f"{'-':>11}")
         target = r.get("target_fraction_of_gemm_f32")
         target = f"{target:6.2f}" if target is not None else f"{'-':>6}"
+        alone = r.get("scores_alone_fraction_of_gemm_f32")
+        alone = f"{alone:12.2f}" if alone is not None else f"{'-':>12}"
         lines.append(f"{s.name:<18} {s.describe():<36} {med['op'] * 1e3:9.1f} {dense} {ratio} "
-                     f"{r['op_gflops']:8.1f} {gemm} {target} "
+                     f"{r['op_gflops']:8.1f} {gemm} {target} {alone} "
                      f"{r['selection_check']['rows_in_f64_topk']:12.4f}")
     return "\n".join(lines)
 

@@ -174,6 +174,8 @@ def test_indexer_command_line_writes_json(tmp_path, capsys):
     for rec in records[:2]:
         assert rec["selection_check"]["rows_in_f64_topk"] == 1.0
         assert rec["dense_same_rows"] == 1.0 and rec["op_fraction_of_gemm_f32"] > 0
+        # The scores alone (no selection) in the same rounds: the selection's share of the op.
+        assert rec["scores_alone_fraction_of_gemm_f32"] > 0 and rec["selection_share_of_op"] < 1
     assert records[2]["step_over_parts"] > 0
     assert "layer-decode" in capsys.readouterr().out
 

@@ -233,3 +233,24 @@ def test_nothing_of_size_tokens_by_rows_is_built(rng):
     shapes = set(re.findall(r"\[([0-9,]+)\]", text))
     with_rows = {s for s in shapes if str(R) in s.split(",")}
     assert with_rows == {f"{R},{Di}", f"{R}"}, with_rows  # the operands themselves, nothing more
+
+
+def test_streamed_scores_alone_give_each_tokens_best_score(rng):
+    # The bench's measure of the selection's share (bench_indexer.scores_alone_fn): the same
+    # streaming with no selection. Each token's kept score is its best valid score.
+    T, Hi, Di, R, topk = 21, 4, 16, 300, 24
+    q, w, k, ks = _inputs(rng, T, Hi, Di, R)
+    positions = jnp.asarray(np.concatenate([rng.integers(0, R, T - 1), [-5]]), jnp.int32)
+    _, best = jax.jit(lambda *a: reference.streamed_scores_alone(
+        *a, topk=topk, compress_ratio=1))(q, w, k, ks, positions)
+    best = np.asarray(best)
+    assert (best == best[:, :1]).all()  # one score per token, broadcast to topk slots
+    s, bound = scores_f64(q, w, k, scale=1.0)
+    valid = valid_rows(positions, R)
+    for t in range(T):
+        if not valid[t].any():
+            assert best[t, 0] == -np.inf
+            continue
+        r = np.flatnonzero(valid[t])
+        top = r[np.argmax(s[t, r])]
+        assert abs(best[t, 0] - s[t, top]) <= bound[t, top] + np.max(bound[t, r]), t

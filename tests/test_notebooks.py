@@ -72,8 +72,9 @@ def png_outputs(nb) -> int:
 # memory against T): committed with their outputs, so they render where the notebook is read.
 FIGURES = {"02_flax_model": 2, "04_performance": 2, "06_long_context_indexer": 1}
 
-# Set for the notebooks under the test: a notebook that reads it runs its cells at toy sizes (06
-# does: a user who runs it gets the real sizes, and so do its committed outputs).
+# Set for the notebooks under the test: a notebook that reads it runs its cells at toy sizes (02
+# trains a tenth of its steps, 06 runs toy shapes); a user who runs one gets the real sizes, and so
+# do its committed outputs.
 SMALL_SIZES_ENV = "JAX_SPARSE_ATTN_NOTEBOOK_SMALL"
 
 

@@ -554,6 +554,33 @@ def _known_kth_bound(count, tau, k: int):
     return jnp.where(count >= k, tau, INVALID_KEY)
 
 
+def _block_keys(q, w, limit, keys, key_scale, b, *, Rb: int, Rd: int, widen: bool):
+    """Block ``b``'s order keys in pieces of ``Rd`` rows: ``(pieces [Tc, Rd] each, their first
+    rows, whether each is live)``; rows not valid for a token (or before the block: the last
+    block may overlap the one before it) are ``INVALID_KEY``. A piece past every token's last
+    valid row is not scored (``live`` is None where every piece is scored)."""
+    Tc = q.shape[0]
+    R = keys.shape[0]
+    last = jnp.max(limit)
+    first = b * Rb
+    start = jnp.minimum(first, R - Rb)
+    piece_row = jnp.arange(Rd, dtype=jnp.int32)[None, :]
+
+    def piece(lo):
+        rows = lo + piece_row
+        kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
+        sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
+        new = order_keys(block_scores(q, w, kb, sb, widen))
+        return jnp.where((rows < limit[:, None]) & (rows >= first), new, INVALID_KEY)
+
+    los = [start + i for i in range(0, Rb, Rd)]
+    live = [None if Rd == Rb else lo < last for lo in los]
+    pieces = [piece(lo) if on is None else jax.lax.cond(
+        on, piece, lambda _: jnp.full((Tc, Rd), INVALID_KEY, jnp.int32), lo)
+        for lo, on in zip(los, live)]
+    return pieces, los, live
+
+
 def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, widen: bool):
     """Exact top-k of one token chunk: q ``[Tc, Hi, Di]``, w ``[Tc, Hi]``, limit ``[Tc]`` ->
     ``(keys [Tc, topk] int32, rows [Tc, topk] int32)`` best first. ``keys`` has at least
@@ -570,22 +597,8 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
 
     def step(b, state):
         buf, count, tau = state
-        first = b * Rb
-        start = jnp.minimum(first, R - Rb)  # the last block may overlap the one before it
-
-        def piece(lo):
-            rows = lo + piece_row
-            kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
-            sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
-            new = order_keys(block_scores(q, w, kb, sb, widen))
-            return jnp.where((rows < limit[:, None]) & (rows >= first), new, INVALID_KEY)
-
-        # Pieces past every token's last valid row are neither scored nor compacted.
-        los = [start + i for i in range(0, Rb, Rd)]
-        live = [None if Rd == Rb else lo < last for lo in los]
-        pieces = [piece(lo) if on is None else jax.lax.cond(
-            on, piece, lambda _: jnp.full((Tc, Rd), INVALID_KEY, jnp.int32), lo)
-            for lo, on in zip(los, live)]
+        pieces, los, live = _block_keys(q, w, limit, keys, key_scale, b, Rb=Rb, Rd=Rd,
+                                        widen=widen)
         if Rb // 2 >= topk:
             # Before a token's first cut: the k-th best of the block's pair maxima bounds its k-th
             # best key from below (k distinct rows reach it), so the block's first flood of
@@ -643,13 +656,44 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
     R = keys.shape[0]
     if T == 0 or topk == 0 or R == 0:
         return (jnp.full((T, topk), -1, jnp.int32), jnp.full((T, topk), -jnp.inf, jnp.float32))
-    plan = chunk_plan(T, Hi, R, topk) if plan is None else plan
+    return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio,
+                             chunk_plan(T, Hi, R, topk) if plan is None else plan, _select_chunk)
+
+
+def _max_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, widen: bool):
+    """The scores of ``_select_chunk``'s blocks and pieces, each token reduced to its best key
+    (broadcast to ``[Tc, topk]``, rows 0) instead of selected: the streaming scores alone."""
+    Rb = block_rows(plan, q.shape[1])
+    Rd = dot_rows(plan, q.shape[1])
+
+    def step(b, best):
+        pieces, _, _ = _block_keys(q, w, limit, keys, key_scale, b, Rb=Rb, Rd=Rd, widen=widen)
+        return jnp.maximum(best, jnp.max(jnp.stack(pieces), axis=(0, 2)))
+
+    best = jax.lax.fori_loop(0, (jnp.max(limit) + Rb - 1) // Rb, step,
+                             jnp.full((q.shape[0],), INVALID_KEY, jnp.int32))
+    shape = (q.shape[0], topk)
+    return jnp.broadcast_to(best[:, None], shape), jnp.zeros(shape, jnp.int32)
+
+
+def streamed_scores_alone(q, weights, keys, key_scale, positions, *, topk: int,
+                          compress_ratio: int):
+    """The reference's streaming of scores with no selection (same plan, blocks, pieces, product
+    form and chunk lanes; each token keeps only its best key): what the selection adds to
+    ``indexer_topk_reference`` is its time less this one's (``bench --cases indexer``)."""
+    T, Hi, _ = q.shape
+    plan = chunk_plan(T, Hi, keys.shape[0], topk)
+    return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio, plan,
+                             _max_chunk)
+
+
+def _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio, plan, select):
     widen = q.dtype != jnp.float32
 
     def run(widen_products: bool):
         def fn(q, weights, keys, key_scale, positions):
             return _chunked(q, weights, keys, key_scale, positions, topk, compress_ratio, plan,
-                            widen_products)
+                            widen_products, select)
         return fn
 
     cpu_widen = widen and _products_form() == "f32"
@@ -658,7 +702,7 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
     )
 
 
-def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
+def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen, select):
     T = q.shape[0]
     R = keys.shape[0]
     Tc = plan.tokens
@@ -683,8 +727,7 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen):
         # programs, which XLA:CPU runs side by side (its sorts and scatters use one core each).
         out = []
         for q_c, w_c, l_c in zip(*args):
-            k, r = _select_chunk(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan,
-                                 widen=widen)
+            k, r = select(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan, widen=widen)
             out.append((jnp.where(k == INVALID_KEY, -1, r), scores_of_keys(k)))
         return tuple(jnp.stack(x) for x in zip(*out))
 
