@@ -40,6 +40,9 @@ widened to f32 in cache: same contract, another summation order).
 
 Memory beyond the inputs and outputs: one chunk's working set, ``O(Tc (Hi Rd + topk + Rb))``
 with ``Rd`` the rows of a piece (``chunk_plan``, ``dot_rows``).
+
+``streamed_scores_alone`` runs the same streaming with no selection (each block's scores by the
+same ``_block_keys``), so that the benchmark measures what the selection costs.
 """
 
 from __future__ import annotations
