@@ -128,13 +128,14 @@ def op_fn(shape: IndexerShape, implementation: Optional[str] = None):
 
 def scores_alone_fn(shape: IndexerShape):
     """The reference's streaming of the scores without the selection, jitted, same signature
-    (``reference.streamed_scores_alone``): the op's time less this one's is the selection's."""
-    from .indexer import reference
+    (``reference.streamed_scores_alone`` on the op's own operands): the op's time less this
+    one's is the selection's."""
+    from .indexer import api, reference
 
     def scores(q, w, k, p):
+        operands, params = api.primitive_operands(q, w, k, p, shape.K)
         return reference.streamed_scores_alone(
-            q, w * (shape.Hi * shape.Di) ** -0.5, k, jnp.ones((k.shape[0],), jnp.float32),
-            p.astype(jnp.int32), topk=shape.K, compress_ratio=1)[1]
+            *operands, topk=params["topk"], compress_ratio=params["compress_ratio"])[1]
 
     return jax.jit(scores)
 

@@ -116,6 +116,19 @@ def indexer_topk(
       slots. The scores are differentiable with respect to ``q``, ``weights`` and ``keys``; the
       indices and ``key_scale`` carry no gradient.
     """
+    operands, params = primitive_operands(q, weights, keys, positions, topk, scale=scale,
+                                          compress_ratio=compress_ratio, key_scale=key_scale,
+                                          implementation=implementation)
+    idx, scores = primitive.indexer_topk_p.bind(*operands, **params)
+    return (idx, scores) if return_scores else idx
+
+
+def primitive_operands(q, weights, keys, positions, topk, *, scale=None, compress_ratio=1,
+                       key_scale=None, implementation=None):
+    """``indexer_topk``'s checks and operand preparation: ``(operands, params)`` of
+    ``indexer_topk_p`` (q and keys in the compute dtype, weights f32 with the scale folded in,
+    key_scale ``[R]`` f32, positions ``[T]`` int32), also for code that runs the primitive's
+    lowerings on the same operands (the benchmark's scores alone)."""
     check_implementation(implementation)
     for name, x in (("q", q), ("weights", weights), ("keys", keys), ("positions", positions),
                     ("key_scale", key_scale)):
@@ -162,12 +175,6 @@ def indexer_topk(
         key_scale = jax.lax.stop_gradient(jnp.asarray(key_scale, jnp.float32))
     dtype = _compute_dtype(dtype_of(q), dtype_of(keys))
     scale = check_scale(scale, (Hi * Di) ** -0.5)
-    q = jnp.asarray(q).astype(dtype)
-    keys = jnp.asarray(keys).astype(dtype)
-    weights = jnp.asarray(weights, jnp.float32) * scale
-    positions = _normalise_positions(positions)
-    idx, scores = primitive.indexer_topk_p.bind(
-        q, weights, keys, key_scale, positions,
-        topk=topk, compress_ratio=compress_ratio, implementation=implementation,
-    )
-    return (idx, scores) if return_scores else idx
+    operands = (jnp.asarray(q).astype(dtype), jnp.asarray(weights, jnp.float32) * scale,
+                jnp.asarray(keys).astype(dtype), key_scale, _normalise_positions(positions))
+    return operands, dict(topk=topk, compress_ratio=compress_ratio, implementation=implementation)
