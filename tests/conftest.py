@@ -9,6 +9,26 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
+# Most of the tests' time is XLA compiling small programs, and most of that is LLVM optimising the
+# machine code. The tests (and the subprocesses they start, which inherit the environment) compile
+# with LLVM's optimisation off: XLA's own passes still run, so the programs are the same, and only
+# how fast they run and f32's last bit (FMA contraction) can differ. The fresh-process memory
+# checks, which run long shapes, compile at XLA's default level (`xla_default_optimization`).
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+
+
+@pytest.fixture
+def xla_default_optimization(monkeypatch):
+    """Subprocesses started in this test compile at XLA's default optimisation level: the memory
+    checks' long shapes run several times slower without LLVM's optimisation."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAG, "").strip()
+    if flags:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    else:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+
 
 @pytest.fixture
 def rng():

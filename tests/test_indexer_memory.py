@@ -20,6 +20,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 pytestmark = [
+    pytest.mark.usefixtures("xla_default_optimization"),  # what users compile, at long shapes
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self"),
     pytest.mark.slow,
 ]

@@ -13,6 +13,7 @@ import pytest
 from jax_sparse_attn import bench
 
 pytestmark = [
+    pytest.mark.usefixtures("xla_default_optimization"),  # what users compile, at long shapes
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self"),
     pytest.mark.slow,  # a fresh process compiles and runs a T=4096 prefill: several seconds
 ]
