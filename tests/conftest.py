@@ -12,8 +12,9 @@ TESTS = Path(__file__).resolve().parent
 # Most of the tests' time is XLA compiling small programs, and most of that is LLVM optimising the
 # machine code. The tests (and the subprocesses they start, which inherit the environment) compile
 # with LLVM's optimisation off: XLA's own passes still run, so the programs are the same, and only
-# how fast they run and f32's last bit can differ (measured: up to 2.4e-7; FMA contraction, inferred). The fresh-process memory
-# checks, which run long shapes, compile at XLA's default level (`xla_default_optimization`).
+# how fast they run and f32's last bit can differ (measured up to 2.4e-7; FMA contraction,
+# inferred). The fresh-process memory checks, which run long shapes, compile at XLA's default
+# level (`xla_default_optimization`).
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
