@@ -63,6 +63,8 @@ LAYOUTS = {
     "extra_kv": "e d",  # the second cache: rows of its own (e), the same columns
     "extra_idx": "t j",  # its slots (j)
     "extra_bias": "t j",
+    "extra_kv_scale": "e n",  # an FP8 second cache's scales: its rows, n groups of its own
+    "extra_kv_rope": "e w",  # and its 16-bit columns (w of them, its own width)
     "out": "t h v",  # v: the value columns (value_dim <= D), a factor of its own
     "lse": "t h",
     "sink_per_token": "t h",

@@ -95,8 +95,9 @@ def check(records, name, mesh, specs, implementation=None):
     records.append(record)
 
 
-def check_fp8(records, name, mesh, window=False):
-    """An FP8 cache split over its rows; with ``window``, beside a replicated bf16 second cache."""
+def check_fp8(records, name, mesh, window=None):
+    """An FP8 cache split over its rows; with ``window`` ("bf16" or "fp8"), beside a replicated
+    second cache of that kind (an FP8 one with its own scales)."""
     import ml_dtypes
 
     inputs = make_inputs()
@@ -110,10 +111,15 @@ def check_fp8(records, name, mesh, window=False):
         inputs["extra_idx"] = (np.arange(T)[:, None] * W + np.arange(W)).astype(np.int32)
         inputs["bias"] = np.concatenate([inputs["bias"], np.zeros((T, W), np.float32)], 1)
         specs.update(extra_kv=P(), extra_idx=P())
+        if window == "fp8":
+            inputs["extra_kv"] = inputs["extra_kv"].astype(ml_dtypes.float8_e4m3fn)
+            inputs["extra_kv_scale"] = rng.uniform(0.5, 2, T * W).astype(np.float32)
+            specs.update(extra_kv_scale=P())
 
-    def f(q, kv, idx, sink, bias, kv_scale, extra_kv=None, extra_idx=None):
+    def f(q, kv, idx, sink, bias, kv_scale, extra_kv=None, extra_idx=None, extra_kv_scale=None):
         return jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, kv_scale=kv_scale,
-                                     extra_kv=extra_kv, extra_idx=extra_idx)
+                                     extra_kv=extra_kv, extra_idx=extra_idx,
+                                     extra_kv_scale=extra_kv_scale)
 
     fn = jax.jit(f)
     single = fn(*(jax.device_put(v, jax.devices()[0]) for v in inputs.values()))
@@ -156,8 +162,9 @@ def run():
               {"q": P(None, "x"), "kv": P("y"), "idx": P(), "sink": P("x"), "bias": P()})
         # An FP8 cache split over its rows: the gathered bytes are summed over the devices.
         check_fp8(records, f"fp8/rows/{axis_type}", jax.make_mesh((8,), ("y",), axis_types=(kind,)))
-        check_fp8(records, f"fp8+window/rows/{axis_type}",
-                  jax.make_mesh((8,), ("y",), axis_types=(kind,)), window=True)
+        for window in ("bf16", "fp8"):
+            check_fp8(records, f"fp8+{window}-window/rows/{axis_type}",
+                      jax.make_mesh((8,), ("y",), axis_types=(kind,)), window=window)
         # The lse with a replicated cache, tokens or heads split: local, like the output.
         mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
         check(records, f"lse/tokens/{axis_type}", mesh,

@@ -205,6 +205,11 @@ def test_split_fp8_rows_snippet():
     x2, v2 = gather(window, widx)
     x, valid = np.concatenate([x, x2], 1), np.concatenate([valid, v2], 1)
     assert within_one_ulp(np.asarray(ns["out_v4"]), attention_bf16_contract(q, x, valid)) >= 0.999
+    # The window in FP8 (scales of 1) with its bf16 rope columns.
+    window8 = np.asarray(ns["window_fp8"]).astype(np.float32).astype(ml_dtypes.bfloat16)
+    x2, _ = gather(np.concatenate([window8, window[:, 448:]], axis=1), widx)
+    x = np.concatenate([x[:, :idx.shape[1]], x2], 1)
+    assert within_one_ulp(np.asarray(ns["out_fp8"]), attention_bf16_contract(q, x, valid)) >= 0.999
 
 
 @pytest.mark.slow  # three Flax programs to compile: about 5 s

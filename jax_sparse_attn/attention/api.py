@@ -180,29 +180,32 @@ def _normalise_idx(idx, rows: int):
     return jnp.where(valid, idx.astype(jnp.int32), jnp.int32(-1))
 
 
-def _check_kv_rope(kv, kv_rope, kv_scale, D: int):
-    """Checks the 16-bit columns of split FP8 rows against the FP8 ``kv`` and q's width ``D``;
-    returns them as an array."""
-    kv_rope = as_array("kv_rope", kv_rope)
-    check_rank("kv_rope", kv_rope, 2, "[R, Dr]")
+def _check_kv_rope(kv, kv_rope, kv_scale, D: int, cache: str = "kv"):
+    """Checks the 16-bit columns of split FP8 rows (``cache + "_rope"``) against the FP8 cache
+    named ``cache`` and q's width ``D``; returns them as an array."""
+    name, scale_name = cache + "_rope", cache + "_scale"
+    kv_rope = as_array(name, kv_rope)
+    check_rank(name, kv_rope, 2, "[R, Dr]")
     dtype = dtype_of(kv_rope)
     if not (jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 2):
-        raise TypeError(f"kv_rope must be a 16-bit float (bf16 or f16); got {dtype}")
+        raise TypeError(f"{name} must be a 16-bit float (bf16 or f16); got {dtype}")
     if not fp8.is_fp8(dtype_of(kv)) or kv_scale is None:
-        raise ValueError("kv_rope is the unquantised part of an FP8 cache: kv must be FP8 with "
-                         "kv_scale")
+        raise ValueError(f"{name} is the unquantised part of an FP8 cache: {cache} must be FP8 "
+                         f"with {scale_name}")
     R, D8 = shape_of(kv)
     if shape_of(kv_rope)[0] != R or D8 + shape_of(kv_rope)[1] != D:
         raise ValueError(
-            f"kv_rope must have shape [R, D - D8] = ({R}, {D - D8}) (q's width D = {D}, kv's FP8 "
-            f"columns D8 = {D8}); got {shape_of(kv_rope)}"
+            f"{name} must have shape [R, D - D8] = ({R}, {D - D8}) (q's width D = {D}, {cache}'s "
+            f"FP8 columns D8 = {D8}); got {shape_of(kv_rope)}"
         )
     return jnp.asarray(kv_rope)
 
 
-def _check_extra_cache(q_shape, extra_kv, extra_idx):
-    """Checks the second cache and its indices; returns them (the indices normalised: -1 for an
-    empty slot)."""
+def _check_extra_cache(q_shape, extra_kv, extra_idx, kv_dtype, extra_kv_scale, extra_kv_rope):
+    """Checks the second cache and its indices (and, for an FP8 one, its scales and rope
+    columns); returns ``(extra_kv, extra_idx, fp8_operands)``, the indices normalised (-1 for an
+    empty slot) and ``fp8_operands`` ``(extra_kv_scale [R2, n], extra_kv_rope [R2, Dr])`` for an
+    FP8 second cache (a rope of zero columns when there is none), else ``()``."""
     T, H, D = q_shape
     if extra_idx is None:
         raise ValueError("extra_kv needs extra_idx [T, K2]: the second cache's row of each slot")
@@ -210,15 +213,14 @@ def _check_extra_cache(q_shape, extra_kv, extra_idx):
     extra_idx = as_array("extra_idx", extra_idx)
     check_rank("extra_kv", extra_kv, 2, "[R2, D]")
     check_float("extra_kv", extra_kv)
-    if fp8.is_fp8(dtype_of(extra_kv)):
-        # It would be cast to q's dtype, that is read at scale 1: wrong for a scaled FP8 cache.
-        raise TypeError(
-            f"extra_kv must be 16-bit or f32 (bf16, f16, f32); got {dtype_of(extra_kv)}: the second "
-            "cache takes no FP8 scales, so dequantise it first (only kv may be FP8, with kv_scale)"
-        )
     check_rank("extra_idx", extra_idx, 2, "[T, K2]")
     check_integer("extra_idx", extra_idx)
-    if shape_of(extra_kv)[1] != D:
+    fp8_operands = ()
+    if fp8.is_fp8(dtype_of(extra_kv)) or extra_kv_scale is not None:
+        fp8_operands = _check_fp8_extra(D, extra_kv, kv_dtype, extra_kv_scale, extra_kv_rope)
+    elif extra_kv_rope is not None:
+        _check_kv_rope(extra_kv, extra_kv_rope, extra_kv_scale, D, "extra_kv")  # raises
+    elif shape_of(extra_kv)[1] != D:
         raise ValueError(
             f"extra_kv must have shape [R2, D] = (R2, {D}) to match q {q_shape}; got {shape_of(extra_kv)}"
         )
@@ -229,7 +231,30 @@ def _check_extra_cache(q_shape, extra_kv, extra_idx):
     R2 = shape_of(extra_kv)[0]
     if R2 > MAX_ROWS:
         raise ValueError(f"extra_kv has {R2} rows; at most {MAX_ROWS} can be indexed with int32")
-    return extra_kv, _normalise_idx(extra_idx, R2)
+    return extra_kv, _normalise_idx(extra_idx, R2), fp8_operands
+
+
+def _check_fp8_extra(D: int, extra_kv, kv_dtype, extra_kv_scale, extra_kv_rope):
+    """An FP8 second cache's ``(extra_kv_scale [R2, n] f32, extra_kv_rope [R2, Dr])``, checked as
+    kv's own (a rope of zero columns for whole FP8 rows)."""
+    if not fp8.is_fp8(dtype_of(extra_kv)):  # scales for a 16-bit cache: check_kv_scale says so
+        fp8.check_kv_scale(shape_of(extra_kv), dtype_of(extra_kv), extra_kv_scale, "extra_kv")
+    if not fp8.is_fp8(kv_dtype):
+        # The primitive's forms: an FP8 second cache sits beside an FP8 main cache only.
+        raise TypeError(
+            f"an FP8 extra_kv ({dtype_of(extra_kv)}) needs an FP8 kv with kv_scale; kv is "
+            f"{np.dtype(kv_dtype)}: dequantise extra_kv, or pass both caches in FP8"
+        )
+    R2 = shape_of(extra_kv)[0]
+    scale = fp8.check_kv_scale(shape_of(extra_kv), dtype_of(extra_kv), extra_kv_scale, "extra_kv")
+    if extra_kv_rope is None:
+        if shape_of(extra_kv)[1] != D:
+            raise ValueError(f"extra_kv must have shape [R2, D] = (R2, {D}) (or [R2, D - Dr] with "
+                             f"extra_kv_rope) to match q's width; got {shape_of(extra_kv)}")
+        rope = jnp.zeros((R2, 0), jnp.bfloat16)
+    else:
+        rope = _check_kv_rope(extra_kv, extra_kv_rope, extra_kv_scale, D, "extra_kv")
+    return (jax.lax.stop_gradient(scale), jax.lax.stop_gradient(rope))
 
 
 def gathered_attn_idx(
@@ -249,6 +274,8 @@ def gathered_attn_idx(
     extra_idx: Optional[ArrayLike] = None,
     extra_topk_length: Optional[ArrayLike] = None,
     kv_rope: Optional[ArrayLike] = None,
+    extra_kv_scale: Optional[ArrayLike] = None,
+    extra_kv_rope: Optional[ArrayLike] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """DeepSeek-style top-k sparse attention that gathers rows of a shared KV cache by index.
 
@@ -289,9 +316,10 @@ def gathered_attn_idx(
         with one rounding, as the single-cache call on ``[kv; extra_kv]`` with indices
         ``[idx | extra_idx + R]`` would (bit for bit on the reference), without concatenating the
         caches. ``bias`` is then ``[T, K + K2]`` (the main slots first). Gradients reach both
-        caches (not an FP8 ``kv``). Beside an FP8 ``kv`` (and ``kv_rope``), ``extra_kv`` stays
-        16-bit, in q's dtype (V4: FP8 compressed rows and a bf16 window); an FP8 ``extra_kv`` is
-        refused (it has no scales).
+        caches (not an FP8 one). Beside an FP8 ``kv`` (and ``kv_rope``), ``extra_kv`` may stay
+        16-bit, in q's dtype (FP8 compressed rows and a bf16 window), or be FP8 itself with
+        ``extra_kv_scale`` and ``extra_kv_rope`` (V4 keeps both caches in FP8, as FlashMLA's
+        ``extra_k_cache``); an FP8 ``extra_kv`` beside a 16-bit ``kv`` is refused.
       extra_topk_length: ``[T]`` any integer dtype, or ``None``: ``topk_length`` of the second
         cache's slots (needs ``extra_kv``).
       kv_rope: ``[R, Dr]`` 16-bit float, or ``None``: with an FP8 ``kv [R, D - Dr]`` and its
@@ -299,6 +327,8 @@ def gathered_attn_idx(
         512 FP8 columns with a scale per 128 plus 64 bf16; V4 448 FP8 with power-of-two scales per
         64 plus 64 bf16). The logical row is ``[dequantised kv | kv_rope]``, of q's width D. No
         gradient reaches it.
+      extra_kv_scale, extra_kv_rope: ``kv_scale`` and ``kv_rope`` of an FP8 ``extra_kv``, with the
+        same rules and their own shapes (``[R2]`` or ``[R2, n]``; ``[R2, Dr2]``).
 
     Returns:
       ``out [T, H, value_dim]`` in ``q``'s dtype. A token whose slots are all empty gets exactly 0.
@@ -332,19 +362,29 @@ def gathered_attn_idx(
     idx = _normalise_idx(idx, R)
     K = shape_of(idx)[1]
     if extra_kv is None:
-        if extra_idx is not None or extra_topk_length is not None:
-            name = "extra_idx" if extra_idx is not None else "extra_topk_length"
-            raise ValueError(f"{name} is for a second cache: pass extra_kv with it")
+        for name, value in (("extra_idx", extra_idx), ("extra_topk_length", extra_topk_length),
+                            ("extra_kv_scale", extra_kv_scale), ("extra_kv_rope", extra_kv_rope)):
+            if value is not None:
+                raise ValueError(f"{name} is for a second cache: pass extra_kv with it")
         sink, bias, scale = _sink_bias_scale(shape_of(q), K, sink, bias, scale)
     else:
-        extra_kv, extra_idx = _check_extra_cache(shape_of(q), extra_kv, extra_idx)
+        extra_kv, extra_idx, extra_fp8 = _check_extra_cache(
+            shape_of(q), extra_kv, extra_idx, dtype_of(kv), extra_kv_scale, extra_kv_rope)
         K2 = shape_of(extra_idx)[1]
         sink, bias, scale = _sink_bias_scale(shape_of(q), K + K2, sink, bias, scale)
         bias, extra_bias = bias[:, :K], bias[:, K:]
         extra_bias = _apply_topk_length(extra_bias, extra_topk_length, "extra_topk_length")
     bias = _apply_topk_length(bias, topk_length)
-    # The second cache, in q's dtype, after the main cache's operands (primitive.operand_names).
-    extra = () if extra_kv is None else (jnp.asarray(extra_kv, q.dtype), extra_idx, extra_bias)
+    # The second cache after the main cache's operands (primitive.operand_names): in q's dtype,
+    # or FP8 with its scales and rope (then the main cache's rope is always there, maybe empty).
+    if extra_kv is None:
+        extra = ()
+    elif extra_fp8:
+        extra = (jax.lax.stop_gradient(jnp.asarray(extra_kv)), extra_idx, extra_bias, *extra_fp8)
+        if kv_rope is None:
+            kv_rope = jnp.zeros((R, 0), jnp.bfloat16)
+    else:
+        extra = (jnp.asarray(extra_kv, q.dtype), extra_idx, extra_bias)
     if kv_scale is not None or fp8.is_fp8(dtype_of(kv)):
         # FP8 cache: the cache and its scales are operands of the primitive; every path gathers
         # the FP8 rows of the slots and dequantises only those (fp8.py). No gradient reaches them.

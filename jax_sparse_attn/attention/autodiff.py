@@ -164,6 +164,21 @@ def _zero_unselected(g, valid):
     return jnp.where(valid[..., None], g, jnp.zeros((), g.dtype))
 
 
+def _dequantised(primal, prefix, x, rows, dtype):
+    """The slots ``x`` of cache ``prefix + "kv"`` as its logical rows: for an FP8 cache (with
+    ``kv_scale``), dequantised to ``dtype`` (``reference.dequantise_slots``) with the 16-bit
+    ``kv_rope`` columns after them; a 16-bit cache's slots as they are."""
+    if prefix + "kv_scale" not in primal:
+        return x
+    scales = primal[prefix + "kv_scale"].at[rows].get(mode="fill", fill_value=0)
+    x = reference.from_bits(reference.dequantise_slots(reference.to_bits(x), scales, x.dtype,
+                                                       dtype), dtype)
+    rope = primal.get(prefix + "kv_rope")
+    if rope is not None and rope.shape[1]:  # a split row: the 16-bit columns after the FP8 ones
+        x = jnp.concatenate([x, _gather_slots(primal[prefix + "kv_rope"].astype(dtype), rows)], -1)
+    return x
+
+
 def _recompute(indexed, primal, live, extra=None, x_first=False):
     """The forward's intermediates for a chunk (f32): q, slot rows x, validity, gather rows,
     scale, and ``_softmax_parts``'s z, p, p_sink and products of ``extra``. ``primal``: the
@@ -172,18 +187,14 @@ def _recompute(indexed, primal, live, extra=None, x_first=False):
     x, valid, rows = _slots(indexed, primal["kv" if indexed else "g"], primal.get("idx"),
                             primal["bias"], live)
     bias = primal["bias"]
-    if "kv_scale" in primal:  # an FP8 cache: its slots dequantised (reference.dequantise_slots)
-        scales = primal["kv_scale"].at[rows].get(mode="fill", fill_value=0)
-        x = reference.from_bits(reference.dequantise_slots(reference.to_bits(x), scales, x.dtype,
-                                                           q.dtype), q.dtype)
-        if "kv_rope" in primal:  # a split row: the 16-bit columns after the FP8 ones
-            x = jnp.concatenate([x, _gather_slots(primal["kv_rope"].astype(q.dtype), rows)], -1)
+    x = _dequantised(primal, "", x, rows, q.dtype)
     if "extra_kv" in primal:
         # The second cache's slots after the main ones: one softmax over both (the gather rows
         # become a pair, main then extra).
         x2, valid2, rows2 = _slots(True, primal["extra_kv"], primal["extra_idx"],
                                    primal["extra_bias"], live)
-        x = jnp.concatenate([x, x2], axis=1)
+        x2 = _dequantised(primal, "extra_", x2, rows2, q.dtype)
+        x = jnp.concatenate([x, x2.astype(x.dtype)], axis=1)
         valid = jnp.concatenate([valid, valid2], axis=1)
         bias = jnp.concatenate([bias, primal["extra_bias"]], axis=1)
         rows = (rows, rows2)

@@ -42,16 +42,18 @@ def is_fp8(dtype) -> bool:
     return np.dtype(dtype) in FP8_DTYPES
 
 
-def check_kv_scale(kv_shape: tuple, kv_dtype, kv_scale) -> jax.Array:
-    """Validates ``kv_scale`` for an FP8 cache; returns it as ``[R, n]`` f32 (``n`` groups)."""
+def check_kv_scale(kv_shape: tuple, kv_dtype, kv_scale, cache: str = "kv") -> jax.Array:
+    """Validates the scales of the FP8 cache named ``cache`` (``kv`` or ``extra_kv``; its scales
+    are ``cache + "_scale"``); returns them as ``[R, n]`` f32 (``n`` groups)."""
     R, D = kv_shape
+    name = cache + "_scale"
     if not is_fp8(kv_dtype):
         raise TypeError(
-            f"kv_scale is for FP8 caches (float8_e4m3fn, float8_e5m2); kv has dtype {kv_dtype}"
+            f"{name} is for FP8 caches (float8_e4m3fn, float8_e5m2); {cache} has dtype {kv_dtype}"
         )
     if kv_scale is None:
         raise ValueError(
-            f"an FP8 cache (kv dtype {kv_dtype}) needs kv_scale: [R] = ({R},) per row or "
+            f"an FP8 cache ({cache} dtype {kv_dtype}) needs {name}: [R] = ({R},) per row or "
             f"[R, D // G] per group of G columns"
         )
     shape = tuple(np.shape(kv_scale))
@@ -61,12 +63,12 @@ def check_kv_scale(kv_shape: tuple, kv_dtype, kv_scale) -> jax.Array:
         groups = shape[1]
     else:
         raise ValueError(
-            f"kv_scale must have shape [R] = ({R},) or [R, D // G] = ({R}, n) with n dividing "
+            f"{name} must have shape [R] = ({R},) or [R, D // G] = ({R}, n) with n dividing "
             f"D = {D}; got {shape}"
         )
     dtype = jax.dtypes.result_type(kv_scale)
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"kv_scale must be a floating dtype (cast to f32); got {dtype}")
+        raise TypeError(f"{name} must be a floating dtype (cast to f32); got {dtype}")
     return jnp.asarray(kv_scale, jnp.float32).reshape(R, groups)
 
 

@@ -206,17 +206,19 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, sink, q.dtype)
 
 
-def _pregathered_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope):
+def _pregathered_slots(dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope,
+                       extra_kv_scale=None, extra_kv_rope=None):
     """The slots ``(g [T, K (+ K2), D], bias)`` that XLA gathers for the pre-gathered kernel when
     the kernel cannot read the cache itself (a second cache, split FP8 rows), else None. Two
-    caches' slots sit side by side, main first, in extra_kv's dtype, an FP8 main cache's
-    dequantised (``_fp8_slots``); the caches are not concatenated. Every empty slot's bias is
-    ``-inf`` and its row is zeros, never read (docs/neuron-kernel.md)."""
+    caches' slots sit side by side, main first, in q's ``dtype``, an FP8 cache's dequantised
+    (``_fp8_slots``; one split cache alone: to bf16, the kernel's type); the caches are not
+    concatenated. Every empty slot's bias is ``-inf`` and its
+    row is zeros, never read (docs/neuron-kernel.md)."""
     if extra_kv is None:
         return None if kv_rope is None else _fp8_slots(kv, kv_scale, kv_rope, idx, bias)
-    main = (_plain_slots(kv, idx, bias) if kv_scale is None
-            else _fp8_slots(kv, kv_scale, kv_rope, idx, bias, extra_kv.dtype))
-    parts = (main, _plain_slots(extra_kv, extra_idx, extra_bias))
+    parts = [_plain_slots(c, i, b) if s is None else _fp8_slots(c, s, r, i, b, dtype)
+             for c, i, b, s, r in ((kv, idx, bias, kv_scale, kv_rope),
+                                   (extra_kv, extra_idx, extra_bias, extra_kv_scale, extra_kv_rope))]
     return tuple(jnp.concatenate(p, axis=1) for p in zip(*parts))
 
 
@@ -295,16 +297,18 @@ def nki_gathered_attn_lse(q, g, sink, bias, scale, *, value_dim=None):
 
 
 def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
-                              extra_bias=None, *, kv_scale=None, kv_rope=None, value_dim=None):
+                              extra_bias=None, *, kv_scale=None, kv_rope=None,
+                              extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
     """The Neuron path of ``gathered_attn_idx_p`` with the lse: q ``[T, H, D]``, kv ``[R, D]``,
     idx ``[T, K]`` int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32
     -> ``(out [T, H, value_dim], lse [T, H] f32)``. With a second cache (``extra_*``) XLA gathers
-    both caches' slots (an FP8 main cache's dequantised) and the pre-gathered kernel runs on
+    both caches' slots (an FP8 cache's dequantised) and the pre-gathered kernel runs on
     them (``_pregathered_slots``). With
     ``kv_scale`` (``[R, n]`` f32) ``kv`` is an FP8 cache: the FP8 kernel reads it on trn2/trn3; on
     trn1 XLA gathers and dequantises the slots first. With ``kv_rope`` (split rows) XLA gathers
     and dequantises the slots for the pre-gathered kernel (``_pregathered_slots``)."""
-    slots = _pregathered_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope)
+    slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
+                               kv_rope, extra_kv_scale, extra_kv_rope)
     if slots is not None:
         return nki_gathered_attn_lse(q, slots[0], sink, slots[1], scale, value_dim=value_dim)
     return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
@@ -374,11 +378,12 @@ def emulated_gathered_attn_lse(q, g, sink, bias, scale, *, value_dim=None):
 
 def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
                                    extra_bias=None, *, kv_scale=None, kv_rope=None,
-                                   value_dim=None):
+                                   extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
     """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``, with the lse.
 
     Operands and result as :func:`nki_gathered_attn_idx_lse`."""
-    slots = _pregathered_slots(kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope)
+    slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
+                               kv_rope, extra_kv_scale, extra_kv_rope)
     if slots is not None:
         return emulated_gathered_attn_lse(q, slots[0], sink, slots[1], scale, value_dim=value_dim)
     return _run_packed(

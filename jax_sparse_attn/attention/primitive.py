@@ -13,8 +13,10 @@ R would): nothing is concatenated but each token's gathered slots. An FP8 cache 
 one more operand, ``kv_scale [R, n]`` f32 (its dequantisation scales, one per group of ``D // n``
 columns), and every path reads the FP8 rows itself. The operand count says which form a bind has
 (``operand_names``): 6, 7 (FP8), 8 (FP8 with ``kv_rope [R, Dr]``, the 16-bit columns after the FP8
-ones: the logical row is ``[dequantised kv | kv_rope]``), 9 (two caches), or 10 and 11 (an FP8
-main cache, split or not, beside a 16-bit second one: V4's compressed rows and window).
+ones: the logical row is ``[dequantised kv | kv_rope]``), 9 (two caches), 10 and 11 (an FP8
+main cache, split or not, beside a 16-bit second one: V4's compressed rows and window), or 13 (two
+FP8 caches, each with its scales and rope columns, ``extra_kv_scale [R2, n2]`` and
+``extra_kv_rope [R2, Dr2]``; a rope of zero columns stands for none, so that one form serves).
 
 Both primitives return two results, ``out [T, H, value_dim]`` in q's dtype and ``lse [T, H]`` f32 (the
 log-sum-exp of each token and head's logits with the sink). They always do, and the public
@@ -67,17 +69,22 @@ EXTRA_OPERANDS = ("extra_kv", "extra_idx", "extra_bias")
 # split row (DeepSeek's layouts: kv_rope).
 FP8_OPERANDS = ("kv_scale",)
 FP8_SPLIT_OPERANDS = ("kv_scale", "kv_rope")
+# An FP8 second cache's scales and rope columns, after its three operands (beside an FP8 main
+# cache in its split form only: the count then tells the form apart).
+EXTRA_FP8_OPERANDS = ("extra_kv_scale", "extra_kv_rope")
 # The caches among the operands, and the index operand of each.
 CACHE_INDEX = {"kv": "idx", "extra_kv": "extra_idx"}
 # Operands stacked along with a cache when vmap folds it (its rows are the cache's rows).
-CACHE_COMPANION = {"kv_scale": "kv", "kv_rope": "kv"}
+CACHE_COMPANION = {"kv_scale": "kv", "kv_rope": "kv",
+                   "extra_kv_scale": "extra_kv", "extra_kv_rope": "extra_kv"}
 
 
-# gathered_attn_idx_p's forms by operand count (6 to 11): the six, then an FP8 cache's scales (and
-# kv_rope), then the second cache.
+# gathered_attn_idx_p's forms by operand count (6 to 11, and 13): the six, then an FP8 cache's
+# scales (and kv_rope), then the second cache (and its own scales and rope).
 _INDEXED_FORMS = {len(f): f for f in (OPERANDS[True] + fp8_names + extra
                                       for fp8_names in ((), FP8_OPERANDS, FP8_SPLIT_OPERANDS)
                                       for extra in ((), EXTRA_OPERANDS))}
+_INDEXED_FORMS[13] = OPERANDS[True] + FP8_SPLIT_OPERANDS + EXTRA_OPERANDS + EXTRA_FP8_OPERANDS
 
 
 def operand_names(indexed: bool, count: int) -> tuple:
@@ -135,6 +142,12 @@ gathered_attn_idx_p.def_impl(functools.partial(xla.apply_primitive, gathered_att
 RESULTS = ("out", "lse")
 
 
+def _absent_rope(name: str, x) -> bool:
+    """A rope operand of zero columns: the 13-operand form's stand-in for an FP8 cache whose rows
+    are FP8 in every column (the paths then see no rope)."""
+    return name in ("kv_rope", "extra_kv_rope") and x.shape[1] == 0
+
+
 def run_shard_local(path_fn: Callable, indexed: bool, *args, value_dim: int):
     """Calls a path on the primitive's operands (and ``value_dim``), on each device's block of tokens and heads under
     a multi-device jit (see sharding.py). Every lowering rule of the primitives goes through it.
@@ -145,7 +158,8 @@ def run_shard_local(path_fn: Callable, indexed: bool, *args, value_dim: int):
     results = [sharding.LAYOUTS[n] for n in RESULTS]
 
     def fn(*a):  # the paths take the first six operands by position and the others by name
-        return tuple(path_fn(*a[:6], **dict(zip(names[6:], a[6:])), value_dim=value_dim))
+        named = {n: x for n, x in zip(names[6:], a[6:]) if not _absent_rope(n, x)}
+        return tuple(path_fn(*a[:6], **named, value_dim=value_dim))
 
     if not indexed:
         return tuple(sharding.shard_local(fn, layouts, results)(*args))

@@ -369,7 +369,8 @@ def dequantise_slots(bits, slot_scale, fp8_dtype, dtype):
 
 
 def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
-                                extra_bias=None, *, kv_scale=None, kv_rope=None, value_dim=None):
+                                extra_bias=None, *, kv_scale=None, kv_rope=None,
+                                extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
     """Reference that gathers rows of ``kv`` by ``idx`` (and of a second cache ``extra_kv`` by
     ``extra_idx``: one softmax over both caches' slots, main first).
 
@@ -382,7 +383,8 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, ex
       q: ``[T, H, D]`` float. kv: ``[R, D]`` in q's dtype. idx: ``[T, K]`` int32; a slot is empty when
       ``idx < 0`` or ``idx >= R``. sink: ``[H]`` f32. bias: ``[T, K]`` f32. scale: ``[T]`` f32.
       extra_kv, extra_idx, extra_bias: ``[R2, D]``, ``[T, K2]`` int32, ``[T, K2]`` f32, or None;
-      ``extra_kv`` is in q's dtype, also beside an FP8 ``kv``.
+      ``extra_kv`` is in q's dtype (also beside an FP8 ``kv``), or FP8 with its own
+      ``extra_kv_scale`` and ``extra_kv_rope`` (as ``kv_scale`` and ``kv_rope`` below).
       kv_scale: ``[R, n]`` f32 for an FP8 ``kv`` (``float8_e4m3fn`` / ``float8_e5m2``): each chunk
       of tokens gathers its FP8 rows (one byte per element) and their scales and dequantises
       them (``dequantise_slots``), so memory stays within the bound of a 16-bit cache; the cache
@@ -404,33 +406,36 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, ex
         return _empty_result(q, sink, value_dim)
     dtype = q.dtype
     itemsize = np.dtype(dtype).itemsize
-    if kv_scale is not None:  # FP8: the raw bytes travel, dequantised after each gather
-        fp8_dtype = kv.dtype
-        # (FP8 bytes, scales, (rope bits,) or (), (16-bit second cache's bits,) or ())
-        kv_bits = (to_bits(kv), kv_scale.astype(jnp.float32),
-                   () if kv_rope is None else (to_bits(kv_rope.astype(dtype)),),
-                   () if extra_kv is None else (to_bits(extra_kv.astype(dtype)),))
-    else:
-        kv_bits = tuple(to_bits(c.astype(dtype)) for c in caches)
+    # Per cache: (its bits, and for an FP8 cache its f32 scales and its rope bits, or None): the
+    # FP8 raw bytes travel and are dequantised after each gather.
+    fp8_dtypes = (kv.dtype if kv_scale is not None else None,
+                  extra_kv.dtype if extra_kv_scale is not None else None)[:len(caches)]
+    kv_bits = tuple(
+        (to_bits(c.astype(dtype)), None, None) if s is None else
+        (to_bits(c), s.astype(jnp.float32), None if r is None else to_bits(r.astype(dtype)))
+        for c, s, r in zip(caches, (kv_scale, extra_kv_scale), (kv_rope, extra_kv_rope)))
     valids = [(i >= 0) & (i < c.shape[0]) & (b != -jnp.inf) for c, i, b in zip(caches, indices, biases)]
     # Out of range: the gather fills the slot with zeros.
     rows = tuple(jnp.where(v, i, c.shape[0]) for c, i, v in zip(caches, indices, valids))
     valid = valids[0] if len(valids) == 1 else jnp.concatenate(valids, axis=1)
     bias = biases[0] if len(biases) == 1 else jnp.concatenate(biases, axis=1)
 
-    def gather(kv_bits_, rows_t):
-        """The slots' rows as q's dtype's bits (dequantised FP8 rows with ``kv_scale``)."""
-        if kv_scale is None:
-            return _gather_union(kv_bits_, rows_t, D)
-        cache_bits, scales, rope, extra = kv_bits_
-        rows_main, *rows_extra = rows_t
-        slot_scale = scales.at[rows_main].get(mode="fill", fill_value=0)
-        x = dequantise_slots(_gather_rows(cache_bits, rows_main), slot_scale, fp8_dtype, dtype)
-        if rope:  # the 16-bit columns after the FP8 ones
-            x = jnp.concatenate([x, _gather_rows(rope[0], rows_main)], axis=-1)
-        if extra:  # the second (16-bit) cache's slots after the main ones
-            x = jnp.concatenate([x, _gather_union(extra, tuple(rows_extra), D)], axis=-2)
+    def gather_one(cache_bits, scales, rope, fp8_dtype, rows_c):
+        if scales is None:
+            return _gather_union((cache_bits,), (rows_c,), D)
+        slot_scale = scales.at[rows_c].get(mode="fill", fill_value=0)
+        x = dequantise_slots(_gather_rows(cache_bits, rows_c), slot_scale, fp8_dtype, dtype)
+        if rope is not None:  # the 16-bit columns after the FP8 ones
+            x = jnp.concatenate([x, _gather_rows(rope, rows_c)], axis=-1)
         return x
+
+    def gather(kv_bits_, rows_t):
+        """The slots' rows as q's dtype's bits (dequantised FP8 rows with their scales), each
+        cache's side by side, main first."""
+        if all(s is None for _, s, _ in kv_bits_):
+            return _gather_union(tuple(b for b, _, _ in kv_bits_), rows_t, D)
+        parts = [gather_one(*c, f, r) for c, f, r in zip(kv_bits_, fp8_dtypes, rows_t)]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-2)
 
     def gather_and_attend(form):
         attend = _attend_bits(dtype, form, value_dim)
@@ -455,7 +460,7 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, ex
                                ACCELERATOR_FORM)
 
     # FP8: a slot element is its byte, its f32 dequantisation and its rounding to q's dtype.
-    slot_itemsize = itemsize if kv_scale is None else 1 + 4 + itemsize
+    slot_itemsize = itemsize if kv_scale is None and extra_kv_scale is None else 1 + 4 + itemsize
 
     def _indexed_chunks(q, kv_bits, rows, valid, sink, bias, scale, budget, form):
         chunk = token_chunk_size(T, H, K, D, slot_itemsize, budget, form.widen)
