@@ -560,6 +560,22 @@ def test_two_fp8_caches_gradient_and_vmap(rng):
     _same_bits(got[1], window(q, w[::-1], s[::-1]))
 
 
+@pytest.mark.parametrize("empty", ["kv", "extra_kv"])
+def test_an_empty_fp8_cache_beside_the_other_is_the_other_alone(rng, empty):
+    # An FP8 cache of 0 rows (nothing compressed yet, or no window) beside a full one: every slot
+    # of the empty cache is empty; the gradient too runs (a gather from 0 rows is not valid XLA).
+    args, logical, logical2 = _two_fp8_caches(rng, "whole")
+    args[empty] = args[empty][:0]
+    args[empty + "_scale"] = args[empty + "_scale"][:0]
+    q = args.pop("q")
+    out = jsa.gathered_attn_idx(q, **args)
+    kept, kept_idx = (logical2, args["extra_idx"]) if empty == "kv" else (logical, args["idx"])
+    x, valid = gather(kept, kept_idx)
+    assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid)) >= 0.999
+    dq = jax.grad(lambda q: jnp.sum(jsa.gathered_attn_idx(q, **args).astype(jnp.float32)))(q)
+    assert np.isfinite(np.asarray(dq, np.float32)).all()
+
+
 def test_two_fp8_caches_bad_input_names_the_argument(rng):
     args, _, _ = _two_fp8_caches(rng, "split")
     with pytest.raises(ValueError, match="needs extra_kv_scale"):

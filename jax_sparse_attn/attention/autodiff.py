@@ -170,6 +170,8 @@ def _dequantised(primal, prefix, x, rows, dtype):
     ``kv_rope`` columns after them; a 16-bit cache's slots as they are."""
     if prefix + "kv_scale" not in primal:
         return x
+    if primal[prefix + "kv"].shape[0] == 0:  # an empty cache: no slot reads (nor gathers) a row
+        return jnp.zeros(rows.shape + (primal["q"].shape[-1],), dtype)
     scales = primal[prefix + "kv_scale"].at[rows].get(mode="fill", fill_value=0)
     x = reference.from_bits(reference.dequantise_slots(reference.to_bits(x), scales, x.dtype,
                                                        dtype), dtype)

@@ -423,6 +423,8 @@ def gathered_attn_idx_reference(q, kv, idx, sink, bias, scale, extra_kv=None, ex
     def gather_one(cache_bits, scales, rope, fp8_dtype, rows_c):
         if scales is None:
             return _gather_union((cache_bits,), (rows_c,), D)
+        if cache_bits.shape[0] == 0:  # an empty FP8 cache (a gather from it is not valid XLA)
+            return jnp.zeros(rows_c.shape + (D,), _bits_dtype(dtype))
         slot_scale = scales.at[rows_c].get(mode="fill", fill_value=0)
         x = dequantise_slots(_gather_rows(cache_bits, rows_c), slot_scale, fp8_dtype, dtype)
         if rope is not None:  # the 16-bit columns after the FP8 ones
