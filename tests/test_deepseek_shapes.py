@@ -270,6 +270,37 @@ def test_two_caches_equal_the_call_on_the_concatenation_bit_for_bit(rng, impleme
     assert np.isfinite(np.asarray(got[0], np.float32)).all()
 
 
+@pytest.mark.parametrize("target", ["trn2", "trn1"])
+def test_the_kernel_reads_both_caches_where_it_has_indirect_dma(rng, monkeypatch, target):
+    # K = 100: the first 128-slot tile holds 100 main slots and 28 of the window's, so it reads
+    # both caches; NaN in every row no slot selects. On trn1 (no indirect DMA) XLA gathers.
+    from jax_sparse_attn import nki_emulator
+    from jax_sparse_attn.attention import kernel
+
+    monkeypatch.setenv(nki_emulator.TARGET_ENV, target)
+    jax.clear_caches()
+    q, kv, kv2, idx, idx2, sink = _two_caches(rng, T=2, R=120, K=100, R2=40, K2=60)
+    kv = _poison_unselected(kv, idx, idx >= 0)
+    kv2 = _poison_unselected(kv2, idx2, idx2 >= 0)
+    tiles = []
+    sources = kernel._tile_sources
+    monkeypatch.setattr(kernel, "_tile_sources", lambda src, index, tile: tiles.append(
+        (tile, src.extra_rows is not None, len(sources(src, index, tile)))) or sources(src, index, tile))
+    out, lse = jsa.gathered_attn_idx(q, kv, idx, sink, extra_kv=kv2, extra_idx=idx2,
+                                     return_lse=True, implementation="nki_emulated")
+    # Each token: tile 0 from both caches, tile 1 from the window alone.
+    assert set(tiles) == ({(0, True, 2), (1, True, 1)} if target == "trn2" else set())
+    cat, idx_cat = _concatenated(kv, kv2, idx, idx2)
+    want = jsa.gathered_attn_idx(q, cat, idx_cat, sink, return_lse=True,
+                                 implementation="nki_emulated")
+    _same_bits(out, want[0])
+    _same_bits(lse, want[1])
+    x, valid = gather(cat, idx_cat)
+    x[~valid] = 0
+    assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid, sink)) >= 0.999
+    jax.clear_caches()
+
+
 @pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_two_caches_gradients_reach_both(rng):
     q, kv, kv2, idx, idx2, sink = _two_caches(rng, dtype=np.float32)

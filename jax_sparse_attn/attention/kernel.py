@@ -1,6 +1,6 @@
 """NKI kernels (NKI 0.6 and 0.7, Neuron SDK 2.32 and 2.33) for top-k sparse attention with sinks.
 
-Two kernels share one body (docs/neuron-kernel.md describes the interface, the variants per
+The kernels share one body (docs/neuron-kernel.md describes the interface, the variants per
 target, the launch and the instruction pattern); they differ in how a token's slot rows reach SBUF:
 
 - ``gathered_attn_idx_kernel(q, kv, idx, bias, sink)`` (trn2, trn3): the kernel gathers the rows
@@ -11,6 +11,11 @@ target, the launch and the instruction pattern); they differ in how a token's sl
   on an FP8 cache (``float8_e4m3fn`` / ``float8_e5m2``): the FP8 rows are gathered (half the
   bytes) and dequantised on chip with the slots' f32 scales, exactly
   ``(kv.astype(f32) * scale).astype(bf16)`` (docs/neuron-kernel.md, "FP8 caches").
+- ``gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, sink)`` (trn2,
+  trn3): two bf16 caches in one softmax (V4's compressed rows and window), the first
+  ``main_slots`` slots from ``kv``, the others from ``extra_kv``: a 128-slot tile reads each cache
+  it has slots of, by its own indirect DMA (a tile across the boundary: one from each), so the
+  slots sit where they would in the single-cache call on the concatenation.
 - ``gathered_attn_kernel(q, g, bias, sink)`` (every target; the one for trn1, which has no
   indirect DMA): the slots are pre-gathered, ``g [T, Kp, D]``, every empty or padding slot's row
   zero (the packing writes those zeros); one plain DMA per chunk of slots.
@@ -107,7 +112,7 @@ class SlotPlan:
 
 def sbuf_bytes_per_partition(
     heads: int, dim: int, slots: int, chunk: int | None = None, scores_in_sbuf: bool = True,
-    *, indexed: bool = True, fp8_scale_groups: int = 0,
+    *, indexed: bool = True, fp8_scale_groups: int = 0, index_sets: int = 1,
 ) -> int:
     """SBUF bytes per partition that one token's live tiles occupy at their peak.
 
@@ -119,12 +124,13 @@ def sbuf_bytes_per_partition(
     ``4 * C`` with 128 heads) and the output row. 57 KiB at Kp = C = 2048, D = 576, H = 128.
     ``fp8_scale_groups`` (the FP8 kernel: ``n`` scales per row) adds the FP8 zero tile and the
     token's f32 scales, and the raw FP8 rows (one byte per element) while a chunk is fetched.
+    ``index_sets`` is 2 with two caches (each its own indices of the token's slots).
     """
     chunk = slots if chunk is None else chunk
     chunks = _ceil_div(slots, chunk)
     k_tiles, d_tiles = chunk // KERNEL_TILE, _ceil_div(dim, KERNEL_TILE)
     q_transposed = d_tiles * heads * 2
-    indices = 4 * (slots // KERNEL_TILE) if indexed else 0
+    indices = 4 * (slots // KERNEL_TILE) * index_sets if indexed else 0
     columns = 4 * (2 + chunks)  # sink, -max; chunk maxima
     token = q_transposed + BIAS_PREFIX_COLS * 4 + indices + columns
     token += slots * 4 if scores_in_sbuf else 0
@@ -144,7 +150,7 @@ def sbuf_bytes_per_partition(
 
 def plan_slots(
     heads: int, dim: int, slots: int, *, max_chunk: int | None = None, indexed: bool = True,
-    budget: int = SBUF_BYTES_PER_PARTITION, fp8_scale_groups: int = 0,
+    budget: int = SBUF_BYTES_PER_PARTITION, fp8_scale_groups: int = 0, index_sets: int = 1,
 ) -> SlotPlan:
     """The largest slot chunk whose working set fits ``budget`` SBUF bytes per partition.
 
@@ -159,12 +165,13 @@ def plan_slots(
     for scores_in_sbuf in (True, False):
         for chunk in candidates:
             need = sbuf_bytes_per_partition(heads, dim, slots, chunk, scores_in_sbuf,
-                                            indexed=indexed,
-                                            fp8_scale_groups=fp8_scale_groups)  # fmt: skip
+                                            indexed=indexed, fp8_scale_groups=fp8_scale_groups,
+                                            index_sets=index_sets)  # fmt: skip
             if need <= budget:
                 return SlotPlan(slots=slots, chunk=chunk, scores_in_sbuf=scores_in_sbuf)
     smallest = sbuf_bytes_per_partition(heads, dim, slots, KERNEL_TILE, False, indexed=indexed,
-                                        fp8_scale_groups=fp8_scale_groups)  # fmt: skip
+                                        fp8_scale_groups=fp8_scale_groups,
+                                        index_sets=index_sets)  # fmt: skip
     raise ValueError(
         f"head dim D={dim} is too large for the NKI kernel: one 128-slot chunk of rows and its "
         f"transpose with {heads} heads need {smallest} bytes of SBUF per partition, more than "
@@ -231,6 +238,9 @@ class _Source:
     fp8_zeros: object = None  # FP8 kernel: a zero FP8 tile [128, C/128, D], set once per program
     token_scales: object = None  # FP8 kernel: this token's scales [128, Kp/128 * n] f32 (SBUF)
     value_dim: int = 0  # the output's columns: the first value_dim of each row (0: all D)
+    extra_rows: object = None  # two caches: the second cache [R2, D] in HBM
+    extra_idx: object = None  # and its indices [T, 128, Kp/128] uint32, laid out as idx
+    main_slots: int = 0  # two caches: slots 0 .. main_slots - 1 are kv's, the others extra_rows'
 
     @property
     def values(self) -> int:
@@ -294,6 +304,22 @@ def _transposed_q(src: _Source):
     return q_t
 
 
+def _tile_sources(src: _Source, row_index, tile: int):
+    """``(cache, index column [128, 1])`` for each cache that 128-slot tile ``tile`` has slots of:
+    the one cache, or with two caches (``row_index`` a pair) the main one for slots below
+    ``main_slots`` and the second for the others, both for a tile across the boundary (each DMA
+    then skips the other cache's slots, whose indices it holds as ``EMPTY_SLOT_INDEX``)."""
+    if src.extra_rows is None:
+        return [(src.slot_rows, row_index[:, tile : tile + 1])]
+    main_index, extra_index = row_index
+    first, sources = tile * KERNEL_TILE, []
+    if first < src.main_slots:
+        sources.append((src.slot_rows, main_index[:, tile : tile + 1]))
+    if first + KERNEL_TILE > src.main_slots:
+        sources.append((src.extra_rows, extra_index[:, tile : tile + 1]))
+    return sources
+
+
 def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
     """Slots ``c0 .. c0 + width`` of the token as ``[128 (slot), width/128, D]`` bf16 in SBUF.
 
@@ -322,16 +348,13 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
     nisa.memset(dst=rows, value=0.0, engine=nisa.engine.gpsimd)
     first_tile = c0 // KERNEL_TILE
     for kc in range(k_tiles):
-        nisa.dma_copy(
-            dst=rows[:, kc, :],
-            src=src.slot_rows.ap(
-                pattern=[[dim, KERNEL_TILE], [1, dim]],
-                offset=0,
-                vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
-                indirect_dim=0,
-            ),
-            oob_mode=nisa.oob_mode.skip,
-        )
+        for cache, index in _tile_sources(src, row_index, first_tile + kc):
+            nisa.dma_copy(
+                dst=rows[:, kc, :],
+                src=cache.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
+                             vector_offset=index, indirect_dim=0),
+                oob_mode=nisa.oob_mode.skip,
+            )  # fmt: skip
     return rows
 
 
@@ -414,15 +437,13 @@ def _gathered_transposed_rows(src: _Source, row_index, c0: int, width: int):
     first_tile = c0 // KERNEL_TILE
     for dc, d0, dw in _d_chunks(src.dim):
         for kc in range(k_tiles):
-            nisa.dma_transpose(
-                dst=rows_t[0:dw, dc, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE],
-                src=src.slot_rows.ap(
-                    pattern=[[src.dim, KERNEL_TILE], [1, dw]], offset=d0,
-                    vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
-                    indirect_dim=0,
-                ),
-                oob_mode=nisa.oob_mode.skip,
-            )  # fmt: skip
+            for cache, index in _tile_sources(src, row_index, first_tile + kc):
+                nisa.dma_transpose(
+                    dst=rows_t[0:dw, dc, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE],
+                    src=cache.ap(pattern=[[src.dim, KERNEL_TILE], [1, dw]], offset=d0,
+                                 vector_offset=index, indirect_dim=0),
+                    oob_mode=nisa.oob_mode.skip,
+                )  # fmt: skip
     return rows_t
 
 
@@ -587,6 +608,10 @@ def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch)
         k_all = plan.slots // KERNEL_TILE
         row_index = nl.ndarray((KERNEL_TILE, k_all), dtype=nl.uint32, buffer=nl.sbuf)
         nisa.dma_copy(dst=row_index, src=src.token_rows(src.idx, KERNEL_TILE, k_all))
+        if src.extra_rows is not None:  # the second cache's indices of the same slots
+            extra_index = nl.ndarray((KERNEL_TILE, k_all), dtype=nl.uint32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=extra_index, src=src.token_rows(src.extra_idx, KERNEL_TILE, k_all))
+            row_index = (row_index, extra_index)
         if src.row_scale is not None:
             # The scales of the token's slots in one DMA, laid out as the indices (zero for an
             # empty slot: the packing gathers them without reading a row no slot selects).
@@ -717,9 +742,12 @@ DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "gpsimd", "vector", "gpsimd", "
 
 
 def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk,
-                             slot_scale=None, scale_groups=0, value_dim=None):  # fmt: skip
+                             slot_scale=None, scale_groups=0, value_dim=None,
+                             extra=None):  # fmt: skip
     indexed = idx is not None
     tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
+    if extra is not None:  # two caches: (extra_kv, extra_idx, main_slots)
+        _check_interface(q, extra[0], bias, sink, indexed)
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
     # of the logical core (n = 2 on trn2/trn3 by default, LNC=2); program p takes the p-th share
     # of the tokens. The form of AWS's nki-library kernels (nl.num_programs / nl.program_id).
@@ -727,7 +755,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     assert tokens % programs == 0, f"T={tokens} must be a multiple of the {programs} programs"
     per_program = tokens // programs
     plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, indexed=indexed,
-                      fp8_scale_groups=scale_groups)  # fmt: skip
+                      fp8_scale_groups=scale_groups,
+                      index_sets=1 if extra is None else 2)  # fmt: skip
     assert value_dim is None or (isinstance(value_dim, int) and 0 < value_dim <= dim), (
         f"value_dim={value_dim!r} must be an int in [1, D={dim}]"
     )
@@ -746,6 +775,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
                   _Engines(CLAMP_ENGINES), value_shift, slot_scale,
                   _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
                   scale_groups, value_dim=0 if values == dim else values)  # fmt: skip
+    if extra is not None:
+        src.extra_rows, src.extra_idx, src.main_slots = extra
     if slot_scale is not None:
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
                                    dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip
@@ -818,6 +849,31 @@ def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift
     )  # fmt: skip
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
                                     groups, value_dim)  # fmt: skip
+
+
+def gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, sink, value_shift=0,
+                                        max_chunk=None, value_dim=None, main_slots=0):  # fmt: skip
+    """:func:`gathered_attn_idx_kernel` over two bf16 caches in one softmax (trn2, trn3).
+
+    Args:
+      kv: ``[R, D]`` bf16, the main cache; extra_kv: ``[R2, D]`` bf16, the second (R, R2 > 0).
+      idx, extra_idx: ``[T, 128, Kp/128]`` uint32 each, laid out as ``idx`` of
+        :func:`gathered_attn_idx_kernel`: slot ``j < main_slots`` reads row ``idx`` of ``kv``, slot
+        ``j >= main_slots`` row ``extra_idx`` of ``extra_kv``; every other entry (and an empty
+        slot's) is ``EMPTY_SLOT_INDEX``, read by no DMA.
+      main_slots: compile-time int, the main cache's slots ``K`` (the second cache's follow, as in
+        the single-cache call on ``[kv; extra_kv]``: the same slots in the same places).
+    Other arguments and the result as :func:`gathered_attn_idx_kernel`.
+    """
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    for name, index in (("idx", idx), ("extra_idx", extra_idx)):
+        assert tuple(index.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
+            f"{name} {index.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
+        )
+    assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk,
+                                    value_dim=value_dim,
+                                    extra=(extra_kv, extra_idx, main_slots))  # fmt: skip
 
 
 def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None, value_dim=None):

@@ -32,7 +32,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from . import primitive as primitives
-from ..constants import value_shift
+from ..constants import TARGETS_WITH_DGE, value_shift
 from .packing import (
     KernelLayout,
     PackedOperands,
@@ -167,12 +167,15 @@ def launch_programs(target: str) -> int:
 
 
 def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None,
-                kv_scale=None, value_dim=None):
+                kv_scale=None, value_dim=None, extra_rows=None, main_slots=0):
     """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, value_dim], lse [T, H] f32)``;
     the kernel does ``value_dim`` (default D) columns of value work.
 
     With ``kv_scale`` (``[R, n]`` f32), ``slot_rows`` is an FP8 cache: the FP8 kernel reads it on
-    trn2/trn3; on trn1 (or with D = 0) XLA gathers and dequantises the slots first."""
+    trn2/trn3; on trn1 (or with D = 0) XLA gathers and dequantises the slots first. With
+    ``extra_rows`` (a second 16-bit cache, trn2/trn3, both caches of rows and D > 0; see
+    ``_reads_both_caches``), ``idx`` and ``bias`` cover both caches' slots, the first
+    ``main_slots`` the main one's, and the two-cache kernel reads both."""
     from . import kernel as kernels
 
     T, H, D = q.shape
@@ -181,6 +184,9 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     if layout.is_empty or (idx is not None and slot_rows.shape[0] == 0):
         return empty_result(q, sink, value_dim)
     kernel, gather_in_xla = kernels.kernel_for(target, idx is not None, fp8=kv_scale is not None)
+    if extra_rows is not None:
+        assert not gather_in_xla and kv_scale is None
+        kernel = kernels.gathered_attn_idx_two_caches_kernel
     if kv_scale is not None and (gather_in_xla or D == 0):
         from . import fp8
 
@@ -193,13 +199,17 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     # Trace-time check that the shape can be planned (only an absurd head dim cannot).
     kernels.plan_slots(layout.heads_per_group, layout.dim_padded, layout.slots_padded,
                        indexed=idx is not None and not gather_in_xla,
-                       fp8_scale_groups=scale_groups)  # fmt: skip
+                       fp8_scale_groups=scale_groups,
+                       index_sets=1 if extra_rows is None else 2)  # fmt: skip
     packed, layout = pack_for_kernel(
         q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla,
         programs=launch_programs(target), kv_scale=kv_scale, value_dim=value_dim,
+        extra_rows=extra_rows, main_slots=main_slots,
     )  # fmt: skip
     # The value product's overflow guard for the user's K (docs/contract.md): the kernel's bf16.
     options = {"value_shift": value_shift(bias.shape[1], "bfloat16")}
+    if extra_rows is not None:
+        options["main_slots"] = main_slots
     if layout.value_dim_padded != layout.dim_padded:
         options["value_dim"] = layout.value_dim_padded
     out_groups, lse_groups = call_kernels(kernel, target, packed, layout, options)
@@ -252,8 +262,29 @@ def _fp8_slots(kv, kv_scale, kv_rope, idx, bias, dtype=jnp.bfloat16):
     return g, jnp.where(valid, bias, -jnp.inf)
 
 
+def _reads_both_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale) -> bool:
+    """Whether the two-cache kernel reads both caches itself: two 16-bit caches with rows and
+    columns, on a target with indirect DMA (trn2, trn3). Otherwise XLA gathers both caches' slots
+    for the pre-gathered kernel (``_pregathered_slots``): FP8 or split rows, trn1, an empty
+    cache."""
+    return (extra_kv is not None and kv_scale is None and kv_rope is None
+            and extra_kv_scale is None and target in TARGETS_WITH_DGE
+            and kv.shape[0] > 0 and extra_kv.shape[0] > 0 and kv.shape[1] > 0)
+
+
+def _two_caches_packed(call_kernels, target, q, kv, idx, sink, bias, scale, extra_kv, extra_idx,
+                       extra_bias, value_dim):
+    """Both caches' slots side by side for the two-cache kernel (the main ones first)."""
+    return _run_packed(call_kernels, target, q, kv, sink, jnp.concatenate([bias, extra_bias], 1),
+                       scale, idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
+                       extra_rows=extra_kv, main_slots=idx.shape[1])
+
+
 def _kernel_args(packed: PackedOperands, group: int) -> tuple:
     """Arguments of one kernel call, in the kernel's order."""
+    if packed.extra_rows is not None:
+        return (packed.q_groups[group], packed.slot_rows, packed.idx, packed.extra_rows,
+                packed.extra_idx, packed.bias, packed.sink_groups[group])
     if packed.slot_scale is not None:
         return (packed.q_groups[group], packed.slot_rows, packed.slot_scale, packed.idx,
                 packed.bias, packed.sink_groups[group])
@@ -301,12 +332,16 @@ def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extr
                               extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
     """The Neuron path of ``gathered_attn_idx_p`` with the lse: q ``[T, H, D]``, kv ``[R, D]``,
     idx ``[T, K]`` int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32
-    -> ``(out [T, H, value_dim], lse [T, H] f32)``. With a second cache (``extra_*``) XLA gathers
-    both caches' slots (an FP8 cache's dequantised) and the pre-gathered kernel runs on
+    -> ``(out [T, H, value_dim], lse [T, H] f32)``. With a second cache (``extra_*``) the
+    two-cache kernel reads both 16-bit caches on trn2/trn3 (``_reads_both_caches``); otherwise XLA
+    gathers both caches' slots (an FP8 cache's dequantised) and the pre-gathered kernel runs on
     them (``_pregathered_slots``). With
     ``kv_scale`` (``[R, n]`` f32) ``kv`` is an FP8 cache: the FP8 kernel reads it on trn2/trn3; on
     trn1 XLA gathers and dequantises the slots first. With ``kv_rope`` (split rows) XLA gathers
     and dequantises the slots for the pre-gathered kernel (``_pregathered_slots``)."""
+    if _reads_both_caches(neuron_target(), kv, extra_kv, kv_scale, kv_rope, extra_kv_scale):
+        return _two_caches_packed(_call_nki_kernels, neuron_target(), q, kv, idx, sink, bias, scale,
+                                  extra_kv, extra_idx, extra_bias, value_dim)
     slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
                                kv_rope, extra_kv_scale, extra_kv_rope)
     if slots is not None:
@@ -357,6 +392,8 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
         arrays.insert(2, packed.idx)
     if packed.slot_scale is not None:
         arrays.insert(2, packed.slot_scale)
+    if packed.extra_rows is not None:
+        arrays[3:3] = [packed.extra_rows, packed.extra_idx]
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
     packed_result = jax.pure_callback(
@@ -382,6 +419,9 @@ def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None,
     """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``, with the lse.
 
     Operands and result as :func:`nki_gathered_attn_idx_lse`."""
+    if _reads_both_caches(neuron_target(), kv, extra_kv, kv_scale, kv_rope, extra_kv_scale):
+        return _two_caches_packed(_call_emulated_kernels, neuron_target(), q, kv, idx, sink, bias, scale,
+                                  extra_kv, extra_idx, extra_bias, value_dim)
     slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
                                kv_rope, extra_kv_scale, extra_kv_rope)
     if slots is not None:

@@ -128,6 +128,8 @@ class PackedOperands(NamedTuple):
     sink_groups: jax.Array
     row_has_slot: jax.Array
     slot_scale: Optional[jax.Array] = None
+    extra_rows: Optional[jax.Array] = None  # two caches: the second one [R2, Dp] bf16
+    extra_idx: Optional[jax.Array] = None  # and its indices, laid out as idx (see pack_for_kernel)
 
 
 def _pad_axis(x, axis: int, size: int, value=0):
@@ -138,7 +140,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 def pack_for_kernel(
     q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False, programs: int = 1,
-    kv_scale=None, value_dim: int = 0,
+    kv_scale=None, value_dim: int = 0, extra_rows=None, main_slots: int = 0,
 ) -> tuple[PackedOperands, KernelLayout]:
     """Packs normalised primitive operands for the NKI kernels.
 
@@ -153,6 +155,10 @@ def pack_for_kernel(
         ``gather_in_xla``): the FP8 kernel's operands. The cache passes through unchanged; the
         scales of the slots are gathered here (``T * Kp * n`` f32, no scale of a row that no slot
         selects is read).
+      extra_rows, main_slots: two caches (the two-cache kernel; 16-bit, ``idx`` given, not
+        ``gather_in_xla``): ``extra_rows [R2, D]`` the second cache, ``idx`` and ``bias`` the
+        slots of both, the first ``main_slots`` the main cache's. Each cache gets its own indices
+        of all ``Kp`` slots, ``EMPTY_SLOT_INDEX`` at the other cache's.
     Returns the packed operands and the static layout. The layout must not be empty.
     """
     T, H, D = q.shape
@@ -162,7 +168,13 @@ def pack_for_kernel(
     Dp, Kp, Tp = layout.dim_padded, layout.slots_padded, layout.tokens_padded
 
     valid = bias != -jnp.inf
-    if idx is not None:
+    is_main = None
+    if extra_rows is not None:
+        assert idx is not None and not gather_in_xla and kv_scale is None
+        is_main = jnp.arange(K) < main_slots
+        rows = jnp.where(is_main, slot_rows.shape[0], extra_rows.shape[0])
+        valid = valid & (idx >= 0) & (idx < rows[None, :])
+    elif idx is not None:
         rows = slot_rows.shape[0]
         valid = valid & (idx >= 0) & (idx < rows)
     row_has_slot = jnp.any(valid, axis=1)
@@ -188,10 +200,18 @@ def pack_for_kernel(
     packed_bias = jnp.concatenate([prefix, slot_bias.astype(jnp.float32)], axis=1)
 
     empty = jnp.uint32(EMPTY_SLOT_INDEX)
-    if idx is not None and not gather_in_xla:
-        packed_idx = _pad_axis(jnp.where(valid, idx.astype(jnp.uint32), empty), 1, Kp, empty)
+
+    def kernel_indices(mask):
+        packed = _pad_axis(jnp.where(mask, idx.astype(jnp.uint32), empty), 1, Kp, empty)
         # Slot kc*128 + p at [t, p, kc]: partition p's indices are contiguous (one DMA per token).
-        packed_idx = packed_idx.reshape(Tp, Kp // KERNEL_TILE, KERNEL_TILE).transpose(0, 2, 1)
+        return packed.reshape(Tp, Kp // KERNEL_TILE, KERNEL_TILE).transpose(0, 2, 1)
+
+    packed_extra_rows = packed_extra_idx = None
+    if idx is not None and not gather_in_xla:
+        packed_idx = kernel_indices(valid if is_main is None else valid & is_main)
+        if extra_rows is not None:
+            packed_extra_idx = kernel_indices(valid & ~is_main)
+            packed_extra_rows = _pad_axis(extra_rows.astype(jnp.bfloat16), 1, Dp)
         if kv_scale is None:
             packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
         else:  # the FP8 kernel reads the cache as it is, and the scales of its slots
@@ -219,6 +239,8 @@ def pack_for_kernel(
         sink_groups=sink_groups,
         row_has_slot=row_has_slot,
         slot_scale=kv_scale,
+        extra_rows=packed_extra_rows,
+        extra_idx=packed_extra_idx,
     )
     return packed, layout
 
