@@ -437,6 +437,44 @@ def test_split_fp8_rows_follow_the_contract_on_the_logical_rows(rng, implementat
         _same_bits(lse, plain[1])
 
 
+@pytest.mark.parametrize("layout", ["v3.2", "v4"])
+def test_the_fp8_kernel_reads_split_rows_itself(rng, monkeypatch, layout):
+    # On trn2 the split kernel gathers the FP8 columns and the rope columns by indirect DMA (XLA
+    # gathers nothing: the pre-gathered path would raise here) and dequantises on chip: the
+    # bf16 kernel's result on the logical rows, bit for bit, also with scales that are not
+    # powers of two (both round (kv * scale) once to bf16). 150 slots: two tiles, one partial.
+    from jax_sparse_attn import nki_emulator
+    from jax_sparse_attn.attention import neuron
+
+    monkeypatch.setenv(nki_emulator.TARGET_ENV, "trn2")
+    jax.clear_caches()
+    D8, G, pow2 = (512, 128, False) if layout == "v3.2" else (448, 64, True)
+    Dr, R, T, H, K = 64, 40, 3, 4, 150
+    kv8, scale, rope, logical = _split_rows(rng, R, D8, Dr, G, pow2)
+    q = rng.standard_normal((T, H, D8 + Dr)).astype(BF16)
+    idx = rng.integers(-1, R, size=(T, K)).astype(np.int32)
+    used = np.zeros(R, bool)
+    used[idx[idx >= 0]] = True
+    kv8.view(np.uint8)[~used] = 0x7F  # garbage in every row no slot selects
+    scale[~used] = np.inf
+    rope[~used] = np.nan
+
+    def no_xla_gather(*args):
+        raise AssertionError("split rows were gathered by XLA")
+
+    with monkeypatch.context() as m:
+        m.setattr(neuron, "_pregathered_slots", no_xla_gather)
+        out, lse = jsa.gathered_attn_idx(q, kv8, idx, kv_scale=scale, kv_rope=rope,
+                                         return_lse=True, implementation="nki_emulated")
+    logical = np.where(used[:, None], logical, 0).astype(BF16)
+    want = jsa.gathered_attn_idx(q, logical, idx, return_lse=True, implementation="nki_emulated")
+    _same_bits(out, want[0])
+    _same_bits(lse, want[1])
+    x, valid = gather(logical, idx)
+    assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid)) >= 0.999
+    jax.clear_caches()
+
+
 @pytest.mark.slow  # about 5 s
 def test_fp8_goes_through_the_primitive_and_its_gradient(rng):
     kv8, scale, rope, logical = _split_rows(rng, 30, 128, 64, 64)

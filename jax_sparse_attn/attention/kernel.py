@@ -11,6 +11,10 @@ target, the launch and the instruction pattern); they differ in how a token's sl
   on an FP8 cache (``float8_e4m3fn`` / ``float8_e5m2``): the FP8 rows are gathered (half the
   bytes) and dequantised on chip with the slots' f32 scales, exactly
   ``(kv.astype(f32) * scale).astype(bf16)`` (docs/neuron-kernel.md, "FP8 caches").
+- ``gathered_attn_idx_fp8_split_kernel(q, kv, kv_rope, slot_scale, idx, bias, sink)`` (trn2,
+  trn3): DeepSeek's split rows, FP8 columns ``kv [R, D8]`` dequantised on chip as above and the
+  16-bit ``kv_rope [R, D - D8]`` after them, gathered by a second indirect DMA per 128 slots into
+  the same tile: the logical row ``[dequantised kv | kv_rope]``.
 - ``gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, sink)`` (trn2,
   trn3): two bf16 caches in one softmax (V4's compressed rows and window), the first
   ``main_slots`` slots from ``kv``, the others from ``extra_kv``: a 128-slot tile reads each cache
@@ -179,9 +183,11 @@ def plan_slots(
     )
 
 
-def _check_interface(q, slot_rows, bias, sink, indexed: bool):
-    """Trace-time checks of the kernel interface; returns (tokens, heads, dim, slots)."""
+def _check_interface(q, slot_rows, bias, sink, indexed: bool, row_dim: int | None = None):
+    """Trace-time checks of the kernel interface; returns (tokens, heads, dim, slots).
+    ``row_dim``: the cache's columns when they are fewer than q's (split FP8 rows)."""
     tokens, heads, dim = q.shape
+    row_dim = dim if row_dim is None else row_dim
     slots = bias.shape[1] - BIAS_PREFIX_COLS
     assert tokens > 0, f"q {q.shape} must be [T > 0, H, D]"
     assert 0 < heads <= MAX_HEADS_PER_CALL, f"H={heads} must be in [1, {MAX_HEADS_PER_CALL}]"
@@ -192,8 +198,8 @@ def _check_interface(q, slot_rows, bias, sink, indexed: bool):
     )
     assert tuple(sink.shape) == (heads, 1), f"sink {sink.shape} must be [H, 1] = ({heads}, 1)"
     if indexed:
-        assert slot_rows.ndim == 2 and slot_rows.shape[0] > 0 and slot_rows.shape[1] == dim, (
-            f"kv {slot_rows.shape} must be [R > 0, D={dim}]"
+        assert slot_rows.ndim == 2 and slot_rows.shape[0] > 0 and slot_rows.shape[1] == row_dim, (
+            f"kv {slot_rows.shape} must be [R > 0, {row_dim}]"
         )
     else:
         assert tuple(slot_rows.shape) == (tokens, slots, dim), (
@@ -237,6 +243,7 @@ class _Source:
     scale_groups: int = 0  # FP8 kernel: scales per row (n)
     fp8_zeros: object = None  # FP8 kernel: a zero FP8 tile [128, C/128, D], set once per program
     token_scales: object = None  # FP8 kernel: this token's scales [128, Kp/128 * n] f32 (SBUF)
+    rope_rows: object = None  # FP8 split rows: the 16-bit columns [R, D - D8] after the FP8 ones
     value_dim: int = 0  # the output's columns: the first value_dim of each row (0: all D)
     extra_rows: object = None  # two caches: the second cache [R2, D] in HBM
     extra_idx: object = None  # and its indices [T, 128, Kp/128] uint32, laid out as idx
@@ -372,7 +379,7 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     once to the bf16 dst (nki.isa.tensor_scalar page, "Data types"), exactly
     ``(kv.astype(f32) * scale).astype(bf16)``.
     """
-    k_tiles, dim = width // KERNEL_TILE, src.dim
+    k_tiles, dim = width // KERNEL_TILE, src.slot_rows.shape[1]  # the FP8 columns (D8 <= D)
     groups = src.scale_groups
     group_width = dim // groups
     raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
@@ -386,7 +393,21 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
                                  indirect_dim=0),
             oob_mode=nisa.oob_mode.skip,
         )  # fmt: skip
-    rows = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
+    rows = nl.ndarray((KERNEL_TILE, k_tiles, src.dim), dtype=nl.bfloat16, buffer=nl.sbuf)
+    if src.rope_rows is not None:
+        # Split rows: the 16-bit columns by their own indirect DMA into the tile's last columns,
+        # zeroed first (VectorE: GpSimd makes the DMAs' descriptors) so that an empty slot's
+        # stay 0 (the same indices, oob_mode=skip).
+        rope = src.dim - dim
+        nisa.memset(dst=rows[:, :, dim : src.dim], value=0.0, engine=nisa.engine.vector)
+        for kc in range(k_tiles):
+            nisa.dma_copy(
+                dst=rows[:, kc, dim : src.dim],
+                src=src.rope_rows.ap(pattern=[[rope, KERNEL_TILE], [1, rope]], offset=0,
+                                     vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
+                                     indirect_dim=0),
+                oob_mode=nisa.oob_mode.skip,
+            )  # fmt: skip
     for kc in range(k_tiles):
         for g in range(groups):
             cols = slice(g * group_width, (g + 1) * group_width)
@@ -739,13 +760,23 @@ ROW_TRANSPOSES = "tensor"
 # GpSimd : Scalar : Vector in 16; chosen under the cost model at decode, K=2048, H=64 and 128).
 DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "gpsimd", "vector", "gpsimd", "gpsimd", "scalar",
                    "gpsimd", "gpsimd", "vector", "gpsimd", "gpsimd", "scalar", "gpsimd", "gpsimd")
+# The same for split rows, whose GpSimd also generates the rope columns' DMA descriptors: evener
+# (6 : 5 : 5; under the cost model at V3.2 decode, T=16, H=64, D=512+64, K=2048, the split kernel
+# is then DMA-bound: 116.8 us, against 131.0 with the rotation above).
+SPLIT_DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "vector") + ("gpsimd", "scalar", "vector") * 4
 
 
 def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk,
                              slot_scale=None, scale_groups=0, value_dim=None,
-                             extra=None):  # fmt: skip
+                             extra=None, rope=None):  # fmt: skip
     indexed = idx is not None
-    tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed)
+    row_dim = None if rope is None else slot_rows.shape[1]
+    tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed, row_dim)
+    if rope is not None:  # split FP8 rows: [R, D8] FP8 and [R, D - D8] 16-bit
+        assert tuple(rope.shape) == (slot_rows.shape[0], dim - slot_rows.shape[1]), (
+            f"kv_rope {rope.shape} must be [R, D - D8] = ({slot_rows.shape[0]}, "
+            f"{dim - slot_rows.shape[1]})"
+        )
     if extra is not None:  # two caches: (extra_kv, extra_idx, main_slots)
         _check_interface(q, extra[0], bias, sink, indexed)
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
@@ -773,12 +804,14 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     assert isinstance(value_shift, int) and 0 <= value_shift < 64, f"value_shift={value_shift!r}"
     src = _Source(q, slot_rows, idx, bias, heads, dim, slots, None, _Engines(PSUM_READ_ENGINES),
                   _Engines(CLAMP_ENGINES), value_shift, slot_scale,
-                  _Engines(DEQUANT_ENGINES) if slot_scale is not None else None,
+                  (_Engines(DEQUANT_ENGINES if rope is None else SPLIT_DEQUANT_ENGINES)
+                   if slot_scale is not None else None),
                   scale_groups, value_dim=0 if values == dim else values)  # fmt: skip
     if extra is not None:
         src.extra_rows, src.extra_idx, src.main_slots = extra
+    src.rope_rows = rope
     if slot_scale is not None:
-        src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, dim),
+        src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, slot_rows.shape[1]),
                                    dtype=slot_rows.dtype, buffer=nl.sbuf)  # fmt: skip
         nisa.memset(dst=src.fp8_zeros, value=0.0, engine=nisa.engine.gpsimd)
 
@@ -849,6 +882,34 @@ def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift
     )  # fmt: skip
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
                                     groups, value_dim)  # fmt: skip
+
+
+def gathered_attn_idx_fp8_split_kernel(q, kv, kv_rope, slot_scale, idx, bias, sink, value_shift=0,
+                                       max_chunk=None, value_dim=None):  # fmt: skip
+    """:func:`gathered_attn_idx_fp8_kernel` on DeepSeek's split rows (trn2, trn3).
+
+    Args:
+      kv: ``[R, D8]`` FP8, the quantised columns; ``slot_scale``'s ``n`` groups divide ``D8``.
+      kv_rope: ``[R, D - D8]`` bf16, the columns after them (``D`` is q's width); gathered with
+        the same indices, so the kernel computes on the logical rows
+        ``[(kv.astype(f32) * scale).astype(bf16) | kv_rope]`` of the slots only.
+    Other arguments and the result as :func:`gathered_attn_idx_fp8_kernel`.
+    """
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    k_tiles = slots // KERNEL_TILE
+    assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
+        f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
+    )
+    assert kv.ndim == 2 and kv.dtype in (nl.float8_e4m3fn, nl.float8_e5m2), (
+        f"kv {kv.shape} {kv.dtype} must be FP8"
+    )
+    groups = slot_scale.shape[2] // k_tiles if slot_scale.ndim == 3 else 0
+    assert groups > 0 and kv.shape[1] % groups == 0 and 0 < kv.shape[1] < q.shape[2], (
+        f"kv {kv.shape} must be [R, D8] with 0 < D8 < D={q.shape[2]} and {groups} scale groups "
+        "dividing D8"
+    )
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
+                                    groups, value_dim, rope=kv_rope)  # fmt: skip
 
 
 def gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, sink, value_shift=0,

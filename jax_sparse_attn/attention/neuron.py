@@ -167,7 +167,7 @@ def launch_programs(target: str) -> int:
 
 
 def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None,
-                kv_scale=None, value_dim=None, extra_rows=None, main_slots=0):
+                kv_scale=None, value_dim=None, extra_rows=None, main_slots=0, kv_rope=None):
     """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, value_dim], lse [T, H] f32)``;
     the kernel does ``value_dim`` (default D) columns of value work.
 
@@ -175,7 +175,8 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     trn2/trn3; on trn1 (or with D = 0) XLA gathers and dequantises the slots first. With
     ``extra_rows`` (a second 16-bit cache, trn2/trn3, both caches of rows and D > 0; see
     ``_reads_both_caches``), ``idx`` and ``bias`` cover both caches' slots, the first
-    ``main_slots`` the main one's, and the two-cache kernel reads both."""
+    ``main_slots`` the main one's, and the two-cache kernel reads both. With ``kv_rope`` (split
+    FP8 rows, trn2/trn3: ``_reads_split_rows``) the split kernel reads both parts of the rows."""
     from . import kernel as kernels
 
     T, H, D = q.shape
@@ -187,6 +188,9 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     if extra_rows is not None:
         assert not gather_in_xla and kv_scale is None
         kernel = kernels.gathered_attn_idx_two_caches_kernel
+    if kv_rope is not None:
+        assert not gather_in_xla and kv_scale is not None and D > 0
+        kernel = kernels.gathered_attn_idx_fp8_split_kernel
     if kv_scale is not None and (gather_in_xla or D == 0):
         from . import fp8
 
@@ -204,7 +208,7 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     packed, layout = pack_for_kernel(
         q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla,
         programs=launch_programs(target), kv_scale=kv_scale, value_dim=value_dim,
-        extra_rows=extra_rows, main_slots=main_slots,
+        extra_rows=extra_rows, main_slots=main_slots, kv_rope=kv_rope,
     )  # fmt: skip
     # The value product's overflow guard for the user's K (docs/contract.md): the kernel's bf16.
     options = {"value_shift": value_shift(bias.shape[1], "bfloat16")}
@@ -272,6 +276,13 @@ def _reads_both_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale) 
             and kv.shape[0] > 0 and extra_kv.shape[0] > 0 and kv.shape[1] > 0)
 
 
+def _reads_split_rows(target, kv, kv_rope, extra_kv) -> bool:
+    """Whether the split kernel reads DeepSeek's split rows itself (one cache, FP8 columns and
+    rows, trn2/trn3); otherwise XLA gathers and dequantises the slots (``_pregathered_slots``)."""
+    return (kv_rope is not None and extra_kv is None and target in TARGETS_WITH_DGE
+            and kv.shape[0] > 0 and kv.shape[1] > 0)
+
+
 def _two_caches_packed(call_kernels, target, q, kv, idx, sink, bias, scale, extra_kv, extra_idx,
                        extra_bias, value_dim):
     """Both caches' slots side by side for the two-cache kernel (the main ones first)."""
@@ -285,6 +296,9 @@ def _kernel_args(packed: PackedOperands, group: int) -> tuple:
     if packed.extra_rows is not None:
         return (packed.q_groups[group], packed.slot_rows, packed.idx, packed.extra_rows,
                 packed.extra_idx, packed.bias, packed.sink_groups[group])
+    if packed.rope_rows is not None:
+        return (packed.q_groups[group], packed.slot_rows, packed.rope_rows, packed.slot_scale,
+                packed.idx, packed.bias, packed.sink_groups[group])
     if packed.slot_scale is not None:
         return (packed.q_groups[group], packed.slot_rows, packed.slot_scale, packed.idx,
                 packed.bias, packed.sink_groups[group])
@@ -342,6 +356,9 @@ def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extr
     if _reads_both_caches(neuron_target(), kv, extra_kv, kv_scale, kv_rope, extra_kv_scale):
         return _two_caches_packed(_call_nki_kernels, neuron_target(), q, kv, idx, sink, bias, scale,
                                   extra_kv, extra_idx, extra_bias, value_dim)
+    if _reads_split_rows(neuron_target(), kv, kv_rope, extra_kv):
+        return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
+                           kv_scale=kv_scale, kv_rope=kv_rope, value_dim=value_dim)
     slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
                                kv_rope, extra_kv_scale, extra_kv_rope)
     if slots is not None:
@@ -392,6 +409,8 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
         arrays.insert(2, packed.idx)
     if packed.slot_scale is not None:
         arrays.insert(2, packed.slot_scale)
+    if packed.rope_rows is not None:
+        arrays.insert(2, packed.rope_rows)
     if packed.extra_rows is not None:
         arrays[3:3] = [packed.extra_rows, packed.extra_idx]
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
@@ -422,6 +441,9 @@ def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None,
     if _reads_both_caches(neuron_target(), kv, extra_kv, kv_scale, kv_rope, extra_kv_scale):
         return _two_caches_packed(_call_emulated_kernels, neuron_target(), q, kv, idx, sink, bias, scale,
                                   extra_kv, extra_idx, extra_bias, value_dim)
+    if _reads_split_rows(neuron_target(), kv, kv_rope, extra_kv):
+        return _run_packed(_call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
+                           kv_scale=kv_scale, kv_rope=kv_rope, value_dim=value_dim)
     slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
                                kv_rope, extra_kv_scale, extra_kv_rope)
     if slots is not None:

@@ -128,6 +128,7 @@ class PackedOperands(NamedTuple):
     sink_groups: jax.Array
     row_has_slot: jax.Array
     slot_scale: Optional[jax.Array] = None
+    rope_rows: Optional[jax.Array] = None  # FP8 split rows: kv_rope [R, D - D8] bf16
     extra_rows: Optional[jax.Array] = None  # two caches: the second one [R2, Dp] bf16
     extra_idx: Optional[jax.Array] = None  # and its indices, laid out as idx (see pack_for_kernel)
 
@@ -140,7 +141,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 def pack_for_kernel(
     q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False, programs: int = 1,
-    kv_scale=None, value_dim: int = 0, extra_rows=None, main_slots: int = 0,
+    kv_scale=None, value_dim: int = 0, extra_rows=None, main_slots: int = 0, kv_rope=None,
 ) -> tuple[PackedOperands, KernelLayout]:
     """Packs normalised primitive operands for the NKI kernels.
 
@@ -155,6 +156,8 @@ def pack_for_kernel(
         ``gather_in_xla``): the FP8 kernel's operands. The cache passes through unchanged; the
         scales of the slots are gathered here (``T * Kp * n`` f32, no scale of a row that no slot
         selects is read).
+      kv_rope: ``[R, D - D8]`` 16-bit with an FP8 ``kv [R, D8]`` (split rows, the split kernel):
+        passes through as bf16.
       extra_rows, main_slots: two caches (the two-cache kernel; 16-bit, ``idx`` given, not
         ``gather_in_xla``): ``extra_rows [R2, D]`` the second cache, ``idx`` and ``bias`` the
         slots of both, the first ``main_slots`` the main cache's. Each cache gets its own indices
@@ -216,6 +219,7 @@ def pack_for_kernel(
             packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
         else:  # the FP8 kernel reads the cache as it is, and the scales of its slots
             assert Dp == D and kv_scale.ndim == 2 and kv_scale.shape[0] == slot_rows.shape[0]
+            assert slot_rows.shape[1] == D - (0 if kv_rope is None else kv_rope.shape[1])
             rows, n = kv_scale.shape
             packed_rows = slot_rows
             in_cache = jnp.where(valid, idx, rows)  # out of range: filled with 0, nothing read
@@ -239,6 +243,7 @@ def pack_for_kernel(
         sink_groups=sink_groups,
         row_has_slot=row_has_slot,
         slot_scale=kv_scale,
+        rope_rows=None if kv_rope is None else kv_rope.astype(jnp.bfloat16),
         extra_rows=packed_extra_rows,
         extra_idx=packed_extra_idx,
     )
