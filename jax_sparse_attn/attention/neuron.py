@@ -283,12 +283,26 @@ def _reads_split_rows(target, kv, kv_rope, extra_kv) -> bool:
             and kv.shape[0] > 0 and kv.shape[1] > 0)
 
 
-def _two_caches_packed(call_kernels, target, q, kv, idx, sink, bias, scale, extra_kv, extra_idx,
-                       extra_bias, value_dim):
-    """Both caches' slots side by side for the two-cache kernel (the main ones first)."""
-    return _run_packed(call_kernels, target, q, kv, sink, jnp.concatenate([bias, extra_bias], 1),
-                       scale, idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
-                       extra_rows=extra_kv, main_slots=idx.shape[1])
+def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, extra_kv, extra_idx,
+                 extra_bias, kv_scale, kv_rope, extra_kv_scale, extra_kv_rope, value_dim):
+    """``gathered_attn_idx_p`` on the Neuron path (``call_kernels``: the device's or the
+    emulator's): the kernel that reads the operands where one does, else the pre-gathered kernel
+    (``run_pregathered``, the ``gathered_attn_p`` path) on the slots XLA gathers."""
+    target = neuron_target()
+    if _reads_both_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale):
+        return _run_packed(call_kernels, target, q, kv, sink,
+                           jnp.concatenate([bias, extra_bias], 1), scale,
+                           idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
+                           extra_rows=extra_kv, main_slots=idx.shape[1])  # fmt: skip
+    if _reads_split_rows(target, kv, kv_rope, extra_kv):
+        return _run_packed(call_kernels, target, q, kv, sink, bias, scale, idx=idx,
+                           kv_scale=kv_scale, kv_rope=kv_rope, value_dim=value_dim)
+    slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
+                               kv_rope, extra_kv_scale, extra_kv_rope)
+    if slots is not None:
+        return run_pregathered(q, slots[0], sink, slots[1], scale, value_dim=value_dim)
+    return _run_packed(call_kernels, target, q, kv, sink, bias, scale, idx=idx, kv_scale=kv_scale,
+                       value_dim=value_dim)
 
 
 def _kernel_args(packed: PackedOperands, group: int) -> tuple:
@@ -351,20 +365,12 @@ def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extr
     gathers both caches' slots (an FP8 cache's dequantised) and the pre-gathered kernel runs on
     them (``_pregathered_slots``). With
     ``kv_scale`` (``[R, n]`` f32) ``kv`` is an FP8 cache: the FP8 kernel reads it on trn2/trn3; on
-    trn1 XLA gathers and dequantises the slots first. With ``kv_rope`` (split rows) XLA gathers
-    and dequantises the slots for the pre-gathered kernel (``_pregathered_slots``)."""
-    if _reads_both_caches(neuron_target(), kv, extra_kv, kv_scale, kv_rope, extra_kv_scale):
-        return _two_caches_packed(_call_nki_kernels, neuron_target(), q, kv, idx, sink, bias, scale,
-                                  extra_kv, extra_idx, extra_bias, value_dim)
-    if _reads_split_rows(neuron_target(), kv, kv_rope, extra_kv):
-        return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
-                           kv_scale=kv_scale, kv_rope=kv_rope, value_dim=value_dim)
-    slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
-                               kv_rope, extra_kv_scale, extra_kv_rope)
-    if slots is not None:
-        return nki_gathered_attn_lse(q, slots[0], sink, slots[1], scale, value_dim=value_dim)
-    return _run_packed(_call_nki_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
-                       kv_scale=kv_scale, value_dim=value_dim)
+    trn1 XLA gathers and dequantises the slots first. With ``kv_rope`` (split rows) the split
+    kernel reads both parts of the rows on trn2/trn3 (``_reads_split_rows``); on trn1, or beside
+    a second cache, XLA gathers and dequantises the slots (``_pregathered_slots``)."""
+    return _run_indexed(_call_nki_kernels, nki_gathered_attn_lse, q, kv, idx, sink, bias, scale,
+                        extra_kv, extra_idx, extra_bias, kv_scale, kv_rope, extra_kv_scale,
+                        extra_kv_rope, value_dim)
 
 
 def nki_gathered_attn(q, g, sink, bias, scale, *, value_dim=None):
@@ -438,20 +444,9 @@ def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None,
     """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``, with the lse.
 
     Operands and result as :func:`nki_gathered_attn_idx_lse`."""
-    if _reads_both_caches(neuron_target(), kv, extra_kv, kv_scale, kv_rope, extra_kv_scale):
-        return _two_caches_packed(_call_emulated_kernels, neuron_target(), q, kv, idx, sink, bias, scale,
-                                  extra_kv, extra_idx, extra_bias, value_dim)
-    if _reads_split_rows(neuron_target(), kv, kv_rope, extra_kv):
-        return _run_packed(_call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
-                           kv_scale=kv_scale, kv_rope=kv_rope, value_dim=value_dim)
-    slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
-                               kv_rope, extra_kv_scale, extra_kv_rope)
-    if slots is not None:
-        return emulated_gathered_attn_lse(q, slots[0], sink, slots[1], scale, value_dim=value_dim)
-    return _run_packed(
-        _call_emulated_kernels, neuron_target(), q, kv, sink, bias, scale, idx=idx,
-        kv_scale=kv_scale, value_dim=value_dim,
-    )
+    return _run_indexed(_call_emulated_kernels, emulated_gathered_attn_lse, q, kv, idx, sink, bias,
+                        scale, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope, extra_kv_scale,
+                        extra_kv_rope, value_dim)
 
 
 def emulated_gathered_attn(q, g, sink, bias, scale, *, value_dim=None):
