@@ -8,9 +8,12 @@ and every form those kernels do not take, runs):
 - ``--case split-rows``: DeepSeek's split FP8 rows (``kv_rope``), read by the split kernel;
   default shape V3.2's decode, T = 16, H = 64, 512 FP8 columns with a scale per 128 and 64 bf16
   ones (D = 576), top-2048 of R = 65536 rows (W is unused).
+- ``--case two-fp8-caches``: V4's FP8 layout in both caches (448 FP8 columns with power-of-two
+  scales per 64, then 64 bf16), read by one kernel; V4's decode shape as for ``two-caches``.
 
     python benchmarks/kernel_reads_model.py --case two-caches --json benchmarks/model-trn2-two-caches.json
     python benchmarks/kernel_reads_model.py --case split-rows --json benchmarks/model-trn2-split-rows.json
+    python benchmarks/kernel_reads_model.py --case two-fp8-caches --json benchmarks/model-trn2-two-fp8-caches.json
 
 Both paths run under the project's emulator with cost recording (docs/nki-emulator.md, "Cost
 model"); XLA's gather for the pre-gathered kernel is outside the model, so it is reported as the
@@ -50,13 +53,14 @@ def modelled(fn) -> tuple[np.ndarray, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="two-caches", choices=["two-caches", "split-rows"])
+    parser.add_argument("--case", default="two-caches",
+                        choices=["two-caches", "split-rows", "two-fp8-caches"])
     parser.add_argument("--target", default="trn2", choices=["trn2", "trn3"])
     parser.add_argument("--shape", help="T,H,D,K,R,W: tokens, heads, width, top-k, rows, window "
                         "(default: the case's DeepSeek shape)")
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args()
-    two = args.case == "two-caches"
+    two = args.case != "split-rows"
     shape = args.shape or ("16,64,512,512,262144,128" if two else "16,64,576,2048,65536,0")
     T, H, D, K, R, W = (int(v) for v in shape.split(","))
     rng = np.random.default_rng(0)
@@ -66,7 +70,25 @@ def main() -> None:
     os.environ[nki_emulator.TARGET_ENV] = args.target
     jax.clear_caches()
     zero_bias = jnp.zeros((T, K), jnp.float32)
-    if two:
+    if args.case == "two-fp8-caches":  # V4: 448 FP8 columns, power-of-two scales per 64, 64 bf16
+        D8 = D - 64
+
+        def split_cache(rows):
+            return (jnp.asarray(rng.standard_normal((rows, D8)), jnp.float8_e4m3fn),
+                    jnp.asarray(np.exp2(rng.integers(-4, 3, (rows, D8 // 64))), jnp.float32),
+                    jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16))
+
+        (kv, kv_scale, rope), (window, window_scale, window_rope) = split_cache(R), split_cache(T * W)
+        window_idx = jnp.asarray(np.arange(T)[:, None] * W + np.arange(W), jnp.int32)
+        native = lambda: jsa.gathered_attn_idx(  # noqa: E731
+            q, kv, idx, sink, kv_scale=kv_scale, kv_rope=rope, extra_kv=window,
+            extra_idx=window_idx, extra_kv_scale=window_scale, extra_kv_rope=window_rope,
+            implementation="nki_emulated")
+        g, bias = neuron._pregathered_slots(q.dtype, kv, idx, zero_bias, window, window_idx,
+                                            jnp.zeros((T, W), jnp.float32), kv_scale, rope,
+                                            window_scale, window_rope)
+        slots, read_bytes = K + W, D8 + 4 * (D8 // 64) + 64 * 2
+    elif two:
         kv = jnp.asarray(rng.standard_normal((R, D)), jnp.bfloat16)
         window = jnp.asarray(rng.standard_normal((T * W, D)), jnp.bfloat16)
         window_idx = jnp.asarray(np.arange(T)[:, None] * W + np.arange(W), jnp.int32)

@@ -610,6 +610,31 @@ def test_two_fp8_caches_are_one_softmax_over_their_logical_rows(rng, implementat
         _same_bits(lse, want[1])
 
 
+def test_the_kernel_reads_two_fp8_caches_of_split_rows(rng, monkeypatch):
+    # V4's FP8 layout in both caches, on trn2: one kernel reads both caches' FP8 and rope columns
+    # (XLA gathers nothing: the pre-gathered path would raise) and equals, bit for bit, the bf16
+    # kernel on the concatenated logical rows. K = 16: the first tile holds both caches' slots.
+    from jax_sparse_attn import nki_emulator
+    from jax_sparse_attn.attention import neuron
+
+    monkeypatch.setenv(nki_emulator.TARGET_ENV, "trn2")
+    jax.clear_caches()
+    args, logical, logical2 = _two_fp8_caches(rng, "split")
+
+    def no_xla_gather(*a):
+        raise AssertionError("the slots were gathered by XLA")
+
+    with monkeypatch.context() as m:
+        m.setattr(neuron, "_pregathered_slots", no_xla_gather)
+        out, lse = jsa.gathered_attn_idx(**args, return_lse=True, implementation="nki_emulated")
+    cat, idx_cat = _concatenated(logical, logical2, args["idx"], args["extra_idx"])
+    want = jsa.gathered_attn_idx(args["q"], cat, idx_cat, return_lse=True,
+                                 implementation="nki_emulated")
+    _same_bits(out, want[0])
+    _same_bits(lse, want[1])
+    jax.clear_caches()
+
+
 @pytest.mark.slow  # about 6 s: a jitted gradient and a vmap
 def test_two_fp8_caches_gradient_and_vmap(rng):
     args, logical, logical2 = _two_fp8_caches(rng, "split")

@@ -247,6 +247,7 @@ class _Source:
     value_dim: int = 0  # the output's columns: the first value_dim of each row (0: all D)
     extra_rows: object = None  # two caches: the second cache [R2, D] in HBM
     extra_idx: object = None  # and its indices [T, 128, Kp/128] uint32, laid out as idx
+    extra_rope: object = None  # two FP8 caches of split rows: the second one's rope columns
     main_slots: int = 0  # two caches: slots 0 .. main_slots - 1 are kv's, the others extra_rows'
 
     @property
@@ -312,18 +313,19 @@ def _transposed_q(src: _Source):
 
 
 def _tile_sources(src: _Source, row_index, tile: int):
-    """``(cache, index column [128, 1])`` for each cache that 128-slot tile ``tile`` has slots of:
-    the one cache, or with two caches (``row_index`` a pair) the main one for slots below
-    ``main_slots`` and the second for the others, both for a tile across the boundary (each DMA
-    then skips the other cache's slots, whose indices it holds as ``EMPTY_SLOT_INDEX``)."""
+    """``(cache, its rope columns or None, index column [128, 1])`` for each cache that 128-slot
+    tile ``tile`` has slots of: the one cache, or with two caches (``row_index`` a pair) the main
+    one for slots below ``main_slots`` and the second for the others, both for a tile across the
+    boundary (each DMA then skips the other cache's slots, whose indices it holds as
+    ``EMPTY_SLOT_INDEX``)."""
     if src.extra_rows is None:
-        return [(src.slot_rows, row_index[:, tile : tile + 1])]
+        return [(src.slot_rows, src.rope_rows, row_index[:, tile : tile + 1])]
     main_index, extra_index = row_index
     first, sources = tile * KERNEL_TILE, []
     if first < src.main_slots:
-        sources.append((src.slot_rows, main_index[:, tile : tile + 1]))
+        sources.append((src.slot_rows, src.rope_rows, main_index[:, tile : tile + 1]))
     if first + KERNEL_TILE > src.main_slots:
-        sources.append((src.extra_rows, extra_index[:, tile : tile + 1]))
+        sources.append((src.extra_rows, src.extra_rope, extra_index[:, tile : tile + 1]))
     return sources
 
 
@@ -355,7 +357,7 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
     nisa.memset(dst=rows, value=0.0, engine=nisa.engine.gpsimd)
     first_tile = c0 // KERNEL_TILE
     for kc in range(k_tiles):
-        for cache, index in _tile_sources(src, row_index, first_tile + kc):
+        for cache, _, index in _tile_sources(src, row_index, first_tile + kc):
             nisa.dma_copy(
                 dst=rows[:, kc, :],
                 src=cache.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
@@ -386,13 +388,13 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     nisa.dma_copy(dst=raw, src=src.fp8_zeros[:, 0:k_tiles, :])
     first_tile = c0 // KERNEL_TILE
     for kc in range(k_tiles):
-        nisa.dma_copy(
-            dst=raw[:, kc, :],
-            src=src.slot_rows.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
-                                 vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
-                                 indirect_dim=0),
-            oob_mode=nisa.oob_mode.skip,
-        )  # fmt: skip
+        for cache, _, index in _tile_sources(src, row_index, first_tile + kc):
+            nisa.dma_copy(
+                dst=raw[:, kc, :],
+                src=cache.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
+                             vector_offset=index, indirect_dim=0),
+                oob_mode=nisa.oob_mode.skip,
+            )  # fmt: skip
     rows = nl.ndarray((KERNEL_TILE, k_tiles, src.dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     if src.rope_rows is not None:
         # Split rows: the 16-bit columns by their own indirect DMA into the tile's last columns,
@@ -401,13 +403,13 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
         rope = src.dim - dim
         nisa.memset(dst=rows[:, :, dim : src.dim], value=0.0, engine=nisa.engine.vector)
         for kc in range(k_tiles):
-            nisa.dma_copy(
-                dst=rows[:, kc, dim : src.dim],
-                src=src.rope_rows.ap(pattern=[[rope, KERNEL_TILE], [1, rope]], offset=0,
-                                     vector_offset=row_index[:, first_tile + kc : first_tile + kc + 1],
-                                     indirect_dim=0),
-                oob_mode=nisa.oob_mode.skip,
-            )  # fmt: skip
+            for _, rope_rows, index in _tile_sources(src, row_index, first_tile + kc):
+                nisa.dma_copy(
+                    dst=rows[:, kc, dim : src.dim],
+                    src=rope_rows.ap(pattern=[[rope, KERNEL_TILE], [1, rope]], offset=0,
+                                     vector_offset=index, indirect_dim=0),
+                    oob_mode=nisa.oob_mode.skip,
+                )  # fmt: skip
     for kc in range(k_tiles):
         for g in range(groups):
             cols = slice(g * group_width, (g + 1) * group_width)
@@ -458,7 +460,7 @@ def _gathered_transposed_rows(src: _Source, row_index, c0: int, width: int):
     first_tile = c0 // KERNEL_TILE
     for dc, d0, dw in _d_chunks(src.dim):
         for kc in range(k_tiles):
-            for cache, index in _tile_sources(src, row_index, first_tile + kc):
+            for cache, _, index in _tile_sources(src, row_index, first_tile + kc):
                 nisa.dma_transpose(
                     dst=rows_t[0:dw, dc, kc * KERNEL_TILE : (kc + 1) * KERNEL_TILE],
                     src=cache.ap(pattern=[[src.dim, KERNEL_TILE], [1, dw]], offset=d0,
@@ -777,8 +779,13 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
             f"kv_rope {rope.shape} must be [R, D - D8] = ({slot_rows.shape[0]}, "
             f"{dim - slot_rows.shape[1]})"
         )
-    if extra is not None:  # two caches: (extra_kv, extra_idx, main_slots)
-        _check_interface(q, extra[0], bias, sink, indexed)
+    if extra is not None:  # two caches: (extra_kv, extra_idx, main_slots[, extra_rope])
+        _check_interface(q, extra[0], bias, sink, indexed, row_dim)
+        assert extra[0].dtype == slot_rows.dtype, f"extra_kv {extra[0].dtype} must be {slot_rows.dtype}"
+        if len(extra) > 3:
+            assert tuple(extra[3].shape) == (extra[0].shape[0], dim - row_dim), (
+                f"extra_kv_rope {extra[3].shape} must be [R2, D - D8]"
+            )
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
     # of the logical core (n = 2 on trn2/trn3 by default, LNC=2); program p takes the p-th share
     # of the tokens. The form of AWS's nki-library kernels (nl.num_programs / nl.program_id).
@@ -808,7 +815,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
                    if slot_scale is not None else None),
                   scale_groups, value_dim=0 if values == dim else values)  # fmt: skip
     if extra is not None:
-        src.extra_rows, src.extra_idx, src.main_slots = extra
+        src.extra_rows, src.extra_idx, src.main_slots = extra[:3]
+        src.extra_rope = extra[3] if len(extra) > 3 else None
     src.rope_rows = rope
     if slot_scale is not None:
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, slot_rows.shape[1]),
@@ -910,6 +918,41 @@ def gathered_attn_idx_fp8_split_kernel(q, kv, kv_rope, slot_scale, idx, bias, si
     )
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
                                     groups, value_dim, rope=kv_rope)  # fmt: skip
+
+
+def gathered_attn_idx_fp8_split_two_caches_kernel(q, kv, kv_rope, extra_kv, extra_rope, slot_scale,
+                                                  idx, extra_idx, bias, sink, value_shift=0,
+                                                  max_chunk=None, value_dim=None,
+                                                  main_slots=0):  # fmt: skip
+    """Two caches of split FP8 rows in one softmax (V4 keeps both so; trn2, trn3): each as
+    :func:`gathered_attn_idx_fp8_split_kernel` reads its one, placed as
+    :func:`gathered_attn_idx_two_caches_kernel` places two caches' slots.
+
+    Args:
+      kv, extra_kv: ``[R, D8]``, ``[R2, D8]``, one FP8 dtype; kv_rope, extra_rope: ``[R, D - D8]``,
+        ``[R2, D - D8]`` bf16. slot_scale: ``[T, 128, Kp/128 * n]`` f32, each slot's scales from
+        its own cache (the same ``n`` groups). idx, extra_idx, main_slots: as
+        :func:`gathered_attn_idx_two_caches_kernel`.
+    Other arguments and the result as :func:`gathered_attn_idx_fp8_kernel`.
+    """
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    k_tiles = slots // KERNEL_TILE
+    for name, index in (("idx", idx), ("extra_idx", extra_idx)):
+        assert tuple(index.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
+            f"{name} {index.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
+        )
+    assert kv.ndim == 2 and kv.dtype in (nl.float8_e4m3fn, nl.float8_e5m2), (
+        f"kv {kv.shape} {kv.dtype} must be FP8"
+    )
+    groups = slot_scale.shape[2] // k_tiles if slot_scale.ndim == 3 else 0
+    assert groups > 0 and kv.shape[1] % groups == 0 and 0 < kv.shape[1] < q.shape[2], (
+        f"kv {kv.shape} must be [R, D8] with 0 < D8 < D={q.shape[2]} and {groups} scale groups "
+        "dividing D8"
+    )
+    assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
+                                    groups, value_dim, rope=kv_rope,
+                                    extra=(extra_kv, extra_idx, main_slots, extra_rope))  # fmt: skip
 
 
 def gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, sink, value_shift=0,

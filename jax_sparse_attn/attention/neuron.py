@@ -167,7 +167,8 @@ def launch_programs(target: str) -> int:
 
 
 def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None,
-                kv_scale=None, value_dim=None, extra_rows=None, main_slots=0, kv_rope=None):
+                kv_scale=None, value_dim=None, extra_rows=None, main_slots=0, kv_rope=None,
+                extra_kv_scale=None, extra_rope=None):
     """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, value_dim], lse [T, H] f32)``;
     the kernel does ``value_dim`` (default D) columns of value work.
 
@@ -176,7 +177,9 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     ``extra_rows`` (a second 16-bit cache, trn2/trn3, both caches of rows and D > 0; see
     ``_reads_both_caches``), ``idx`` and ``bias`` cover both caches' slots, the first
     ``main_slots`` the main one's, and the two-cache kernel reads both. With ``kv_rope`` (split
-    FP8 rows, trn2/trn3: ``_reads_split_rows``) the split kernel reads both parts of the rows."""
+    FP8 rows, trn2/trn3: ``_reads_split_rows``) the split kernel reads both parts of the rows;
+    with both (and ``extra_kv_scale``, ``extra_rope``: two FP8 caches of split rows,
+    ``_reads_both_split_caches``) the kernel that reads the four."""
     from . import kernel as kernels
 
     T, H, D = q.shape
@@ -185,10 +188,13 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     if layout.is_empty or (idx is not None and slot_rows.shape[0] == 0):
         return empty_result(q, sink, value_dim)
     kernel, gather_in_xla = kernels.kernel_for(target, idx is not None, fp8=kv_scale is not None)
-    if extra_rows is not None:
+    if extra_rows is not None and kv_rope is not None:
+        assert not gather_in_xla and kv_scale is not None and extra_kv_scale is not None
+        kernel = kernels.gathered_attn_idx_fp8_split_two_caches_kernel
+    elif extra_rows is not None:
         assert not gather_in_xla and kv_scale is None
         kernel = kernels.gathered_attn_idx_two_caches_kernel
-    if kv_rope is not None:
+    elif kv_rope is not None:
         assert not gather_in_xla and kv_scale is not None and D > 0
         kernel = kernels.gathered_attn_idx_fp8_split_kernel
     if kv_scale is not None and (gather_in_xla or D == 0):
@@ -209,6 +215,7 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
         q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla,
         programs=launch_programs(target), kv_scale=kv_scale, value_dim=value_dim,
         extra_rows=extra_rows, main_slots=main_slots, kv_rope=kv_rope,
+        extra_kv_scale=extra_kv_scale, extra_rope=extra_rope,
     )  # fmt: skip
     # The value product's overflow guard for the user's K (docs/contract.md): the kernel's bf16.
     options = {"value_shift": value_shift(bias.shape[1], "bfloat16")}
@@ -283,6 +290,19 @@ def _reads_split_rows(target, kv, kv_rope, extra_kv) -> bool:
             and kv.shape[0] > 0 and kv.shape[1] > 0)
 
 
+def _reads_both_split_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
+                             extra_kv_rope) -> bool:
+    """Whether one kernel reads two FP8 caches of split rows (V4's FP8 layout for both) itself:
+    the same FP8 dtype, FP8 columns, scale groups and rope width in both, rows in both, trn2/trn3;
+    otherwise XLA gathers and dequantises both caches' slots (``_pregathered_slots``)."""
+    return (extra_kv is not None and extra_kv_scale is not None and kv_rope is not None
+            and extra_kv_rope is not None and target in TARGETS_WITH_DGE
+            and kv.dtype == extra_kv.dtype and kv.shape[1] == extra_kv.shape[1] > 0
+            and kv_scale.shape[1] == extra_kv_scale.shape[1]
+            and kv_rope.shape[1] == extra_kv_rope.shape[1]
+            and kv.shape[0] > 0 and extra_kv.shape[0] > 0)
+
+
 def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, extra_kv, extra_idx,
                  extra_bias, kv_scale, kv_rope, extra_kv_scale, extra_kv_rope, value_dim):
     """``gathered_attn_idx_p`` on the Neuron path (``call_kernels``: the device's or the
@@ -294,6 +314,14 @@ def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, e
                            jnp.concatenate([bias, extra_bias], 1), scale,
                            idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
                            extra_rows=extra_kv, main_slots=idx.shape[1])  # fmt: skip
+    if _reads_both_split_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
+                                extra_kv_rope):
+        return _run_packed(call_kernels, target, q, kv, sink,
+                           jnp.concatenate([bias, extra_bias], 1), scale,
+                           idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
+                           kv_scale=kv_scale, kv_rope=kv_rope, extra_rows=extra_kv,
+                           main_slots=idx.shape[1], extra_kv_scale=extra_kv_scale,
+                           extra_rope=extra_kv_rope)  # fmt: skip
     if _reads_split_rows(target, kv, kv_rope, extra_kv):
         return _run_packed(call_kernels, target, q, kv, sink, bias, scale, idx=idx,
                            kv_scale=kv_scale, kv_rope=kv_rope, value_dim=value_dim)
@@ -307,6 +335,10 @@ def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, e
 
 def _kernel_args(packed: PackedOperands, group: int) -> tuple:
     """Arguments of one kernel call, in the kernel's order."""
+    if packed.extra_rope is not None:
+        return (packed.q_groups[group], packed.slot_rows, packed.rope_rows, packed.extra_rows,
+                packed.extra_rope, packed.slot_scale, packed.idx, packed.extra_idx, packed.bias,
+                packed.sink_groups[group])
     if packed.extra_rows is not None:
         return (packed.q_groups[group], packed.slot_rows, packed.idx, packed.extra_rows,
                 packed.extra_idx, packed.bias, packed.sink_groups[group])
@@ -410,15 +442,8 @@ def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: Kerne
     # shard_map ("result shardings don't match number of values"), which is where the sharded
     # paths run it. The bf16 output travels exactly as f32, the lse in the last column.
     result = jax.ShapeDtypeStruct(shape + (layout.value_dim_padded + 1,), jnp.float32)
-    arrays = [packed.q_groups, packed.slot_rows, packed.bias, packed.sink_groups]
-    if packed.idx is not None:
-        arrays.insert(2, packed.idx)
-    if packed.slot_scale is not None:
-        arrays.insert(2, packed.slot_scale)
-    if packed.rope_rows is not None:
-        arrays.insert(2, packed.rope_rows)
-    if packed.extra_rows is not None:
-        arrays[3:3] = [packed.extra_rows, packed.extra_idx]
+    # Host arrays in the kernel's order: q per head group, then the shared ones, the sink last.
+    arrays = [packed.q_groups, *_kernel_args(packed, 0)[1:-1], packed.sink_groups]
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
     packed_result = jax.pure_callback(

@@ -131,6 +131,7 @@ class PackedOperands(NamedTuple):
     rope_rows: Optional[jax.Array] = None  # FP8 split rows: kv_rope [R, D - D8] bf16
     extra_rows: Optional[jax.Array] = None  # two caches: the second one [R2, Dp] bf16
     extra_idx: Optional[jax.Array] = None  # and its indices, laid out as idx (see pack_for_kernel)
+    extra_rope: Optional[jax.Array] = None  # two FP8 split caches: the second one's rope columns
 
 
 def _pad_axis(x, axis: int, size: int, value=0):
@@ -142,6 +143,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 def pack_for_kernel(
     q, slot_rows, sink, bias, scale, idx=None, *, gather_in_xla: bool = False, programs: int = 1,
     kv_scale=None, value_dim: int = 0, extra_rows=None, main_slots: int = 0, kv_rope=None,
+    extra_kv_scale=None, extra_rope=None,
 ) -> tuple[PackedOperands, KernelLayout]:
     """Packs normalised primitive operands for the NKI kernels.
 
@@ -161,7 +163,8 @@ def pack_for_kernel(
       extra_rows, main_slots: two caches (the two-cache kernel; 16-bit, ``idx`` given, not
         ``gather_in_xla``): ``extra_rows [R2, D]`` the second cache, ``idx`` and ``bias`` the
         slots of both, the first ``main_slots`` the main cache's. Each cache gets its own indices
-        of all ``Kp`` slots, ``EMPTY_SLOT_INDEX`` at the other cache's.
+        of all ``Kp`` slots, ``EMPTY_SLOT_INDEX`` at the other cache's. Two FP8 caches of split
+        rows add ``extra_kv_scale`` and ``extra_rope`` (each slot's scales from its own cache).
     Returns the packed operands and the static layout. The layout must not be empty.
     """
     T, H, D = q.shape
@@ -173,7 +176,8 @@ def pack_for_kernel(
     valid = bias != -jnp.inf
     is_main = None
     if extra_rows is not None:
-        assert idx is not None and not gather_in_xla and kv_scale is None
+        assert idx is not None and not gather_in_xla
+        assert (kv_scale is None) == (extra_kv_scale is None)
         is_main = jnp.arange(K) < main_slots
         rows = jnp.where(is_main, slot_rows.shape[0], extra_rows.shape[0])
         valid = valid & (idx >= 0) & (idx < rows[None, :])
@@ -214,7 +218,8 @@ def pack_for_kernel(
         packed_idx = kernel_indices(valid if is_main is None else valid & is_main)
         if extra_rows is not None:
             packed_extra_idx = kernel_indices(valid & ~is_main)
-            packed_extra_rows = _pad_axis(extra_rows.astype(jnp.bfloat16), 1, Dp)
+            packed_extra_rows = (_pad_axis(extra_rows.astype(jnp.bfloat16), 1, Dp)
+                                 if kv_scale is None else extra_rows)
         if kv_scale is None:
             packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
         else:  # the FP8 kernel reads the cache as it is, and the scales of its slots
@@ -222,8 +227,17 @@ def pack_for_kernel(
             assert slot_rows.shape[1] == D - (0 if kv_rope is None else kv_rope.shape[1])
             rows, n = kv_scale.shape
             packed_rows = slot_rows
-            in_cache = jnp.where(valid, idx, rows)  # out of range: filled with 0, nothing read
-            slot_scale = kv_scale.astype(jnp.float32).at[in_cache].get(mode="fill", fill_value=0)
+
+            def slot_scales(scales, mine):  # out of range: filled with 0, nothing read
+                in_cache = jnp.where(mine, idx, scales.shape[0])
+                return scales.astype(jnp.float32).at[in_cache].get(mode="fill", fill_value=0)
+
+            if extra_rows is None:
+                slot_scale = slot_scales(kv_scale, valid)
+            else:  # each slot's scales from its own cache
+                slot_scale = jnp.where(is_main[None, :, None],
+                                       slot_scales(kv_scale, valid & is_main),
+                                       slot_scales(extra_kv_scale, valid & ~is_main))
             slot_scale = _pad_axis(slot_scale, 1, Kp)  # [Tp, Kp, n]
             slot_scale = slot_scale.reshape(Tp, Kp // KERNEL_TILE, KERNEL_TILE, n)
             kv_scale = slot_scale.transpose(0, 2, 1, 3).reshape(Tp, KERNEL_TILE, -1)
@@ -244,6 +258,7 @@ def pack_for_kernel(
         row_has_slot=row_has_slot,
         slot_scale=kv_scale,
         rope_rows=None if kv_rope is None else kv_rope.astype(jnp.bfloat16),
+        extra_rope=None if extra_rope is None else extra_rope.astype(jnp.bfloat16),
         extra_rows=packed_extra_rows,
         extra_idx=packed_extra_idx,
     )
