@@ -329,6 +329,22 @@ def _tile_sources(src: _Source, row_index, tile: int):
     return sources
 
 
+def _gather_tiles(src: _Source, row_index, first_tile: int, k_tiles: int, dst_of, columns: int,
+                  rope: bool = False):
+    """Tiles ``first_tile ..`` of the token's slots: per 128-slot tile ``kc``, one indirect DMA
+    into ``dst_of(kc)`` (``[128, columns]``) from each cache it has slots of (``_tile_sources``;
+    ``rope``: from that cache's rope columns), ``oob_mode=skip``, so an empty slot reads nothing."""
+    for kc in range(k_tiles):
+        for cache, rope_rows, index in _tile_sources(src, row_index, first_tile + kc):
+            nisa.dma_copy(
+                dst=dst_of(kc),
+                src=(rope_rows if rope else cache).ap(pattern=[[columns, KERNEL_TILE], [1, columns]],
+                                                      offset=0, vector_offset=index,
+                                                      indirect_dim=0),
+                oob_mode=nisa.oob_mode.skip,
+            )  # fmt: skip
+
+
 def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
     """Slots ``c0 .. c0 + width`` of the token as ``[128 (slot), width/128, D]`` bf16 in SBUF.
 
@@ -355,15 +371,7 @@ def _fetch_slot_rows(src: _Source, row_index, c0: int, width: int):
         return rows
     # GpSimd: the VectorEngine carries more of the elementwise work.
     nisa.memset(dst=rows, value=0.0, engine=nisa.engine.gpsimd)
-    first_tile = c0 // KERNEL_TILE
-    for kc in range(k_tiles):
-        for cache, _, index in _tile_sources(src, row_index, first_tile + kc):
-            nisa.dma_copy(
-                dst=rows[:, kc, :],
-                src=cache.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
-                             vector_offset=index, indirect_dim=0),
-                oob_mode=nisa.oob_mode.skip,
-            )  # fmt: skip
+    _gather_tiles(src, row_index, c0 // KERNEL_TILE, k_tiles, lambda kc: rows[:, kc, :], dim)
     return rows
 
 
@@ -387,29 +395,15 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=raw, src=src.fp8_zeros[:, 0:k_tiles, :])
     first_tile = c0 // KERNEL_TILE
-    for kc in range(k_tiles):
-        for cache, _, index in _tile_sources(src, row_index, first_tile + kc):
-            nisa.dma_copy(
-                dst=raw[:, kc, :],
-                src=cache.ap(pattern=[[dim, KERNEL_TILE], [1, dim]], offset=0,
-                             vector_offset=index, indirect_dim=0),
-                oob_mode=nisa.oob_mode.skip,
-            )  # fmt: skip
+    _gather_tiles(src, row_index, first_tile, k_tiles, lambda kc: raw[:, kc, :], dim)
     rows = nl.ndarray((KERNEL_TILE, k_tiles, src.dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     if src.rope_rows is not None:
         # Split rows: the 16-bit columns by their own indirect DMA into the tile's last columns,
         # zeroed first (VectorE: GpSimd makes the DMAs' descriptors) so that an empty slot's
         # stay 0 (the same indices, oob_mode=skip).
-        rope = src.dim - dim
         nisa.memset(dst=rows[:, :, dim : src.dim], value=0.0, engine=nisa.engine.vector)
-        for kc in range(k_tiles):
-            for _, rope_rows, index in _tile_sources(src, row_index, first_tile + kc):
-                nisa.dma_copy(
-                    dst=rows[:, kc, dim : src.dim],
-                    src=rope_rows.ap(pattern=[[rope, KERNEL_TILE], [1, rope]], offset=0,
-                                     vector_offset=index, indirect_dim=0),
-                    oob_mode=nisa.oob_mode.skip,
-                )  # fmt: skip
+        _gather_tiles(src, row_index, first_tile, k_tiles, lambda kc: rows[:, kc, dim : src.dim],
+                      src.dim - dim, rope=True)  # fmt: skip
     for kc in range(k_tiles):
         for g in range(groups):
             cols = slice(g * group_width, (g + 1) * group_width)
@@ -892,6 +886,24 @@ def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift
                                     groups, value_dim)  # fmt: skip
 
 
+def _split_scale_groups(q, kv, slot_scale, bias, **indices) -> int:
+    """Trace-time checks of a split-row kernel's FP8 operands and indices; the scale groups."""
+    k_tiles = (bias.shape[1] - BIAS_PREFIX_COLS) // KERNEL_TILE
+    for name, index in indices.items():
+        assert tuple(index.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
+            f"{name} {index.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
+        )
+    assert kv.ndim == 2 and kv.dtype in (nl.float8_e4m3fn, nl.float8_e5m2), (
+        f"kv {kv.shape} {kv.dtype} must be FP8"
+    )
+    groups = slot_scale.shape[2] // k_tiles if slot_scale.ndim == 3 else 0
+    assert groups > 0 and kv.shape[1] % groups == 0 and 0 < kv.shape[1] < q.shape[2], (
+        f"kv {kv.shape} must be [R, D8] with 0 < D8 < D={q.shape[2]} and {groups} scale groups "
+        "dividing D8"
+    )
+    return groups
+
+
 def gathered_attn_idx_fp8_split_kernel(q, kv, kv_rope, slot_scale, idx, bias, sink, value_shift=0,
                                        max_chunk=None, value_dim=None):  # fmt: skip
     """:func:`gathered_attn_idx_fp8_kernel` on DeepSeek's split rows (trn2, trn3).
@@ -903,19 +915,7 @@ def gathered_attn_idx_fp8_split_kernel(q, kv, kv_rope, slot_scale, idx, bias, si
         ``[(kv.astype(f32) * scale).astype(bf16) | kv_rope]`` of the slots only.
     Other arguments and the result as :func:`gathered_attn_idx_fp8_kernel`.
     """
-    slots = bias.shape[1] - BIAS_PREFIX_COLS
-    k_tiles = slots // KERNEL_TILE
-    assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
-        f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
-    )
-    assert kv.ndim == 2 and kv.dtype in (nl.float8_e4m3fn, nl.float8_e5m2), (
-        f"kv {kv.shape} {kv.dtype} must be FP8"
-    )
-    groups = slot_scale.shape[2] // k_tiles if slot_scale.ndim == 3 else 0
-    assert groups > 0 and kv.shape[1] % groups == 0 and 0 < kv.shape[1] < q.shape[2], (
-        f"kv {kv.shape} must be [R, D8] with 0 < D8 < D={q.shape[2]} and {groups} scale groups "
-        "dividing D8"
-    )
+    groups = _split_scale_groups(q, kv, slot_scale, bias, idx=idx)
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
                                     groups, value_dim, rope=kv_rope)  # fmt: skip
 
@@ -935,20 +935,8 @@ def gathered_attn_idx_fp8_split_two_caches_kernel(q, kv, kv_rope, extra_kv, extr
         :func:`gathered_attn_idx_two_caches_kernel`.
     Other arguments and the result as :func:`gathered_attn_idx_fp8_kernel`.
     """
+    groups = _split_scale_groups(q, kv, slot_scale, bias, idx=idx, extra_idx=extra_idx)
     slots = bias.shape[1] - BIAS_PREFIX_COLS
-    k_tiles = slots // KERNEL_TILE
-    for name, index in (("idx", idx), ("extra_idx", extra_idx)):
-        assert tuple(index.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
-            f"{name} {index.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
-        )
-    assert kv.ndim == 2 and kv.dtype in (nl.float8_e4m3fn, nl.float8_e5m2), (
-        f"kv {kv.shape} {kv.dtype} must be FP8"
-    )
-    groups = slot_scale.shape[2] // k_tiles if slot_scale.ndim == 3 else 0
-    assert groups > 0 and kv.shape[1] % groups == 0 and 0 < kv.shape[1] < q.shape[2], (
-        f"kv {kv.shape} must be [R, D8] with 0 < D8 < D={q.shape[2]} and {groups} scale groups "
-        "dividing D8"
-    )
     assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
                                     groups, value_dim, rope=kv_rope,
