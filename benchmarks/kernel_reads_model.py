@@ -10,10 +10,12 @@ and every form those kernels do not take, runs):
   ones (D = 576), top-2048 of R = 65536 rows (W is unused).
 - ``--case two-fp8-caches``: V4's FP8 layout in both caches (448 FP8 columns with power-of-two
   scales per 64, then 64 bf16), read by one kernel; V4's decode shape as for ``two-caches``.
+- ``--case fp8-beside-bf16-window``: the compressed rows in that FP8 layout, the window in bf16.
 
     python benchmarks/kernel_reads_model.py --case two-caches --json benchmarks/model-trn2-two-caches.json
     python benchmarks/kernel_reads_model.py --case split-rows --json benchmarks/model-trn2-split-rows.json
     python benchmarks/kernel_reads_model.py --case two-fp8-caches --json benchmarks/model-trn2-two-fp8-caches.json
+    python benchmarks/kernel_reads_model.py --case fp8-beside-bf16-window --json benchmarks/model-trn2-fp8-beside-bf16-window.json
 
 Both paths run under the project's emulator with cost recording (docs/nki-emulator.md, "Cost
 model"); XLA's gather for the pre-gathered kernel is outside the model, so it is reported as the
@@ -54,7 +56,8 @@ def modelled(fn) -> tuple[np.ndarray, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="two-caches",
-                        choices=["two-caches", "split-rows", "two-fp8-caches"])
+                        choices=["two-caches", "split-rows", "two-fp8-caches",
+                                 "fp8-beside-bf16-window"])
     parser.add_argument("--target", default="trn2", choices=["trn2", "trn3"])
     parser.add_argument("--shape", help="T,H,D,K,R,W: tokens, heads, width, top-k, rows, window "
                         "(default: the case's DeepSeek shape)")
@@ -70,7 +73,8 @@ def main() -> None:
     os.environ[nki_emulator.TARGET_ENV] = args.target
     jax.clear_caches()
     zero_bias = jnp.zeros((T, K), jnp.float32)
-    if args.case == "two-fp8-caches":  # V4: 448 FP8 columns, power-of-two scales per 64, 64 bf16
+    if args.case in ("two-fp8-caches", "fp8-beside-bf16-window"):
+        # V4: 448 FP8 columns, power-of-two scales per 64, 64 bf16
         D8 = D - 64
 
         def split_cache(rows):
@@ -80,6 +84,11 @@ def main() -> None:
 
         (kv, kv_scale, rope), (window, window_scale, window_rope) = split_cache(R), split_cache(T * W)
         window_idx = jnp.asarray(np.arange(T)[:, None] * W + np.arange(W), jnp.int32)
+        window_bytes = D8 + 4 * (D8 // 64) + 64 * 2
+        if args.case == "fp8-beside-bf16-window":
+            window = jnp.asarray(rng.standard_normal((T * W, D)), jnp.bfloat16)
+            window_scale = window_rope = None
+            window_bytes = D * 2
         native = lambda: jsa.gathered_attn_idx(  # noqa: E731
             q, kv, idx, sink, kv_scale=kv_scale, kv_rope=rope, extra_kv=window,
             extra_idx=window_idx, extra_kv_scale=window_scale, extra_kv_rope=window_rope,
@@ -87,7 +96,8 @@ def main() -> None:
         g, bias = neuron._pregathered_slots(q.dtype, kv, idx, zero_bias, window, window_idx,
                                             jnp.zeros((T, W), jnp.float32), kv_scale, rope,
                                             window_scale, window_rope)
-        slots, read_bytes = K + W, D8 + 4 * (D8 // 64) + 64 * 2
+        # XLA reads each slot's row (FP8 bytes, scales and rope, or bf16) and writes it as bf16.
+        xla_bytes = T * (K * (D8 + 4 * (D8 // 64) + 64 * 2) + W * window_bytes + (K + W) * D * 2)
     elif two:
         kv = jnp.asarray(rng.standard_normal((R, D)), jnp.bfloat16)
         window = jnp.asarray(rng.standard_normal((T * W, D)), jnp.bfloat16)
@@ -96,7 +106,7 @@ def main() -> None:
             q, kv, idx, sink, extra_kv=window, extra_idx=window_idx, implementation="nki_emulated")
         g, bias = neuron._pregathered_slots(q.dtype, kv, idx, zero_bias, window, window_idx,
                                             jnp.zeros((T, W), jnp.float32), None, None)
-        slots, read_bytes = K + W, D * 2
+        xla_bytes = T * (K + W) * D * 2 * 2
     else:  # V3.2: 512 FP8 columns (a scale per 128), then 64 bf16
         D8 = D - 64
         kv = jnp.asarray(rng.standard_normal((R, D8)), jnp.float8_e4m3fn)
@@ -105,7 +115,7 @@ def main() -> None:
         native = lambda: jsa.gathered_attn_idx(  # noqa: E731
             q, kv, idx, sink, kv_scale=kv_scale, kv_rope=rope, implementation="nki_emulated")
         g, bias = neuron._fp8_slots(kv, kv_scale, rope, idx, zero_bias)
-        slots, read_bytes = K, D8 + 4 * (D8 // 128) + 64 * 2
+        xla_bytes = T * K * (D8 + 4 * (D8 // 128) + 64 * 2 + D * 2)
     out_native, modelled_native = modelled(native)
     scale = jnp.full((T,), D ** -0.5, jnp.float32)
     out_pre, pre = modelled(lambda: neuron.emulated_gathered_attn_lse(q, g, sink, bias, scale)[0])
@@ -114,7 +124,7 @@ def main() -> None:
         "case": args.case, "target": args.target, "shape": dict(T=T, H=H, D=D, K=K, R=R, W=W),
         "host": platform.processor() or platform.machine(),
         "kernel_reading_the_operands": modelled_native, "pregathered_kernel": pre,
-        "xla_gather_bytes_not_modelled": T * slots * (read_bytes + D * 2),
+        "xla_gather_bytes_not_modelled": xla_bytes,
         "same_bits": bool(np.array_equal(out_native.view(np.uint16), out_pre.view(np.uint16))),
     }
     print(json.dumps(record, indent=1))

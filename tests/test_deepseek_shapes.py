@@ -5,6 +5,7 @@ the concatenation, bit for bit, where the contract says so); rows that no real s
 NaN, so any read of them would show.
 """
 
+import contextlib
 import functools
 
 import jax
@@ -393,6 +394,29 @@ def test_two_caches_bad_input_names_the_argument(rng):
 # --- FP8 as an operand of the primitive; DeepSeek's split rows -------------------------------------
 
 
+@pytest.fixture
+def kernel_reads_operands(monkeypatch):
+    """trn2, and a context in which XLA's pre-gather for the Neuron kernel raises: what runs in it
+    is a kernel that reads the op's operands itself."""
+    from jax_sparse_attn import nki_emulator
+    from jax_sparse_attn.attention import neuron
+
+    monkeypatch.setenv(nki_emulator.TARGET_ENV, "trn2")
+    jax.clear_caches()
+
+    def no_xla_gather(*args):
+        raise AssertionError("the slots were gathered by XLA")
+
+    @contextlib.contextmanager
+    def without_xla_gather():
+        with monkeypatch.context() as m:
+            m.setattr(neuron, "_pregathered_slots", no_xla_gather)
+            yield
+
+    yield without_xla_gather
+    jax.clear_caches()
+
+
 def _split_rows(rng, R, D8, Dr, G, power_of_two=False):
     """An FP8 cache [R, D8] with f32 scales per G columns and 16-bit rope columns [R, Dr]; returns
     them and the logical rows [dequantised | rope] (numpy, bf16)."""
@@ -407,21 +431,29 @@ def _split_rows(rng, R, D8, Dr, G, power_of_two=False):
     return kv8, scale, rope, logical
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("layout", ["v3.2", "v4"])
-def test_split_fp8_rows_follow_the_contract_on_the_logical_rows(rng, implementation, layout):
-    D8, G, pow2 = (256, 128, False) if layout == "v3.2" else (448, 64, True)
-    Dr, R, T, H, K = 64, 40, 3, 4, 24
-    kv8, scale, rope, logical = _split_rows(rng, R, D8, Dr, G, pow2)
-    q = rng.standard_normal((T, H, D8 + Dr)).astype(BF16)
+def _split_case(rng, layout, K, v32_fp8_columns):
+    """A split-row cache in V3.2's layout (``v32_fp8_columns`` FP8 columns, a scale per 128) or
+    V4's (448, power-of-two scales per 64), 64 bf16 columns, R = 40, and ``q [3, 4, D]``,
+    ``idx [3, K]``; garbage in every row no slot selects (FP8 NaN bytes, inf scales, NaN rope)."""
+    D8, G, pow2 = (v32_fp8_columns, 128, False) if layout == "v3.2" else (448, 64, True)
+    R, T, H = 40, 3, 4
+    kv8, scale, rope, logical = _split_rows(rng, R, D8, 64, G, pow2)
+    q = rng.standard_normal((T, H, D8 + 64)).astype(BF16)
     idx = rng.integers(-1, R, size=(T, K)).astype(np.int32)
-    sink = rng.standard_normal(H).astype(np.float32)
     used = np.zeros(R, bool)
     used[idx[idx >= 0]] = True
-    # Garbage in every row no slot selects: FP8 NaN bytes, inf scales, NaN rope columns.
     kv8.view(np.uint8)[~used] = 0x7F
     scale[~used] = np.inf
     rope[~used] = np.nan
+    return kv8, scale, rope, logical, q, idx, used, pow2
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layout", ["v3.2", "v4"])
+def test_split_fp8_rows_follow_the_contract_on_the_logical_rows(rng, implementation, layout):
+    kv8, scale, rope, logical, q, idx, used, pow2 = _split_case(rng, layout, 24, 256)
+    (T, H, _), D8 = q.shape, kv8.shape[1]
+    sink = rng.standard_normal(H).astype(np.float32)
     out, lse = jsa.gathered_attn_idx(q, kv8, idx, sink, kv_scale=scale, kv_rope=rope,
                                      value_dim=D8, return_lse=True, implementation=implementation)
     assert out.shape == (T, H, D8)
@@ -438,32 +470,14 @@ def test_split_fp8_rows_follow_the_contract_on_the_logical_rows(rng, implementat
 
 
 @pytest.mark.parametrize("layout", ["v3.2", "v4"])
-def test_the_fp8_kernel_reads_split_rows_itself(rng, monkeypatch, layout):
+def test_the_fp8_kernel_reads_split_rows_itself(rng, kernel_reads_operands, layout):
     # On trn2 the split kernel gathers the FP8 columns and the rope columns by indirect DMA (XLA
-    # gathers nothing: the pre-gathered path would raise here) and dequantises on chip: the
-    # bf16 kernel's result on the logical rows, bit for bit, also with scales that are not
-    # powers of two (both round (kv * scale) once to bf16). 150 slots: two tiles, one partial.
-    from jax_sparse_attn import nki_emulator
-    from jax_sparse_attn.attention import neuron
+    # gathers nothing) and dequantises on chip: the bf16 kernel's result on the logical rows,
+    # bit for bit, also with scales that are not powers of two (both round (kv * scale) once to
+    # bf16). 150 slots: two tiles, one partial.
+    kv8, scale, rope, logical, q, idx, used, _ = _split_case(rng, layout, 150, 512)
 
-    monkeypatch.setenv(nki_emulator.TARGET_ENV, "trn2")
-    jax.clear_caches()
-    D8, G, pow2 = (512, 128, False) if layout == "v3.2" else (448, 64, True)
-    Dr, R, T, H, K = 64, 40, 3, 4, 150
-    kv8, scale, rope, logical = _split_rows(rng, R, D8, Dr, G, pow2)
-    q = rng.standard_normal((T, H, D8 + Dr)).astype(BF16)
-    idx = rng.integers(-1, R, size=(T, K)).astype(np.int32)
-    used = np.zeros(R, bool)
-    used[idx[idx >= 0]] = True
-    kv8.view(np.uint8)[~used] = 0x7F  # garbage in every row no slot selects
-    scale[~used] = np.inf
-    rope[~used] = np.nan
-
-    def no_xla_gather(*args):
-        raise AssertionError("split rows were gathered by XLA")
-
-    with monkeypatch.context() as m:
-        m.setattr(neuron, "_pregathered_slots", no_xla_gather)
+    with kernel_reads_operands():
         out, lse = jsa.gathered_attn_idx(q, kv8, idx, kv_scale=scale, kv_rope=rope,
                                          return_lse=True, implementation="nki_emulated")
     logical = np.where(used[:, None], logical, 0).astype(BF16)
@@ -472,7 +486,6 @@ def test_the_fp8_kernel_reads_split_rows_itself(rng, monkeypatch, layout):
     _same_bits(lse, want[1])
     x, valid = gather(logical, idx)
     assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid)) >= 0.999
-    jax.clear_caches()
 
 
 @pytest.mark.slow  # about 5 s
@@ -610,29 +623,25 @@ def test_two_fp8_caches_are_one_softmax_over_their_logical_rows(rng, implementat
         _same_bits(lse, want[1])
 
 
-def test_the_kernel_reads_two_fp8_caches_of_split_rows(rng, monkeypatch):
-    # V4's FP8 layout in both caches, on trn2: one kernel reads both caches' FP8 and rope columns
-    # (XLA gathers nothing: the pre-gathered path would raise) and equals, bit for bit, the bf16
-    # kernel on the concatenated logical rows. K = 16: the first tile holds both caches' slots.
-    from jax_sparse_attn import nki_emulator
-    from jax_sparse_attn.attention import neuron
-
-    monkeypatch.setenv(nki_emulator.TARGET_ENV, "trn2")
-    jax.clear_caches()
+@pytest.mark.parametrize("window", ["fp8", "bf16"])
+def test_the_kernel_reads_split_fp8_rows_beside_a_window(rng, kernel_reads_operands, window):
+    # V4 on trn2: FP8 compressed rows (split) beside a window in the same FP8 layout or in bf16.
+    # One kernel reads both caches (XLA gathers nothing) and equals, bit for bit, the bf16 kernel
+    # on the concatenated logical rows. K = 16: the first tile holds both caches' slots.
     args, logical, logical2 = _two_fp8_caches(rng, "split")
+    if window == "bf16":  # the window's logical rows as a bf16 cache (NaN where unselected)
+        used = np.zeros(len(logical2), bool)
+        used[args["extra_idx"][args["extra_idx"] >= 0]] = True
+        args.update(extra_kv=np.where(used[:, None], logical2, np.nan).astype(BF16),
+                    extra_kv_scale=None, extra_kv_rope=None)
 
-    def no_xla_gather(*a):
-        raise AssertionError("the slots were gathered by XLA")
-
-    with monkeypatch.context() as m:
-        m.setattr(neuron, "_pregathered_slots", no_xla_gather)
+    with kernel_reads_operands():
         out, lse = jsa.gathered_attn_idx(**args, return_lse=True, implementation="nki_emulated")
     cat, idx_cat = _concatenated(logical, logical2, args["idx"], args["extra_idx"])
     want = jsa.gathered_attn_idx(args["q"], cat, idx_cat, return_lse=True,
                                  implementation="nki_emulated")
     _same_bits(out, want[0])
     _same_bits(lse, want[1])
-    jax.clear_caches()
 
 
 @pytest.mark.slow  # about 6 s: a jitted gradient and a vmap

@@ -248,6 +248,7 @@ class _Source:
     extra_rows: object = None  # two caches: the second cache [R2, D] in HBM
     extra_idx: object = None  # and its indices [T, 128, Kp/128] uint32, laid out as idx
     extra_rope: object = None  # two FP8 caches of split rows: the second one's rope columns
+    extra_16bit: bool = False  # an FP8 main cache beside a 16-bit second one of whole rows
     main_slots: int = 0  # two caches: slots 0 .. main_slots - 1 are kv's, the others extra_rows'
 
     @property
@@ -395,15 +396,18 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=raw, src=src.fp8_zeros[:, 0:k_tiles, :])
     first_tile = c0 // KERNEL_TILE
-    _gather_tiles(src, row_index, first_tile, k_tiles, lambda kc: raw[:, kc, :], dim)
+    fp8_src, fp8_index = src, row_index
+    if src.extra_16bit:  # the FP8 columns (and rope) come from the main cache alone
+        fp8_src, fp8_index = dataclasses.replace(src, extra_rows=None), row_index[0]
+    _gather_tiles(fp8_src, fp8_index, first_tile, k_tiles, lambda kc: raw[:, kc, :], dim)
     rows = nl.ndarray((KERNEL_TILE, k_tiles, src.dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     if src.rope_rows is not None:
         # Split rows: the 16-bit columns by their own indirect DMA into the tile's last columns,
         # zeroed first (VectorE: GpSimd makes the DMAs' descriptors) so that an empty slot's
         # stay 0 (the same indices, oob_mode=skip).
         nisa.memset(dst=rows[:, :, dim : src.dim], value=0.0, engine=nisa.engine.vector)
-        _gather_tiles(src, row_index, first_tile, k_tiles, lambda kc: rows[:, kc, dim : src.dim],
-                      src.dim - dim, rope=True)  # fmt: skip
+        _gather_tiles(fp8_src, fp8_index, first_tile, k_tiles,
+                      lambda kc: rows[:, kc, dim : src.dim], src.dim - dim, rope=True)  # fmt: skip
     for kc in range(k_tiles):
         for g in range(groups):
             cols = slice(g * group_width, (g + 1) * group_width)
@@ -411,6 +415,18 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
             nisa.tensor_scalar(dst=rows[:, kc, cols], data=raw[:, kc, cols], op0=nl.multiply,
                                operand0=src.token_scales[:, column : column + 1],
                                engine=getattr(nisa.engine, src.dequant_engine()))  # fmt: skip
+    if src.extra_16bit:
+        # The second cache's whole 16-bit rows, over the zeros that the dequantisation wrote for
+        # its slots (scale 0); each DMA skips the main cache's slots.
+        for kc in range(k_tiles):
+            for cache, _, index in _tile_sources(src, row_index, first_tile + kc):
+                if cache is src.extra_rows:
+                    nisa.dma_copy(
+                        dst=rows[:, kc, :],
+                        src=cache.ap(pattern=[[src.dim, KERNEL_TILE], [1, src.dim]], offset=0,
+                                     vector_offset=index, indirect_dim=0),
+                        oob_mode=nisa.oob_mode.skip,
+                    )  # fmt: skip
     return rows
 
 
@@ -773,9 +789,14 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
             f"kv_rope {rope.shape} must be [R, D - D8] = ({slot_rows.shape[0]}, "
             f"{dim - slot_rows.shape[1]})"
         )
+    extra_16bit = extra is not None and slot_scale is not None and len(extra) == 3
     if extra is not None:  # two caches: (extra_kv, extra_idx, main_slots[, extra_rope])
-        _check_interface(q, extra[0], bias, sink, indexed, row_dim)
-        assert extra[0].dtype == slot_rows.dtype, f"extra_kv {extra[0].dtype} must be {slot_rows.dtype}"
+        # The second cache: as the main one, or (extra_16bit) whole 16-bit rows beside FP8 ones.
+        _check_interface(q, extra[0], bias, sink, indexed, None if extra_16bit else row_dim)
+        if not extra_16bit:
+            assert extra[0].dtype == slot_rows.dtype, (
+                f"extra_kv {extra[0].dtype} must be {slot_rows.dtype}"
+            )
         if len(extra) > 3:
             assert tuple(extra[3].shape) == (extra[0].shape[0], dim - row_dim), (
                 f"extra_kv_rope {extra[3].shape} must be [R2, D - D8]"
@@ -811,6 +832,7 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     if extra is not None:
         src.extra_rows, src.extra_idx, src.main_slots = extra[:3]
         src.extra_rope = extra[3] if len(extra) > 3 else None
+        src.extra_16bit = extra_16bit
     src.rope_rows = rope
     if slot_scale is not None:
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, slot_rows.shape[1]),
@@ -941,6 +963,24 @@ def gathered_attn_idx_fp8_split_two_caches_kernel(q, kv, kv_rope, extra_kv, extr
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
                                     groups, value_dim, rope=kv_rope,
                                     extra=(extra_kv, extra_idx, main_slots, extra_rope))  # fmt: skip
+
+
+def gathered_attn_idx_fp8_split_beside_16bit_kernel(q, kv, kv_rope, extra_kv, slot_scale, idx,
+                                                    extra_idx, bias, sink, value_shift=0,
+                                                    max_chunk=None, value_dim=None,
+                                                    main_slots=0):  # fmt: skip
+    """Split FP8 rows beside a 16-bit second cache in one softmax (V4's FP8 compressed rows and a
+    bf16 window; trn2, trn3): the main cache's slots as :func:`gathered_attn_idx_fp8_split_kernel`
+    reads them, the second cache's whole bf16 rows ``extra_kv [R2, D]`` by their own indirect DMA
+    into the same tiles after the dequantisation (their scales are 0 in ``slot_scale``), placed
+    as :func:`gathered_attn_idx_two_caches_kernel` places two caches' slots.
+    """
+    groups = _split_scale_groups(q, kv, slot_scale, bias, idx=idx, extra_idx=extra_idx)
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
+                                    groups, value_dim, rope=kv_rope,
+                                    extra=(extra_kv, extra_idx, main_slots))  # fmt: skip
 
 
 def gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, sink, value_shift=0,

@@ -188,8 +188,11 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     if layout.is_empty or (idx is not None and slot_rows.shape[0] == 0):
         return empty_result(q, sink, value_dim)
     kernel, gather_in_xla = kernels.kernel_for(target, idx is not None, fp8=kv_scale is not None)
-    if extra_rows is not None and kv_rope is not None:
-        assert not gather_in_xla and kv_scale is not None and extra_kv_scale is not None
+    if extra_rows is not None and kv_rope is not None and extra_kv_scale is None:
+        assert not gather_in_xla and kv_scale is not None
+        kernel = kernels.gathered_attn_idx_fp8_split_beside_16bit_kernel
+    elif extra_rows is not None and kv_rope is not None:
+        assert not gather_in_xla and kv_scale is not None
         kernel = kernels.gathered_attn_idx_fp8_split_two_caches_kernel
     elif extra_rows is not None:
         assert not gather_in_xla and kv_scale is None
@@ -303,6 +306,14 @@ def _reads_both_split_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_s
             and kv.shape[0] > 0 and extra_kv.shape[0] > 0)
 
 
+def _reads_split_beside_16bit(target, kv, extra_kv, kv_rope, extra_kv_scale) -> bool:
+    """Whether one kernel reads split FP8 rows beside a 16-bit second cache (V4's FP8 compressed
+    rows and a bf16 window) itself: rows in both, trn2/trn3."""
+    return (extra_kv is not None and extra_kv_scale is None and kv_rope is not None
+            and target in TARGETS_WITH_DGE and kv.shape[0] > 0 and kv.shape[1] > 0
+            and extra_kv.shape[0] > 0)
+
+
 def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, extra_kv, extra_idx,
                  extra_bias, kv_scale, kv_rope, extra_kv_scale, extra_kv_rope, value_dim):
     """``gathered_attn_idx_p`` on the Neuron path (``call_kernels``: the device's or the
@@ -315,7 +326,8 @@ def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, e
                            idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
                            extra_rows=extra_kv, main_slots=idx.shape[1])  # fmt: skip
     if _reads_both_split_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
-                                extra_kv_rope):
+                                extra_kv_rope) or _reads_split_beside_16bit(
+                                    target, kv, extra_kv, kv_rope, extra_kv_scale):
         return _run_packed(call_kernels, target, q, kv, sink,
                            jnp.concatenate([bias, extra_bias], 1), scale,
                            idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
@@ -338,6 +350,10 @@ def _kernel_args(packed: PackedOperands, group: int) -> tuple:
     if packed.extra_rope is not None:
         return (packed.q_groups[group], packed.slot_rows, packed.rope_rows, packed.extra_rows,
                 packed.extra_rope, packed.slot_scale, packed.idx, packed.extra_idx, packed.bias,
+                packed.sink_groups[group])
+    if packed.extra_rows is not None and packed.rope_rows is not None:
+        return (packed.q_groups[group], packed.slot_rows, packed.rope_rows, packed.extra_rows,
+                packed.slot_scale, packed.idx, packed.extra_idx, packed.bias,
                 packed.sink_groups[group])
     if packed.extra_rows is not None:
         return (packed.q_groups[group], packed.slot_rows, packed.idx, packed.extra_rows,
@@ -392,14 +408,12 @@ def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extr
                               extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
     """The Neuron path of ``gathered_attn_idx_p`` with the lse: q ``[T, H, D]``, kv ``[R, D]``,
     idx ``[T, K]`` int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32
-    -> ``(out [T, H, value_dim], lse [T, H] f32)``. With a second cache (``extra_*``) the
-    two-cache kernel reads both 16-bit caches on trn2/trn3 (``_reads_both_caches``); otherwise XLA
-    gathers both caches' slots (an FP8 cache's dequantised) and the pre-gathered kernel runs on
-    them (``_pregathered_slots``). With
-    ``kv_scale`` (``[R, n]`` f32) ``kv`` is an FP8 cache: the FP8 kernel reads it on trn2/trn3; on
-    trn1 XLA gathers and dequantises the slots first. With ``kv_rope`` (split rows) the split
-    kernel reads both parts of the rows on trn2/trn3 (``_reads_split_rows``); on trn1, or beside
-    a second cache, XLA gathers and dequantises the slots (``_pregathered_slots``)."""
+    -> ``(out [T, H, value_dim], lse [T, H] f32)``. With ``kv_scale`` (``[R, n]`` f32) ``kv`` is
+    an FP8 cache, with ``kv_rope`` of split rows; ``extra_*`` is a second cache. On trn2/trn3 a
+    kernel reads the operands itself where one does (``_run_indexed``: one cache of any kind, two
+    16-bit caches, split FP8 rows beside a window in the same layout or in 16 bits); otherwise, and
+    on trn1, XLA gathers (and dequantises) the slots for the pre-gathered kernel
+    (``_pregathered_slots``)."""
     return _run_indexed(_call_nki_kernels, nki_gathered_attn_lse, q, kv, idx, sink, bias, scale,
                         extra_kv, extra_idx, extra_bias, kv_scale, kv_rope, extra_kv_scale,
                         extra_kv_rope, value_dim)

@@ -164,7 +164,8 @@ def pack_for_kernel(
         ``gather_in_xla``): ``extra_rows [R2, D]`` the second cache, ``idx`` and ``bias`` the
         slots of both, the first ``main_slots`` the main cache's. Each cache gets its own indices
         of all ``Kp`` slots, ``EMPTY_SLOT_INDEX`` at the other cache's. Two FP8 caches of split
-        rows add ``extra_kv_scale`` and ``extra_rope`` (each slot's scales from its own cache).
+        rows add ``extra_kv_scale`` and ``extra_rope`` (each slot's scales from its own cache);
+        beside an FP8 ``kv`` without them, ``extra_rows`` is a 16-bit cache (scales 0).
     Returns the packed operands and the static layout. The layout must not be empty.
     """
     T, H, D = q.shape
@@ -177,7 +178,7 @@ def pack_for_kernel(
     is_main = None
     if extra_rows is not None:
         assert idx is not None and not gather_in_xla
-        assert (kv_scale is None) == (extra_kv_scale is None)
+        assert extra_kv_scale is None or kv_scale is not None
         is_main = jnp.arange(K) < main_slots
         rows = jnp.where(is_main, slot_rows.shape[0], extra_rows.shape[0])
         valid = valid & (idx >= 0) & (idx < rows[None, :])
@@ -218,8 +219,8 @@ def pack_for_kernel(
         packed_idx = kernel_indices(valid if is_main is None else valid & is_main)
         if extra_rows is not None:
             packed_extra_idx = kernel_indices(valid & ~is_main)
-            packed_extra_rows = (_pad_axis(extra_rows.astype(jnp.bfloat16), 1, Dp)
-                                 if kv_scale is None else extra_rows)
+            packed_extra_rows = (extra_rows if extra_kv_scale is not None  # FP8, as it is
+                                 else _pad_axis(extra_rows.astype(jnp.bfloat16), 1, Dp))
         if kv_scale is None:
             packed_rows = _pad_axis(slot_rows.astype(jnp.bfloat16), 1, Dp)
         else:  # the FP8 kernel reads the cache as it is, and the scales of its slots
@@ -234,6 +235,8 @@ def pack_for_kernel(
 
             if extra_rows is None:
                 slot_scale = slot_scales(kv_scale, valid)
+            elif extra_kv_scale is None:  # a 16-bit second cache: its slots' scales are 0
+                slot_scale = slot_scales(kv_scale, valid & is_main)
             else:  # each slot's scales from its own cache
                 slot_scale = jnp.where(is_main[None, :, None],
                                        slot_scales(kv_scale, valid & is_main),
