@@ -44,9 +44,9 @@ def attention(implementation=None):
     return f
 
 
-def collectives(jitted, *args):
+def collectives(jitted, *args, **kwargs):
     """Each collective instruction of the compiled program: its kind and the shapes on its line."""
-    text = jitted.lower(*args).compile().as_text()
+    text = jitted.lower(*args, **kwargs).compile().as_text()
     found = []
     for line in text.splitlines():
         kind = next((c for c in COLLECTIVES if re.search(rf"\b{c}(-start)?\(", line)), None)
@@ -95,16 +95,21 @@ def check(records, name, mesh, specs, implementation=None):
     records.append(record)
 
 
-def check_fp8(records, name, mesh, window=None):
+def check_fp8(records, name, mesh, window=None, split=False):
     """An FP8 cache split over its rows; with ``window`` ("bf16" or "fp8"), beside a replicated
-    second cache of that kind (an FP8 one with its own scales)."""
+    second cache of that kind (an FP8 one with its own scales); with ``split``, DeepSeek's split
+    rows (the last 16 columns in bf16, ``kv_rope``, split over the rows with the cache)."""
     import ml_dtypes
 
     inputs = make_inputs()
     rng = np.random.default_rng(1)
-    inputs["kv"] = (rng.standard_normal((R, D)) * 4).astype(ml_dtypes.float8_e4m3fn)
+    D8 = D - 16 if split else D
+    inputs["kv"] = (rng.standard_normal((R, D8)) * 4).astype(ml_dtypes.float8_e4m3fn)
     inputs["kv_scale"] = rng.uniform(0.01, 0.1, (R, 2)).astype(np.float32)
     specs = {"q": P(), "kv": P("y"), "idx": P(), "sink": P(), "bias": P(), "kv_scale": P("y")}
+    if split:
+        inputs["kv_rope"] = rng.standard_normal((R, 16)).astype(jnp.bfloat16)
+        specs.update(kv_rope=P("y"))
     if window:
         W = 8
         inputs["extra_kv"] = rng.standard_normal((T * W, D)).astype(jnp.bfloat16)
@@ -116,16 +121,17 @@ def check_fp8(records, name, mesh, window=None):
             inputs["extra_kv_scale"] = rng.uniform(0.5, 2, T * W).astype(np.float32)
             specs.update(extra_kv_scale=P())
 
-    def f(q, kv, idx, sink, bias, kv_scale, extra_kv=None, extra_idx=None, extra_kv_scale=None):
+    def f(q, kv, idx, sink, bias, kv_scale, kv_rope=None, extra_kv=None, extra_idx=None,
+          extra_kv_scale=None):
         return jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, kv_scale=kv_scale,
-                                     extra_kv=extra_kv, extra_idx=extra_idx,
+                                     kv_rope=kv_rope, extra_kv=extra_kv, extra_idx=extra_idx,
                                      extra_kv_scale=extra_kv_scale)
 
     fn = jax.jit(f)
-    single = fn(*(jax.device_put(v, jax.devices()[0]) for v in inputs.values()))
-    placed = [jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in inputs.items()]
-    got = fn(*placed)
-    record = {"check": name, "collectives": collectives(fn, *placed),
+    single = fn(**{k: jax.device_put(v, jax.devices()[0]) for k, v in inputs.items()})
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in inputs.items()}
+    got = fn(**placed)
+    record = {"check": name, "collectives": collectives(fn, **placed),
               "exact": bool(np.array_equal(np.asarray(got), np.asarray(single)))}
     print(json.dumps(record), flush=True)
     records.append(record)
@@ -165,6 +171,8 @@ def run():
         for window in ("bf16", "fp8"):
             check_fp8(records, f"fp8+{window}-window/rows/{axis_type}",
                       jax.make_mesh((8,), ("y",), axis_types=(kind,)), window=window)
+        check_fp8(records, f"fp8-split/rows/{axis_type}",
+                  jax.make_mesh((8,), ("y",), axis_types=(kind,)), split=True)
         # The lse with a replicated cache, tokens or heads split: local, like the output.
         mesh = jax.make_mesh((8,), ("x",), axis_types=(kind,))
         check(records, f"lse/tokens/{axis_type}", mesh,

@@ -77,12 +77,13 @@ def test_lse_of_a_token_or_head_split_stays_local(records, axis_type, layout, sp
     assert r["lse_sharding"] == spec, r
 
 
-@pytest.mark.parametrize("form", ["fp8", "fp8+bf16-window", "fp8+fp8-window"])
+@pytest.mark.parametrize("form", ["fp8", "fp8+bf16-window", "fp8+fp8-window", "fp8-split"])
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_fp8_cache_split_over_rows(records, axis_type, form):
     # The gathered FP8 slots (T x K x D bytes) and their scales are summed over the devices; the
     # cache itself never moves, and the result is the single-device one (also beside a second,
-    # replicated cache: V4's window, in bf16 or in FP8 with its own scales).
+    # replicated cache: V4's window, in bf16 or in FP8 with its own scales; and DeepSeek's split
+    # rows, whose bf16 columns are split over the rows with the cache).
     r = records[f"{form}/rows/{axis_type}"]
     assert r["exact"], r
     assert {c["kind"] for c in r["collectives"]} == {"all-reduce"}, r
