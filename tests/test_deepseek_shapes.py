@@ -624,11 +624,14 @@ def test_two_fp8_caches_are_one_softmax_over_their_logical_rows(rng, implementat
 
 
 @pytest.mark.parametrize("window", ["fp8", "bf16"])
-def test_the_kernel_reads_split_fp8_rows_beside_a_window(rng, kernel_reads_operands, window):
-    # V4 on trn2: FP8 compressed rows (split) beside a window in the same FP8 layout or in bf16.
-    # One kernel reads both caches (XLA gathers nothing) and equals, bit for bit, the bf16 kernel
-    # on the concatenated logical rows. K = 16: the first tile holds both caches' slots.
-    args, logical, logical2 = _two_fp8_caches(rng, "split")
+@pytest.mark.parametrize("rows", ["split", "whole"])
+def test_the_kernel_reads_fp8_rows_beside_a_window(rng, kernel_reads_operands, rows, window):
+    # V4 on trn2: FP8 compressed rows (split, or FP8 in every column) beside a window in the same
+    # FP8 layout or in bf16. One kernel reads both caches (XLA gathers nothing) and equals, bit
+    # for bit, the bf16 kernel on the concatenated logical rows (also with scales that are not
+    # powers of two: both round kv * scale once to bf16). K = 16: the first tile holds both
+    # caches' slots.
+    args, logical, logical2 = _two_fp8_caches(rng, rows)
     if window == "bf16":  # the window's logical rows as a bf16 cache (NaN where unselected)
         used = np.zeros(len(logical2), bool)
         used[args["extra_idx"][args["extra_idx"] >= 0]] = True

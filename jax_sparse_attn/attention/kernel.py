@@ -19,7 +19,10 @@ target, the launch and the instruction pattern); they differ in how a token's sl
   trn3): two bf16 caches in one softmax (V4's compressed rows and window), the first
   ``main_slots`` slots from ``kv``, the others from ``extra_kv``: a 128-slot tile reads each cache
   it has slots of, by its own indirect DMA (a tile across the boundary: one from each), so the
-  slots sit where they would in the single-cache call on the concatenation.
+  slots sit where they would in the single-cache call on the concatenation. Its FP8 forms
+  (``gathered_attn_idx_fp8_two_caches_kernel``, ``gathered_attn_idx_fp8_beside_16bit_kernel``
+  and their ``_split_`` variants) read an FP8 main cache beside an FP8 one of its layout or a
+  16-bit one.
 - ``gathered_attn_kernel(q, g, bias, sink)`` (every target; the one for trn1, which has no
   indirect DMA): the slots are pre-gathered, ``g [T, Kp, D]``, every empty or padding slot's row
   zero (the packing writes those zeros); one plain DMA per chunk of slots.
@@ -797,7 +800,7 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
             assert extra[0].dtype == slot_rows.dtype, (
                 f"extra_kv {extra[0].dtype} must be {slot_rows.dtype}"
             )
-        if len(extra) > 3:
+        if len(extra) > 3 and extra[3] is not None:
             assert tuple(extra[3].shape) == (extra[0].shape[0], dim - row_dim), (
                 f"extra_kv_rope {extra[3].shape} must be [R2, D - D8]"
             )
@@ -891,8 +894,14 @@ def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift
         ``(kv.astype(f32) * scale).astype(bf16)`` of the gathered rows only; the row of an empty
         slot is never read. Other arguments and the result as :func:`gathered_attn_idx_kernel`.
     """
-    slots = bias.shape[1] - BIAS_PREFIX_COLS
-    k_tiles = slots // KERNEL_TILE
+    groups = _fp8_scale_groups(kv, slot_scale, idx, bias)
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
+                                    groups, value_dim)  # fmt: skip
+
+
+def _fp8_scale_groups(kv, slot_scale, idx, bias) -> int:
+    """Trace-time checks of an FP8 kernel's cache, scales and indices; the scale groups ``n``."""
+    k_tiles = (bias.shape[1] - BIAS_PREFIX_COLS) // KERNEL_TILE
     assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
         f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
     )
@@ -904,8 +913,7 @@ def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift
             and kv.shape[1] % groups == 0), (
         f"slot_scale {slot_scale.shape} must be [T, 128, Kp/128 * n] with n dividing D={kv.shape[1]}"
     )  # fmt: skip
-    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
-                                    groups, value_dim)  # fmt: skip
+    return groups
 
 
 def _split_scale_groups(q, kv, slot_scale, bias, **indices) -> int:
@@ -963,6 +971,41 @@ def gathered_attn_idx_fp8_split_two_caches_kernel(q, kv, kv_rope, extra_kv, extr
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
                                     groups, value_dim, rope=kv_rope,
                                     extra=(extra_kv, extra_idx, main_slots, extra_rope))  # fmt: skip
+
+
+def _whole_fp8_beside_a_second_cache(q, kv, extra_kv, slot_scale, idx, extra_idx, bias, sink,
+                                     value_shift, max_chunk, value_dim, main_slots,
+                                     second_is_fp8: bool):  # fmt: skip
+    """The body call of the two kernels below: checks, then the FP8 kernel's body with the second
+    cache (FP8 of the main one's layout, or 16-bit whole rows)."""
+    groups = _fp8_scale_groups(kv, slot_scale, idx, bias)
+    assert tuple(extra_idx.shape) == tuple(idx.shape), f"extra_idx {extra_idx.shape} must be {idx.shape}"
+    slots = bias.shape[1] - BIAS_PREFIX_COLS
+    assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
+    extra = (extra_kv, extra_idx, main_slots) + ((None,) if second_is_fp8 else ())
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
+                                    groups, value_dim, extra=extra)  # fmt: skip
+
+
+def gathered_attn_idx_fp8_two_caches_kernel(q, kv, extra_kv, slot_scale, idx, extra_idx, bias, sink,
+                                            value_shift=0, max_chunk=None, value_dim=None,
+                                            main_slots=0):  # fmt: skip
+    """Two FP8 caches of whole rows ``[R, D]``, ``[R2, D]`` (one FP8 dtype, the same ``n`` scale
+    groups) in one softmax (trn2, trn3): :func:`gathered_attn_idx_fp8_split_two_caches_kernel`
+    without rope columns."""
+    return _whole_fp8_beside_a_second_cache(q, kv, extra_kv, slot_scale, idx, extra_idx, bias, sink,
+                                            value_shift, max_chunk, value_dim, main_slots,
+                                            second_is_fp8=True)  # fmt: skip
+
+
+def gathered_attn_idx_fp8_beside_16bit_kernel(q, kv, extra_kv, slot_scale, idx, extra_idx, bias,
+                                              sink, value_shift=0, max_chunk=None, value_dim=None,
+                                              main_slots=0):  # fmt: skip
+    """An FP8 cache of whole rows beside a 16-bit second cache in one softmax (trn2, trn3):
+    :func:`gathered_attn_idx_fp8_split_beside_16bit_kernel` without rope columns."""
+    return _whole_fp8_beside_a_second_cache(q, kv, extra_kv, slot_scale, idx, extra_idx, bias, sink,
+                                            value_shift, max_chunk, value_dim, main_slots,
+                                            second_is_fp8=False)  # fmt: skip
 
 
 def gathered_attn_idx_fp8_split_beside_16bit_kernel(q, kv, kv_rope, extra_kv, slot_scale, idx,

@@ -188,12 +188,13 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
     if layout.is_empty or (idx is not None and slot_rows.shape[0] == 0):
         return empty_result(q, sink, value_dim)
     kernel, gather_in_xla = kernels.kernel_for(target, idx is not None, fp8=kv_scale is not None)
-    if extra_rows is not None and kv_rope is not None and extra_kv_scale is None:
-        assert not gather_in_xla and kv_scale is not None
-        kernel = kernels.gathered_attn_idx_fp8_split_beside_16bit_kernel
-    elif extra_rows is not None and kv_rope is not None:
-        assert not gather_in_xla and kv_scale is not None
-        kernel = kernels.gathered_attn_idx_fp8_split_two_caches_kernel
+    if extra_rows is not None and kv_scale is not None:  # an FP8 main cache beside a second one
+        assert not gather_in_xla
+        kernel = {(True, False): kernels.gathered_attn_idx_fp8_split_beside_16bit_kernel,
+                  (True, True): kernels.gathered_attn_idx_fp8_split_two_caches_kernel,
+                  (False, False): kernels.gathered_attn_idx_fp8_beside_16bit_kernel,
+                  (False, True): kernels.gathered_attn_idx_fp8_two_caches_kernel,
+                  }[kv_rope is not None, extra_kv_scale is not None]
     elif extra_rows is not None:
         assert not gather_in_xla and kv_scale is None
         kernel = kernels.gathered_attn_idx_two_caches_kernel
@@ -293,25 +294,22 @@ def _reads_split_rows(target, kv, kv_rope, extra_kv) -> bool:
             and kv.shape[0] > 0 and kv.shape[1] > 0)
 
 
-def _reads_both_split_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
-                             extra_kv_rope) -> bool:
-    """Whether one kernel reads two FP8 caches of split rows (V4's FP8 layout for both) itself:
-    the same FP8 dtype, FP8 columns, scale groups and rope width in both, rows in both, trn2/trn3;
-    otherwise XLA gathers and dequantises both caches' slots (``_pregathered_slots``)."""
-    return (extra_kv is not None and extra_kv_scale is not None and kv_rope is not None
-            and extra_kv_rope is not None and target in TARGETS_WITH_DGE
-            and kv.dtype == extra_kv.dtype and kv.shape[1] == extra_kv.shape[1] > 0
+def _reads_fp8_beside_a_second_cache(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
+                                     extra_kv_rope) -> bool:
+    """Whether one kernel reads an FP8 main cache (whole or split rows) and a second cache itself:
+    a 16-bit one, or an FP8 one of the same layout (FP8 dtype, FP8 columns, scale groups, rope
+    width); rows in both, trn2/trn3. Otherwise XLA gathers (and dequantises) both caches' slots
+    (``_pregathered_slots``)."""
+    if extra_kv is None or kv_scale is None or target not in TARGETS_WITH_DGE:
+        return False
+    if not (kv.shape[0] > 0 and kv.shape[1] > 0 and extra_kv.shape[0] > 0):
+        return False
+    if extra_kv_scale is None:  # a 16-bit second cache of whole rows
+        return True
+    rope_width = lambda rope: 0 if rope is None else rope.shape[1]  # noqa: E731
+    return (kv.dtype == extra_kv.dtype and kv.shape[1] == extra_kv.shape[1]
             and kv_scale.shape[1] == extra_kv_scale.shape[1]
-            and kv_rope.shape[1] == extra_kv_rope.shape[1]
-            and kv.shape[0] > 0 and extra_kv.shape[0] > 0)
-
-
-def _reads_split_beside_16bit(target, kv, extra_kv, kv_rope, extra_kv_scale) -> bool:
-    """Whether one kernel reads split FP8 rows beside a 16-bit second cache (V4's FP8 compressed
-    rows and a bf16 window) itself: rows in both, trn2/trn3."""
-    return (extra_kv is not None and extra_kv_scale is None and kv_rope is not None
-            and target in TARGETS_WITH_DGE and kv.shape[0] > 0 and kv.shape[1] > 0
-            and extra_kv.shape[0] > 0)
+            and rope_width(kv_rope) == rope_width(extra_kv_rope))
 
 
 def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, extra_kv, extra_idx,
@@ -325,9 +323,8 @@ def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, e
                            jnp.concatenate([bias, extra_bias], 1), scale,
                            idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
                            extra_rows=extra_kv, main_slots=idx.shape[1])  # fmt: skip
-    if _reads_both_split_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
-                                extra_kv_rope) or _reads_split_beside_16bit(
-                                    target, kv, extra_kv, kv_rope, extra_kv_scale):
+    if _reads_fp8_beside_a_second_cache(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
+                                        extra_kv_rope):
         return _run_packed(call_kernels, target, q, kv, sink,
                            jnp.concatenate([bias, extra_bias], 1), scale,
                            idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
@@ -351,8 +348,9 @@ def _kernel_args(packed: PackedOperands, group: int) -> tuple:
         return (packed.q_groups[group], packed.slot_rows, packed.rope_rows, packed.extra_rows,
                 packed.extra_rope, packed.slot_scale, packed.idx, packed.extra_idx, packed.bias,
                 packed.sink_groups[group])
-    if packed.extra_rows is not None and packed.rope_rows is not None:
-        return (packed.q_groups[group], packed.slot_rows, packed.rope_rows, packed.extra_rows,
+    if packed.extra_rows is not None and packed.slot_scale is not None:
+        rope = () if packed.rope_rows is None else (packed.rope_rows,)
+        return (packed.q_groups[group], packed.slot_rows, *rope, packed.extra_rows,
                 packed.slot_scale, packed.idx, packed.extra_idx, packed.bias,
                 packed.sink_groups[group])
     if packed.extra_rows is not None:
