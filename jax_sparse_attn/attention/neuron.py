@@ -234,7 +234,8 @@ def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias,
 def _pregathered_slots(dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope,
                        extra_kv_scale=None, extra_kv_rope=None):
     """The slots ``(g [T, K (+ K2), D], bias)`` that XLA gathers for the pre-gathered kernel when
-    the kernel cannot read the cache itself (a second cache, split FP8 rows), else None. Two
+    no kernel reads the operands itself (``_run_indexed``); None for one cache of whole rows,
+    which ``_run_packed`` takes as it is (on trn1 gathering there). Two
     caches' slots sit side by side, main first, in q's ``dtype``, an FP8 cache's dequantised
     (``_fp8_slots``; one split cache alone: to bf16, the kernel's type); the caches are not
     concatenated. Every empty slot's bias is ``-inf`` and its
@@ -279,9 +280,9 @@ def _fp8_slots(kv, kv_scale, kv_rope, idx, bias, dtype=jnp.bfloat16):
 
 def _reads_both_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale) -> bool:
     """Whether the two-cache kernel reads both caches itself: two 16-bit caches with rows and
-    columns, on a target with indirect DMA (trn2, trn3). Otherwise XLA gathers both caches' slots
-    for the pre-gathered kernel (``_pregathered_slots``): FP8 or split rows, trn1, an empty
-    cache."""
+    columns, on a target with indirect DMA (trn2, trn3). An FP8 main cache: see
+    ``_reads_fp8_beside_a_second_cache``; trn1 or an empty cache: XLA gathers both caches' slots
+    for the pre-gathered kernel (``_pregathered_slots``)."""
     return (extra_kv is not None and kv_scale is None and kv_rope is None
             and extra_kv_scale is None and target in TARGETS_WITH_DGE
             and kv.shape[0] > 0 and extra_kv.shape[0] > 0 and kv.shape[1] > 0)
@@ -409,7 +410,7 @@ def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extr
     -> ``(out [T, H, value_dim], lse [T, H] f32)``. With ``kv_scale`` (``[R, n]`` f32) ``kv`` is
     an FP8 cache, with ``kv_rope`` of split rows; ``extra_*`` is a second cache. On trn2/trn3 a
     kernel reads the operands itself where one does (``_run_indexed``: one cache of any kind, two
-    16-bit caches, split FP8 rows beside a window in the same layout or in 16 bits); otherwise, and
+    16-bit caches, FP8 rows beside a second cache of their layout or of 16 bits); otherwise, and
     on trn1, XLA gathers (and dequantises) the slots for the pre-gathered kernel
     (``_pregathered_slots``)."""
     return _run_indexed(_call_nki_kernels, nki_gathered_attn_lse, q, kv, idx, sink, bias, scale,
