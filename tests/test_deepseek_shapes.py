@@ -285,8 +285,9 @@ def test_the_kernel_reads_both_caches_where_it_has_indirect_dma(rng, monkeypatch
     kv2 = _poison_unselected(kv2, idx2, idx2 >= 0)
     tiles = []
     sources = kernel._tile_sources
-    monkeypatch.setattr(kernel, "_tile_sources", lambda src, index, tile: tiles.append(
-        (tile, src.extra_rows is not None, len(sources(src, index, tile)))) or sources(src, index, tile))
+    monkeypatch.setattr(kernel, "_tile_sources", lambda src, index, tile, *only: tiles.append(
+        (tile, src.extra_rows is not None, len(sources(src, index, tile, *only))))
+        or sources(src, index, tile, *only))
     out, lse = jsa.gathered_attn_idx(q, kv, idx, sink, extra_kv=kv2, extra_idx=idx2,
                                      return_lse=True, implementation="nki_emulated")
     # Each token: tile 0 from both caches, tile 1 from the window alone.

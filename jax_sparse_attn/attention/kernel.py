@@ -69,6 +69,7 @@ they are. Importing this module never needs the Neuron SDK.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from ..constants import (
     BIAS_PREFIX_COLS,
@@ -316,30 +317,31 @@ def _transposed_q(src: _Source):
     return q_t
 
 
-def _tile_sources(src: _Source, row_index, tile: int):
+def _tile_sources(src: _Source, row_index, tile: int, only: str | None = None):
     """``(cache, its rope columns or None, index column [128, 1])`` for each cache that 128-slot
     tile ``tile`` has slots of: the one cache, or with two caches (``row_index`` a pair) the main
     one for slots below ``main_slots`` and the second for the others, both for a tile across the
     boundary (each DMA then skips the other cache's slots, whose indices it holds as
-    ``EMPTY_SLOT_INDEX``)."""
+    ``EMPTY_SLOT_INDEX``). ``only`` (``"main"`` or ``"extra"``) keeps one of the two."""
     if src.extra_rows is None:
         return [(src.slot_rows, src.rope_rows, row_index[:, tile : tile + 1])]
     main_index, extra_index = row_index
     first, sources = tile * KERNEL_TILE, []
-    if first < src.main_slots:
+    if first < src.main_slots and only != "extra":
         sources.append((src.slot_rows, src.rope_rows, main_index[:, tile : tile + 1]))
-    if first + KERNEL_TILE > src.main_slots:
+    if first + KERNEL_TILE > src.main_slots and only != "main":
         sources.append((src.extra_rows, src.extra_rope, extra_index[:, tile : tile + 1]))
     return sources
 
 
 def _gather_tiles(src: _Source, row_index, first_tile: int, k_tiles: int, dst_of, columns: int,
-                  rope: bool = False):
+                  rope: bool = False, only: str | None = None):
     """Tiles ``first_tile ..`` of the token's slots: per 128-slot tile ``kc``, one indirect DMA
-    into ``dst_of(kc)`` (``[128, columns]``) from each cache it has slots of (``_tile_sources``;
-    ``rope``: from that cache's rope columns), ``oob_mode=skip``, so an empty slot reads nothing."""
+    into ``dst_of(kc)`` (``[128, columns]``) from each cache it has slots of (``_tile_sources``,
+    ``only`` as there; ``rope``: from that cache's rope columns), ``oob_mode=skip``, so an empty
+    slot reads nothing."""
     for kc in range(k_tiles):
-        for cache, rope_rows, index in _tile_sources(src, row_index, first_tile + kc):
+        for cache, rope_rows, index in _tile_sources(src, row_index, first_tile + kc, only):
             nisa.dma_copy(
                 dst=dst_of(kc),
                 src=(rope_rows if rope else cache).ap(pattern=[[columns, KERNEL_TILE], [1, columns]],
@@ -399,18 +401,16 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     raw = nl.ndarray((KERNEL_TILE, k_tiles, dim), dtype=src.slot_rows.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=raw, src=src.fp8_zeros[:, 0:k_tiles, :])
     first_tile = c0 // KERNEL_TILE
-    fp8_src, fp8_index = src, row_index
-    if src.extra_16bit:  # the FP8 columns (and rope) come from the main cache alone
-        fp8_src, fp8_index = dataclasses.replace(src, extra_rows=None), row_index[0]
-    _gather_tiles(fp8_src, fp8_index, first_tile, k_tiles, lambda kc: raw[:, kc, :], dim)
+    fp8 = "main" if src.extra_16bit else None  # beside a 16-bit cache: the main one's FP8 rows
+    _gather_tiles(src, row_index, first_tile, k_tiles, lambda kc: raw[:, kc, :], dim, only=fp8)
     rows = nl.ndarray((KERNEL_TILE, k_tiles, src.dim), dtype=nl.bfloat16, buffer=nl.sbuf)
     if src.rope_rows is not None:
         # Split rows: the 16-bit columns by their own indirect DMA into the tile's last columns,
         # zeroed first (VectorE: GpSimd makes the DMAs' descriptors) so that an empty slot's
         # stay 0 (the same indices, oob_mode=skip).
         nisa.memset(dst=rows[:, :, dim : src.dim], value=0.0, engine=nisa.engine.vector)
-        _gather_tiles(fp8_src, fp8_index, first_tile, k_tiles,
-                      lambda kc: rows[:, kc, dim : src.dim], src.dim - dim, rope=True)  # fmt: skip
+        _gather_tiles(src, row_index, first_tile, k_tiles, lambda kc: rows[:, kc, dim : src.dim],
+                      src.dim - dim, rope=True, only=fp8)  # fmt: skip
     for kc in range(k_tiles):
         for g in range(groups):
             cols = slice(g * group_width, (g + 1) * group_width)
@@ -421,15 +421,8 @@ def _fetch_fp8_slot_rows(src: _Source, row_index, c0: int, width: int):
     if src.extra_16bit:
         # The second cache's whole 16-bit rows, over the zeros that the dequantisation wrote for
         # its slots (scale 0); each DMA skips the main cache's slots.
-        for kc in range(k_tiles):
-            for cache, _, index in _tile_sources(src, row_index, first_tile + kc):
-                if cache is src.extra_rows:
-                    nisa.dma_copy(
-                        dst=rows[:, kc, :],
-                        src=cache.ap(pattern=[[src.dim, KERNEL_TILE], [1, src.dim]], offset=0,
-                                     vector_offset=index, indirect_dim=0),
-                        oob_mode=nisa.oob_mode.skip,
-                    )  # fmt: skip
+        _gather_tiles(src, row_index, first_tile, k_tiles, lambda kc: rows[:, kc, :], src.dim,
+                      only="extra")  # fmt: skip
     return rows
 
 
@@ -781,9 +774,21 @@ DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "gpsimd", "vector", "gpsimd", "
 SPLIT_DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "vector") + ("gpsimd", "scalar", "vector") * 4
 
 
+class _SecondCache(NamedTuple):
+    """A second cache for the kernel body: its rows and their indices (laid out as the main
+    ones'), the main cache's slot count, its rope columns (split FP8 rows), and whether it holds
+    whole 16-bit rows beside an FP8 main cache."""
+
+    rows: object
+    idx: object
+    main_slots: int
+    rope: object = None
+    whole_16bit: bool = False
+
+
 def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chunk,
                              slot_scale=None, scale_groups=0, value_dim=None,
-                             extra=None, rope=None):  # fmt: skip
+                             second: _SecondCache | None = None, rope=None):  # fmt: skip
     indexed = idx is not None
     row_dim = None if rope is None else slot_rows.shape[1]
     tokens, heads, dim, slots = _check_interface(q, slot_rows, bias, sink, indexed, row_dim)
@@ -792,17 +797,22 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
             f"kv_rope {rope.shape} must be [R, D - D8] = ({slot_rows.shape[0]}, "
             f"{dim - slot_rows.shape[1]})"
         )
-    extra_16bit = extra is not None and slot_scale is not None and len(extra) == 3
-    if extra is not None:  # two caches: (extra_kv, extra_idx, main_slots[, extra_rope])
-        # The second cache: as the main one, or (extra_16bit) whole 16-bit rows beside FP8 ones.
-        _check_interface(q, extra[0], bias, sink, indexed, None if extra_16bit else row_dim)
-        if not extra_16bit:
-            assert extra[0].dtype == slot_rows.dtype, (
-                f"extra_kv {extra[0].dtype} must be {slot_rows.dtype}"
+    if second is not None:  # as the main cache, or whole 16-bit rows beside FP8 ones
+        _check_interface(q, second.rows, bias, sink, indexed,
+                         None if second.whole_16bit else row_dim)  # fmt: skip
+        assert tuple(second.idx.shape) == tuple(idx.shape), (
+            f"extra_idx {second.idx.shape} must be {idx.shape}"
+        )
+        assert isinstance(second.main_slots, int) and 0 <= second.main_slots <= slots, (
+            f"main_slots={second.main_slots!r}"
+        )
+        if not second.whole_16bit:
+            assert second.rows.dtype == slot_rows.dtype, (
+                f"extra_kv {second.rows.dtype} must be {slot_rows.dtype}"
             )
-        if len(extra) > 3 and extra[3] is not None:
-            assert tuple(extra[3].shape) == (extra[0].shape[0], dim - row_dim), (
-                f"extra_kv_rope {extra[3].shape} must be [R2, D - D8]"
+        if second.rope is not None:
+            assert tuple(second.rope.shape) == (second.rows.shape[0], dim - row_dim), (
+                f"extra_kv_rope {second.rope.shape} must be [R2, D - D8]"
             )
     # SPMD launch (nki/get-started/about/lnc.rst): kernel[n] runs n programs, one per physical core
     # of the logical core (n = 2 on trn2/trn3 by default, LNC=2); program p takes the p-th share
@@ -812,7 +822,7 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
     per_program = tokens // programs
     plan = plan_slots(heads, dim, slots, max_chunk=max_chunk, indexed=indexed,
                       fp8_scale_groups=scale_groups,
-                      index_sets=1 if extra is None else 2)  # fmt: skip
+                      index_sets=1 if second is None else 2)  # fmt: skip
     assert value_dim is None or (isinstance(value_dim, int) and 0 < value_dim <= dim), (
         f"value_dim={value_dim!r} must be an int in [1, D={dim}]"
     )
@@ -832,10 +842,8 @@ def _sparse_attn_kernel_body(q, slot_rows, idx, bias, sink, value_shift, max_chu
                   (_Engines(DEQUANT_ENGINES if rope is None else SPLIT_DEQUANT_ENGINES)
                    if slot_scale is not None else None),
                   scale_groups, value_dim=0 if values == dim else values)  # fmt: skip
-    if extra is not None:
-        src.extra_rows, src.extra_idx, src.main_slots = extra[:3]
-        src.extra_rope = extra[3] if len(extra) > 3 else None
-        src.extra_16bit = extra_16bit
+    if second is not None:
+        src.extra_rows, src.extra_idx, src.main_slots, src.extra_rope, src.extra_16bit = second
     src.rope_rows = rope
     if slot_scale is not None:
         src.fp8_zeros = nl.ndarray((KERNEL_TILE, plan.chunk // KERNEL_TILE, slot_rows.shape[1]),
@@ -899,8 +907,9 @@ def gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink, value_shift
                                     groups, value_dim)  # fmt: skip
 
 
-def _fp8_scale_groups(kv, slot_scale, idx, bias) -> int:
-    """Trace-time checks of an FP8 kernel's cache, scales and indices; the scale groups ``n``."""
+def _fp8_scale_groups(kv, slot_scale, idx, bias, q=None) -> int:
+    """Trace-time checks of an FP8 kernel's cache, scales and indices; the scale groups ``n``.
+    With ``q`` (split rows), the FP8 columns must be fewer than q's."""
     k_tiles = (bias.shape[1] - BIAS_PREFIX_COLS) // KERNEL_TILE
     assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
         f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
@@ -913,24 +922,8 @@ def _fp8_scale_groups(kv, slot_scale, idx, bias) -> int:
             and kv.shape[1] % groups == 0), (
         f"slot_scale {slot_scale.shape} must be [T, 128, Kp/128 * n] with n dividing D={kv.shape[1]}"
     )  # fmt: skip
-    return groups
-
-
-def _split_scale_groups(q, kv, slot_scale, bias, **indices) -> int:
-    """Trace-time checks of a split-row kernel's FP8 operands and indices; the scale groups."""
-    k_tiles = (bias.shape[1] - BIAS_PREFIX_COLS) // KERNEL_TILE
-    for name, index in indices.items():
-        assert tuple(index.shape) == (bias.shape[0], KERNEL_TILE, k_tiles), (
-            f"{name} {index.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
-        )
-    assert kv.ndim == 2 and kv.dtype in (nl.float8_e4m3fn, nl.float8_e5m2), (
-        f"kv {kv.shape} {kv.dtype} must be FP8"
-    )
-    groups = slot_scale.shape[2] // k_tiles if slot_scale.ndim == 3 else 0
-    assert groups > 0 and kv.shape[1] % groups == 0 and 0 < kv.shape[1] < q.shape[2], (
-        f"kv {kv.shape} must be [R, D8] with 0 < D8 < D={q.shape[2]} and {groups} scale groups "
-        "dividing D8"
-    )
+    if q is not None:
+        assert 0 < kv.shape[1] < q.shape[2], f"kv {kv.shape} must be [R, D8], 0 < D8 < D={q.shape[2]}"
     return groups
 
 
@@ -945,9 +938,17 @@ def gathered_attn_idx_fp8_split_kernel(q, kv, kv_rope, slot_scale, idx, bias, si
         ``[(kv.astype(f32) * scale).astype(bf16) | kv_rope]`` of the slots only.
     Other arguments and the result as :func:`gathered_attn_idx_fp8_kernel`.
     """
-    groups = _split_scale_groups(q, kv, slot_scale, bias, idx=idx)
+    groups = _fp8_scale_groups(kv, slot_scale, idx, bias, q)
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
                                     groups, value_dim, rope=kv_rope)  # fmt: skip
+
+
+def _beside_a_second_cache(q, kv, kv_rope, slot_scale, idx, bias, sink, value_shift, max_chunk,
+                           value_dim, second: _SecondCache):  # fmt: skip
+    """The body call of the FP8 two-cache kernels below (the body checks the second cache)."""
+    groups = _fp8_scale_groups(kv, slot_scale, idx, bias, None if kv_rope is None else q)
+    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
+                                    groups, value_dim, second=second, rope=kv_rope)  # fmt: skip
 
 
 def gathered_attn_idx_fp8_split_two_caches_kernel(q, kv, kv_rope, extra_kv, extra_rope, slot_scale,
@@ -965,26 +966,9 @@ def gathered_attn_idx_fp8_split_two_caches_kernel(q, kv, kv_rope, extra_kv, extr
         :func:`gathered_attn_idx_two_caches_kernel`.
     Other arguments and the result as :func:`gathered_attn_idx_fp8_kernel`.
     """
-    groups = _split_scale_groups(q, kv, slot_scale, bias, idx=idx, extra_idx=extra_idx)
-    slots = bias.shape[1] - BIAS_PREFIX_COLS
-    assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
-    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
-                                    groups, value_dim, rope=kv_rope,
-                                    extra=(extra_kv, extra_idx, main_slots, extra_rope))  # fmt: skip
-
-
-def _whole_fp8_beside_a_second_cache(q, kv, extra_kv, slot_scale, idx, extra_idx, bias, sink,
-                                     value_shift, max_chunk, value_dim, main_slots,
-                                     second_is_fp8: bool):  # fmt: skip
-    """The body call of the two kernels below: checks, then the FP8 kernel's body with the second
-    cache (FP8 of the main one's layout, or 16-bit whole rows)."""
-    groups = _fp8_scale_groups(kv, slot_scale, idx, bias)
-    assert tuple(extra_idx.shape) == tuple(idx.shape), f"extra_idx {extra_idx.shape} must be {idx.shape}"
-    slots = bias.shape[1] - BIAS_PREFIX_COLS
-    assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
-    extra = (extra_kv, extra_idx, main_slots) + ((None,) if second_is_fp8 else ())
-    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
-                                    groups, value_dim, extra=extra)  # fmt: skip
+    return _beside_a_second_cache(q, kv, kv_rope, slot_scale, idx, bias, sink, value_shift,
+                                  max_chunk, value_dim,
+                                  _SecondCache(extra_kv, extra_idx, main_slots, extra_rope))
 
 
 def gathered_attn_idx_fp8_two_caches_kernel(q, kv, extra_kv, slot_scale, idx, extra_idx, bias, sink,
@@ -993,9 +977,8 @@ def gathered_attn_idx_fp8_two_caches_kernel(q, kv, extra_kv, slot_scale, idx, ex
     """Two FP8 caches of whole rows ``[R, D]``, ``[R2, D]`` (one FP8 dtype, the same ``n`` scale
     groups) in one softmax (trn2, trn3): :func:`gathered_attn_idx_fp8_split_two_caches_kernel`
     without rope columns."""
-    return _whole_fp8_beside_a_second_cache(q, kv, extra_kv, slot_scale, idx, extra_idx, bias, sink,
-                                            value_shift, max_chunk, value_dim, main_slots,
-                                            second_is_fp8=True)  # fmt: skip
+    return _beside_a_second_cache(q, kv, None, slot_scale, idx, bias, sink, value_shift, max_chunk,
+                                  value_dim, _SecondCache(extra_kv, extra_idx, main_slots))
 
 
 def gathered_attn_idx_fp8_beside_16bit_kernel(q, kv, extra_kv, slot_scale, idx, extra_idx, bias,
@@ -1003,9 +986,9 @@ def gathered_attn_idx_fp8_beside_16bit_kernel(q, kv, extra_kv, slot_scale, idx, 
                                               main_slots=0):  # fmt: skip
     """An FP8 cache of whole rows beside a 16-bit second cache in one softmax (trn2, trn3):
     :func:`gathered_attn_idx_fp8_split_beside_16bit_kernel` without rope columns."""
-    return _whole_fp8_beside_a_second_cache(q, kv, extra_kv, slot_scale, idx, extra_idx, bias, sink,
-                                            value_shift, max_chunk, value_dim, main_slots,
-                                            second_is_fp8=False)  # fmt: skip
+    return _beside_a_second_cache(
+        q, kv, None, slot_scale, idx, bias, sink, value_shift, max_chunk, value_dim,
+        _SecondCache(extra_kv, extra_idx, main_slots, whole_16bit=True))
 
 
 def gathered_attn_idx_fp8_split_beside_16bit_kernel(q, kv, kv_rope, extra_kv, slot_scale, idx,
@@ -1018,12 +1001,9 @@ def gathered_attn_idx_fp8_split_beside_16bit_kernel(q, kv, kv_rope, extra_kv, sl
     into the same tiles after the dequantisation (their scales are 0 in ``slot_scale``), placed
     as :func:`gathered_attn_idx_two_caches_kernel` places two caches' slots.
     """
-    groups = _split_scale_groups(q, kv, slot_scale, bias, idx=idx, extra_idx=extra_idx)
-    slots = bias.shape[1] - BIAS_PREFIX_COLS
-    assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
-    return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk, slot_scale,
-                                    groups, value_dim, rope=kv_rope,
-                                    extra=(extra_kv, extra_idx, main_slots))  # fmt: skip
+    return _beside_a_second_cache(
+        q, kv, kv_rope, slot_scale, idx, bias, sink, value_shift, max_chunk, value_dim,
+        _SecondCache(extra_kv, extra_idx, main_slots, whole_16bit=True))
 
 
 def gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, sink, value_shift=0,
@@ -1041,14 +1021,12 @@ def gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, s
     Other arguments and the result as :func:`gathered_attn_idx_kernel`.
     """
     slots = bias.shape[1] - BIAS_PREFIX_COLS
-    for name, index in (("idx", idx), ("extra_idx", extra_idx)):
-        assert tuple(index.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
-            f"{name} {index.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
-        )
-    assert isinstance(main_slots, int) and 0 <= main_slots <= slots, f"main_slots={main_slots!r}"
+    assert tuple(idx.shape) == (bias.shape[0], KERNEL_TILE, slots // KERNEL_TILE), (
+        f"idx {idx.shape} must be [T, 128, Kp/128] to match bias {bias.shape}"
+    )
     return _sparse_attn_kernel_body(q, kv, idx, bias, sink, value_shift, max_chunk,
                                     value_dim=value_dim,
-                                    extra=(extra_kv, extra_idx, main_slots))  # fmt: skip
+                                    second=_SecondCache(extra_kv, extra_idx, main_slots))  # fmt: skip
 
 
 def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None, value_dim=None):

@@ -319,13 +319,9 @@ def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, e
     emulator's): the kernel that reads the operands where one does, else the pre-gathered kernel
     (``run_pregathered``, the ``gathered_attn_p`` path) on the slots XLA gathers."""
     target = neuron_target()
-    if _reads_both_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale):
-        return _run_packed(call_kernels, target, q, kv, sink,
-                           jnp.concatenate([bias, extra_bias], 1), scale,
-                           idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
-                           extra_rows=extra_kv, main_slots=idx.shape[1])  # fmt: skip
-    if _reads_fp8_beside_a_second_cache(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
-                                        extra_kv_rope):
+    if (_reads_both_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale)
+            or _reads_fp8_beside_a_second_cache(target, kv, extra_kv, kv_scale, kv_rope,
+                                                extra_kv_scale, extra_kv_rope)):
         return _run_packed(call_kernels, target, q, kv, sink,
                            jnp.concatenate([bias, extra_bias], 1), scale,
                            idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
