@@ -1,6 +1,7 @@
-"""The indexer reference's streaming selection: bit-identical results whatever the token chunk,
-row block and buffer sizes (the selection is exact, and each score's arithmetic does not depend
-on them), its pieces against numpy, and a compiled program that holds nothing of size [T, R]."""
+"""The indexer reference's streaming selection: the same results whatever the token chunk, row
+block and buffer sizes (bit-identical where the CPU's products are shape-invariant, exact on each
+plan's scores everywhere), its pieces against numpy, and a compiled program that holds nothing of
+size [T, R]."""
 
 import re
 
@@ -27,25 +28,30 @@ PLANS = [reference.ChunkPlan(1, 16, 24 + 16), reference.ChunkPlan(5, 64, 24 + 64
          reference.ChunkPlan(16, 288, 24 + 288), reference.ChunkPlan(3, 48, 24 + 100)]
 
 
-@pytest.mark.parametrize("ratio", [1, pytest.param(4, marks=pytest.mark.slow)])
+# form: None is this process's CPU product form; "f32" forces the widened one, which CI runners
+# without native bf16 products take, so that any machine runs what they run.
+@pytest.mark.parametrize("ratio, form", [(1, None), (1, "f32"), (4, None)])
 @pytest.mark.slow
-def test_bit_identical_across_chunk_plans(rng, ratio):
+def test_bit_identical_across_chunk_plans(rng, ratio, form):
     T, Hi, Di, R, topk = 21, 4, 16, 300, 24
     q, w, k, ks = _inputs(rng, T, Hi, Di, R)
     positions = jnp.asarray(np.concatenate([rng.integers(0, R * ratio, T - 2), [-5, 10**9]]),
                             jnp.int32)
+    chosen = cpu_products.parse_form(form) if form else cpu_products.cpu_form()
     results = []
     # Every plan at ratio 1; at ratio 4 (whose rule only changes the rows' limits) two of them,
     # one token per chunk and several: each plan is a compile of several seconds.
-    for plan in [None] + (PLANS if ratio == 1 else PLANS[::2]):
-        run = jax.jit(lambda *a, plan=plan: reference.indexer_topk_reference(
-            *a, topk=topk, compress_ratio=ratio, plan=plan))
-        results.append([np.asarray(x) for x in run(q, w, k, ks, positions)])
+    with cpu_products.forced(chosen):
+        for plan in [None] + (PLANS if ratio == 1 else PLANS[::2]):
+            run = jax.jit(lambda *a, plan=plan: reference.indexer_topk_reference(
+                *a, topk=topk, compress_ratio=ratio, plan=plan))
+            results.append([np.asarray(x) for x in run(q, w, k, ks, positions)])
     s, bound = scores_f64(q, w, k, scale=1.0)  # the reference takes the scale folded into w
     for idx, scores in results[1:]:
-        if cpu_products.products_by_eigen():
-            # XLA:CPU's Eigen kernels (jax 0.7) may sum a product in another order for another
-            # block shape (docs/indexer.md, "Determinism"): each plan is still exact on its scores.
+        if chosen.widen or cpu_products.products_by_eigen():
+            # XLA:CPU's f32 products, and its Eigen kernels (jax 0.7), may sum a product in another
+            # order for another block shape (docs/indexer.md, "Determinism"): each plan is still
+            # exact on its own scores, and they agree to their last bits.
             check_selection(idx, scores, s, bound, valid_rows(positions, R, ratio), topk)
             np.testing.assert_array_max_ulp(scores, results[0][1], maxulp=4)
             continue

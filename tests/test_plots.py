@@ -63,9 +63,19 @@ def test_bench_plot_writes_a_png_and_the_sweep(tmp_path):
     sizes = bench_sweeps.SWEEPS["quick"]
     assert [r["shape"]["K"] for r in result["time_vs_K"]] == sizes["time_vs_K"]["K"]
     assert [r["shape"]["T"] for r in result["time_vs_T"]] == sizes["time_vs_T"]["T"]
-    for rec in result["time_vs_K"] + result["time_vs_T"]:
+    records = result["time_vs_K"] + result["time_vs_T"]
+    checked = []  # (fraction within one ulp, elements checked) per record
+    for rec in records:
         assert rec["median_s"]["op"] > 0 and rec["median_s"]["naive"] > 0
-        assert rec["contract_check"]["within_one_ulp"] >= 0.999
+        shape, check = rec["shape"], rec["contract_check"]
+        checked.append((check["within_one_ulp"], check["tokens_checked"] * shape["H"] * shape["D"]))
+    # docs/contract.md, "Tolerances": 99.9% of the elements within one ulp, over the whole sweep. A
+    # record of 4 tokens checks 4096 elements, and one probability that rounds the other way moves
+    # a (token, head) row of D of them, 0.25%: alone it would fail on the summation order. Each
+    # record still stays far above what a wrong result gives.
+    fractions, elements = np.array(checked).T
+    assert (fractions * elements).sum() / elements.sum() >= 0.999
+    assert fractions.min() >= 0.99
     for point in result["memory_vs_T"]:
         # The naive version materialises the gathered slots: its peak holds at least them.
         assert point["naive_growth_bytes"] >= point["gathered_slot_bytes"]

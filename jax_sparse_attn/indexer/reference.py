@@ -33,10 +33,12 @@ prefill scores about half of the dense pairs), and keeps each token's running se
   code; an exact two-pass LSD sort where those do not suffice), ties broken by buffer position,
   that is by row.
 
-Every token is computed independently and each score's arithmetic does not depend on the chunk or
-block sizes, so the result is bit-identical across them (``tests/test_indexer_reference.py``). On
-CPU the products take the form that ``cpu_products.cpu_product_form`` picks (16-bit operands, or
-widened to f32 in cache: same contract, another summation order).
+Every token is computed independently and the selection is exact on its scores. On CPU the products
+take the form that ``cpu_products.cpu_product_form`` picks (16-bit operands, or widened to f32 in
+cache: same contract, another summation order); with 16-bit operands each score's arithmetic does
+not depend on the chunk or block sizes, so the result is bit-identical across them, and with f32
+ones a score may move by its last bits between them (docs/indexer.md, "Determinism";
+``tests/test_indexer_reference.py``).
 
 Memory beyond the inputs and outputs: one chunk's working set, ``O(Tc (Hi Rd + topk + Rb))``
 with ``Rd`` the rows of a piece (``chunk_plan``, ``dot_rows``).
