@@ -195,3 +195,78 @@ def test_topk_needs_nki_0_6_and_refuses_ties_at_the_cut():
         nki_emulator.simulate(_topk_kernel(20, 4), target="trn2")(x)
     with versions.using("0.3"), pytest.raises(NkiEmulatorError, match="NKI >= 0.6"):
         nki_emulator.simulate(_topk_kernel(20, 4), target="trn2")(np.arange(32).reshape(16, 2).astype(ml_dtypes.bfloat16))
+
+
+def test_tensor_scalar_reduce_counts_and_folds_like_numpy():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-4, 5, (8, 50)).astype(np.float32)
+    col = rng.integers(-4, 5, (8, 1)).astype(np.float32)
+
+    def body(nl, nisa, t, o):
+        cmp = nl.ndarray(t[0].shape, dtype=np.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=cmp, data=t[0], op0=nl.greater, operand0=t[1],
+                                  reduce_op=nl.add, reduce_res=o[:, 0:1])  # fmt: skip
+        nisa.tensor_scalar_reduce(dst=cmp, data=t[0], op0=nl.multiply, operand0=2.0,
+                                  reduce_op=nl.max, reduce_res=o[:, 1:2],
+                                  reduce_res_negate=True)  # fmt: skip
+
+    got = _run(_kernel(body, (8, 2), np.float32), x, col)
+    np.testing.assert_array_equal(got[:, 0], (x > col).sum(axis=1))
+    np.testing.assert_array_equal(got[:, 1], -(2 * x).max(axis=1))
+
+
+def test_tensor_scalar_reduce_refuses_what_it_does_not_emulate():
+    def chained(nl, nisa, t, o):
+        cmp = nl.ndarray(t[0].shape, dtype=np.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=cmp, data=t[0], op0=nl.add, operand0=1.0, reduce_op=nl.add,
+                                  reduce_res=o, reduce_cmd=nisa.reduce_cmd.reduce)  # fmt: skip
+
+    with pytest.raises(NkiEmulatorError, match="reset_reduce"):
+        _run(_kernel(chained, (4, 1), np.float32), np.zeros((4, 8), np.float32))
+
+    def wide(nl, nisa, t, o):
+        cmp = nl.ndarray(t[0].shape, dtype=np.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar_reduce(dst=cmp, data=t[0], op0=nl.add, operand0=1.0, reduce_op=nl.add,
+                                  reduce_res=o)  # fmt: skip
+
+    with pytest.raises(NkiShapeError, match="reduce_res"):
+        _run(_kernel(wide, (4, 2), np.float32), np.zeros((4, 8), np.float32))
+
+
+def _scatter_kernel(rows: int):
+    def kernel(src, idx):
+        from jax_sparse_attn.nki_emulator import isa as nisa, language as nl
+
+        p, f = src.shape
+        out = nl.ndarray((rows, f), dtype=src.dtype, buffer=nl.shared_hbm)
+        fill = nl.ndarray((rows, f), dtype=src.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=fill, value=-1.0)
+        nisa.dma_copy(dst=out, src=fill)
+        s = nl.ndarray((p, f), dtype=src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=s, src=src)
+        i = nl.ndarray((p, 1), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=i, src=idx)
+        nisa.dma_copy(dst=out.ap(pattern=[[f, p], [1, f]], vector_offset=i, indirect_dim=0),
+                      src=s, oob_mode=nisa.oob_mode.skip)  # fmt: skip
+        return out
+
+    return kernel
+
+
+def test_dma_scatter_writes_each_partition_to_its_row_and_skips_out_of_range():
+    src = np.arange(12, dtype=np.float32).reshape(4, 3)
+    idx = np.array([[5], [0], [9], [2]], np.uint32)  # row 9 is outside the 6 rows
+    got = nki_emulator.simulate(_scatter_kernel(6), target="trn2")(src, idx)
+    want = np.full((6, 3), -1.0, np.float32)
+    for p, r in enumerate(idx[:, 0]):
+        if r < 6:
+            want[r] = src[p]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_dma_scatter_refuses_repeated_rows_and_trn1():
+    src = np.ones((2, 3), np.float32)
+    with pytest.raises(NkiShapeError, match="twice"):
+        nki_emulator.simulate(_scatter_kernel(4), target="trn2")(src, np.array([[1], [1]], np.uint32))
+    with pytest.raises(NkiEmulatorError, match="indirect"):
+        nki_emulator.simulate(_scatter_kernel(4), target="trn1")(src, np.array([[0], [1]], np.uint32))

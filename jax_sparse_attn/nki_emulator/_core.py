@@ -864,15 +864,18 @@ def read_ap(
 
 
 def write_ap(ap: AccessPattern, values: np.ndarray, instr: str, skip_oob: bool = False) -> None:
-    if ap.vector_offset is not None:
-        raise NkiUnsupportedError(
-            f"{instr}: an indirect access pattern as destination (scatter) is not emulated"
-        )
+    """Store ``values`` where ``ap`` points; a ``vector_offset`` dst scatters the rows (dma_copy
+    page, v2.32.0: "scatter (write to dynamic rows)"), an out-of-range row skipped under
+    ``oob_mode=skip``."""
     check_in_scope(ap.base._st, instr, "dst")
     flat, ok = ap.resolve(instr, skip_oob)
     if ok is not None:
-        return  # an out-of-range scalar address with oob_mode=skip: nothing is written
-    if np.unique(flat).size != flat.size:  # inferred: a DMA writes each element once
+        if ap.vector_offset is None:
+            return  # an out-of-range scalar address with oob_mode=skip: nothing is written
+        flat, values = flat[ok], np.asarray(values)[ok]  # the rows that stay in range
+    if np.unique(flat).size != flat.size:
+        # Inferred: a DMA writes each element once (the order of two writes to one address is
+        # not documented, so a scatter with repeated rows is refused rather than guessed).
         raise NkiShapeError(f"{instr}: destination {ap.describe()} writes some elements twice")
     st = ap.base._st
     st.data.reshape(-1)[flat] = values

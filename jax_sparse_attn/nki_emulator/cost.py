@@ -208,6 +208,8 @@ COSTS: dict[str, Cost] = {
     # [isa] tensor_tensor (VectorE): max(MIN_II, N) when one input is in PSUM, or all-bf16 SBUF
     # add/multiply/subtract; max(MIN_II, 2N) otherwise.
     "nisa.tensor_tensor": Cost("vector", _tensor_tensor, ("vector", "gpsimd")),
+    # [isa] tensor_scalar_reduce: max(MIN_II, N) + MIN_II Vector Engine cycles.
+    "nisa.tensor_scalar_reduce": Cost("vector", lambda o: max(MIN_II, o.n) + MIN_II),
     # [isa] scalar_tensor_tensor: N for bf16 subtract-then-multiply with even N, else 2N (VectorE).
     "nisa.scalar_tensor_tensor": Cost("vector", _scalar_tensor_tensor),
     # [isa] tensor_copy: max(MIN_II, N) cycles of the chosen engine; VectorE assumed by default.

@@ -337,8 +337,9 @@ def dma_copy(
     """``dst = src`` by DMA, between any memories except that PSUM cannot be read; converts dtype.
 
     ``src``/``dst`` may be tensors, views or access patterns ``t.ap(...)``: with
-    ``scalar_offset`` the start moves by a runtime value; with ``vector_offset=idx_tile`` (src
-    only) it gathers HBM rows (trn2+). An out-of-range index or address raises (the default
+    ``scalar_offset`` the start moves by a runtime value; with ``vector_offset=idx_tile`` it
+    gathers HBM rows (on ``src``) or scatters partition ``p`` to row ``idx[p]`` (on ``dst``),
+    trn2+. An out-of-range index or address raises (the default
     ``oob_mode=nisa.oob_mode.error``); with ``oob_mode=nisa.oob_mode.skip`` that row (or that
     whole scalar-offset transfer) is skipped and the destination keeps what it held.
     """
@@ -392,16 +393,25 @@ def dma_copy(
     if isinstance(dst, AccessPattern):
         if ok is not None:
             raise NkiUnsupportedError(f"{instr}: oob_mode=skip with an access-pattern dst")
+        dst.check_dma_copy_indices(instr)
         write_ap(dst, values, instr, skip)
+        if dst.is_indirect:  # what the cost model counts as moved: the rows in range
+            ok = _scatter_rows_in_range(dst, instr)
     else:
         _masked_write(dst, values, ok)
     if ctx.cost is not None:
         ctx.cost.dma(
             instr, src, dst, values, ok, dge,
-            indirect_rows=src.shape[0] if isinstance(src, AccessPattern) and src.is_indirect else 0,
+            indirect_rows=next((x.shape[0] for x in (src, dst)
+                                if isinstance(x, AccessPattern) and x.is_indirect), 0),
             dynamic=any(isinstance(x, AccessPattern) and x.scalar_offset is not None for x in (src, dst)),
             nc_version=ctx.target_info.nc_version,
         )  # fmt: skip
+
+
+def _scatter_rows_in_range(dst: AccessPattern, instr: str) -> np.ndarray:
+    rows = read(dst.vector_offset, instr, "vector_offset").astype(np.int64).reshape(-1)
+    return (rows >= 0) & (rows < dst.base.shape[0])
 
 
 def dma_transpose(
@@ -824,6 +834,62 @@ def tensor_scalar(
     _charge(ctx, instr, engine, dst, [data], ops=(op0,) if op1 is None else (op0, op1))
 
 
+def tensor_scalar_reduce(
+    dst: Tensor,
+    data: Tensor,
+    op0: Any,
+    operand0: Any,
+    reduce_op: Any,
+    reduce_res: Tensor | None = None,
+    reverse0: bool = False,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    reduce_init: Any = None,
+    reduce_res_negate: bool = False,
+    **kwargs: Any,
+) -> None:
+    """``dst = data op0 operand0`` (as ``tensor_scalar``) and ``reduce_res [P, 1]`` = that result
+    reduced over the free axes by ``reduce_op`` (add, multiply, max, min), on the Vector Engine.
+
+    Emulated: ``reduce_cmd=reset_reduce`` (the default of the v2.32.0 page) with a ``reduce_res``
+    tile; chaining through the accumulator (``reduce`` / ``load_reduce``, ``reduce_res=None``) is
+    refused. ``reverse0`` is "not supported yet" on that page and refused too.
+    """
+    instr = "nisa.tensor_scalar_reduce"
+    no_extra(kwargs, instr)
+    ctx = begin(instr)
+    tensor_arg(data, instr, "data", ON_CHIP)
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    if reverse0:  # v2.32.0 page: reverse0 "(not supported yet)"
+        raise NkiUnsupportedError(f"{instr}: reverse0 is not supported (the ISA page, v2.32.0)")
+    if not isinstance(reduce_cmd, _RC) or reduce_cmd is not _RC.reset_reduce or reduce_init is not None:
+        raise NkiUnsupportedError(
+            f"{instr}: only reduce_cmd=reset_reduce without reduce_init is emulated, got {reduce_cmd!r}"
+        )
+    if reduce_res is None:
+        raise NkiUnsupportedError(
+            f"{instr}: reduce_res=None (keep the sum in the accumulator) is not emulated; pass a "
+            "[P, 1] tile"
+        )
+    tensor_arg(reduce_res, instr, "reduce_res", ON_CHIP)
+    fold = _op(_REDUCE_OPS, reduce_op, instr, "reduce_op")
+    inputs: list = [data]
+    f0 = _op(_BINARY_OPS, op0, instr, "op0")
+    v0 = _scalar_or_column(operand0, data, instr, "operand0", inputs)
+    check_dst_shape(instr, dst, data.shape)
+    if reduce_res.shape != (data.shape[0], 1):  # the page: "(data.shape[0], 1)"
+        raise NkiShapeError(
+            f"shape mismatch between dst and the computed value: {instr} reduce_res must be "
+            f"[{data.shape[0]}, 1], got {reduce_res.describe()}"
+        )
+    same_base_partition(instr, *inputs)
+    with np.errstate(all="ignore"):
+        result = _apply(f0, f32_values(data, instr, "data"), v0, False).astype(F32, copy=False)
+        folded = reduce_values(fold, result.reshape(data.shape[0], -1), (1,), True)
+    write(dst, result)
+    write(reduce_res, -folded if reduce_res_negate else folded)
+    _charge(ctx, instr, None, dst, [data], ops=(op0,))
+
+
 def scalar_tensor_tensor(
     dst: Tensor,
     data: Tensor,
@@ -1109,4 +1175,5 @@ from ._select import (  # noqa: E402
     topk,
 )
 
+__all__ += ["tensor_scalar_reduce"]
 __all__ += ["max8", "nc_find_index8", "nc_match_replace8", "nc_n_gather", "select_reduce", "topk"]
