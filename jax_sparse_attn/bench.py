@@ -818,6 +818,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--op", choices=("attention", "indexer"), default="attention",
                    help="with --model: the op to model; for indexer, --shape is T,R,Hi,Di,K "
                    "(jax_sparse_attn/indexer/bench_model.py)")
+    p.add_argument("--indexer-kernel", choices=("auto", "tiled", "decode"), default="auto",
+                   help="with --model and --op indexer: the kernel to model (auto: the one the "
+                   "routing picks; decode is the row-spread kernel)")
     a = p.parse_args(argv)
 
     if a.model and a.op == "indexer":
@@ -825,7 +828,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         # --shape parses five integers; for the indexer they are T, R, Hi, Di, K.
         shapes = [(s.T, s.H, s.D, s.K, s.R) for s in a.shape] if a.shape else None
-        return run_indexer_model(a.model, shapes, a.json)
+        return run_indexer_model(a.model, shapes, a.json,
+                                 None if a.indexer_kernel == "auto" else a.indexer_kernel)
 
     if a.layer_memory_child:
         from . import bench_indexer

@@ -8,12 +8,13 @@ from jax_sparse_attn.nki_emulator.cost import HARDWARE
 
 
 @pytest.mark.slow
-def test_indexer_model_record_and_bounds(tmp_path):
+@pytest.mark.parametrize("kernel", ["tiled", "decode"])
+def test_indexer_model_record_and_bounds(tmp_path, kernel):
     from jax_sparse_attn.bench import main
 
     path = tmp_path / "model.json"
     assert main(["--model", "trn2", "--op", "indexer", "--shape", "3,1000,4,16,16",
-                 "--json", str(path)]) == 0  # fmt: skip
+                 "--indexer-kernel", kernel, "--json", str(path)]) == 0  # fmt: skip
     record = json.loads(path.read_text())["records"][0]
     for key in ("modelled_us", "hbm_bound_us", "pe_bound_us", "instructions", "busiest_engine",
                 "per_engine_us"):  # fmt: skip
@@ -28,4 +29,18 @@ def test_indexer_model_record_and_bounds(tmp_path):
     # Launches run one after another, each as long as its busiest engine: at least the busiest
     # engine's total.
     assert record["modelled_us"] >= record["per_engine_us"][record["busiest_engine"]] * (1 - 1e-12)
-    assert record["launches"] == 2  # the row shares' selection, then their merge
+    assert record["kernel"] == kernel
+    # Tiled: the row shares' selection, then their merge; row-spread: one launch.
+    assert record["launches"] == (2 if kernel == "tiled" else 1)
+
+
+@pytest.mark.slow
+def test_indexer_model_records_the_kernel_the_routing_picks(tmp_path):
+    from jax_sparse_attn.bench import main
+    from jax_sparse_attn.indexer import neuron
+
+    path = tmp_path / "model.json"
+    assert main(["--model", "trn2", "--op", "indexer", "--shape", "3,1000,4,16,16",
+                 "--json", str(path)]) == 0  # fmt: skip
+    record = json.loads(path.read_text())["records"][0]
+    assert record["kernel"] == neuron.choose_kernel("trn2", 2, 3, 4, 16, 1000, 16)[0]

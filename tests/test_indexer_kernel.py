@@ -42,7 +42,7 @@ def oracle_topk(scores, positions, topk, ratio=1):
     return out
 
 
-def run_kernel(q, weights, keys, positions, topk, ratio=1, key_scale=None, dtype=BF16):
+def run_kernel(q, weights, keys, positions, topk, ratio=1, key_scale=None, dtype=BF16, kernel=None):
     import jax.numpy as jnp
 
     idx, scores = indexer_topk_neuron(
@@ -50,7 +50,7 @@ def run_kernel(q, weights, keys, positions, topk, ratio=1, key_scale=None, dtype
         jnp.asarray(np.asarray(keys, dtype)),
         None if key_scale is None else jnp.asarray(np.asarray(key_scale, np.float32)),
         jnp.asarray(np.asarray(positions, np.int32)), topk=topk, compress_ratio=ratio,
-        emulated=True,
+        emulated=True, kernel=kernel,
     )  # fmt: skip
     return np.asarray(idx), np.asarray(scores)
 
@@ -274,3 +274,134 @@ def test_both_kernels_end_to_end_equal_the_reference(monkeypatch):
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     # The attention kernel and the reference agree to one bf16 step (docs/neuron-kernel.md).
     assert within_one_ulp(outs[0][1], outs[1][1]) == 1.0
+
+
+def _row_spread_direct(q, w, keys, positions, topk, target="trn2"):
+    """The row-spread kernel under the emulator, called directly: ``(idx, path)``."""
+    import jax.numpy as jnp
+
+    from jax_sparse_attn.indexer import decode_kernel, neuron
+    from jax_sparse_attn.nki_emulator import simulate
+
+    T, Hi, Di = q.shape
+    plan = neuron.decode_plan(target, Hi, Di, keys.shape[0], topk)
+    n_valid = neuron.valid_rows(jnp.asarray(positions, jnp.int32), keys.shape[0], 1)
+    operands, _ = neuron._pack_decode(plan, 1, jnp.asarray(q), jnp.asarray(w), jnp.asarray(keys),
+                                      None, n_valid)  # fmt: skip
+    _, idx, path = simulate(decode_kernel.indexer_decode_kernel, target=target)(
+        *[np.asarray(a) for a in operands], topk=topk, depth=plan.depth, split=plan.split)
+    return idx.reshape(T, topk), path.reshape(T)
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "duplicated", "clustered", "wide_tie"])
+def test_row_spread_kernel_matches_the_oracle(monkeypatch, case):
+    """The row-spread (decode) kernel, forced through the kernel's entry point and called directly:
+    distinct random scores take its ranked path (0); integer scores with many exact ties, and a
+    few best rows repeated in other partitions, have their ties broken (1); best rows crowded into
+    one partition (rows 128 j, more than its depth of candidates), and one score shared by more
+    best rows than step 4's list holds, take its exact fallback (2). Every path equals the
+    oracle."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(5)
+    T, Hi, Di, R, K = 3, 8, 32, 5000, 64
+    if case == "ties":
+        q, w, keys = integer_case(rng, T, Hi, Di, R, 2)
+    else:
+        q = rng.standard_normal((T, Hi, Di)).astype(np.float32)
+        keys = rng.standard_normal((R, Di)).astype(np.float32)
+        w = np.abs(rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
+        toward = np.sign(q.sum(axis=(0, 1)))[None, :]
+        if case == "clustered":  # 30 rows of partition 0, each far above the rest, all distinct
+            keys[128 * np.arange(30)] = toward * (4.0 + np.arange(30)[:, None] / 8)
+        elif case == "duplicated":  # row 5 (high) again in partitions 2, 4 and 57
+            keys[5] = toward[0] * 4.0
+            keys[[130, 260, 3001]] = keys[5]
+        elif case == "wide_tie":  # 300 rows, two or three per partition, share the best score
+            keys[np.arange(300) * 16 + 3] = toward[0] * 4.0
+    q, keys = np.asarray(q, BF16), np.asarray(keys, BF16)
+    positions = np.array([4999, 70, 3000])
+    s64 = oracle_scores(np.asarray(q, np.float32), w, np.asarray(keys, np.float32))
+    want = oracle_topk(s64, positions, K)
+    idx, scores = indexer_topk_neuron(
+        jnp.asarray(q), jnp.asarray(w), jnp.asarray(keys), None,
+        jnp.asarray(positions, jnp.int32), topk=K, compress_ratio=1, emulated=True,
+        kernel="decode")  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(idx), want)
+    direct, path = _row_spread_direct(q, w, keys, positions, K)
+    np.testing.assert_array_equal(direct, want)
+    # Token 1 sees rows < 71 only: one crowded row, no overload.
+    want_path = {"distinct": [0, 0, 0], "ties": [1, 1, 1], "duplicated": [1, 0, 1],
+                 "clustered": [2, 0, 2], "wide_tie": [2, 1, 2]}[case]
+    np.testing.assert_array_equal(path, want_path)
+
+
+def _poisson_above(mean, n):
+    """P(X > n), X ~ Poisson(mean), summed in log space (math.lgamma)."""
+    import math
+
+    return 1.0 - sum(math.exp(i * math.log(mean) - mean - math.lgamma(i + 1)) for i in range(n + 1))
+
+
+@pytest.mark.parametrize("topk", [64, 512, 2048])
+def test_candidate_depth_is_the_least_multiple_of_8_within_the_fallback_rate(topk):
+    from jax_sparse_attn.indexer import decode_kernel
+
+    depth = decode_kernel.candidate_depth(topk, columns=10**6)
+    mean = topk / 128
+    assert depth % 8 == 0
+    assert 128 * _poisson_above(mean, depth) <= decode_kernel.FALLBACK_RATE
+    assert depth == 8 or 128 * _poisson_above(mean, depth - 8) > decode_kernel.FALLBACK_RATE
+    assert decode_kernel.candidate_depth(2048, columns=16) == 16  # every row a candidate
+
+
+def test_routing_takes_the_row_spread_kernel_for_decode_only_where_it_can_run():
+    from jax_sparse_attn.indexer import neuron
+
+    shape = dict(Hi=64, Di=128, R=131072, topk=2048)
+    assert neuron.choose_kernel("trn2", 1, 1, **shape)[0] == "decode"
+    assert neuron.choose_kernel("trn1", 1, 1, **shape) == ("tiled", None)  # no scatter DMA
+    # A prefill over a shorter cache fills the tiled kernel's tiles, and its merges are cheaper.
+    assert neuron.choose_kernel("trn2", 1, 4096, Hi=64, Di=128, R=32768, topk=2048)[0] == "tiled"
+    assert neuron.choose_kernel("trn2", 1, 1, Hi=64, Di=128, R=131072, topk=8192) == ("tiled", None)
+
+
+@pytest.mark.parametrize("case", ["compressed", "garbage", "nan_and_inf", "beyond_valid",
+                                  "key_scale", "f32"])  # fmt: skip
+def test_row_spread_kernel_keeps_the_contract(monkeypatch, case):
+    """The row-spread kernel, forced, on the contract's cases: compressed blocks, garbage in
+    rows no token may select, -inf and NaN scores, topk beyond the valid rows, a key_scale, f32
+    operands. Integer inputs (and power-of-two scales) make the oracle exact."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    rng = np.random.default_rng(11)
+    ratio, key_scale, dtype, K = 1, None, BF16, 16
+    q, w, keys = integer_case(rng, 3, 4, 8, 700)
+    positions = np.array([699, 40, 3])
+    if case == "compressed":
+        ratio, positions = 4, np.array([2799, 1000, 12])
+    elif case == "garbage":
+        positions = np.array([300, 17, 650])
+        keys[301:650] = np.nan
+        keys[660:, :3] = np.inf
+    elif case == "nan_and_inf":
+        q = np.abs(q) + 1
+        keys[[5, 9]] = np.inf  # d = +inf, weights negative: score -inf
+        keys[[2, 30], 1] = np.nan
+        w = -np.abs(w) - 0.5
+        positions, K = np.array([39, 39, 9]), 40
+    elif case == "beyond_valid":
+        K = 13
+    elif case == "key_scale":
+        key_scale = rng.choice([0.25, 0.5, 1.0, 2.0], 700).astype(np.float32)
+    else:
+        dtype = np.float32
+    s64 = oracle_scores(q, w, keys, key_scale)
+    limited = [min(700, (p + 1) // ratio) for p in positions]
+    if case == "garbage":  # the oracle of rows beyond each limit is never read
+        s64 = np.where(np.arange(700)[None, :] < np.array(limited)[:, None], s64, 0.0)
+    want = oracle_topk(s64, positions, K, ratio)
+    idx, scores = run_kernel(q, w, keys, positions, K, ratio, key_scale, dtype, kernel="decode")
+    np.testing.assert_array_equal(idx, want)
+    picked = np.take_along_axis(s64, np.maximum(want, 0), axis=1)
+    np.testing.assert_array_equal(scores, np.where(want >= 0, picked, -np.inf))

@@ -60,14 +60,19 @@ def _inputs(T: int, R: int, Hi: int, Di: int, seed: int = 0):
     return q, weights, keys, positions
 
 
-def model_indexer_shape(target: str, T: int, R: int, Hi: int, Di: int, K: int) -> dict:
-    """The modelled figures of one ``indexer_topk`` call on ``target`` (module docstring)."""
+def model_indexer_shape(target: str, T: int, R: int, Hi: int, Di: int, K: int,
+                        kernel: Optional[str] = None) -> dict:  # fmt: skip
+    """The modelled figures of one ``indexer_topk`` call on ``target`` (module docstring), with
+    the kernel the routing picks (``kernel=None``) or the one named (``"tiled"``, ``"decode"``)."""
     import jax
 
     from .. import nki_emulator
     from ..nki_emulator.cost import ENGINES
-    from .neuron import indexer_topk_neuron
+    from ..attention.neuron import launch_programs
+    from .neuron import choose_kernel, indexer_topk_neuron
 
+    if kernel is None:
+        kernel = choose_kernel(target, launch_programs(target), T, Hi, Di, R, K)[0]
     start = time.perf_counter()
     q, weights, keys, positions = _inputs(T, R, Hi, Di)
     previous = os.environ.get(nki_emulator.TARGET_ENV)
@@ -76,7 +81,7 @@ def model_indexer_shape(target: str, T: int, R: int, Hi: int, Di: int, K: int) -
     try:
         with nki_emulator.recording(cost=True) as rec:
             idx, _ = indexer_topk_neuron(q, weights, keys, None, positions, topk=K,
-                                         compress_ratio=1, emulated=True)  # fmt: skip
+                                         compress_ratio=1, emulated=True, kernel=kernel)  # fmt: skip
             np.asarray(idx)
     finally:
         if previous is None:
@@ -102,6 +107,7 @@ def model_indexer_shape(target: str, T: int, R: int, Hi: int, Di: int, K: int) -
     return {
         "target": target,
         "shape": {"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K},
+        "kernel": kernel,
         "modelled_us": modelled,
         "hbm_bound_us": bounds["hbm_bound_us"],
         "pe_bound_us": bounds["pe_bound_us"],
@@ -127,24 +133,24 @@ def _row(r: dict) -> str:
     engines = " ".join(f"{e}={v:.1f}" for e, v in r["per_engine_us"].items())
     return (f"{r['target']:<5} {shape:<38} {r['modelled_us']:10.1f} {r['hbm_bound_us']:9.1f} "
             f"{r['pe_bound_us']:9.1f} {r['modelled_over_bound']:7.2f}x {r['instructions']:8d} "
-            f"{r['busiest_engine']:<7} [{engines}]")  # fmt: skip
+            f"{r['busiest_engine']:<7} {r['kernel']:<6} [{engines}]")  # fmt: skip
 
 
 def run_indexer_model(target: str, shapes: Optional[Iterable[tuple]] = None,
-                      json_path: Optional[str] = None) -> int:  # fmt: skip
-    """Model every ``(T, R, Hi, Di, K)`` shape on ``target``; print a table, optionally write
-    JSON; 0 if every shape ran."""
+                      json_path: Optional[str] = None, kernel: Optional[str] = None) -> int:  # fmt: skip
+    """Model every ``(T, R, Hi, Di, K)`` shape on ``target`` with ``kernel`` (None: the one the
+    routing picks); print a table, optionally write JSON; 0 if every shape ran."""
     from ..bench_model import TARGETS, _cpu, _error_message, write_json
 
     if target not in TARGETS:
         raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
     print(f"# {LABEL}; op indexer; target {target}; host CPU: {_cpu()}", flush=True)
     print(f"# {'tgt':<5} {'shape':<38} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>8} "
-          f"{'instrs':>8} busiest [per engine us]", flush=True)  # fmt: skip
+          f"{'instrs':>8} busiest kernel [per engine us]", flush=True)  # fmt: skip
     records, ok = [], True
     for T, R, Hi, Di, K in shapes or DEFAULT_SHAPES:
         try:
-            rec = model_indexer_shape(target, T, R, Hi, Di, K)
+            rec = model_indexer_shape(target, T, R, Hi, Di, K, kernel)
         except Exception as err:  # noqa: BLE001 - a shape the kernel rejects is a result too
             ok = False
             rec = {"target": target, "shape": {"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K},
@@ -167,7 +173,8 @@ def run_indexer_model(target: str, shapes: Optional[Iterable[tuple]] = None,
                 "2*Hi*Di flops per (token, valid row) at the BF16 TensorE peak; both per logical "
                 "core",
                 "instructions: compiled instructions of the largest program (hardware-loop "
-                "bodies count once)",
+                "bodies count once; a 0-or-1-trip branch first taken after a loop's first "
+                "iteration is not counted)",
             ],
             "records": records,
         }

@@ -209,13 +209,14 @@ def _score_chunk(plan: IndexerPlan, q_sb, w_sb, keys_sb, key_scale, chunk_index,
                            data1=scores, data2=scale_row, op=nl.multiply)  # fmt: skip
 
 
-def select_key(plan: IndexerPlan, keys, rows, n_valid_col):
+def select_key(keys, rows, n_valid_col):
     """Scores -> selection keys in place (module docstring, step 2; docs/indexer-kernel.md).
 
-    ``keys [TT, C]`` f32 scores, ``rows [TT, C]`` f32 their row numbers, ``n_valid_col [TT, 1]``.
-    Every replacement is a select, so a NaN or inf in a row that is invalid never matters.
+    ``keys [P, C]`` f32 scores, ``rows [P, C]`` f32 their row numbers, ``n_valid_col [P, 1]``
+    the valid rows of each partition's token. Every replacement is a select, so a NaN or inf in
+    a row that is invalid never matters.
     """
-    tt, c = plan.tile_tokens, plan.chunk
+    tt, c = keys.shape
     # Halved, and -inf lifted to its key (max with NEG_INF_KEY; NaN stays NaN here).
     nisa.tensor_scalar(dst=keys, data=keys, op0=nl.multiply, operand0=KEY_FACTOR,
                        op1=nl.maximum, operand1=NEG_INF_KEY, engine=nisa.engine.gpsimd)  # fmt: skip
@@ -232,7 +233,16 @@ def _merge(plan: IndexerPlan, cand, cand_rows, sel):
     """The running ``K8`` best of ``cand`` (keys) and their rows, back into ``cand[:, :K8]`` and
     ``cand_rows[:, :K8]`` (module docstring, step 3). ``sel`` holds the merge's tiles and the
     variant (:class:`_Selection`)."""
-    k8 = plan.topk8
+    positions = extract_best(cand, sel, plan.topk8)
+    nisa.nc_n_gather(dst=sel.best_rows, data=cand_rows, indices=positions)
+    nisa.tensor_copy(dst=cand[:, 0:plan.topk8], src=sel.best_keys, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=cand_rows[:, 0:plan.topk8], src=sel.best_rows, engine=nisa.engine.gpsimd)
+
+
+def extract_best(cand, sel, k8: int):
+    """``k8 / 8`` rounds of max8 over ``cand`` (each partition on its own): ``sel.best_keys``
+    gets each partition's ``k8`` best keys, descending, the returned tile their positions (first
+    occurrences: ties to the lower position), and those positions of ``cand`` become ``MARKER``."""
     for i in range(k8 // SELECTED_PER_ROUND):
         cols = slice(i * SELECTED_PER_ROUND, (i + 1) * SELECTED_PER_ROUND)
         nisa.max8(dst=sel.best_keys[:, cols], src=cand)
@@ -249,13 +259,10 @@ def _merge(plan: IndexerPlan, cand, cand_rows, sel):
             # nc_match_replace8 page of v2.32.0 describes it), then the replacement.
             nisa.nc_find_index8(dst=sel.positions[:, cols], data=cand, vals=sel.best_keys[:, cols])
             nisa.nc_match_replace8(dst=cand, data=cand, vals=sel.best_keys[:, cols], imm=MARKER)
-    positions = sel.positions
-    if sel.match_indices:
-        nisa.nc_n_gather(dst=sel.positions_fixed, data=sel.positions, indices=sel.reverse_groups)
-        positions = sel.positions_fixed
-    nisa.nc_n_gather(dst=sel.best_rows, data=cand_rows, indices=positions)
-    nisa.tensor_copy(dst=cand[:, 0:k8], src=sel.best_keys, engine=nisa.engine.gpsimd)
-    nisa.tensor_copy(dst=cand_rows[:, 0:k8], src=sel.best_rows, engine=nisa.engine.gpsimd)
+    if not sel.match_indices:
+        return sel.positions
+    nisa.nc_n_gather(dst=sel.positions_fixed, data=sel.positions, indices=sel.reverse_groups)
+    return sel.positions_fixed
 
 
 @dataclasses.dataclass
@@ -365,7 +372,7 @@ def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_ends, topk, 
         nisa.iota(dst=rows, pattern=[[1, chunk]], offset=0)
         nisa.tensor_scalar(dst=rows, data=rows, op0=nl.add, operand0=row_base,
                            engine=nisa.engine.gpsimd)  # fmt: skip
-        select_key(plan, cand[:, topk8 : topk8 + chunk], rows, n_valid_col)
+        select_key(cand[:, topk8 : topk8 + chunk], rows, n_valid_col)
         _merge(plan, cand, cand_rows, sel)
         nisa.tensor_scalar(dst=row_base, data=row_base, op0=nl.add, operand0=float(chunk),
                            engine=nisa.engine.gpsimd)  # fmt: skip

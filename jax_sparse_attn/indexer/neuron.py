@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import decode_kernel as _decode
 from . import kernel as _kernel
 
 # Row numbers travel through the kernel as fp32 (its row ids and the n_valid bound): exact below
@@ -129,6 +130,106 @@ def _call_nki(target, shares, programs, plan, operands):
     return merge(part_keys, part_rows, topk=plan.topk, match_indices=match)
 
 
+def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
+    """The row-spread kernel's operands (:mod:`.decode_kernel`, "Interface"), the tokens padded
+    to a multiple of the programs."""
+    T, Hi, Di = q.shape
+    tokens = _round_up(T, programs)
+    pad_t = tokens - T
+    q_t = jnp.pad(q, ((0, pad_t), (0, 0), (0, 0))).transpose(0, 2, 1)
+    w_t = jnp.pad(weights.astype(jnp.float32), ((0, pad_t), (0, 0)))[..., None]
+    R = keys.shape[0]
+    n, c = plan.chunks, plan.chunk
+    pad_r = plan.rows_padded - R
+    keys_t = jnp.pad(keys, ((0, pad_r), (0, 0))).T.reshape(Di, n, c)
+    scale = jnp.ones((R,), jnp.float32) if key_scale is None else key_scale.astype(jnp.float32)
+    # [p, j] = scale[128 j + p]: the partitions' rows, as the kernel lays the scores out.
+    scale_t = jnp.pad(scale, (0, pad_r), constant_values=1.0).reshape(plan.columns, _decode.P).T
+    nv = jnp.pad(n_valid, (0, pad_t))
+    ends = (-(-nv // c)).astype(jnp.int32)
+    operands = (q_t, w_t, keys_t, scale_t, nv.astype(jnp.float32).reshape(tokens, 1, 1),
+                ends.reshape(1, tokens, 1))  # fmt: skip
+    return operands, tokens
+
+
+def _run_decode_on_host(target: str, programs: int, topk: int, depth: int, split: int, *arrays):
+    from ..nki_emulator import simulate
+
+    run = simulate(_decode.indexer_decode_kernel, target=target)[programs]
+    keys_out, idx, _ = run(*[np.asarray(a) for a in arrays], topk=topk, depth=depth, split=split)
+    return np.concatenate([keys_out, idx.astype(np.float32)], axis=-1)
+
+
+def _call_decode(target, programs, plan, operands, tokens, emulated):
+    k = plan.topk
+    if emulated:
+        result = jax.ShapeDtypeStruct((tokens, 1, 2 * k), jnp.float32)
+        packed = jax.pure_callback(
+            functools.partial(_run_decode_on_host, target, programs, k, plan.depth, plan.split),
+            result,
+            *operands, vmap_method="sequential",
+        )  # fmt: skip
+        return packed[..., :k], packed[..., k:].astype(jnp.int32)
+    from ..attention.neuron import jitted_kernel
+
+    run = jitted_kernel(_decode.indexer_decode_kernel)
+    if programs > 1:
+        run = run[programs]
+    keys_out, idx, _ = run(*operands, topk=k, depth=plan.depth, split=plan.split)
+    return keys_out, idx
+
+
+def decode_plan(target: str, Hi: int, Di: int, R: int, topk: int):
+    """:func:`decode_kernel.plan_decode` for ``target``'s SBUF and engine clocks."""
+    from ..nki_emulator.cost import HARDWARE
+    from ..nki_emulator.targets import TARGETS
+
+    hw = HARDWARE[target]
+    return _decode.plan_decode(Hi, Di, R, topk, TARGETS[target].sbuf_bytes_per_partition,
+                               hw.vector_ghz, hw.scalar_ghz)  # fmt: skip
+
+
+def _decode_tensor_cycles(plan) -> int:
+    """TensorE cycles of one token's scores in the row-spread kernel, by the cost model's
+    nc_matmul formula: per 512 rows one bf16 matmul per 128 of ``Di`` (q stationary), per 128
+    rows one fp32 head sum (relu(d) stationary, the weights moving)."""
+    from ..nki_emulator.cost import MATMUL_FP32_FACTOR, MATMUL_MIN_STATIONARY
+
+    d_tiles = -(-plan.dim // _kernel.KERNEL_TILE)
+    rows = _decode.ROWS_PER_MATMUL
+    dots = plan.rows_padded // rows * d_tiles * max(min(MATMUL_MIN_STATIONARY, plan.heads), rows)
+    head_sums = plan.rows_padded // _decode.P * MATMUL_MIN_STATIONARY * MATMUL_FP32_FACTOR
+    return dots + head_sums
+
+
+def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, topk: int):
+    """``("decode", plan)`` where the row-spread kernel takes the shape and the cost model's
+    formulas give it less time per program (its busier of TensorE and VectorE, ties broken) than
+    the tiled kernel's VectorE merges, else ``("tiled", None)``. It needs the indirect (scatter)
+    DMA, NeuronCore-v3+: never on trn1."""
+    from ..nki_emulator.cost import HARDWARE
+    from ..nki_emulator.targets import TARGETS
+
+    if target == "trn1":
+        return "tiled", None
+    budget = TARGETS[target].sbuf_bytes_per_partition
+    plan = decode_plan(target, Hi, Di, R, int(topk))
+    if plan is None:
+        return "tiled", None
+    shares = shares_for(programs, int(topk))
+    tiled = _kernel.plan_indexer(T, Hi, Di, R, int(topk), shares=shares, budget=budget)
+    tiles = -(-T // tiled.tile_tokens)
+    rounds = tiled.topk8 // _kernel.SELECTED_PER_ROUND
+    tiled_cycles = (tiles * (tiled.chunks // shares) * rounds
+                    * (2 * (tiled.topk8 + tiled.chunk) + 144))  # fmt: skip
+    hw = HARDWARE[target]
+    per_token_us = max(_decode_tensor_cycles(plan) / hw.tensor_ghz,
+                       _decode.vector_cycles_per_token(plan) / hw.vector_ghz) / 1e3  # fmt: skip
+    decode_us = -(-T // programs) * per_token_us
+    tiled_us = tiled_cycles / hw.vector_ghz / 1e3
+    return ("decode", plan) if decode_us < tiled_us else ("tiled", None)
+
+
 def shares_for(programs: int, topk: int) -> int:
     """How many programs split the rows: all of the launch grid, unless their partial
     selections together exceed what one max8 merge reads (``programs * K8 > 16384``)."""
@@ -136,7 +237,8 @@ def shares_for(programs: int, topk: int) -> int:
     return programs if programs * topk8 <= _kernel.SELECT_MAX_ELEMENTS else 1
 
 
-def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compress_ratio, emulated):
+def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compress_ratio, emulated,
+                        kernel=None):
     """The indexer on the NKI kernel: the primitive's operands in, ``(idx, scores)`` out.
 
     Args:
@@ -147,6 +249,8 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
       positions: ``[T]`` int32.
       topk: static int >= 0; compress_ratio: static int >= 1.
       emulated: True runs the kernel under the NKI emulator on the host, False on Neuron.
+      kernel: None picks the kernel (:func:`choose_kernel`); ``"tiled"`` or ``"decode"`` (the
+        row-spread kernel) forces one, for tests and comparisons.
     Returns ``(idx [T, topk] int32, scores [T, topk] f32)``: the valid rows with the highest
     scores, best first, exact ties to the lower row, NaN below every number; ``-1`` / ``-inf``
     past the valid rows (docs/indexer.md). Raises ``ValueError`` naming the argument for shapes
@@ -175,11 +279,23 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
 
     target = neuron_target()
     programs = launch_programs(target)
+    n_valid = valid_rows(positions, R, int(compress_ratio))
+    if kernel is None:
+        kernel, spread = choose_kernel(target, programs, T, Hi, Di, R, int(topk))
+    elif kernel == "decode":
+        spread = None if target == "trn1" else decode_plan(target, Hi, Di, R, int(topk))
+        if spread is None:
+            raise ValueError(f"the row-spread kernel cannot take this shape on {target}")
+    if kernel == "decode":
+        operands, tokens = _pack_decode(spread, programs, q, weights, keys, key_scale, n_valid)
+        keys_out, idx = _call_decode(target, programs, spread, operands, tokens, emulated)
+        keys_out = keys_out.reshape(-1, topk)[:T]
+        idx = idx.reshape(-1, topk)[:T]
+        return idx, scores_from_keys(keys_out, idx)
     shares = shares_for(programs, int(topk))
     merge_programs = programs if shares > 1 else 1
     plan = _kernel.plan_indexer(T, Hi, Di, R, int(topk), shares=shares,
                                 budget=TARGETS[target].sbuf_bytes_per_partition)  # fmt: skip
-    n_valid = valid_rows(positions, R, int(compress_ratio))
     operands, tiles = _pack(plan, shares, merge_programs, q, weights, keys, key_scale, n_valid)
     if emulated:
         keys_out, idx = _call_emulated(target, shares, merge_programs, plan, operands, tiles)

@@ -170,7 +170,9 @@ class Context:
     Live on-chip memory, the Scalar Engine reduce registers, the program id, and the instruction
     record: ``instructions`` counts every instruction executed, ``compiled_instructions`` only those
     of the compiled program text, i.e. the body of an ``nl.dynamic_range`` loop (a hardware loop,
-    not unrolled) counts once, however many times it runs.
+    not unrolled) counts once, however many times it runs. A body counts only if it runs in the
+    first iteration of its enclosing hardware loops (a 0-trip body has no trace to count): a
+    0-or-1-trip branch taken first in a later iteration is missing from the figure.
     """
 
     def __init__(self, target: str | Target | None = None, program_id: int = 0, launch: Launch | None = None):

@@ -1,0 +1,584 @@
+"""The indexer's row-spread kernel: one token at a time, its rows over the 128 partitions
+(docs/indexer-kernel.md, "The row-spread kernel").
+
+The tiled kernel (:mod:`.kernel`) puts tokens on the partitions, so a decode step's one token
+leaves 127 of them idle while ``max8`` rounds walk its whole row. Here row ``r`` of a token's
+cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
+
+1. **Scores** on the TensorEngine: ``d = q . k`` per 512 rows as in the tiled kernel (q
+   stationary), then the head sum with the ``relu(d)`` columns stationary and the weights
+   moving, so the result lands as ``[128 rows, 1]`` columns (fp32 operands: the contract's fp32
+   products); times ``key_scale``; staged through HBM, then ``select_key`` on the ``[128, F]``
+   tile.
+2. **A threshold** from ``depth / 8`` rounds of ``max8`` per partition: each partition's
+   ``depth`` best keys are candidates, and ``U*``, the best key left anywhere, bounds every row
+   that is not. If at least ``Kv = min(K, n_valid)`` candidates are strictly above ``U*`` (or
+   nothing valid is left), the top ``Kv`` rows are all candidates.
+3. **Ranks by counting**: every partition holds all ``M = 128 depth`` candidate keys (broadcast
+   through HBM); a candidate's rank is how many candidates beat it (``tensor_scalar_reduce``:
+   one compare-and-count pass of ``M`` per candidate column). Ties would share a rank: the ranks
+   of the ``Kv`` selected are exactly ``0 .. Kv-1`` iff their count is ``Kv`` and their sum
+   ``Kv (Kv - 1) / 2`` (sums of integers, exact in fp32 for ``K <= MAX_TOPK``).
+4. **Ties** (exact ties among the best are common: thousands of f32 scores in a narrow range):
+   where that check fails, the chosen candidates (a prefix of each partition's, so a prefix sum
+   over the partitions gives each a distinct place) are scattered into a compact list of
+   ``cap ~ K + 128``, and each entry's rank gains the count of entries with an equal key and a
+   lower row (an equality pass, a compare-and-multiply pass and a sum per 128 entries): the
+   ranks become distinct and follow the contract's order (ties to the lower row).
+5. **Placement**: each candidate of rank ``< Kv`` is scattered to its slot by DMA
+   (``vector_offset`` on the destination).
+6. **Fallback**: where step 2's bound fails (a partition holding more than ``depth`` of the
+   best, or NaN / infinite keys shared by more rows than that), or more than ``cap`` candidates
+   share the best ranks (a tie across the cut that large), the token's keys go to HBM in
+   row order and the tiled kernel's exact merge runs over them (``path`` records it).
+   Steps 4 to 6 run as hardware loops of 0 or 1 trips.
+
+Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`, ``T`` a multiple of the programs)::
+
+    q_t          [T, Di, Hi]          16-bit  q transposed (the tiled kernel's layout, TT = 1)
+    w_t          [T, Hi, 1]           f32     the weights w' (scale folded in)
+    keys_t       [Di, n_chunks, C]    16-bit  the keys transposed, C rows per chunk
+    key_scale_t  [128, F]             f32     key_scale[128 j + p] at [p, j] (F = n_chunks C / 128)
+    n_valid      [T, 1, 1]            f32     valid rows of each token
+    chunk_ends   [1, T, 1]            int32   chunks holding a valid row of the token
+    -> keys [T, 1, K] f32, idx [T, 1, K] int32, path [T, 1] int32 (0 ranked, 1 ties broken,
+                                                                       2 fallback)
+
+The programs of a launch split the tokens. Nothing here needs the Neuron SDK to import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..constants import KERNEL_TILE, MAX8_ELEMENTS, PSUM_BANK_FP32
+# The helpers by name: the emulator rebinds the kernel module's global functions (not attributes
+# of an imported module) to see it as nki/nisa/nl.
+from .kernel import (
+    MARKER,
+    SELECTED_PER_ROUND,
+    IndexerPlan,
+    _d_chunks,
+    _emit,
+    _merge,
+    _selection_tiles,
+    _tile_block,
+    extract_best,
+    select_key,
+)
+
+try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
+    import nki
+    import nki.isa as nisa
+    import nki.language as nl
+except ImportError:
+    nki = nl = nisa = None
+
+P = KERNEL_TILE
+ROWS_PER_MATMUL = PSUM_BANK_FP32
+# Rows scored per chunk (a hardware loop step): a multiple of CHUNK_ALIGN, at most MAX_CHUNK (a
+# chunk's keys are one DMA, and each DMA with a runtime address pays the DGE's fixed cost).
+CHUNK_ALIGN = 4 * ROWS_PER_MATMUL
+MAX_CHUNK = 16 * ROWS_PER_MATMUL
+# Rows per merge of the fallback (the tiled kernel's merge over [1, K8 + FALLBACK_CHUNK]).
+FALLBACK_CHUNK = 2048
+# The tie check sums the selected ranks, Kv (Kv - 1) / 2, which fp32 holds exactly below 2**24.
+MAX_TOPK = 4096
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+# Step 2's bound fails when a partition holds more than ``depth`` of the best rows. The depth is
+# sized so that this happens to at most this fraction of tokens when the best rows fall on the
+# partitions at random (an assumption: clustered rows, such as recent ones, are spread by the
+# interleave r % 128).
+FALLBACK_RATE = 1e-4
+
+
+def _poisson_tail(mean: float, n: int) -> float:
+    """P(X > n) for X ~ Poisson(mean)."""
+    term, below = math.exp(-mean), 0.0
+    for i in range(n + 1):
+        below += term
+        term *= mean / (i + 1)
+    return max(0.0, 1.0 - below)
+
+
+def candidate_depth(topk: int, columns: int) -> int:
+    """Candidates per partition: the least multiple of 8 with ``128 P(share > depth) <=
+    FALLBACK_RATE`` for a share ~ Poisson(topk / 128) (the count of the best rows one partition
+    holds), at most the partition's columns (then every row is a candidate)."""
+    depth = SELECTED_PER_ROUND
+    while depth < columns and P * _poisson_tail(topk / P, depth) > FALLBACK_RATE:
+        depth += SELECTED_PER_ROUND
+    return min(depth, columns)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Compile-time sizes: ``heads``/``dim`` (Hi, Di), ``topk`` (K, ``topk8`` rounded up to 8),
+    ``chunks`` of ``chunk`` rows, ``depth`` candidates per partition, ``split`` of whose rank
+    columns are counted by GpSimd compares and ScalarE sums instead of the VectorE (balancing
+    the two engines' shares by the cost model's formulas)."""
+
+    heads: int
+    dim: int
+    topk: int
+    topk8: int
+    chunk: int
+    chunks: int
+    depth: int
+    split: int = 0
+
+    @property
+    def chunk_columns(self) -> int:
+        return self.chunk // P
+
+    @property
+    def columns(self) -> int:  # F: a token's rows per partition
+        return self.chunks * self.chunk_columns
+
+    @property
+    def candidates(self) -> int:  # M
+        return P * self.depth
+
+    @property
+    def rows_padded(self) -> int:
+        return self.chunks * self.chunk
+
+    @property
+    def compact(self) -> int:  # cap: step 4's list, whole columns of 128, at most M
+        return min(_round_up(self.topk8, P) + P, self.candidates)
+
+
+def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
+    """SBUF bytes per partition of the kernel's tiles (an upper estimate): q and a chunk of keys
+    (16-bit), the relu block, the ``[128, F]`` scores, their working copy, row numbers and
+    predicate, the candidates' tiles (about 16 ``depth``-wide rows), the broadcast candidates and
+    the count passes' outputs (``3 M``; step 4 reuses them), step 4's columns (about 8 per 128 of
+    ``cap``), and the fallback's merge (the tiled kernel's tiles for
+    ``K8 + FALLBACK_CHUNK`` candidates on one partition)."""
+    d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
+    scoring = d_tiles * plan.heads * 2 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL + 64
+    scores = 2 * 4 * plan.columns + plan.columns
+    candidates = 16 * 4 * plan.depth + 3 * 4 * plan.candidates + 8 * 4 * plan.compact // P + 4 * P
+    k8 = plan.topk8
+    fallback = 2 * 4 * (k8 + FALLBACK_CHUNK) + 5 * 4 * k8 + 9 * k8 + 2 * 4 * plan.topk
+    return scoring + scores + candidates + fallback + 256
+
+
+def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int,
+                vector_ghz: float = 1.0, scalar_ghz: float = 1.0) -> DecodePlan | None:  # fmt: skip
+    """The sizes for ``rows`` keys, or None where this kernel cannot take the shape (then the
+    tiled kernel runs): ``topk`` above ``MAX_TOPK``, a token's row beyond max8's 16384 columns,
+    or more SBUF than ``budget`` bytes per partition. The clocks (the target's) set ``split``."""
+    if not 0 < heads <= KERNEL_TILE or not 0 < topk <= MAX_TOPK:
+        return None
+    chunk = min(MAX_CHUNK, _round_up(max(rows, 1), CHUNK_ALIGN))
+    chunks = _ceil_div(max(rows, 1), chunk)
+    topk8 = _round_up(topk, SELECTED_PER_ROUND)
+    columns = chunks * chunk // P
+    depth = candidate_depth(topk, columns)
+    # Rank columns per engine: the VectorE's count pass and the ScalarE's sum each take M + 64
+    # cycles a column; the ScalarE also runs the relu, one cycle per scored row.
+    per_column = P * depth + 64
+    relu_us = chunks * chunk / scalar_ghz
+    split = (depth * per_column / vector_ghz - relu_us) / (per_column / vector_ghz + per_column / scalar_ghz)
+    split = int(min(max(round(split), 0), depth))
+    plan = DecodePlan(heads, dim, topk, topk8, chunk, chunks, depth, split)
+    if columns > MAX8_ELEMENTS or topk8 + FALLBACK_CHUNK > MAX8_ELEMENTS:
+        return None
+    if sbuf_bytes_per_partition(plan) > budget:
+        return None
+    return plan
+
+
+def vector_cycles_per_token(plan: DecodePlan) -> int:
+    """The VectorE's cycles for one token's selection with its ties broken (step 4: the routing
+    assumes ties, which are common), by the cost model's formulas (max8 ``N``, match_replace8
+    ``N + 144``, tensor_scalar_reduce ``N + 64``, an fp32 scalar_tensor_tensor ``2 N``)."""
+    rounds = plan.depth // SELECTED_PER_ROUND
+    ranks = (plan.depth - plan.split) * (plan.candidates + 64)
+    return rounds * (2 * plan.columns + 144) + ranks + plan.compact // P * 2 * plan.compact
+
+
+def _score_chunk(plan: DecodePlan, q_sb, w_sb, keys_sb, chunk_sb):
+    """A chunk's scores ``[128, C/128]`` into ``chunk_sb`` (f32): column ``j`` partition ``p``
+    holds the chunk's row ``128 j + p`` (module docstring, step 1)."""
+    heads = plan.heads
+    scores = nl.ndarray((P, plan.chunk_columns), dtype=nl.float32, buffer=nl.psum)
+    for s in range(plan.chunk // ROWS_PER_MATMUL):
+        r0 = s * ROWS_PER_MATMUL
+        dots = nl.ndarray((heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
+        for dc, _, dw in _d_chunks(plan.dim):
+            nisa.nc_matmul(dst=dots, stationary=q_sb[0:dw, dc, :],
+                           moving=keys_sb[0:dw, dc, r0 : r0 + ROWS_PER_MATMUL],
+                           accumulate=dc > 0)  # fmt: skip
+        relu = nl.ndarray((heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=relu, op=nl.relu, data=dots)
+        for i in range(ROWS_PER_MATMUL // P):
+            col = s * (ROWS_PER_MATMUL // P) + i
+            # relu(d) of 128 rows stationary, the weights moving: the head sums of those rows
+            # land on the partitions (fp32 operands, so w' * relu(d) are fp32 products).
+            nisa.nc_matmul(dst=scores[:, col : col + 1], stationary=relu[:, i * P : (i + 1) * P],
+                           moving=w_sb, accumulate=False)  # fmt: skip
+    nisa.tensor_copy(dst=chunk_sb, src=scores)
+
+
+@dataclasses.dataclass
+class _Fallback:
+    """The tiled kernel's exact merge over one token's keys in row order (module step 6)."""
+
+    plan: object
+    cand: object
+    cand_rows: object
+    sel: object
+    row_base: object
+    keys_rows: object  # HBM [chunks, FALLBACK_CHUNK]: the token's keys in row order
+
+
+def _fallback_tiles(plan: DecodePlan) -> _Fallback:
+    k8 = plan.topk8
+    n = _ceil_div(plan.rows_padded, FALLBACK_CHUNK)
+    merge_plan = IndexerPlan(1, 1, 1, plan.topk, k8, FALLBACK_CHUNK, n)
+    return _Fallback(
+        merge_plan,
+        nl.ndarray((1, k8 + FALLBACK_CHUNK), dtype=nl.float32, buffer=nl.sbuf),
+        nl.ndarray((1, k8 + FALLBACK_CHUNK), dtype=nl.float32, buffer=nl.sbuf),
+        _selection_tiles(1, k8, True),
+        nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf),
+        nl.ndarray((n, FALLBACK_CHUNK), dtype=nl.float32, buffer=nl.hbm),
+    )  # fmt: skip
+
+
+def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, token, topk: int):
+    """Exact: ``keys_tile [128, F]`` to HBM in row order, then merges of ``FALLBACK_CHUNK``
+    rows as the tiled kernel's, emitted into ``keys_out[token]`` / ``idx_out[token]``."""
+    plan = fb.plan
+    k8, c = plan.topk8, plan.chunk
+    columns = keys_tile.shape[1]
+    assert fb.keys_rows.shape[0] * c == P * columns  # chunks are multiples of FALLBACK_CHUNK
+    nisa.dma_copy(dst=fb.keys_rows.ap(pattern=[[1, P], [P, columns]], offset=0), src=keys_tile)
+    nisa.memset(dst=fb.cand[:, 0:k8], value=MARKER)
+    nisa.memset(dst=fb.cand_rows[:, 0:k8], value=0.0)
+    nisa.memset(dst=fb.row_base, value=0.0)
+
+    def one_chunk(i):
+        nisa.dma_copy(dst=fb.cand[:, k8 : k8 + c], src=fb.keys_rows.ap(
+            pattern=[[c, 1], [1, c]], offset=0, scalar_offset=i, indirect_dim=0))  # fmt: skip
+        rows = fb.cand_rows[:, k8 : k8 + c]
+        nisa.iota(dst=rows, pattern=[[1, c]], offset=0)
+        nisa.tensor_scalar(dst=rows, data=rows, op0=nl.add, operand0=fb.row_base,
+                           engine=nisa.engine.gpsimd)  # fmt: skip
+        _merge(plan, fb.cand, fb.cand_rows, fb.sel)
+        nisa.tensor_scalar(dst=fb.row_base, data=fb.row_base, op0=nl.add, operand0=float(c),
+                           engine=nisa.engine.gpsimd)  # fmt: skip
+
+    nl.fori_loop(0, fb.keys_rows.shape[0], one_chunk)
+    _emit(fb.cand, fb.cand_rows, keys_out, idx_out, token, 1, topk, k8)
+
+
+def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, topk, depth,
+                          split=0):  # fmt: skip
+    """The row-spread selection (module docstring) of each of the program's tokens.
+
+    Args: as the module docstring's interface; ``topk`` (K), ``depth`` (candidates per
+    partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
+    compile-time ints. Launch as ``kernel[n]`` with ``T`` a multiple
+    of ``n``. Returns ``(keys, idx, path)`` in shared HBM: the selection keys (descending,
+    ``MARKER`` past the valid rows), their rows (-1 there), and each token's path (0: ranked, 1:
+    ties broken, 2: the exact fallback).
+    """
+    T, dim, heads = q_t.shape
+    _, n_chunks, chunk = keys_t.shape
+    chunk_columns = chunk // P
+    assert tuple(key_scale_t.shape) == (P, n_chunks * chunk_columns), f"key_scale_t {key_scale_t.shape}"
+    assert chunk % CHUNK_ALIGN == 0 and chunk % FALLBACK_CHUNK == 0, f"keys_t {keys_t.shape}"
+    assert tuple(w_t.shape) == (T, heads, 1) and tuple(n_valid.shape) == (T, 1, 1)
+    assert tuple(chunk_ends.shape) == (1, T, 1), f"chunk_ends {chunk_ends.shape}"
+    assert 0 < topk <= MAX_TOPK and depth % SELECTED_PER_ROUND == 0 and 0 <= split <= depth
+    topk8 = _round_up(topk, SELECTED_PER_ROUND)
+    plan = DecodePlan(heads, dim, topk, topk8, chunk, n_chunks, depth, split)
+    columns, m = plan.columns, plan.candidates
+    assert depth <= columns <= MAX8_ELEMENTS
+    programs, program = nl.num_programs(), nl.program_id(0)
+    assert T % programs == 0, f"{T} tokens must be a multiple of the {programs} programs"
+    per_program = T // programs
+
+    keys_out = nl.ndarray((T, 1, topk), dtype=nl.float32, buffer=nl.shared_hbm)
+    idx_out = nl.ndarray((T, 1, topk), dtype=nl.int32, buffer=nl.shared_hbm)
+    path_out = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.shared_hbm)
+    # HBM staging: the token's scores by chunk, its candidates (the broadcast's source), and the
+    # ranked selection before it goes to keys_out/idx_out.
+    scores_hbm = nl.ndarray((P, n_chunks, chunk_columns), dtype=nl.float32, buffer=nl.hbm)
+    cand_hbm = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.hbm)
+    cap = plan.compact
+    cap_cols = cap // P
+    # Step 4's list: keys, rows and ranks, one array each (contiguous for the broadcasts).
+    list_hbm = [nl.ndarray((cap, 1), dtype=nl.float32, buffer=nl.hbm) for _ in range(3)]
+    ranked_keys = nl.ndarray((topk, 1), dtype=nl.float32, buffer=nl.hbm)
+    ranked_rows = nl.ndarray((topk, 1), dtype=nl.int32, buffer=nl.hbm)
+
+    d_tiles = _ceil_div(dim, KERNEL_TILE)
+    # Loop-carried state, allocated outside the loops (nki.language.fori_loop page).
+    q_sb = nl.ndarray((KERNEL_TILE, d_tiles, heads), dtype=q_t.dtype, buffer=nl.sbuf)
+    w_sb = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
+    keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=keys_t.dtype, buffer=nl.sbuf)
+    chunk_sb = nl.ndarray((P, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
+    keys_tile = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
+    work = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
+    nv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    kv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nv_one = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    end = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    sel = _selection_tiles(P, depth, True)
+    left8 = nl.ndarray((P, SELECTED_PER_ROUND), dtype=nl.float32, buffer=nl.sbuf)
+    partition = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    cand_pos = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
+    cand_rows = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
+    cand_rows_i32 = nl.ndarray((P, depth), dtype=nl.int32, buffer=nl.sbuf)
+    ranks = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
+    chosen = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
+    spare = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
+    slot = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
+    slot_u32 = nl.ndarray((P, depth), dtype=nl.uint32, buffer=nl.sbuf)
+    column = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)  # j
+    place_u32 = nl.ndarray((P, depth), dtype=nl.uint32, buffer=nl.sbuf)
+    before = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    lower = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)  # [k, i] = k < i
+    # The list as [128, cap / 128] tiles (entry 128 c + p at [p, c]): keys, rows, ranks.
+    listed = [nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf) for _ in range(3)]
+    listed_gain = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
+    listed_slot = nl.ndarray((P, cap_cols), dtype=nl.uint32, buffer=nl.sbuf)
+    listed_rows = nl.ndarray((P, cap_cols), dtype=nl.int32, buffer=nl.sbuf)
+    all_keys = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
+    beaten = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
+    beaten_alt = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
+    ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    left_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    best_left = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    stats = nl.ndarray((P, 3), dtype=nl.float32, buffer=nl.sbuf)
+    totals = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
+    flags = nl.ndarray((1, 10), dtype=nl.float32, buffer=nl.sbuf)
+    ok_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    ties_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    fb_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    path_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    fill_keys = nl.ndarray((1, topk), dtype=nl.float32, buffer=nl.sbuf)
+    fill_rows = nl.ndarray((1, topk), dtype=nl.int32, buffer=nl.sbuf)
+    fb = _fallback_tiles(plan)
+
+    nisa.iota(dst=partition, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+    nisa.memset(dst=ones_row, value=1.0)
+    nisa.memset(dst=ones_col, value=1.0)
+    nisa.iota(dst=column, pattern=[[1, depth]], offset=0)
+    nisa.iota(dst=lower, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # i - k
+    nisa.tensor_scalar(dst=lower, data=lower, op0=nl.greater, operand0=0.0)
+    # Chunks past a token's last valid row are never scored: they hold zeros (or an earlier
+    # token's scores) in HBM, and select_key turns those rows into MARKER.
+    nisa.memset(dst=keys_tile, value=0.0)
+    nisa.dma_copy(dst=scores_hbm.ap(pattern=[[columns, P], [1, columns]], offset=0), src=keys_tile)
+
+    def one_chunk(c):
+        for dc, d0, dw in _d_chunks(dim):
+            nisa.dma_copy(dst=keys_sb[0:dw, dc, :], src=keys_t.ap(
+                pattern=[[n_chunks * chunk, dw], [1, chunk]], offset=d0 * n_chunks * chunk,
+                scalar_offset=c, indirect_dim=1))  # fmt: skip
+        _score_chunk(plan, q_sb, w_sb, keys_sb, chunk_sb)
+        nisa.dma_copy(dst=scores_hbm.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
+                                        scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
+
+    def choose():
+        # chosen = (rank < Kv) * (a real row's key).
+        nisa.tensor_scalar(dst=chosen, data=ranks, op0=nl.less, operand0=kv_col)
+        nisa.tensor_scalar(dst=spare, data=sel.best_keys, op0=nl.greater, operand0=MARKER)
+        nisa.tensor_tensor(dst=chosen, data1=chosen, data2=spare, op=nl.multiply)
+
+    def break_ties(_):
+        # Step 4. Each chosen candidate's place in the list: the chosen of the partitions before
+        # it (a prefix sum by matmul) plus its column; the rest go past the list (skipped).
+        prefix = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=prefix, stationary=lower, moving=stats[:, 0:1], accumulate=False)
+        nisa.tensor_copy(dst=before, src=prefix)
+        nisa.tensor_scalar(dst=spare, data=chosen, op0=nl.multiply, operand0=-float(2 * cap),
+                           op1=nl.add, operand1=float(2 * cap))  # fmt: skip
+        nisa.scalar_tensor_tensor(dst=spare, data=column, op0=nl.add, operand0=before,
+                                  op1=nl.add, operand1=spare)  # fmt: skip
+        nisa.tensor_copy(dst=place_u32, src=spare)
+        # The list starts empty: MARKER keys, row -1, a rank past the topk slots.
+        entries = [[1, P], [P, cap_cols]]
+        for field, empty in zip(listed, (MARKER, -1.0, float(2 * cap + topk))):
+            nisa.memset(dst=field, value=empty)
+        for field, hbm, source in zip(listed, list_hbm, (sel.best_keys, cand_rows, ranks)):
+            nisa.dma_copy(dst=hbm.ap(pattern=entries, offset=0), src=field)
+            for j in range(depth):
+                nisa.dma_copy(dst=hbm.ap(pattern=[[1, P], [1, 1]], offset=0,
+                                         vector_offset=place_u32[:, j : j + 1], indirect_dim=0),
+                              src=source[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+            nisa.dma_copy(dst=field, src=hbm.ap(pattern=entries, offset=0))
+        list_keys, list_rows, equal = all_keys[:, 0:cap], beaten[:, 0:cap], beaten_alt[:, 0:cap]
+        nisa.dma_copy(dst=list_keys, src=list_hbm[0].ap(pattern=[[0, P], [1, cap]], offset=0))
+        nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
+        listed_keys, listed_rows_f, listed_ranks = listed
+        for c in range(cap_cols):
+            # gain = #(entries with an equal key and a lower row)
+            nisa.tensor_scalar(dst=equal, data=list_keys, op0=nl.equal,
+                               operand0=listed_keys[:, c : c + 1], engine=nisa.engine.gpsimd)
+            nisa.scalar_tensor_tensor(dst=equal, data=list_rows, op0=nl.less,
+                                      operand0=listed_rows_f[:, c : c + 1], op1=nl.multiply,
+                                      operand1=equal)  # fmt: skip
+            nisa.activation(dst=equal, op=nl.copy, data=equal, reduce_op=nl.add,
+                            reduce_res=listed_gain[:, c : c + 1],
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        # Step 5 for the list: slot = rank + gain (past topk: skipped).
+        nisa.tensor_tensor(dst=listed_gain, data1=listed_gain, data2=listed_ranks, op=nl.add)
+        nisa.tensor_copy(dst=listed_slot, src=listed_gain)
+        nisa.tensor_copy(dst=listed_rows, src=listed_rows_f)
+        for c in range(cap_cols):
+            nisa.dma_copy(dst=ranked_keys.ap(pattern=[[1, P], [1, 1]], offset=0,
+                                             vector_offset=listed_slot[:, c : c + 1], indirect_dim=0),
+                          src=listed_keys[:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+            nisa.dma_copy(dst=ranked_rows.ap(pattern=[[1, P], [1, 1]], offset=0,
+                                             vector_offset=listed_slot[:, c : c + 1], indirect_dim=0),
+                          src=listed_rows[:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+
+    def place(_):
+        # Slot = rank where chosen, else past the topk rows (skipped): (1 - chosen) * K + rank.
+        nisa.tensor_scalar(dst=slot, data=chosen, op0=nl.multiply, operand0=-float(topk),
+                           op1=nl.add, operand1=float(topk))  # fmt: skip
+        nisa.tensor_tensor(dst=slot, data1=slot, data2=ranks, op=nl.add)
+        nisa.tensor_copy(dst=slot_u32, src=slot)
+        for j in range(depth):
+            nisa.dma_copy(dst=ranked_keys.ap(pattern=[[1, P], [1, 1]], offset=0,
+                                             vector_offset=slot_u32[:, j : j + 1], indirect_dim=0),
+                          src=sel.best_keys[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+            nisa.dma_copy(dst=ranked_rows.ap(pattern=[[1, P], [1, 1]], offset=0,
+                                             vector_offset=slot_u32[:, j : j + 1], indirect_dim=0),
+                          src=cand_rows_i32[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+
+    def one_token(t):
+        for dc, d0, dw in _d_chunks(dim):
+            nisa.dma_copy(dst=q_sb[0:dw, dc, :], src=_tile_block(q_t, t, dw, heads, d0 * heads))
+        nisa.dma_copy(dst=w_sb, src=_tile_block(w_t, t, heads, 1))
+        nisa.dma_copy(dst=nv_col, src=n_valid.ap(pattern=[[0, P], [1, 1]], offset=0,
+                                                 scalar_offset=t, indirect_dim=0))  # fmt: skip
+        nisa.dma_copy(dst=nv_one, src=_tile_block(n_valid, t, 1, 1))
+        nisa.dma_copy(dst=end, src=chunk_ends.ap(pattern=[[1, 1], [1, 1]], offset=0,
+                                                 scalar_offset=t, indirect_dim=1))  # fmt: skip
+        chunks_end = nisa.register_alloc(None)
+        nisa.register_load(chunks_end, end)
+        nl.fori_loop(0, chunks_end, one_chunk)
+        nisa.dma_copy(dst=keys_tile, src=scores_hbm.ap(pattern=[[columns, P], [1, columns]], offset=0))
+        # work holds the key scales, then the row numbers 128 j + p (SBUF for one [128, F] tile).
+        nisa.dma_copy(dst=work, src=key_scale_t)
+        nisa.tensor_tensor(dst=keys_tile, data1=keys_tile, data2=work, op=nl.multiply)
+        nisa.iota(dst=work, pattern=[[P, columns]], offset=0, channel_multiplier=1)
+        select_key(keys_tile, work, nv_col)
+
+        # Step 2: each partition's depth best (positions -> rows 128 pos + p), and the best left.
+        nisa.tensor_copy(dst=work, src=keys_tile, engine=nisa.engine.gpsimd)
+        positions = extract_best(work, sel, depth)
+        nisa.max8(dst=left8, src=work)
+        nisa.tensor_copy(dst=cand_pos, src=positions, engine=nisa.engine.gpsimd)
+        nisa.tensor_scalar(dst=cand_rows, data=cand_pos, op0=nl.multiply, operand0=float(P),
+                           op1=nl.add, operand1=partition, engine=nisa.engine.gpsimd)  # fmt: skip
+        nisa.tensor_copy(dst=cand_rows_i32, src=cand_rows, engine=nisa.engine.gpsimd)
+        left_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum)
+        nisa.tensor_copy(dst=left_col, src=left8[:, 0:1])
+        nisa.nc_transpose(dst=left_row, data=left_col)
+        nisa.tensor_reduce(dst=best_left, op=nl.max, data=left_row, axis=1, keepdims=True)
+        left_all = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=left_all, stationary=ones_row, moving=best_left, accumulate=False)
+        nisa.tensor_copy(dst=left_col, src=left_all)
+        nisa.tensor_scalar_reduce(dst=spare, data=sel.best_keys, op0=nl.greater, operand0=left_col,
+                                  reduce_op=nl.add, reduce_res=stats[:, 2:3],
+                                  reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+
+        # Step 3: every candidate's rank among all M (strictly greater keys).
+        nisa.dma_copy(dst=cand_hbm, src=sel.best_keys)
+        nisa.dma_copy(dst=all_keys, src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
+        for j in range(depth - split):
+            nisa.tensor_scalar_reduce(dst=beaten, data=all_keys, op0=nl.greater,
+                                      operand0=sel.best_keys[:, j : j + 1], reduce_op=nl.add,
+                                      reduce_res=ranks[:, j : j + 1],
+                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        for j in range(depth - split, depth):
+            nisa.tensor_scalar(dst=beaten_alt, data=all_keys, op0=nl.greater,
+                               operand0=sel.best_keys[:, j : j + 1], engine=nisa.engine.gpsimd)
+            nisa.activation(dst=beaten_alt, op=nl.copy, data=beaten_alt, reduce_op=nl.add,
+                            reduce_res=ranks[:, j : j + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.tensor_scalar(dst=kv_col, data=nv_col, op0=nl.minimum, operand0=float(topk),
+                           engine=nisa.engine.gpsimd)  # fmt: skip
+        # The chosen candidates; stats: their count and their rank sum.
+        choose()
+        nisa.tensor_reduce(dst=stats[:, 0:1], op=nl.add, data=chosen, axis=1, keepdims=True)
+        nisa.tensor_tensor(dst=spare, data1=chosen, data2=ranks, op=nl.multiply)
+        nisa.tensor_reduce(dst=stats[:, 1:2], op=nl.add, data=spare, axis=1, keepdims=True)
+        summed = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=summed, stationary=ones_col, moving=stats, accumulate=False)
+        nisa.tensor_copy(dst=totals, src=summed)
+        # flags: 0 Kv, 1 Kv (Kv - 1) / 2, 2 count == Kv, 3 rank sum == 1, 4 the bound holds
+        # (enough above the best left, or 5: nothing valid left), 6 ranked as is, 7 fall back,
+        # 8 break ties (the bound holds, the ranks do not, 9: the chosen fit the list).
+        nisa.tensor_scalar(dst=flags[:, 0:1], data=nv_one, op0=nl.minimum, operand0=float(topk))
+        nisa.tensor_scalar(dst=flags[:, 1:2], data=flags[:, 0:1], op0=nl.subtract, operand0=1.0,
+                           op1=nl.multiply, operand1=0.5)  # fmt: skip
+        nisa.tensor_tensor(dst=flags[:, 1:2], data1=flags[:, 1:2], data2=flags[:, 0:1],
+                           op=nl.multiply)  # fmt: skip
+        nisa.tensor_tensor(dst=flags[:, 2:3], data1=totals[:, 0:1], data2=flags[:, 0:1], op=nl.equal)
+        nisa.tensor_tensor(dst=flags[:, 3:4], data1=totals[:, 1:2], data2=flags[:, 1:2], op=nl.equal)
+        nisa.tensor_tensor(dst=flags[:, 4:5], data1=totals[:, 2:3], data2=flags[:, 0:1],
+                           op=nl.greater_equal)  # fmt: skip
+        nisa.tensor_scalar(dst=flags[:, 5:6], data=best_left, op0=nl.equal, operand0=MARKER)
+        nisa.tensor_tensor(dst=flags[:, 4:5], data1=flags[:, 4:5], data2=flags[:, 5:6], op=nl.maximum)
+        nisa.tensor_tensor(dst=flags[:, 6:7], data1=flags[:, 2:3], data2=flags[:, 3:4], op=nl.multiply)
+        nisa.tensor_tensor(dst=flags[:, 6:7], data1=flags[:, 6:7], data2=flags[:, 4:5], op=nl.multiply)
+        nisa.tensor_scalar(dst=flags[:, 9:10], data=totals[:, 0:1], op0=nl.less_equal,
+                           operand0=float(cap))  # fmt: skip
+        nisa.tensor_tensor(dst=flags[:, 8:9], data1=flags[:, 4:5], data2=flags[:, 6:7],
+                           op=nl.subtract)  # fmt: skip
+        nisa.tensor_tensor(dst=flags[:, 8:9], data1=flags[:, 8:9], data2=flags[:, 9:10],
+                           op=nl.multiply)  # fmt: skip
+        # fall back = 1 - ranked - ties; path = ties + 2 fall back (the three exclude each other).
+        nisa.tensor_tensor(dst=flags[:, 7:8], data1=flags[:, 6:7], data2=flags[:, 8:9], op=nl.add)
+        nisa.tensor_scalar(dst=flags[:, 7:8], data=flags[:, 7:8], op0=nl.multiply, operand0=-1.0,
+                           op1=nl.add, operand1=1.0)  # fmt: skip
+        nisa.tensor_copy(dst=ok_i32, src=flags[:, 6:7])
+        nisa.tensor_copy(dst=ties_i32, src=flags[:, 8:9])
+        nisa.tensor_copy(dst=fb_i32, src=flags[:, 7:8])
+        nisa.scalar_tensor_tensor(dst=flags[:, 7:8], data=flags[:, 7:8], op0=nl.multiply,
+                                  operand0=2.0, op1=nl.add, operand1=flags[:, 8:9])  # fmt: skip
+        nisa.tensor_copy(dst=path_i32, src=flags[:, 7:8])
+        placed = nisa.register_alloc(None)
+        nisa.register_load(placed, ok_i32)
+        tied = nisa.register_alloc(None)
+        nisa.register_load(tied, ties_i32)
+        falls_back = nisa.register_alloc(None)
+        nisa.register_load(falls_back, fb_i32)
+
+        # Step 5 (0 or 1 trips each): the ranked slots, MARKER / -1 past Kv, from the candidates
+        # as ranked or from step 4's list; then out to the token.
+        for ranked, fill in ((ranked_keys, fill_keys), (ranked_rows, fill_rows)):
+            nisa.dma_copy(dst=ranked.ap(pattern=[[topk, 1], [1, topk]], offset=0), src=fill)
+        nl.fori_loop(0, placed, place)
+        nl.fori_loop(0, tied, break_ties)
+        nisa.dma_copy(dst=_tile_block(keys_out, t, 1, topk),
+                      src=ranked_keys.ap(pattern=[[topk, 1], [1, topk]], offset=0))  # fmt: skip
+        nisa.dma_copy(dst=_tile_block(idx_out, t, 1, topk),
+                      src=ranked_rows.ap(pattern=[[topk, 1], [1, topk]], offset=0))  # fmt: skip
+        # Step 6 (0 or 1 trips): the exact merge overwrites the token's result.
+        nl.fori_loop(0, falls_back, lambda _: _run_fallback(fb, keys_tile, keys_out, idx_out, t, topk))
+        nisa.dma_copy(dst=_tile_block(path_out, t, 1, 1), src=path_i32)
+
+    nisa.memset(dst=fill_keys, value=MARKER)
+    nisa.memset(dst=fill_rows, value=-1)
+    nl.fori_loop(program * per_program, (program + 1) * per_program, one_token)
+    return keys_out, idx_out, path_out
