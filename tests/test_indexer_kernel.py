@@ -276,8 +276,9 @@ def test_both_kernels_end_to_end_equal_the_reference(monkeypatch):
     assert within_one_ulp(outs[0][1], outs[1][1]) == 1.0
 
 
-def _row_spread_direct(q, w, keys, positions, topk, target="trn2"):
-    """The row-spread kernel under the emulator, called directly: ``(idx, path)``."""
+def _row_spread_direct(q, w, keys, positions, topk, target="trn2", steps=None):
+    """The row-spread kernel under the emulator, called directly: ``(idx, path)``; ``steps=0``
+    turns the pivot's bisection off (every token ranks all candidates)."""
     import jax.numpy as jnp
 
     from jax_sparse_attn.indexer import decode_kernel, neuron
@@ -289,18 +290,20 @@ def _row_spread_direct(q, w, keys, positions, topk, target="trn2"):
     operands, _ = neuron._pack_decode(plan, 1, jnp.asarray(q), jnp.asarray(w), jnp.asarray(keys),
                                       None, n_valid)  # fmt: skip
     _, idx, path = simulate(decode_kernel.indexer_decode_kernel, target=target)(
-        *[np.asarray(a) for a in operands], topk=topk, depth=plan.depth, split=plan.split)
+        *[np.asarray(a) for a in operands], topk=topk, depth=plan.depth, split=plan.split,
+        steps=plan.steps if steps is None else steps)
     return idx.reshape(T, topk), path.reshape(T)
 
 
+@pytest.mark.parametrize("steps", [None, 0])
 @pytest.mark.parametrize("case", ["distinct", "ties", "duplicated", "clustered", "wide_tie"])
-def test_row_spread_kernel_matches_the_oracle(monkeypatch, case):
+def test_row_spread_kernel_matches_the_oracle(monkeypatch, case, steps):
     """The row-spread (decode) kernel, forced through the kernel's entry point and called directly:
-    distinct random scores take its ranked path (0); integer scores with many exact ties, and a
-    few best rows repeated in other partitions, have their ties broken (1); best rows crowded into
+    distinct random scores are ranked as they are; integer scores with many exact ties, and a
+    few best rows repeated in other partitions, have their ties broken; best rows crowded into
     one partition (rows 128 j, more than its depth of candidates), and one score shared by more
-    best rows than step 4's list holds, take its exact fallback (2). Every path equals the
-    oracle."""
+    best rows than step 4's list holds, take its exact fallback. With and without the pivot (the
+    list of the best, or all candidates ranked). Every path equals the oracle."""
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     import jax.numpy as jnp
 
@@ -329,11 +332,15 @@ def test_row_spread_kernel_matches_the_oracle(monkeypatch, case):
         jnp.asarray(positions, jnp.int32), topk=K, compress_ratio=1, emulated=True,
         kernel="decode")  # fmt: skip
     np.testing.assert_array_equal(np.asarray(idx), want)
-    direct, path = _row_spread_direct(q, w, keys, positions, K)
+    direct, path = _row_spread_direct(q, w, keys, positions, K, steps=steps)
     np.testing.assert_array_equal(direct, want)
-    # Token 1 sees rows < 71 only: one crowded row, no overload.
+    # Paths: 0 all M ranked, 1 and ties broken, 2 the fallback, 3 the list at the pivot ranked,
+    # 4 and ties broken; steps=0 finds no pivot. Token 1 sees rows < 71 only: one crowded row,
+    # no overload, five of the wide tie.
     want_path = {"distinct": [0, 0, 0], "ties": [1, 1, 1], "duplicated": [1, 0, 1],
                  "clustered": [2, 0, 2], "wide_tie": [2, 1, 2]}[case]
+    if steps is None:  # a pivot wherever the bound holds and no tie is wider than the list
+        want_path = [{0: 3, 1: 4}.get(p, p) for p in want_path]
     np.testing.assert_array_equal(path, want_path)
 
 
@@ -362,8 +369,9 @@ def test_routing_takes_the_row_spread_kernel_for_decode_only_where_it_can_run():
     shape = dict(Hi=64, Di=128, R=131072, topk=2048)
     assert neuron.choose_kernel("trn2", 1, 1, **shape)[0] == "decode"
     assert neuron.choose_kernel("trn1", 1, 1, **shape) == ("tiled", None)  # no scatter DMA
-    # A prefill over a shorter cache fills the tiled kernel's tiles, and its merges are cheaper.
-    assert neuron.choose_kernel("trn2", 1, 4096, Hi=64, Di=128, R=32768, topk=2048)[0] == "tiled"
+    # A prefill over a short cache: the tiled kernel's merges of few rows are cheaper than the
+    # row-spread kernel's fixed work per token.
+    assert neuron.choose_kernel("trn2", 1, 4096, Hi=64, Di=128, R=4096, topk=2048)[0] == "tiled"
     assert neuron.choose_kernel("trn2", 1, 1, Hi=64, Di=128, R=131072, topk=8192) == ("tiled", None)
 
 

@@ -14,24 +14,28 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    ``depth`` best keys are candidates, and ``U*``, the best key left anywhere, bounds every row
    that is not. If at least ``Kv = min(K, n_valid)`` candidates are strictly above ``U*`` (or
    nothing valid is left), the top ``Kv`` rows are all candidates.
-3. **Ranks by counting**: every partition holds all ``M = 128 depth`` candidate keys (broadcast
-   through HBM); a candidate's rank is how many candidates beat it (``tensor_scalar_reduce``:
-   one compare-and-count pass of ``M`` per candidate column). Ties would share a rank: the ranks
-   of the ``Kv`` selected are exactly ``0 .. Kv-1`` iff their count is ``Kv`` and their sum
-   ``Kv (Kv - 1) / 2`` (sums of integers, exact in fp32 for ``K <= MAX_TOPK``).
+3. **A pivot and a list** (step 3a): bisection between ``U*`` and the best key for a pivot ``v``
+   with ``Kv <= #(candidates >= v) <= cap`` (``cap = K8 + 128``; one compare-and-count pass over
+   the ``[128, depth]`` candidates and a matmul sum per halving). The candidates ``>= v`` (a
+   prefix of each partition's, so a prefix sum over the partitions gives each a distinct place)
+   are scattered into a compact list, and each entry's rank is how many entries beat it: one
+   compare-and-count pass (``tensor_scalar_reduce``) of ``cap`` per 128 entries. Where no pivot
+   is found in ``steps`` halvings (step 3b), every partition holds all ``M = 128 depth``
+   candidates (broadcast through HBM) and each candidate's rank is counted among all ``M``; the
+   chosen (rank ``< Kv``) then form the list where they need step 4. Ties would share a rank:
+   the ranks of the ``Kv`` chosen are exactly ``0 .. Kv-1`` iff their count is ``Kv`` and their
+   sum ``Kv (Kv - 1) / 2`` (sums of integers, exact in fp32 for ``K <= MAX_TOPK``).
 4. **Ties** (exact ties among the best are common: thousands of f32 scores in a narrow range):
-   where that check fails, the chosen candidates (a prefix of each partition's, so a prefix sum
-   over the partitions gives each a distinct place) are scattered into a compact list of
-   ``cap ~ K + 128``, and each entry's rank gains the count of entries with an equal key and a
-   lower row (an equality pass, a compare-and-multiply pass and a sum per 128 entries): the
+   where that check fails, each list entry's rank gains the count of entries with an equal key
+   and a lower row (an equality pass, a compare-and-multiply pass and a sum per 128 entries): the
    ranks become distinct and follow the contract's order (ties to the lower row).
-5. **Placement**: each candidate of rank ``< Kv`` is scattered to its slot by DMA
+5. **Placement**: each entry (or candidate) of rank ``< Kv`` is scattered to its slot by DMA
    (``vector_offset`` on the destination).
 6. **Fallback**: where step 2's bound fails (a partition holding more than ``depth`` of the
-   best, or NaN / infinite keys shared by more rows than that), or more than ``cap`` candidates
-   share the best ranks (a tie across the cut that large), the token's keys go to HBM in
-   row order and the tiled kernel's exact merge runs over them (``path`` records it).
-   Steps 4 to 6 run as hardware loops of 0 or 1 trips.
+   best, or NaN / infinite keys shared by more rows than that), or, without a pivot, more than
+   ``cap`` candidates share the best ranks (a tie across the cut that large), the token's keys go
+   to HBM in row order and the tiled kernel's exact merge runs over them (``path`` records it).
+   Steps 3 to 6 run as hardware loops of 0 or 1 trips; a token with no valid row takes none.
 
 Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`, ``T`` a multiple of the programs)::
 
@@ -41,8 +45,8 @@ Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`, ``T`` a multiple o
     key_scale_t  [128, F]             f32     key_scale[128 j + p] at [p, j] (F = n_chunks C / 128)
     n_valid      [T, 1, 1]            f32     valid rows of each token
     chunk_ends   [1, T, 1]            int32   chunks holding a valid row of the token
-    -> keys [T, 1, K] f32, idx [T, 1, K] int32, path [T, 1] int32 (0 ranked, 1 ties broken,
-                                                                       2 fallback)
+    -> keys [T, 1, K] f32, idx [T, 1, K] int32, path [T, 1] int32 (0 all M ranked, 1 and ties
+       broken, 2 fallback, 3 the list at the pivot ranked, 4 and ties broken)
 
 The programs of a launch split the tokens. Nothing here needs the Neuron SDK to import.
 """
@@ -85,6 +89,9 @@ MAX_CHUNK = 16 * ROWS_PER_MATMUL
 FALLBACK_CHUNK = 2048
 # The tie check sums the selected ranks, Kv (Kv - 1) / 2, which fp32 holds exactly below 2**24.
 MAX_TOPK = 4096
+# Halvings of [U*, best key] that look for step 3a's pivot (a window of 128 counts); a token
+# that finds none ranks all M candidates (step 3).
+BISECT_STEPS = 16
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -136,6 +143,7 @@ class DecodePlan:
     chunks: int
     depth: int
     split: int = 0
+    steps: int = 0
 
     @property
     def chunk_columns(self) -> int:
@@ -161,14 +169,15 @@ class DecodePlan:
 def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     """SBUF bytes per partition of the kernel's tiles (an upper estimate): q and a chunk of keys
     (16-bit), the relu block, the ``[128, F]`` scores, their working copy, row numbers and
-    predicate, the candidates' tiles (about 16 ``depth``-wide rows), the broadcast candidates and
-    the count passes' outputs (``3 M``; step 4 reuses them), step 4's columns (about 8 per 128 of
-    ``cap``), and the fallback's merge (the tiled kernel's tiles for
+    predicate, the candidates' tiles (about 18 ``depth``-wide rows), the broadcast candidates and
+    the count passes' outputs (``3 M``; step 4 reuses them), step 4's columns (about 9 per 128 of
+    ``cap``), two ``[128, 128]`` matrices, and the fallback's merge (the tiled kernel's tiles for
     ``K8 + FALLBACK_CHUNK`` candidates on one partition)."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
     scoring = d_tiles * plan.heads * 2 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL + 64
     scores = 2 * 4 * plan.columns + plan.columns
-    candidates = 16 * 4 * plan.depth + 3 * 4 * plan.candidates + 8 * 4 * plan.compact // P + 4 * P
+    candidates = (18 * 4 * plan.depth + 3 * 4 * plan.candidates + 9 * 4 * plan.compact // P
+                  + 2 * 4 * P)  # fmt: skip
     k8 = plan.topk8
     fallback = 2 * 4 * (k8 + FALLBACK_CHUNK) + 5 * 4 * k8 + 9 * k8 + 2 * 4 * plan.topk
     return scoring + scores + candidates + fallback + 256
@@ -192,7 +201,7 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int,
     relu_us = chunks * chunk / scalar_ghz
     split = (depth * per_column / vector_ghz - relu_us) / (per_column / vector_ghz + per_column / scalar_ghz)
     split = int(min(max(round(split), 0), depth))
-    plan = DecodePlan(heads, dim, topk, topk8, chunk, chunks, depth, split)
+    plan = DecodePlan(heads, dim, topk, topk8, chunk, chunks, depth, split, BISECT_STEPS)
     if columns > MAX8_ELEMENTS or topk8 + FALLBACK_CHUNK > MAX8_ELEMENTS:
         return None
     if sbuf_bytes_per_partition(plan) > budget:
@@ -201,12 +210,15 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int,
 
 
 def vector_cycles_per_token(plan: DecodePlan) -> int:
-    """The VectorE's cycles for one token's selection with its ties broken (step 4: the routing
-    assumes ties, which are common), by the cost model's formulas (max8 ``N``, match_replace8
-    ``N + 144``, tensor_scalar_reduce ``N + 64``, an fp32 scalar_tensor_tensor ``2 N``)."""
+    """The VectorE's cycles for one token's selection on the pivot's path with its ties broken
+    (step 4: the routing assumes ties, which are common), by the cost model's formulas (max8
+    ``N``, match_replace8 ``N + 144``, tensor_scalar_reduce ``N + 64``, an fp32
+    scalar_tensor_tensor ``2 N``, the bisection's small instructions ``MIN_II = 64`` each)."""
     rounds = plan.depth // SELECTED_PER_ROUND
-    ranks = (plan.depth - plan.split) * (plan.candidates + 64)
-    return rounds * (2 * plan.columns + 144) + ranks + plan.compact // P * 2 * plan.compact
+    bisection = (plan.steps + 2) * (6 * 64 + max(64, plan.depth) + 64)
+    cap_cols = plan.compact // P
+    ranks = cap_cols * (plan.compact + 64)
+    return rounds * (2 * plan.columns + 144) + bisection + ranks + cap_cols * 2 * plan.compact
 
 
 def _score_chunk(plan: DecodePlan, q_sb, w_sb, keys_sb, chunk_sb):
@@ -286,15 +298,15 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, token, topk: int)
 
 
 def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, topk, depth,
-                          split=0):  # fmt: skip
+                          split=0, steps=None):  # fmt: skip
     """The row-spread selection (module docstring) of each of the program's tokens.
 
     Args: as the module docstring's interface; ``topk`` (K), ``depth`` (candidates per
     partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
     compile-time ints. Launch as ``kernel[n]`` with ``T`` a multiple
-    of ``n``. Returns ``(keys, idx, path)`` in shared HBM: the selection keys (descending,
-    ``MARKER`` past the valid rows), their rows (-1 there), and each token's path (0: ranked, 1:
-    ties broken, 2: the exact fallback).
+    of ``n``; ``steps`` (default ``BISECT_STEPS``; 0: no pivot) the pivot's halvings. Returns
+    ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
+    valid rows), their rows (-1 there), and each token's path (the interface's codes).
     """
     T, dim, heads = q_t.shape
     _, n_chunks, chunk = keys_t.shape
@@ -305,7 +317,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     assert tuple(chunk_ends.shape) == (1, T, 1), f"chunk_ends {chunk_ends.shape}"
     assert 0 < topk <= MAX_TOPK and depth % SELECTED_PER_ROUND == 0 and 0 <= split <= depth
     topk8 = _round_up(topk, SELECTED_PER_ROUND)
-    plan = DecodePlan(heads, dim, topk, topk8, chunk, n_chunks, depth, split)
+    steps = BISECT_STEPS if steps is None else steps
+    plan = DecodePlan(heads, dim, topk, topk8, chunk, n_chunks, depth, split, steps)
     columns, m = plan.columns, plan.candidates
     assert depth <= columns <= MAX8_ELEMENTS
     programs, program = nl.num_programs(), nl.program_id(0)
@@ -361,17 +374,32 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     all_keys = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
     beaten = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
     beaten_alt = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
+    # Step 4's broadcast list and its passes reuse step 3's tiles (cap <= M).
+    list_keys, list_rows, equal = all_keys[:, 0:cap], beaten[:, 0:cap], beaten_alt[:, 0:cap]
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     left_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     best_left = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    stats = nl.ndarray((P, 3), dtype=nl.float32, buffer=nl.sbuf)
-    totals = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
-    flags = nl.ndarray((1, 10), dtype=nl.float32, buffer=nl.sbuf)
-    ok_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    ties_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    fb_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    path_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    stats = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
+    totals = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    flags = nl.ndarray((1, 5), dtype=nl.float32, buffer=nl.sbuf)
+    kv_one = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)  # Kv
+    kv_sum = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)  # Kv (Kv - 1) / 2
+    path_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    fb_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    reg_i32 = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    # [128, 1] columns, equal on every partition: the bound, the bisection, the counts.
+    bound, window, lo, hi, mid, half, count_col, total_col = (
+        nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(8))
+    below_u8 = nl.ndarray((P, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    above_u8 = nl.ndarray((P, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    ones_pp = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+    in_list = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
+    chosen_work = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
+    listed_chosen = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
+    column_ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
+    row_ps = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum)
+    totals_ps = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.psum)
     fill_keys = nl.ndarray((1, topk), dtype=nl.float32, buffer=nl.sbuf)
     fill_rows = nl.ndarray((1, topk), dtype=nl.int32, buffer=nl.sbuf)
     fb = _fallback_tiles(plan)
@@ -379,6 +407,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     nisa.iota(dst=partition, pattern=[[0, 1]], offset=0, channel_multiplier=1)
     nisa.memset(dst=ones_row, value=1.0)
     nisa.memset(dst=ones_col, value=1.0)
+    nisa.memset(dst=ones_pp, value=1.0)
     nisa.iota(dst=column, pattern=[[1, depth]], offset=0)
     nisa.iota(dst=lower, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # i - k
     nisa.tensor_scalar(dst=lower, data=lower, op0=nl.greater, operand0=0.0)
@@ -402,53 +431,140 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.tensor_scalar(dst=spare, data=sel.best_keys, op0=nl.greater, operand0=MARKER)
         nisa.tensor_tensor(dst=chosen, data1=chosen, data2=spare, op=nl.multiply)
 
-    def break_ties(_):
-        # Step 4. Each chosen candidate's place in the list: the chosen of the partitions before
-        # it (a prefix sum by matmul) plus its column; the rest go past the list (skipped).
-        prefix = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=prefix, stationary=lower, moving=stats[:, 0:1], accumulate=False)
-        nisa.tensor_copy(dst=before, src=prefix)
-        nisa.tensor_scalar(dst=spare, data=chosen, op0=nl.multiply, operand0=-float(2 * cap),
+    def build_list(mask, counts, with_ranks: bool):
+        """Step 4's list: the candidates where ``mask`` (a prefix of each partition's, ``counts``
+        per partition) at distinct places, the chosen of the partitions before plus the column
+        (a prefix sum by matmul); keys, rows and (``with_ranks``) ranks, then the broadcasts."""
+        nisa.nc_matmul(dst=column_ps, stationary=lower, moving=counts, accumulate=False)
+        nisa.tensor_copy(dst=before, src=column_ps)
+        nisa.tensor_scalar(dst=spare, data=mask, op0=nl.multiply, operand0=-float(2 * cap),
                            op1=nl.add, operand1=float(2 * cap))  # fmt: skip
         nisa.scalar_tensor_tensor(dst=spare, data=column, op0=nl.add, operand0=before,
                                   op1=nl.add, operand1=spare)  # fmt: skip
         nisa.tensor_copy(dst=place_u32, src=spare)
         # The list starts empty: MARKER keys, row -1, a rank past the topk slots.
         entries = [[1, P], [P, cap_cols]]
-        for field, empty in zip(listed, (MARKER, -1.0, float(2 * cap + topk))):
+        fields = list(zip(listed, list_hbm, (sel.best_keys, cand_rows, ranks),
+                          (MARKER, -1.0, float(2 * cap + topk))))[: 3 if with_ranks else 2]
+        for field, hbm, source, empty in fields:
             nisa.memset(dst=field, value=empty)
-        for field, hbm, source in zip(listed, list_hbm, (sel.best_keys, cand_rows, ranks)):
             nisa.dma_copy(dst=hbm.ap(pattern=entries, offset=0), src=field)
             for j in range(depth):
                 nisa.dma_copy(dst=hbm.ap(pattern=[[1, P], [1, 1]], offset=0,
                                          vector_offset=place_u32[:, j : j + 1], indirect_dim=0),
                               src=source[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
             nisa.dma_copy(dst=field, src=hbm.ap(pattern=entries, offset=0))
-        list_keys, list_rows, equal = all_keys[:, 0:cap], beaten[:, 0:cap], beaten_alt[:, 0:cap]
         nisa.dma_copy(dst=list_keys, src=list_hbm[0].ap(pattern=[[0, P], [1, cap]], offset=0))
         nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
-        listed_keys, listed_rows_f, listed_ranks = listed
+
+    def rank_in_list():
+        # rank = #(entries with a greater key): one compare-and-count pass of cap per column.
         for c in range(cap_cols):
-            # gain = #(entries with an equal key and a lower row)
+            nisa.tensor_scalar_reduce(dst=equal, data=list_keys, op0=nl.greater,
+                                      operand0=listed[0][:, c : c + 1], reduce_op=nl.add,
+                                      reduce_res=listed[2][:, c : c + 1],
+                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+
+    def break_ties(_):
+        # rank += #(entries with an equal key and a lower row): the contract's order.
+        for c in range(cap_cols):
             nisa.tensor_scalar(dst=equal, data=list_keys, op0=nl.equal,
-                               operand0=listed_keys[:, c : c + 1], engine=nisa.engine.gpsimd)
+                               operand0=listed[0][:, c : c + 1], engine=nisa.engine.gpsimd)
             nisa.scalar_tensor_tensor(dst=equal, data=list_rows, op0=nl.less,
-                                      operand0=listed_rows_f[:, c : c + 1], op1=nl.multiply,
+                                      operand0=listed[1][:, c : c + 1], op1=nl.multiply,
                                       operand1=equal)  # fmt: skip
             nisa.activation(dst=equal, op=nl.copy, data=equal, reduce_op=nl.add,
                             reduce_res=listed_gain[:, c : c + 1],
                             reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
-        # Step 5 for the list: slot = rank + gain (past topk: skipped).
-        nisa.tensor_tensor(dst=listed_gain, data1=listed_gain, data2=listed_ranks, op=nl.add)
+        nisa.tensor_tensor(dst=listed[2], data1=listed[2], data2=listed_gain, op=nl.add)
+
+    def place_list():
+        # Step 5 from the list: slot = rank (an empty entry past every slot; past topk: skipped).
+        nisa.tensor_scalar(dst=listed_gain, data=listed[0], op0=nl.greater, operand0=MARKER)
+        nisa.tensor_scalar(dst=listed_gain, data=listed_gain, op0=nl.multiply,
+                           operand0=-float(2 * cap + topk), op1=nl.add,
+                           operand1=float(2 * cap + topk))  # fmt: skip
+        nisa.tensor_tensor(dst=listed_gain, data1=listed_gain, data2=listed[2], op=nl.add)
         nisa.tensor_copy(dst=listed_slot, src=listed_gain)
-        nisa.tensor_copy(dst=listed_rows, src=listed_rows_f)
+        nisa.tensor_copy(dst=listed_rows, src=listed[1])
         for c in range(cap_cols):
             nisa.dma_copy(dst=ranked_keys.ap(pattern=[[1, P], [1, 1]], offset=0,
                                              vector_offset=listed_slot[:, c : c + 1], indirect_dim=0),
-                          src=listed_keys[:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+                          src=listed[0][:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
             nisa.dma_copy(dst=ranked_rows.ap(pattern=[[1, P], [1, 1]], offset=0,
                                              vector_offset=listed_slot[:, c : c + 1], indirect_dim=0),
                           src=listed_rows[:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+
+    def tie_free(chosen_tile, ranks_tile):
+        """1.0 in ``flags[:, 0:1]`` where the chosen ranks are exactly 0 .. Kv-1 (count Kv, sum
+        Kv (Kv - 1) / 2); ``flags[:, 1:2]``: the chosen count."""
+        nisa.tensor_reduce(dst=stats[:, 0:1], op=nl.add, data=chosen_tile, axis=1, keepdims=True)
+        nisa.tensor_tensor(dst=chosen_tile, data1=chosen_tile, data2=ranks_tile, op=nl.multiply)
+        nisa.tensor_reduce(dst=stats[:, 1:2], op=nl.add, data=chosen_tile, axis=1, keepdims=True)
+        nisa.nc_matmul(dst=totals_ps, stationary=ones_col, moving=stats, accumulate=False)
+        nisa.tensor_copy(dst=totals, src=totals_ps)
+        nisa.tensor_tensor(dst=flags[:, 0:1], data1=totals[:, 0:1], data2=kv_one, op=nl.equal)
+        nisa.tensor_tensor(dst=flags[:, 2:3], data1=totals[:, 1:2], data2=kv_sum, op=nl.equal)
+        nisa.tensor_tensor(dst=flags[:, 0:1], data1=flags[:, 0:1], data2=flags[:, 2:3],
+                           op=nl.multiply)  # fmt: skip
+        nisa.tensor_copy(dst=flags[:, 1:2], src=totals[:, 0:1])
+
+    def load_register(value):
+        nisa.tensor_copy(dst=reg_i32, src=value)
+        reg = nisa.register_alloc(None)
+        nisa.register_load(reg, reg_i32)
+        return reg
+
+    def list_path(_):
+        # Steps 4-5 for the candidates at or above the pivot: ranked within the list alone.
+        nisa.tensor_scalar(dst=in_list, data=sel.best_keys, op0=nl.greater_equal, operand0=mid)
+        build_list(in_list, count_col, with_ranks=False)
+        rank_in_list()
+        nisa.tensor_scalar(dst=listed_chosen, data=listed[2], op0=nl.less, operand0=kv_col)
+        nisa.tensor_scalar(dst=listed_gain, data=listed[0], op0=nl.greater, operand0=MARKER)
+        nisa.tensor_tensor(dst=listed_chosen, data1=listed_chosen, data2=listed_gain, op=nl.multiply)
+        tie_free(listed_chosen, listed[2])
+        nisa.tensor_scalar(dst=flags[:, 3:4], data=flags[:, 0:1], op0=nl.multiply, operand0=-1.0,
+                           op1=nl.add, operand1=1.0)  # fmt: skip
+        nisa.tensor_scalar(dst=path_f, data=flags[:, 3:4], op0=nl.add, operand0=3.0)
+        nl.fori_loop(0, load_register(flags[:, 3:4]), break_ties)
+        place_list()
+
+    def tie_list(_):
+        build_list(chosen, stats[:, 0:1], with_ranks=True)
+        break_ties(0)
+        place_list()
+
+    def full_path(_):
+        # Step 3: every candidate's rank among all M (strictly greater keys).
+        nisa.dma_copy(dst=cand_hbm, src=sel.best_keys)
+        nisa.dma_copy(dst=all_keys, src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
+        for j in range(depth - split):
+            nisa.tensor_scalar_reduce(dst=beaten, data=all_keys, op0=nl.greater,
+                                      operand0=sel.best_keys[:, j : j + 1], reduce_op=nl.add,
+                                      reduce_res=ranks[:, j : j + 1],
+                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        for j in range(depth - split, depth):
+            nisa.tensor_scalar(dst=beaten_alt, data=all_keys, op0=nl.greater,
+                               operand0=sel.best_keys[:, j : j + 1], engine=nisa.engine.gpsimd)
+            nisa.activation(dst=beaten_alt, op=nl.copy, data=beaten_alt, reduce_op=nl.add,
+                            reduce_res=ranks[:, j : j + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        choose()
+        nisa.tensor_copy(dst=chosen_work, src=chosen)
+        tie_free(chosen_work, ranks)
+        # flags: 0 tie free; 3 tied, 4 the chosen fit the list; tied and fitting: break the
+        # ties in the list; tied and not: fall back.
+        nisa.tensor_scalar(dst=flags[:, 4:5], data=flags[:, 1:2], op0=nl.less_equal,
+                           operand0=float(cap))  # fmt: skip
+        nisa.tensor_scalar(dst=flags[:, 3:4], data=flags[:, 0:1], op0=nl.multiply, operand0=-1.0,
+                           op1=nl.add, operand1=1.0)  # fmt: skip
+        nisa.tensor_tensor(dst=flags[:, 4:5], data1=flags[:, 3:4], data2=flags[:, 4:5],
+                           op=nl.multiply)  # fmt: skip
+        nisa.tensor_tensor(dst=fb_f, data1=flags[:, 3:4], data2=flags[:, 4:5], op=nl.subtract)
+        nisa.scalar_tensor_tensor(dst=path_f, data=fb_f, op0=nl.multiply, operand0=2.0,
+                                  op1=nl.add, operand1=flags[:, 4:5])  # fmt: skip
+        nl.fori_loop(0, load_register(flags[:, 0:1]), place)
+        nl.fori_loop(0, load_register(flags[:, 4:5]), tie_list)
 
     def place(_):
         # Slot = rank where chosen, else past the topk rows (skipped): (1 - chosen) * K + rank.
@@ -463,6 +579,14 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
             nisa.dma_copy(dst=ranked_rows.ap(pattern=[[1, P], [1, 1]], offset=0,
                                              vector_offset=slot_u32[:, j : j + 1], indirect_dim=0),
                           src=cand_rows_i32[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+
+    def count_above(op, value):
+        # count_col: each partition's candidates ``op`` value; total_col: all of them, everywhere.
+        nisa.tensor_scalar_reduce(dst=spare, data=sel.best_keys, op0=op, operand0=value,
+                                  reduce_op=nl.add, reduce_res=count_col,
+                                  reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        nisa.nc_matmul(dst=column_ps, stationary=ones_pp, moving=count_col, accumulate=False)
+        nisa.tensor_copy(dst=total_col, src=column_ps)
 
     def one_token(t):
         for dc, d0, dw in _d_chunks(dim):
@@ -491,92 +615,70 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.tensor_scalar(dst=cand_rows, data=cand_pos, op0=nl.multiply, operand0=float(P),
                            op1=nl.add, operand1=partition, engine=nisa.engine.gpsimd)  # fmt: skip
         nisa.tensor_copy(dst=cand_rows_i32, src=cand_rows, engine=nisa.engine.gpsimd)
-        left_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum)
         nisa.tensor_copy(dst=left_col, src=left8[:, 0:1])
-        nisa.nc_transpose(dst=left_row, data=left_col)
-        nisa.tensor_reduce(dst=best_left, op=nl.max, data=left_row, axis=1, keepdims=True)
-        left_all = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=left_all, stationary=ones_row, moving=best_left, accumulate=False)
-        nisa.tensor_copy(dst=left_col, src=left_all)
-        nisa.tensor_scalar_reduce(dst=spare, data=sel.best_keys, op0=nl.greater, operand0=left_col,
-                                  reduce_op=nl.add, reduce_res=stats[:, 2:3],
-                                  reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
-
-        # Step 3: every candidate's rank among all M (strictly greater keys).
-        nisa.dma_copy(dst=cand_hbm, src=sel.best_keys)
-        nisa.dma_copy(dst=all_keys, src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
-        for j in range(depth - split):
-            nisa.tensor_scalar_reduce(dst=beaten, data=all_keys, op0=nl.greater,
-                                      operand0=sel.best_keys[:, j : j + 1], reduce_op=nl.add,
-                                      reduce_res=ranks[:, j : j + 1],
-                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
-        for j in range(depth - split, depth):
-            nisa.tensor_scalar(dst=beaten_alt, data=all_keys, op0=nl.greater,
-                               operand0=sel.best_keys[:, j : j + 1], engine=nisa.engine.gpsimd)
-            nisa.activation(dst=beaten_alt, op=nl.copy, data=beaten_alt, reduce_op=nl.add,
-                            reduce_res=ranks[:, j : j + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.nc_transpose(dst=row_ps, data=left_col)
+        nisa.tensor_reduce(dst=best_left, op=nl.max, data=row_ps, axis=1, keepdims=True)
+        nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_left, accumulate=False)
+        nisa.tensor_copy(dst=left_col, src=column_ps)
         nisa.tensor_scalar(dst=kv_col, data=nv_col, op0=nl.minimum, operand0=float(topk),
                            engine=nisa.engine.gpsimd)  # fmt: skip
-        # The chosen candidates; stats: their count and their rank sum.
-        choose()
-        nisa.tensor_reduce(dst=stats[:, 0:1], op=nl.add, data=chosen, axis=1, keepdims=True)
-        nisa.tensor_tensor(dst=spare, data1=chosen, data2=ranks, op=nl.multiply)
-        nisa.tensor_reduce(dst=stats[:, 1:2], op=nl.add, data=spare, axis=1, keepdims=True)
-        summed = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=summed, stationary=ones_col, moving=stats, accumulate=False)
-        nisa.tensor_copy(dst=totals, src=summed)
-        # flags: 0 Kv, 1 Kv (Kv - 1) / 2, 2 count == Kv, 3 rank sum == 1, 4 the bound holds
-        # (enough above the best left, or 5: nothing valid left), 6 ranked as is, 7 fall back,
-        # 8 break ties (the bound holds, the ranks do not, 9: the chosen fit the list).
-        nisa.tensor_scalar(dst=flags[:, 0:1], data=nv_one, op0=nl.minimum, operand0=float(topk))
-        nisa.tensor_scalar(dst=flags[:, 1:2], data=flags[:, 0:1], op0=nl.subtract, operand0=1.0,
+        nisa.tensor_copy(dst=kv_one, src=kv_col[0:1, :])
+        nisa.tensor_scalar(dst=kv_sum, data=kv_one, op0=nl.subtract, operand0=1.0,
                            op1=nl.multiply, operand1=0.5)  # fmt: skip
-        nisa.tensor_tensor(dst=flags[:, 1:2], data1=flags[:, 1:2], data2=flags[:, 0:1],
-                           op=nl.multiply)  # fmt: skip
-        nisa.tensor_tensor(dst=flags[:, 2:3], data1=totals[:, 0:1], data2=flags[:, 0:1], op=nl.equal)
-        nisa.tensor_tensor(dst=flags[:, 3:4], data1=totals[:, 1:2], data2=flags[:, 1:2], op=nl.equal)
-        nisa.tensor_tensor(dst=flags[:, 4:5], data1=totals[:, 2:3], data2=flags[:, 0:1],
-                           op=nl.greater_equal)  # fmt: skip
-        nisa.tensor_scalar(dst=flags[:, 5:6], data=best_left, op0=nl.equal, operand0=MARKER)
-        nisa.tensor_tensor(dst=flags[:, 4:5], data1=flags[:, 4:5], data2=flags[:, 5:6], op=nl.maximum)
-        nisa.tensor_tensor(dst=flags[:, 6:7], data1=flags[:, 2:3], data2=flags[:, 3:4], op=nl.multiply)
-        nisa.tensor_tensor(dst=flags[:, 6:7], data1=flags[:, 6:7], data2=flags[:, 4:5], op=nl.multiply)
-        nisa.tensor_scalar(dst=flags[:, 9:10], data=totals[:, 0:1], op0=nl.less_equal,
-                           operand0=float(cap))  # fmt: skip
-        nisa.tensor_tensor(dst=flags[:, 8:9], data1=flags[:, 4:5], data2=flags[:, 6:7],
-                           op=nl.subtract)  # fmt: skip
-        nisa.tensor_tensor(dst=flags[:, 8:9], data1=flags[:, 8:9], data2=flags[:, 9:10],
-                           op=nl.multiply)  # fmt: skip
-        # fall back = 1 - ranked - ties; path = ties + 2 fall back (the three exclude each other).
-        nisa.tensor_tensor(dst=flags[:, 7:8], data1=flags[:, 6:7], data2=flags[:, 8:9], op=nl.add)
-        nisa.tensor_scalar(dst=flags[:, 7:8], data=flags[:, 7:8], op0=nl.multiply, operand0=-1.0,
-                           op1=nl.add, operand1=1.0)  # fmt: skip
-        nisa.tensor_copy(dst=ok_i32, src=flags[:, 6:7])
-        nisa.tensor_copy(dst=ties_i32, src=flags[:, 8:9])
-        nisa.tensor_copy(dst=fb_i32, src=flags[:, 7:8])
-        nisa.scalar_tensor_tensor(dst=flags[:, 7:8], data=flags[:, 7:8], op0=nl.multiply,
-                                  operand0=2.0, op1=nl.add, operand1=flags[:, 8:9])  # fmt: skip
-        nisa.tensor_copy(dst=path_i32, src=flags[:, 7:8])
-        placed = nisa.register_alloc(None)
-        nisa.register_load(placed, ok_i32)
-        tied = nisa.register_alloc(None)
-        nisa.register_load(tied, ties_i32)
-        falls_back = nisa.register_alloc(None)
-        nisa.register_load(falls_back, fb_i32)
+        nisa.tensor_tensor(dst=kv_sum, data1=kv_sum, data2=kv_one, op=nl.multiply)
+        # The bound: at least Kv candidates strictly above U*, or no valid row left (U* MARKER).
+        count_above(nl.greater, left_col)
+        nisa.tensor_tensor(dst=bound, data1=total_col, data2=kv_col, op=nl.greater_equal)
+        nisa.tensor_scalar(dst=window, data=left_col, op0=nl.equal, operand0=MARKER)
+        nisa.tensor_tensor(dst=bound, data1=bound, data2=window, op=nl.maximum)
 
-        # Step 5 (0 or 1 trips each): the ranked slots, MARKER / -1 past Kv, from the candidates
-        # as ranked or from step 4's list; then out to the token.
+        # Step 3a: a pivot with Kv <= #(candidates >= pivot) <= cap, by bisection between U*
+        # and the best key (``steps`` halvings; where none is found, step 3 ranks all M).
+        nisa.tensor_copy(dst=hi, src=sel.best_keys[:, 0:1])
+        nisa.nc_transpose(dst=row_ps, data=hi)
+        nisa.tensor_reduce(dst=best_left, op=nl.max, data=row_ps, axis=1, keepdims=True)
+        nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_left, accumulate=False)
+        nisa.tensor_copy(dst=hi, src=column_ps)
+        nisa.tensor_copy(dst=lo, src=left_col)
+        nisa.tensor_copy(dst=mid, src=lo)
+        for _ in range(steps):
+            nisa.tensor_scalar(dst=half, data=hi, op0=nl.multiply, operand0=0.5)
+            nisa.scalar_tensor_tensor(dst=mid, data=lo, op0=nl.multiply, operand0=0.5,
+                                      op1=nl.add, operand1=half)  # fmt: skip
+            count_above(nl.greater_equal, mid)
+            nisa.tensor_tensor(dst=below_u8, data1=total_col, data2=kv_col, op=nl.less)
+            nisa.tensor_scalar(dst=above_u8, data=total_col, op0=nl.greater, operand0=float(cap))
+            nisa.select_reduce(dst=hi, predicate=below_u8, on_true=mid, on_false=hi)
+            nisa.select_reduce(dst=lo, predicate=above_u8, on_true=mid, on_false=lo)
+        count_above(nl.greater_equal, mid)
+        nisa.tensor_tensor(dst=window, data1=total_col, data2=kv_col, op=nl.greater_equal)
+        nisa.tensor_scalar(dst=half, data=total_col, op0=nl.less_equal, operand0=float(cap))
+        nisa.tensor_tensor(dst=window, data1=window, data2=half, op=nl.multiply)
+        # Paths (0 or 1 trips each): the list (window), all M ranked (no window), the fallback
+        # (no bound); the path code starts as the fallback's where the bound fails. A token with
+        # no valid row (a padding token too) takes none: its slots stay MARKER / -1.
+        nisa.tensor_tensor(dst=window, data1=window, data2=bound, op=nl.multiply)
+        nisa.tensor_tensor(dst=half, data1=bound, data2=window, op=nl.subtract)
+        nisa.tensor_scalar(dst=lo, data=kv_col, op0=nl.greater, operand0=0.0)
+        nisa.tensor_tensor(dst=window, data1=window, data2=lo, op=nl.multiply)
+        nisa.tensor_tensor(dst=half, data1=half, data2=lo, op=nl.multiply)
+        nisa.tensor_scalar(dst=fb_f, data=bound[0:1, :], op0=nl.multiply, operand0=-1.0,
+                           op1=nl.add, operand1=1.0)  # fmt: skip
+        nisa.tensor_scalar(dst=path_f, data=fb_f, op0=nl.multiply, operand0=2.0)
+        # Step 5's slots start as MARKER / -1 past Kv.
         for ranked, fill in ((ranked_keys, fill_keys), (ranked_rows, fill_rows)):
             nisa.dma_copy(dst=ranked.ap(pattern=[[topk, 1], [1, topk]], offset=0), src=fill)
-        nl.fori_loop(0, placed, place)
-        nl.fori_loop(0, tied, break_ties)
+        nl.fori_loop(0, load_register(window[0:1, :]), list_path)
+        nl.fori_loop(0, load_register(half[0:1, :]), full_path)
         nisa.dma_copy(dst=_tile_block(keys_out, t, 1, topk),
                       src=ranked_keys.ap(pattern=[[topk, 1], [1, topk]], offset=0))  # fmt: skip
         nisa.dma_copy(dst=_tile_block(idx_out, t, 1, topk),
                       src=ranked_rows.ap(pattern=[[topk, 1], [1, topk]], offset=0))  # fmt: skip
         # Step 6 (0 or 1 trips): the exact merge overwrites the token's result.
-        nl.fori_loop(0, falls_back, lambda _: _run_fallback(fb, keys_tile, keys_out, idx_out, t, topk))
-        nisa.dma_copy(dst=_tile_block(path_out, t, 1, 1), src=path_i32)
+        nl.fori_loop(0, load_register(fb_f), lambda _: _run_fallback(fb, keys_tile, keys_out,
+                                                                     idx_out, t, topk))  # fmt: skip
+        nisa.tensor_copy(dst=reg_i32, src=path_f)
+        nisa.dma_copy(dst=_tile_block(path_out, t, 1, 1), src=reg_i32)
 
     nisa.memset(dst=fill_keys, value=MARKER)
     nisa.memset(dst=fill_rows, value=-1)

@@ -152,11 +152,13 @@ def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
     return operands, tokens
 
 
-def _run_decode_on_host(target: str, programs: int, topk: int, depth: int, split: int, *arrays):
+def _run_decode_on_host(target: str, programs: int, topk: int, depth: int, split: int, steps: int,
+                        *arrays):  # fmt: skip
     from ..nki_emulator import simulate
 
     run = simulate(_decode.indexer_decode_kernel, target=target)[programs]
-    keys_out, idx, _ = run(*[np.asarray(a) for a in arrays], topk=topk, depth=depth, split=split)
+    keys_out, idx, _ = run(*[np.asarray(a) for a in arrays], topk=topk, depth=depth, split=split,
+                           steps=steps)  # fmt: skip
     return np.concatenate([keys_out, idx.astype(np.float32)], axis=-1)
 
 
@@ -165,7 +167,8 @@ def _call_decode(target, programs, plan, operands, tokens, emulated):
     if emulated:
         result = jax.ShapeDtypeStruct((tokens, 1, 2 * k), jnp.float32)
         packed = jax.pure_callback(
-            functools.partial(_run_decode_on_host, target, programs, k, plan.depth, plan.split),
+            functools.partial(_run_decode_on_host, target, programs, k, plan.depth, plan.split,
+                              plan.steps),
             result,
             *operands, vmap_method="sequential",
         )  # fmt: skip
@@ -175,7 +178,8 @@ def _call_decode(target, programs, plan, operands, tokens, emulated):
     run = jitted_kernel(_decode.indexer_decode_kernel)
     if programs > 1:
         run = run[programs]
-    keys_out, idx, _ = run(*operands, topk=k, depth=plan.depth, split=plan.split)
+    keys_out, idx, _ = run(*operands, topk=k, depth=plan.depth, split=plan.split,
+                           steps=plan.steps)  # fmt: skip
     return keys_out, idx
 
 
