@@ -292,7 +292,7 @@ def _row_spread_direct(q, w, keys, positions, topk, target="trn2", steps=None):
     _, idx, path = simulate(decode_kernel.indexer_decode_kernel, target=target)(
         *[np.asarray(a) for a in operands], topk=topk, depth=plan.depth, split=plan.split,
         steps=plan.steps if steps is None else steps)
-    return idx.reshape(T, topk), path.reshape(T)
+    return idx.reshape(-1, topk)[:T], path.reshape(-1)[:T]
 
 
 @pytest.mark.parametrize("steps", [None, 0])
@@ -373,6 +373,21 @@ def test_routing_takes_the_row_spread_kernel_for_decode_only_where_it_can_run():
     # row-spread kernel's fixed work per token.
     assert neuron.choose_kernel("trn2", 1, 4096, Hi=64, Di=128, R=4096, topk=2048)[0] == "tiled"
     assert neuron.choose_kernel("trn2", 1, 1, Hi=64, Di=128, R=131072, topk=8192) == ("tiled", None)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_row_spread_kernel_one_token_or_two_per_matmul(monkeypatch, group):
+    """Tokens alone or in pairs sharing the d matmuls (an odd count: the pair's second token
+    padded) give the oracle's selection, ties included."""
+    from jax_sparse_attn.indexer import neuron
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.setattr(neuron, "decode_group", lambda T, Hi, programs: group)
+    rng = np.random.default_rng(12)
+    q, w, keys = integer_case(rng, 5, 4, 16, 900)
+    positions = np.array([899, 0, 450, -2, 600])
+    idx, _ = run_kernel(q, w, keys, positions, 24, kernel="decode")
+    np.testing.assert_array_equal(idx, oracle_topk(oracle_scores(q, w, keys), positions, 24))
 
 
 @pytest.mark.parametrize("case", ["compressed", "garbage", "nan_and_inf", "beyond_valid",

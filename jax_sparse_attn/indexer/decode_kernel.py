@@ -6,10 +6,11 @@ leaves 127 of them idle while ``max8`` rounds walk its whole row. Here row ``r``
 cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
 
 1. **Scores** on the TensorEngine: ``d = q . k`` per 512 rows as in the tiled kernel (q
-   stationary), then the head sum with the ``relu(d)`` columns stationary and the weights
-   moving, so the result lands as ``[128 rows, 1]`` columns (fp32 operands: the contract's fp32
-   products); times ``key_scale``; staged through HBM, then ``select_key`` on the ``[128, F]``
-   tile.
+   stationary; two tokens side by side where their heads fit, ``2 Hi <= 128``, so they share
+   each matmul), then per token the head sum with the ``relu(d)`` columns stationary and the
+   weights moving, so the result lands as ``[128 rows, 1]`` columns (fp32 operands: the
+   contract's fp32 products); times ``key_scale``; staged through HBM, then ``select_key`` on
+   the ``[128, F]`` tile.
 2. **A threshold** from ``depth / 8`` rounds of ``max8`` per partition: each partition's
    ``depth`` best keys are candidates, and ``U*``, the best key left anywhere, bounds every row
    that is not. If at least ``Kv = min(K, n_valid)`` candidates are strictly above ``U*`` (or
@@ -37,18 +38,20 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    to HBM in row order and the tiled kernel's exact merge runs over them (``path`` records it).
    Steps 3 to 6 run as hardware loops of 0 or 1 trips; a token with no valid row takes none.
 
-Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`, ``T`` a multiple of the programs)::
+Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`): the tokens in ``G`` groups of
+``g`` (1 or 2; token ``g i + m`` is member ``m`` of group ``i``), ``G`` a multiple of the
+programs::
 
-    q_t          [T, Di, Hi]          16-bit  q transposed (the tiled kernel's layout, TT = 1)
-    w_t          [T, Hi, 1]           f32     the weights w' (scale folded in)
+    q_t          [G, Di, g Hi]        16-bit  q transposed, a group's tokens side by side
+    w_t          [G, g Hi, 1]         f32     the weights w' (scale folded in), likewise
     keys_t       [Di, n_chunks, C]    16-bit  the keys transposed, C rows per chunk
     key_scale_t  [128, F]             f32     key_scale[128 j + p] at [p, j] (F = n_chunks C / 128)
-    n_valid      [T, 1, 1]            f32     valid rows of each token
-    chunk_ends   [1, T, 1]            int32   chunks holding a valid row of the token
-    -> keys [T, 1, K] f32, idx [T, 1, K] int32, path [T, 1] int32 (0 all M ranked, 1 and ties
+    n_valid      [G, g, 1]            f32     valid rows of each token
+    chunk_ends   [1, G, g]            int32   chunks holding a valid row of the token
+    -> keys [G, g, K] f32, idx [G, g, K] int32, path [G, g] int32 (0 all M ranked, 1 and ties
        broken, 2 fallback, 3 the list at the pivot ranked, 4 and ties broken)
 
-The programs of a launch split the tokens. Nothing here needs the Neuron SDK to import.
+The programs of a launch split the groups. Nothing here needs the Neuron SDK to import.
 """
 
 from __future__ import annotations
@@ -174,7 +177,8 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     ``cap``), two ``[128, 128]`` matrices, and the fallback's merge (the tiled kernel's tiles for
     ``K8 + FALLBACK_CHUNK`` candidates on one partition)."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
-    scoring = d_tiles * plan.heads * 2 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL + 64
+    scoring = (d_tiles * 2 * plan.heads * 2 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL
+               + 2 * 4 * plan.chunk_columns + 64)  # two tokens' q and chunk scores  # fmt: skip
     scores = 2 * 4 * plan.columns + plan.columns
     candidates = (18 * 4 * plan.depth + 3 * 4 * plan.candidates + 9 * 4 * plan.compact // P
                   + 2 * 4 * P)  # fmt: skip
@@ -221,27 +225,35 @@ def vector_cycles_per_token(plan: DecodePlan) -> int:
     return rounds * (2 * plan.columns + 144) + bisection + ranks + cap_cols * 2 * plan.compact
 
 
-def _score_chunk(plan: DecodePlan, q_sb, w_sb, keys_sb, chunk_sb):
-    """A chunk's scores ``[128, C/128]`` into ``chunk_sb`` (f32): column ``j`` partition ``p``
-    holds the chunk's row ``128 j + p`` (module docstring, step 1)."""
-    heads = plan.heads
-    scores = nl.ndarray((P, plan.chunk_columns), dtype=nl.float32, buffer=nl.psum)
+def _score_chunk(plan: DecodePlan, q_sb, w_sb, keys_sb, chunk_sbs):
+    """A chunk's scores ``[128, C/128]`` for each token of the group into ``chunk_sbs`` (f32):
+    column ``j`` partition ``p`` holds the chunk's row ``128 j + p`` (module docstring, step 1).
+    The group's tokens share each ``d`` matmul (their q side by side, ``g Hi <= 128`` stationary
+    columns: one matmul's cost, whatever that count); each has its own head sums, so no token's
+    ``relu(d)`` meets another's weights (``0 * inf`` would be NaN)."""
+    heads, group = plan.heads, len(chunk_sbs)
+    scores = [nl.ndarray((P, plan.chunk_columns), dtype=nl.float32, buffer=nl.psum)
+              for _ in range(group)]  # fmt: skip
     for s in range(plan.chunk // ROWS_PER_MATMUL):
         r0 = s * ROWS_PER_MATMUL
-        dots = nl.ndarray((heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
+        dots = nl.ndarray((group * heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
         for dc, _, dw in _d_chunks(plan.dim):
             nisa.nc_matmul(dst=dots, stationary=q_sb[0:dw, dc, :],
                            moving=keys_sb[0:dw, dc, r0 : r0 + ROWS_PER_MATMUL],
                            accumulate=dc > 0)  # fmt: skip
-        relu = nl.ndarray((heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
+        relu = nl.ndarray((group * heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=relu, op=nl.relu, data=dots)
-        for i in range(ROWS_PER_MATMUL // P):
-            col = s * (ROWS_PER_MATMUL // P) + i
-            # relu(d) of 128 rows stationary, the weights moving: the head sums of those rows
-            # land on the partitions (fp32 operands, so w' * relu(d) are fp32 products).
-            nisa.nc_matmul(dst=scores[:, col : col + 1], stationary=relu[:, i * P : (i + 1) * P],
-                           moving=w_sb, accumulate=False)  # fmt: skip
-    nisa.tensor_copy(dst=chunk_sb, src=scores)
+        for g in range(group):
+            heads_g = slice(g * heads, (g + 1) * heads)  # the token's partitions, in both operands
+            for i in range(ROWS_PER_MATMUL // P):
+                col = s * (ROWS_PER_MATMUL // P) + i
+                # relu(d) of 128 rows stationary, the weights moving: the head sums of those rows
+                # land on the partitions (fp32 operands, so w' * relu(d) are fp32 products).
+                nisa.nc_matmul(dst=scores[g][:, col : col + 1],
+                               stationary=relu[heads_g, i * P : (i + 1) * P], moving=w_sb[heads_g, :],
+                               accumulate=False)  # fmt: skip
+    for g in range(group):
+        nisa.tensor_copy(dst=chunk_sbs[g], src=scores[g])
 
 
 @dataclasses.dataclass
@@ -270,9 +282,9 @@ def _fallback_tiles(plan: DecodePlan) -> _Fallback:
     )  # fmt: skip
 
 
-def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, token, topk: int):
+def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, group, member: int, topk: int):
     """Exact: ``keys_tile [128, F]`` to HBM in row order, then merges of ``FALLBACK_CHUNK``
-    rows as the tiled kernel's, emitted into ``keys_out[token]`` / ``idx_out[token]``."""
+    rows as the tiled kernel's, emitted into ``keys_out[group, member]`` (and ``idx_out``)."""
     plan = fb.plan
     k8, c = plan.topk8, plan.chunk
     columns = keys_tile.shape[1]
@@ -294,7 +306,7 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, token, topk: int)
                            engine=nisa.engine.gpsimd)  # fmt: skip
 
     nl.fori_loop(0, fb.keys_rows.shape[0], one_chunk)
-    _emit(fb.cand, fb.cand_rows, keys_out, idx_out, token, 1, topk, k8)
+    _emit(fb.cand, fb.cand_rows, keys_out, idx_out, group, 1, topk, k8, member * topk)
 
 
 def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, topk, depth,
@@ -308,13 +320,16 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
     valid rows), their rows (-1 there), and each token's path (the interface's codes).
     """
-    T, dim, heads = q_t.shape
+    groups, dim, group_heads = q_t.shape
+    group = n_valid.shape[1]  # tokens per group: 1, or 2 sharing the d matmuls
+    heads = group_heads // group
     _, n_chunks, chunk = keys_t.shape
     chunk_columns = chunk // P
     assert tuple(key_scale_t.shape) == (P, n_chunks * chunk_columns), f"key_scale_t {key_scale_t.shape}"
     assert chunk % CHUNK_ALIGN == 0 and chunk % FALLBACK_CHUNK == 0, f"keys_t {keys_t.shape}"
-    assert tuple(w_t.shape) == (T, heads, 1) and tuple(n_valid.shape) == (T, 1, 1)
-    assert tuple(chunk_ends.shape) == (1, T, 1), f"chunk_ends {chunk_ends.shape}"
+    assert group_heads <= KERNEL_TILE and group_heads == group * heads, f"q_t {q_t.shape}"
+    assert tuple(w_t.shape) == (groups, group_heads, 1) and tuple(n_valid.shape) == (groups, group, 1)
+    assert tuple(chunk_ends.shape) == (1, groups, group), f"chunk_ends {chunk_ends.shape}"
     assert 0 < topk <= MAX_TOPK and depth % SELECTED_PER_ROUND == 0 and 0 <= split <= depth
     topk8 = _round_up(topk, SELECTED_PER_ROUND)
     steps = BISECT_STEPS if steps is None else steps
@@ -322,15 +337,16 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     columns, m = plan.columns, plan.candidates
     assert depth <= columns <= MAX8_ELEMENTS
     programs, program = nl.num_programs(), nl.program_id(0)
-    assert T % programs == 0, f"{T} tokens must be a multiple of the {programs} programs"
-    per_program = T // programs
+    assert groups % programs == 0, f"{groups} token groups must be a multiple of the {programs} programs"
+    per_program = groups // programs
 
-    keys_out = nl.ndarray((T, 1, topk), dtype=nl.float32, buffer=nl.shared_hbm)
-    idx_out = nl.ndarray((T, 1, topk), dtype=nl.int32, buffer=nl.shared_hbm)
-    path_out = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.shared_hbm)
-    # HBM staging: the token's scores by chunk, its candidates (the broadcast's source), and the
+    keys_out = nl.ndarray((groups, group, topk), dtype=nl.float32, buffer=nl.shared_hbm)
+    idx_out = nl.ndarray((groups, group, topk), dtype=nl.int32, buffer=nl.shared_hbm)
+    path_out = nl.ndarray((groups, group), dtype=nl.int32, buffer=nl.shared_hbm)
+    # HBM staging: each token's scores by chunk, its candidates (the broadcast's source), and the
     # ranked selection before it goes to keys_out/idx_out.
-    scores_hbm = nl.ndarray((P, n_chunks, chunk_columns), dtype=nl.float32, buffer=nl.hbm)
+    scores_hbm = [nl.ndarray((P, n_chunks, chunk_columns), dtype=nl.float32, buffer=nl.hbm)
+                  for _ in range(group)]  # fmt: skip
     cand_hbm = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.hbm)
     cap = plan.compact
     cap_cols = cap // P
@@ -341,16 +357,20 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
 
     d_tiles = _ceil_div(dim, KERNEL_TILE)
     # Loop-carried state, allocated outside the loops (nki.language.fori_loop page).
-    q_sb = nl.ndarray((KERNEL_TILE, d_tiles, heads), dtype=q_t.dtype, buffer=nl.sbuf)
-    w_sb = nl.ndarray((heads, 1), dtype=nl.float32, buffer=nl.sbuf)
+    q_sb = nl.ndarray((KERNEL_TILE, d_tiles, group_heads), dtype=q_t.dtype, buffer=nl.sbuf)
+    w_sb = nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf)
     keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=keys_t.dtype, buffer=nl.sbuf)
-    chunk_sb = nl.ndarray((P, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
+    chunk_sbs = [nl.ndarray((P, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
+                 for _ in range(group)]  # fmt: skip
     keys_tile = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
     work = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
     nv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     kv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nv_one = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     end = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    ends = nl.ndarray((1, group), dtype=nl.int32, buffer=nl.sbuf)
+    ends_f = nl.ndarray((1, group), dtype=nl.float32, buffer=nl.sbuf)
+    end_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     sel = _selection_tiles(P, depth, True)
     left8 = nl.ndarray((P, SELECTED_PER_ROUND), dtype=nl.float32, buffer=nl.sbuf)
     partition = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -414,15 +434,17 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     # Chunks past a token's last valid row are never scored: they hold zeros (or an earlier
     # token's scores) in HBM, and select_key turns those rows into MARKER.
     nisa.memset(dst=keys_tile, value=0.0)
-    nisa.dma_copy(dst=scores_hbm.ap(pattern=[[columns, P], [1, columns]], offset=0), src=keys_tile)
+    for staged in scores_hbm:
+        nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, columns]], offset=0), src=keys_tile)
 
     def one_chunk(c):
         for dc, d0, dw in _d_chunks(dim):
             nisa.dma_copy(dst=keys_sb[0:dw, dc, :], src=keys_t.ap(
                 pattern=[[n_chunks * chunk, dw], [1, chunk]], offset=d0 * n_chunks * chunk,
                 scalar_offset=c, indirect_dim=1))  # fmt: skip
-        _score_chunk(plan, q_sb, w_sb, keys_sb, chunk_sb)
-        nisa.dma_copy(dst=scores_hbm.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
+        _score_chunk(plan, q_sb, w_sb, keys_sb, chunk_sbs)
+        for staged, chunk_sb in zip(scores_hbm, chunk_sbs):
+            nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
                                         scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
 
     def choose():
@@ -588,19 +610,29 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.nc_matmul(dst=column_ps, stationary=ones_pp, moving=count_col, accumulate=False)
         nisa.tensor_copy(dst=total_col, src=column_ps)
 
-    def one_token(t):
+    def one_group(t):
+        # Step 1 for the group's tokens together, up to the last chunk any of them needs.
         for dc, d0, dw in _d_chunks(dim):
-            nisa.dma_copy(dst=q_sb[0:dw, dc, :], src=_tile_block(q_t, t, dw, heads, d0 * heads))
-        nisa.dma_copy(dst=w_sb, src=_tile_block(w_t, t, heads, 1))
-        nisa.dma_copy(dst=nv_col, src=n_valid.ap(pattern=[[0, P], [1, 1]], offset=0,
-                                                 scalar_offset=t, indirect_dim=0))  # fmt: skip
-        nisa.dma_copy(dst=nv_one, src=_tile_block(n_valid, t, 1, 1))
-        nisa.dma_copy(dst=end, src=chunk_ends.ap(pattern=[[1, 1], [1, 1]], offset=0,
-                                                 scalar_offset=t, indirect_dim=1))  # fmt: skip
+            nisa.dma_copy(dst=q_sb[0:dw, dc, :],
+                          src=_tile_block(q_t, t, dw, group_heads, d0 * group_heads))  # fmt: skip
+        nisa.dma_copy(dst=w_sb, src=_tile_block(w_t, t, group_heads, 1))
+        nisa.dma_copy(dst=ends, src=chunk_ends.ap(pattern=[[group, 1], [1, group]], offset=0,
+                                                  scalar_offset=t, indirect_dim=1))  # fmt: skip
+        nisa.tensor_copy(dst=ends_f, src=ends)
+        nisa.tensor_reduce(dst=end_f, op=nl.max, data=ends_f, axis=1, keepdims=True)
+        nisa.tensor_copy(dst=end, src=end_f)
         chunks_end = nisa.register_alloc(None)
         nisa.register_load(chunks_end, end)
         nl.fori_loop(0, chunks_end, one_chunk)
-        nisa.dma_copy(dst=keys_tile, src=scores_hbm.ap(pattern=[[columns, P], [1, columns]], offset=0))
+        for member in range(group):
+            select_token(t, member)
+
+    def select_token(t, member):
+        nisa.dma_copy(dst=nv_col, src=n_valid.ap(pattern=[[0, P], [1, 1]], offset=member,
+                                                 scalar_offset=t, indirect_dim=0))  # fmt: skip
+        nisa.dma_copy(dst=nv_one, src=_tile_block(n_valid, t, 1, 1, member))
+        nisa.dma_copy(dst=keys_tile,
+                      src=scores_hbm[member].ap(pattern=[[columns, P], [1, columns]], offset=0))
         # work holds the key scales, then the row numbers 128 j + p (SBUF for one [128, F] tile).
         nisa.dma_copy(dst=work, src=key_scale_t)
         nisa.tensor_tensor(dst=keys_tile, data1=keys_tile, data2=work, op=nl.multiply)
@@ -670,17 +702,17 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
             nisa.dma_copy(dst=ranked.ap(pattern=[[topk, 1], [1, topk]], offset=0), src=fill)
         nl.fori_loop(0, load_register(window[0:1, :]), list_path)
         nl.fori_loop(0, load_register(half[0:1, :]), full_path)
-        nisa.dma_copy(dst=_tile_block(keys_out, t, 1, topk),
+        nisa.dma_copy(dst=_tile_block(keys_out, t, 1, topk, member * topk),
                       src=ranked_keys.ap(pattern=[[topk, 1], [1, topk]], offset=0))  # fmt: skip
-        nisa.dma_copy(dst=_tile_block(idx_out, t, 1, topk),
+        nisa.dma_copy(dst=_tile_block(idx_out, t, 1, topk, member * topk),
                       src=ranked_rows.ap(pattern=[[topk, 1], [1, topk]], offset=0))  # fmt: skip
         # Step 6 (0 or 1 trips): the exact merge overwrites the token's result.
-        nl.fori_loop(0, load_register(fb_f), lambda _: _run_fallback(fb, keys_tile, keys_out,
-                                                                     idx_out, t, topk))  # fmt: skip
+        nl.fori_loop(0, load_register(fb_f), lambda _: _run_fallback(
+            fb, keys_tile, keys_out, idx_out, t, member, topk))  # fmt: skip
         nisa.tensor_copy(dst=reg_i32, src=path_f)
-        nisa.dma_copy(dst=_tile_block(path_out, t, 1, 1), src=reg_i32)
+        nisa.dma_copy(dst=_tile_block(path_out, t, 1, 1, member), src=reg_i32)
 
     nisa.memset(dst=fill_keys, value=MARKER)
     nisa.memset(dst=fill_rows, value=-1)
-    nl.fori_loop(program * per_program, (program + 1) * per_program, one_token)
+    nl.fori_loop(program * per_program, (program + 1) * per_program, one_group)
     return keys_out, idx_out, path_out

@@ -397,9 +397,10 @@ def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_ends, topk, 
     return part_keys, part_rows
 
 
-def _emit(cand, cand_rows, keys_out, idx_out, tile, tt: int, topk: int, topk8: int):
+def _emit(cand, cand_rows, keys_out, idx_out, tile, tt: int, topk: int, topk8: int, offset: int = 0):
     """``keys_out[tile]`` and ``idx_out[tile]`` (row where the key is a real row's, above
-    ``MARKER``, else -1) from the running part of ``cand`` / ``cand_rows``."""
+    ``MARKER``, else -1; from element ``offset`` of the block) from the running part of ``cand`` /
+    ``cand_rows``."""
     valid = nl.ndarray((tt, topk8), dtype=nl.uint8, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=valid, data=cand[:, 0:topk8], op0=nl.greater, operand0=MARKER,
                        engine=nisa.engine.gpsimd)  # fmt: skip
@@ -407,8 +408,8 @@ def _emit(cand, cand_rows, keys_out, idx_out, tile, tt: int, topk: int, topk8: i
     nisa.select_reduce(dst=chosen, predicate=valid, on_true=cand_rows[:, 0:topk8], on_false=-1.0)
     chosen_i32 = nl.ndarray((tt, topk8), dtype=nl.int32, buffer=nl.sbuf)
     nisa.tensor_copy(dst=chosen_i32, src=chosen, engine=nisa.engine.gpsimd)
-    nisa.dma_copy(dst=_tile_block(keys_out, tile, tt, topk), src=cand[:, 0:topk])
-    nisa.dma_copy(dst=_tile_block(idx_out, tile, tt, topk), src=chosen_i32[:, 0:topk])
+    nisa.dma_copy(dst=_tile_block(keys_out, tile, tt, topk, offset), src=cand[:, 0:topk])
+    nisa.dma_copy(dst=_tile_block(idx_out, tile, tt, topk, offset), src=chosen_i32[:, 0:topk])
 
 
 def indexer_merge_kernel(part_keys, part_rows, topk, match_indices=True):

@@ -130,14 +130,22 @@ def _call_nki(target, shares, programs, plan, operands):
     return merge(part_keys, part_rows, topk=plan.topk, match_indices=match)
 
 
+def decode_group(T: int, Hi: int, programs: int) -> int:
+    """Tokens per group of the row-spread kernel: 2 (sharing each ``d`` matmul's 128 stationary
+    columns) where two tokens' heads fit and each program has more than one token, else 1."""
+    return 2 if 2 * Hi <= _kernel.KERNEL_TILE and T > programs else 1
+
+
 def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
-    """The row-spread kernel's operands (:mod:`.decode_kernel`, "Interface"), the tokens padded
-    to a multiple of the programs."""
+    """The row-spread kernel's operands (:mod:`.decode_kernel`, "Interface"), the tokens in
+    groups (:func:`decode_group`) padded to a multiple of the programs."""
     T, Hi, Di = q.shape
-    tokens = _round_up(T, programs)
+    g = decode_group(T, Hi, programs)
+    tokens = _round_up(T, programs * g)
     pad_t = tokens - T
-    q_t = jnp.pad(q, ((0, pad_t), (0, 0), (0, 0))).transpose(0, 2, 1)
-    w_t = jnp.pad(weights.astype(jnp.float32), ((0, pad_t), (0, 0)))[..., None]
+    # [groups, Di, g Hi]: a group's tokens side by side on the stationary columns.
+    q_t = jnp.pad(q, ((0, pad_t), (0, 0), (0, 0))).reshape(tokens // g, g * Hi, Di).transpose(0, 2, 1)
+    w_t = jnp.pad(weights.astype(jnp.float32), ((0, pad_t), (0, 0))).reshape(tokens // g, g * Hi, 1)
     R = keys.shape[0]
     n, c = plan.chunks, plan.chunk
     pad_r = plan.rows_padded - R
@@ -147,8 +155,8 @@ def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
     scale_t = jnp.pad(scale, (0, pad_r), constant_values=1.0).reshape(plan.columns, _decode.P).T
     nv = jnp.pad(n_valid, (0, pad_t))
     ends = (-(-nv // c)).astype(jnp.int32)
-    operands = (q_t, w_t, keys_t, scale_t, nv.astype(jnp.float32).reshape(tokens, 1, 1),
-                ends.reshape(1, tokens, 1))  # fmt: skip
+    operands = (q_t, w_t, keys_t, scale_t, nv.astype(jnp.float32).reshape(tokens // g, g, 1),
+                ends.reshape(1, tokens // g, g))  # fmt: skip
     return operands, tokens
 
 
@@ -165,7 +173,8 @@ def _run_decode_on_host(target: str, programs: int, topk: int, depth: int, split
 def _call_decode(target, programs, plan, operands, tokens, emulated):
     k = plan.topk
     if emulated:
-        result = jax.ShapeDtypeStruct((tokens, 1, 2 * k), jnp.float32)
+        g = operands[4].shape[1]
+        result = jax.ShapeDtypeStruct((tokens // g, g, 2 * k), jnp.float32)
         packed = jax.pure_callback(
             functools.partial(_run_decode_on_host, target, programs, k, plan.depth, plan.split,
                               plan.steps),
@@ -193,17 +202,18 @@ def decode_plan(target: str, Hi: int, Di: int, R: int, topk: int):
                                hw.vector_ghz, hw.scalar_ghz)  # fmt: skip
 
 
-def _decode_tensor_cycles(plan) -> int:
+def _decode_tensor_cycles(plan, group: int) -> float:
     """TensorE cycles of one token's scores in the row-spread kernel, by the cost model's
-    nc_matmul formula: per 512 rows one bf16 matmul per 128 of ``Di`` (q stationary), per 128
-    rows one fp32 head sum (relu(d) stationary, the weights moving)."""
+    nc_matmul formula: per 512 rows one bf16 matmul per 128 of ``Di`` (q stationary, shared by
+    the ``group``'s tokens), per 128 rows one fp32 head sum (relu(d) stationary, the weights
+    moving)."""
     from ..nki_emulator.cost import MATMUL_FP32_FACTOR, MATMUL_MIN_STATIONARY
 
     d_tiles = -(-plan.dim // _kernel.KERNEL_TILE)
     rows = _decode.ROWS_PER_MATMUL
     dots = plan.rows_padded // rows * d_tiles * max(min(MATMUL_MIN_STATIONARY, plan.heads), rows)
     head_sums = plan.rows_padded // _decode.P * MATMUL_MIN_STATIONARY * MATMUL_FP32_FACTOR
-    return dots + head_sums
+    return dots / group + head_sums
 
 
 def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, topk: int):
@@ -227,7 +237,8 @@ def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, 
     tiled_cycles = (tiles * (tiled.chunks // shares) * rounds
                     * (2 * (tiled.topk8 + tiled.chunk) + 144))  # fmt: skip
     hw = HARDWARE[target]
-    per_token_us = max(_decode_tensor_cycles(plan) / hw.tensor_ghz,
+    group = decode_group(T, Hi, programs)
+    per_token_us = max(_decode_tensor_cycles(plan, group) / hw.tensor_ghz,
                        _decode.vector_cycles_per_token(plan) / hw.vector_ghz) / 1e3  # fmt: skip
     decode_us = -(-T // programs) * per_token_us
     tiled_us = tiled_cycles / hw.vector_ghz / 1e3
