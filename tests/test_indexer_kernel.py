@@ -390,13 +390,20 @@ def test_row_spread_kernel_one_token_or_two_per_matmul(monkeypatch, group):
     np.testing.assert_array_equal(idx, oracle_topk(oracle_scores(q, w, keys), positions, 24))
 
 
+@pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("case", ["compressed", "garbage", "nan_and_inf", "beyond_valid",
                                   "key_scale", "f32"])  # fmt: skip
-def test_row_spread_kernel_keeps_the_contract(monkeypatch, case):
+def test_row_spread_kernel_keeps_the_contract(monkeypatch, case, group):
     """The row-spread kernel, forced, on the contract's cases: compressed blocks, garbage in
     rows no token may select, -inf and NaN scores, topk beyond the valid rows, a key_scale, f32
-    operands. Integer inputs (and power-of-two scales) make the oracle exact."""
+    operands; one token per d matmul or two, with the head sums of the first 512 rows (one
+    token) or 1024 (two) of each chunk on the VectorE. Integer inputs (and power-of-two scales)
+    make the oracle exact."""
+    from jax_sparse_attn.indexer import neuron
+
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
+    monkeypatch.setattr(neuron, "decode_group", lambda T, Hi, programs: group)
+    monkeypatch.setattr(neuron, "head_sums_on_vector", lambda target, plan, g: g)
     rng = np.random.default_rng(11)
     ratio, key_scale, dtype, K = 1, None, BF16, 16
     q, w, keys = integer_case(rng, 3, 4, 8, 700)
@@ -428,3 +435,29 @@ def test_row_spread_kernel_keeps_the_contract(monkeypatch, case):
     np.testing.assert_array_equal(idx, want)
     picked = np.take_along_axis(s64, np.maximum(want, 0), axis=1)
     np.testing.assert_array_equal(scores, np.where(want >= 0, picked, -np.inf))
+
+
+@pytest.mark.slow
+def test_row_spread_program_does_not_grow_with_tokens_or_rows(monkeypatch):
+    """The row-spread kernel's compiled program (hardware loops over the tokens and the chunks)
+    is the same for 4 tokens over 20000 rows and 8 over 50000, and both equal the oracle. (The
+    head sums' split is a compile-time count, at most a chunk's 16 blocks: fixed here.)"""
+    from jax_sparse_attn import nki_emulator
+    from jax_sparse_attn.indexer import neuron
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.setattr(neuron, "head_sums_on_vector", lambda target, plan, g: 2)
+    rng = np.random.default_rng(13)
+    counts = []
+    for T, R in ((4, 20000), (8, 50000)):
+        q = rng.standard_normal((T, 8, 32)).astype(np.float32)
+        keys = rng.standard_normal((R, 32)).astype(np.float32)
+        w = np.abs(rng.standard_normal((T, 8))).astype(np.float32)
+        q, keys = np.asarray(q, BF16), np.asarray(keys, BF16)
+        positions = R - 1 - np.arange(T) * 97
+        with nki_emulator.recording() as rec:
+            idx, _ = run_kernel(q, w, keys, positions, 64, kernel="decode")
+        counts.append(max(r.compiled_instructions_per_program for r in rec.runs))
+        s64 = oracle_scores(np.asarray(q, np.float32), w, np.asarray(keys, np.float32))
+        np.testing.assert_array_equal(idx, oracle_topk(s64, positions, 64))
+    assert counts[0] == counts[1]

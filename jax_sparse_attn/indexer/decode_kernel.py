@@ -9,8 +9,9 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    stationary; two tokens side by side where their heads fit, ``2 Hi <= 128``, so they share
    each matmul), then per token the head sum with the ``relu(d)`` columns stationary and the
    weights moving, so the result lands as ``[128 rows, 1]`` columns (fp32 operands: the
-   contract's fp32 products); times ``key_scale``; staged through HBM, then ``select_key`` on
-   the ``[128, F]`` tile.
+   contract's fp32 products); ``on_vector`` blocks per chunk instead with the rows
+   stationary and the head sums on the VectorE; times ``key_scale``; staged through HBM, then
+   ``select_key`` on the ``[128, F]`` tile.
 2. **A threshold** from ``depth / 8`` rounds of ``max8`` per partition: each partition's
    ``depth`` best keys are candidates, and ``U*``, the best key left anywhere, bounds every row
    that is not. If at least ``Kv = min(K, n_valid)`` candidates are strictly above ``U*`` (or
@@ -213,28 +214,36 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int,
     return plan
 
 
-def vector_cycles_per_token(plan: DecodePlan) -> int:
-    """The VectorE's cycles for one token's selection on the pivot's path with its ties broken
-    (step 4: the routing assumes ties, which are common), by the cost model's formulas (max8
-    ``N``, match_replace8 ``N + 144``, tensor_scalar_reduce ``N + 64``, an fp32
-    scalar_tensor_tensor ``2 N``, the bisection's small instructions ``MIN_II = 64`` each)."""
+def vector_cycles_per_token(plan: DecodePlan, on_vector: int, ties: float = 1.0) -> float:
+    """The VectorE's cycles for one token: the head sums of ``on_vector`` blocks per chunk (192
+    cycles per 128 rows) and the selection on the pivot's path, with its ties broken in a
+    ``ties`` share of the tokens (step 4), by the cost model's formulas (max8 ``N``,
+    match_replace8 ``N + 144``, tensor_scalar_reduce ``N + 64``, an fp32 scalar_tensor_tensor
+    ``2 N``, the bisection's small instructions ``MIN_II = 64`` each)."""
     rounds = plan.depth // SELECTED_PER_ROUND
     bisection = (plan.steps + 2) * (6 * 64 + max(64, plan.depth) + 64)
     cap_cols = plan.compact // P
     ranks = cap_cols * (plan.compact + 64)
-    return rounds * (2 * plan.columns + 144) + bisection + ranks + cap_cols * 2 * plan.compact
+    head_sums = plan.chunks * on_vector * (ROWS_PER_MATMUL // P) * 192
+    return (rounds * (2 * plan.columns + 144) + bisection + ranks
+            + ties * cap_cols * 2 * plan.compact + head_sums)  # fmt: skip
 
 
-def _score_chunk(plan: DecodePlan, q_sb, w_sb, keys_sb, chunk_sbs):
+def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_rows, keys_sb, chunk_sbs, on_vector: int):
     """A chunk's scores ``[128, C/128]`` for each token of the group into ``chunk_sbs`` (f32):
     column ``j`` partition ``p`` holds the chunk's row ``128 j + p`` (module docstring, step 1).
     The group's tokens share each ``d`` matmul (their q side by side, ``g Hi <= 128`` stationary
     columns: one matmul's cost, whatever that count); each has its own head sums, so no token's
-    ``relu(d)`` meets another's weights (``0 * inf`` would be NaN)."""
+    ``relu(d)`` meets another's weights (``0 * inf`` would be NaN). The first ``on_vector``
+    512-row blocks take the other form: ``d`` with 128 rows stationary (rows on the partitions),
+    then ``relu(d) * w'`` and the head sum on the VectorE (``w_rows``: the weights on every
+    partition), the same fp32 products and sums."""
     heads, group = plan.heads, len(chunk_sbs)
+    blocks = plan.chunk // ROWS_PER_MATMUL
     scores = [nl.ndarray((P, plan.chunk_columns), dtype=nl.float32, buffer=nl.psum)
               for _ in range(group)]  # fmt: skip
-    for s in range(plan.chunk // ROWS_PER_MATMUL):
+    per_block = ROWS_PER_MATMUL // P
+    for s in range(on_vector, blocks):
         r0 = s * ROWS_PER_MATMUL
         dots = nl.ndarray((group * heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.psum)
         for dc, _, dw in _d_chunks(plan.dim):
@@ -245,13 +254,26 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, keys_sb, chunk_sbs):
         nisa.activation(dst=relu, op=nl.relu, data=dots)
         for g in range(group):
             heads_g = slice(g * heads, (g + 1) * heads)  # the token's partitions, in both operands
-            for i in range(ROWS_PER_MATMUL // P):
-                col = s * (ROWS_PER_MATMUL // P) + i
+            for i in range(per_block):
+                col = s * per_block + i
                 # relu(d) of 128 rows stationary, the weights moving: the head sums of those rows
                 # land on the partitions (fp32 operands, so w' * relu(d) are fp32 products).
                 nisa.nc_matmul(dst=scores[g][:, col : col + 1],
                                stationary=relu[heads_g, i * P : (i + 1) * P], moving=w_sb[heads_g, :],
                                accumulate=False)  # fmt: skip
+    for col in range(on_vector * per_block):
+        rows = slice(col * P, (col + 1) * P)
+        dots_t = nl.ndarray((P, group * heads), dtype=nl.float32, buffer=nl.psum)
+        for dc, _, dw in _d_chunks(plan.dim):
+            nisa.nc_matmul(dst=dots_t, stationary=keys_sb[0:dw, dc, rows], moving=q_sb[0:dw, dc, :],
+                           accumulate=dc > 0)  # fmt: skip
+        for g in range(group):
+            heads_g = slice(g * heads, (g + 1) * heads)
+            products = nl.ndarray((P, heads), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=products, data=dots_t[:, heads_g], op0=nl.maximum,
+                                      operand0=0.0, op1=nl.multiply, operand1=w_rows[:, heads_g])
+            nisa.tensor_reduce(dst=scores[g][:, col : col + 1], op=nl.add, data=products, axis=1,
+                               keepdims=True)  # fmt: skip
     for g in range(group):
         nisa.tensor_copy(dst=chunk_sbs[g], src=scores[g])
 
@@ -310,13 +332,14 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, group, member: in
 
 
 def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, topk, depth,
-                          split=0, steps=None):  # fmt: skip
+                          split=0, steps=None, on_vector=0):  # fmt: skip
     """The row-spread selection (module docstring) of each of the program's tokens.
 
     Args: as the module docstring's interface; ``topk`` (K), ``depth`` (candidates per
     partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
     compile-time ints. Launch as ``kernel[n]`` with ``T`` a multiple
-    of ``n``; ``steps`` (default ``BISECT_STEPS``; 0: no pivot) the pivot's halvings. Returns
+    of ``n``; ``steps`` (default ``BISECT_STEPS``; 0: no pivot) the pivot's halvings;
+    ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE. Returns
     ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
     valid rows), their rows (-1 there), and each token's path (the interface's codes).
     """
@@ -359,6 +382,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     # Loop-carried state, allocated outside the loops (nki.language.fori_loop page).
     q_sb = nl.ndarray((KERNEL_TILE, d_tiles, group_heads), dtype=q_t.dtype, buffer=nl.sbuf)
     w_sb = nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf)
+    w_rows = nl.ndarray((P, group_heads), dtype=nl.float32, buffer=nl.sbuf)
+    assert 0 <= on_vector <= chunk // ROWS_PER_MATMUL, f"on_vector {on_vector}"
     keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=keys_t.dtype, buffer=nl.sbuf)
     chunk_sbs = [nl.ndarray((P, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
                  for _ in range(group)]  # fmt: skip
@@ -386,7 +411,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     place_u32 = nl.ndarray((P, depth), dtype=nl.uint32, buffer=nl.sbuf)
     before = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     lower = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)  # [k, i] = k < i
-    # The list as [128, cap / 128] tiles (entry 128 c + p at [p, c]): keys, rows, ranks.
+    # The list as [128, cap / 128] tiles (entry cap_cols p + c at [p, c], so each partition's
+    # entries are one DMA run): keys, rows, ranks.
     listed = [nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf) for _ in range(3)]
     listed_gain = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
     listed_slot = nl.ndarray((P, cap_cols), dtype=nl.uint32, buffer=nl.sbuf)
@@ -442,7 +468,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
             nisa.dma_copy(dst=keys_sb[0:dw, dc, :], src=keys_t.ap(
                 pattern=[[n_chunks * chunk, dw], [1, chunk]], offset=d0 * n_chunks * chunk,
                 scalar_offset=c, indirect_dim=1))  # fmt: skip
-        _score_chunk(plan, q_sb, w_sb, keys_sb, chunk_sbs)
+        _score_chunk(plan, q_sb, w_sb, w_rows, keys_sb, chunk_sbs, on_vector)
         for staged, chunk_sb in zip(scores_hbm, chunk_sbs):
             nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
                                         scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
@@ -465,7 +491,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
                                   op1=nl.add, operand1=spare)  # fmt: skip
         nisa.tensor_copy(dst=place_u32, src=spare)
         # The list starts empty: MARKER keys, row -1, a rank past the topk slots.
-        entries = [[1, P], [P, cap_cols]]
+        entries = [[cap_cols, P], [1, cap_cols]]
         fields = list(zip(listed, list_hbm, (sel.best_keys, cand_rows, ranks),
                           (MARKER, -1.0, float(2 * cap + topk))))[: 3 if with_ranks else 2]
         for field, hbm, source, empty in fields:
@@ -616,6 +642,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
             nisa.dma_copy(dst=q_sb[0:dw, dc, :],
                           src=_tile_block(q_t, t, dw, group_heads, d0 * group_heads))  # fmt: skip
         nisa.dma_copy(dst=w_sb, src=_tile_block(w_t, t, group_heads, 1))
+        nisa.dma_copy(dst=w_rows, src=_tile_block(w_t, t, P, group_heads, row_stride=0))
         nisa.dma_copy(dst=ends, src=chunk_ends.ap(pattern=[[group, 1], [1, group]], offset=0,
                                                   scalar_offset=t, indirect_dim=1))  # fmt: skip
         nisa.tensor_copy(dst=ends_f, src=ends)

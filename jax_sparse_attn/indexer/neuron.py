@@ -160,24 +160,24 @@ def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
     return operands, tokens
 
 
-def _run_decode_on_host(target: str, programs: int, topk: int, depth: int, split: int, steps: int,
-                        *arrays):  # fmt: skip
+def _run_decode_on_host(target: str, programs: int, *arrays, **statics):
     from ..nki_emulator import simulate
 
     run = simulate(_decode.indexer_decode_kernel, target=target)[programs]
-    keys_out, idx, _ = run(*[np.asarray(a) for a in arrays], topk=topk, depth=depth, split=split,
-                           steps=steps)  # fmt: skip
+    keys_out, idx, _ = run(*[np.asarray(a) for a in arrays], **statics)
     return np.concatenate([keys_out, idx.astype(np.float32)], axis=-1)
 
 
 def _call_decode(target, programs, plan, operands, tokens, emulated):
     k = plan.topk
+    g = operands[4].shape[1]
+    # The kernel's compile-time arguments.
+    statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
+                   on_vector=head_sums_on_vector(target, plan, g))  # fmt: skip
     if emulated:
-        g = operands[4].shape[1]
         result = jax.ShapeDtypeStruct((tokens // g, g, 2 * k), jnp.float32)
         packed = jax.pure_callback(
-            functools.partial(_run_decode_on_host, target, programs, k, plan.depth, plan.split,
-                              plan.steps),
+            functools.partial(_run_decode_on_host, target, programs, **statics),
             result,
             *operands, vmap_method="sequential",
         )  # fmt: skip
@@ -187,8 +187,7 @@ def _call_decode(target, programs, plan, operands, tokens, emulated):
     run = jitted_kernel(_decode.indexer_decode_kernel)
     if programs > 1:
         run = run[programs]
-    keys_out, idx, _ = run(*operands, topk=k, depth=plan.depth, split=plan.split,
-                           steps=plan.steps)  # fmt: skip
+    keys_out, idx, _ = run(*operands, **statics)
     return keys_out, idx
 
 
@@ -202,18 +201,45 @@ def decode_plan(target: str, Hi: int, Di: int, R: int, topk: int):
                                hw.vector_ghz, hw.scalar_ghz)  # fmt: skip
 
 
-def _decode_tensor_cycles(plan, group: int) -> float:
+def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
     """TensorE cycles of one token's scores in the row-spread kernel, by the cost model's
-    nc_matmul formula: per 512 rows one bf16 matmul per 128 of ``Di`` (q stationary, shared by
-    the ``group``'s tokens), per 128 rows one fp32 head sum (relu(d) stationary, the weights
-    moving)."""
+    nc_matmul formula: on the TensorE's blocks, per 512 rows one bf16 matmul per 128 of ``Di``
+    (q stationary, shared by the ``group``'s tokens) and per 128 rows one fp32 head sum (relu(d)
+    stationary, the weights moving); on the ``on_vector`` blocks, per 128 rows one bf16 matmul
+    per 128 of ``Di`` (the rows stationary, the group's q moving)."""
     from ..nki_emulator.cost import MATMUL_FP32_FACTOR, MATMUL_MIN_STATIONARY
 
     d_tiles = -(-plan.dim // _kernel.KERNEL_TILE)
     rows = _decode.ROWS_PER_MATMUL
-    dots = plan.rows_padded // rows * d_tiles * max(min(MATMUL_MIN_STATIONARY, plan.heads), rows)
-    head_sums = plan.rows_padded // _decode.P * MATMUL_MIN_STATIONARY * MATMUL_FP32_FACTOR
-    return dots / group + head_sums
+    blocks = plan.chunk // rows
+    per_block = rows // _decode.P
+    dots = d_tiles * max(min(MATMUL_MIN_STATIONARY, group * plan.heads), rows) / group
+    head_sums = per_block * MATMUL_MIN_STATIONARY * MATMUL_FP32_FACTOR
+    rows_first = per_block * d_tiles * max(MATMUL_MIN_STATIONARY, group * plan.heads) / group
+    return plan.chunks * ((blocks - on_vector) * (dots + head_sums) + on_vector * rows_first)
+
+
+# The share of tokens whose ties the row-spread kernel breaks (step 4), for sizing its head-sum
+# split: about half in the model's runs (7 of 16, 50 of 128 tokens at K=2048; inferred).
+EXPECTED_TIES = 0.5
+
+
+def decode_token_us(target: str, plan, group: int, on_vector: int, ties: float) -> float:
+    """One token's modelled time in the row-spread kernel by the cost formulas: its busier of
+    TensorE and VectorE."""
+    from ..nki_emulator.cost import HARDWARE
+
+    hw = HARDWARE[target]
+    return max(_decode_tensor_cycles(plan, group, on_vector) / hw.tensor_ghz,
+               _decode.vector_cycles_per_token(plan, on_vector, ties) / hw.vector_ghz) / 1e3  # fmt: skip
+
+
+def head_sums_on_vector(target: str, plan, group: int) -> int:
+    """The 512-row blocks per chunk whose head sums run on the VectorE: the count that gives the
+    least time per token by the cost formulas (ties at their expected share)."""
+    blocks = plan.chunk // _decode.ROWS_PER_MATMUL
+    return min(range(blocks + 1),
+               key=lambda v: decode_token_us(target, plan, group, v, EXPECTED_TIES))  # fmt: skip
 
 
 def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, topk: int):
@@ -238,9 +264,8 @@ def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, 
                     * (2 * (tiled.topk8 + tiled.chunk) + 144))  # fmt: skip
     hw = HARDWARE[target]
     group = decode_group(T, Hi, programs)
-    per_token_us = max(_decode_tensor_cycles(plan, group) / hw.tensor_ghz,
-                       _decode.vector_cycles_per_token(plan) / hw.vector_ghz) / 1e3  # fmt: skip
-    decode_us = -(-T // programs) * per_token_us
+    on_vector = head_sums_on_vector(target, plan, group)
+    decode_us = -(-T // programs) * decode_token_us(target, plan, group, on_vector, ties=1.0)
     tiled_us = tiled_cycles / hw.vector_ghz / 1e3
     return ("decode", plan) if decode_us < tiled_us else ("tiled", None)
 
