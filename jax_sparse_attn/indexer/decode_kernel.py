@@ -175,14 +175,14 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     (16-bit), the relu block, the ``[128, F]`` scores, their working copy, row numbers and
     predicate, the candidates' tiles (about 18 ``depth``-wide rows), the broadcast candidates and
     the count passes' outputs (``3 M``; step 4 reuses them), step 4's columns (about 9 per 128 of
-    ``cap``), two ``[128, 128]`` matrices, and the fallback's merge (the tiled kernel's tiles for
+    ``cap``) and a ``cap``-wide scratch, two ``[128, 128]`` matrices, and the fallback's merge (the tiled kernel's tiles for
     ``K8 + FALLBACK_CHUNK`` candidates on one partition)."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
     scoring = (d_tiles * 2 * plan.heads * 2 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL
                + 2 * 4 * plan.chunk_columns + 64)  # two tokens' q and chunk scores  # fmt: skip
     scores = 2 * 4 * plan.columns + plan.columns
     candidates = (18 * 4 * plan.depth + 3 * 4 * plan.candidates + 9 * 4 * plan.compact // P
-                  + 2 * 4 * P)  # fmt: skip
+                  + 4 * plan.compact + 2 * 4 * P)  # fmt: skip
     k8 = plan.topk8
     fallback = 2 * 4 * (k8 + FALLBACK_CHUNK) + 5 * 4 * k8 + 9 * k8 + 2 * 4 * plan.topk
     return scoring + scores + candidates + fallback + 256
@@ -223,7 +223,7 @@ def vector_cycles_per_token(plan: DecodePlan, on_vector: int, ties: float = 1.0)
     rounds = plan.depth // SELECTED_PER_ROUND
     bisection = (plan.steps + 2) * (6 * 64 + max(64, plan.depth) + 64)
     cap_cols = plan.compact // P
-    ranks = cap_cols * (plan.compact + 64)
+    ranks = (cap_cols - cap_cols // 3) * (plan.compact + 64)
     head_sums = plan.chunks * on_vector * (ROWS_PER_MATMUL // P) * 192
     return (rounds * (2 * plan.columns + 144) + bisection + ranks
             + ties * cap_cols * 2 * plan.compact + head_sums)  # fmt: skip
@@ -422,6 +422,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     beaten_alt = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
     # Step 4's broadcast list and its passes reuse step 3's tiles (cap <= M).
     list_keys, list_rows, equal = all_keys[:, 0:cap], beaten[:, 0:cap], beaten_alt[:, 0:cap]
+    list_scratch = nl.ndarray((P, cap), dtype=nl.float32, buffer=nl.sbuf)
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     left_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -506,12 +507,21 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
 
     def rank_in_list():
-        # rank = #(entries with a greater key): one compare-and-count pass of cap per column.
-        for c in range(cap_cols):
+        # rank = #(entries with a greater key): one compare-and-count pass of cap per column on
+        # the VectorE, or, for the last third of the columns, a GpSimd compare and a ScalarE sum
+        # (as step 3b's split: the three engines share the passes).
+        on_gpsimd = cap_cols // 3
+        for c in range(cap_cols - on_gpsimd):
             nisa.tensor_scalar_reduce(dst=equal, data=list_keys, op0=nl.greater,
                                       operand0=listed[0][:, c : c + 1], reduce_op=nl.add,
                                       reduce_res=listed[2][:, c : c + 1],
                                       reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        for c in range(cap_cols - on_gpsimd, cap_cols):
+            nisa.tensor_scalar(dst=list_scratch, data=list_keys, op0=nl.greater,
+                               operand0=listed[0][:, c : c + 1], engine=nisa.engine.gpsimd)
+            nisa.activation(dst=list_scratch, op=nl.copy, data=list_scratch, reduce_op=nl.add,
+                            reduce_res=listed[2][:, c : c + 1],
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
 
     def break_ties(_):
         # rank += #(entries with an equal key and a lower row): the contract's order.
