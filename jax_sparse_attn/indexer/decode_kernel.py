@@ -171,15 +171,17 @@ class DecodePlan:
 
 
 def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
-    """SBUF bytes per partition of the kernel's tiles (an upper estimate): q and a chunk of keys
-    (16-bit), the relu block, the ``[128, F]`` scores, their working copy, row numbers and
-    predicate, the candidates' tiles (about 18 ``depth``-wide rows), the broadcast candidates and
-    the count passes' outputs (``3 M``; step 4 reuses them), step 4's columns (about 9 per 128 of
-    ``cap``) and a ``cap``-wide scratch, two ``[128, 128]`` matrices, and the fallback's merge (the tiled kernel's tiles for
-    ``K8 + FALLBACK_CHUNK`` candidates on one partition)."""
+    """SBUF bytes per partition of the kernel's tiles (an upper estimate): two tokens' q and
+    weights and a chunk of keys (16-bit), the relu block, the ``[128, F]`` scores, their working
+    copy, row numbers and predicate, the candidates' tiles (about 18 ``depth``-wide rows), the
+    broadcast candidates and the count passes' outputs (``3 M``; step 4 reuses them), step 4's
+    columns (about 9 per 128 of ``cap``) and a ``cap``-wide scratch, two ``[128, 128]``
+    matrices, and the fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK``
+    candidates on one partition)."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
+    # Two tokens' q, weights on every partition and chunk scores.
     scoring = (d_tiles * 2 * plan.heads * 2 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL
-               + 2 * 4 * plan.chunk_columns + 64)  # two tokens' q and chunk scores  # fmt: skip
+               + 4 * 2 * plan.heads + 2 * 4 * plan.chunk_columns + 64)  # fmt: skip
     scores = 2 * 4 * plan.columns + plan.columns
     candidates = (18 * 4 * plan.depth + 3 * 4 * plan.candidates + 9 * 4 * plan.compact // P
                   + 4 * plan.compact + 2 * 4 * P)  # fmt: skip
@@ -391,7 +393,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     work = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
     nv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     kv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nv_one = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     end = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
     ends = nl.ndarray((1, group), dtype=nl.int32, buffer=nl.sbuf)
     ends_f = nl.ndarray((1, group), dtype=nl.float32, buffer=nl.sbuf)
@@ -427,6 +428,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     left_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     best_left = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    best_key = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     stats = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
     totals = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
     flags = nl.ndarray((1, 5), dtype=nl.float32, buffer=nl.sbuf)
@@ -667,7 +669,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     def select_token(t, member):
         nisa.dma_copy(dst=nv_col, src=n_valid.ap(pattern=[[0, P], [1, 1]], offset=member,
                                                  scalar_offset=t, indirect_dim=0))  # fmt: skip
-        nisa.dma_copy(dst=nv_one, src=_tile_block(n_valid, t, 1, 1, member))
         nisa.dma_copy(dst=keys_tile,
                       src=scores_hbm[member].ap(pattern=[[columns, P], [1, columns]], offset=0))
         # work holds the key scales, then the row numbers 128 j + p (SBUF for one [128, F] tile).
@@ -705,8 +706,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         # and the best key (``steps`` halvings; where none is found, step 3 ranks all M).
         nisa.tensor_copy(dst=hi, src=sel.best_keys[:, 0:1])
         nisa.nc_transpose(dst=row_ps, data=hi)
-        nisa.tensor_reduce(dst=best_left, op=nl.max, data=row_ps, axis=1, keepdims=True)
-        nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_left, accumulate=False)
+        nisa.tensor_reduce(dst=best_key, op=nl.max, data=row_ps, axis=1, keepdims=True)
+        nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_key, accumulate=False)
         nisa.tensor_copy(dst=hi, src=column_ps)
         nisa.tensor_copy(dst=lo, src=left_col)
         nisa.tensor_copy(dst=mid, src=lo)
