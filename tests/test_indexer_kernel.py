@@ -363,6 +363,13 @@ def test_candidate_depth_is_the_least_multiple_of_8_within_the_fallback_rate(top
     assert decode_kernel.candidate_depth(2048, columns=16) == 16  # every row a candidate
 
 
+def test_a_kernel_that_does_not_exist_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    q, w, keys = integer_case(np.random.default_rng(0), 1, 2, 8, 40)
+    with pytest.raises(ValueError, match="kernel must be"):
+        run_kernel(q, w, keys, [39], 8, kernel="fast")
+
+
 def test_routing_takes_the_row_spread_kernel_for_decode_only_where_it_can_run():
     from jax_sparse_attn.indexer import neuron
 

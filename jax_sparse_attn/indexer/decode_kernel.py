@@ -147,7 +147,7 @@ class DecodePlan:
     chunks: int
     depth: int
     split: int = 0
-    steps: int = 0
+    steps: int = BISECT_STEPS
 
     @property
     def chunk_columns(self) -> int:
@@ -190,11 +190,11 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     return scoring + scores + candidates + fallback + 256
 
 
-def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int,
-                vector_ghz: float = 1.0, scalar_ghz: float = 1.0) -> DecodePlan | None:  # fmt: skip
+def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int) -> DecodePlan | None:
     """The sizes for ``rows`` keys, or None where this kernel cannot take the shape (then the
     tiled kernel runs): ``topk`` above ``MAX_TOPK``, a token's row beyond max8's 16384 columns,
-    or more SBUF than ``budget`` bytes per partition. The clocks (the target's) set ``split``."""
+    or more SBUF than ``budget`` bytes per partition. ``split`` stays 0: the routing
+    (:mod:`.neuron`) sets it from the target's cost formulas."""
     if not 0 < heads <= KERNEL_TILE or not 0 < topk <= MAX_TOPK:
         return None
     chunk = min(MAX_CHUNK, _round_up(max(rows, 1), CHUNK_ALIGN))
@@ -202,33 +202,12 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int,
     topk8 = _round_up(topk, SELECTED_PER_ROUND)
     columns = chunks * chunk // P
     depth = candidate_depth(topk, columns)
-    # Rank columns per engine: the VectorE's count pass and the ScalarE's sum each take M + 64
-    # cycles a column; the ScalarE also runs the relu, one cycle per scored row.
-    per_column = P * depth + 64
-    relu_us = chunks * chunk / scalar_ghz
-    split = (depth * per_column / vector_ghz - relu_us) / (per_column / vector_ghz + per_column / scalar_ghz)
-    split = int(min(max(round(split), 0), depth))
-    plan = DecodePlan(heads, dim, topk, topk8, chunk, chunks, depth, split, BISECT_STEPS)
+    plan = DecodePlan(heads, dim, topk, topk8, chunk, chunks, depth)
     if columns > MAX8_ELEMENTS or topk8 + FALLBACK_CHUNK > MAX8_ELEMENTS:
         return None
     if sbuf_bytes_per_partition(plan) > budget:
         return None
     return plan
-
-
-def vector_cycles_per_token(plan: DecodePlan, on_vector: int, ties: float = 1.0) -> float:
-    """The VectorE's cycles for one token: the head sums of ``on_vector`` blocks per chunk (192
-    cycles per 128 rows) and the selection on the pivot's path, with its ties broken in a
-    ``ties`` share of the tokens (step 4), by the cost model's formulas (max8 ``N``,
-    match_replace8 ``N + 144``, tensor_scalar_reduce ``N + 64``, an fp32 scalar_tensor_tensor
-    ``2 N``, the bisection's small instructions ``MIN_II = 64`` each)."""
-    rounds = plan.depth // SELECTED_PER_ROUND
-    bisection = (plan.steps + 2) * (6 * 64 + max(64, plan.depth) + 64)
-    cap_cols = plan.compact // P
-    ranks = (cap_cols - cap_cols // 3) * (plan.compact + 64)
-    head_sums = plan.chunks * on_vector * (ROWS_PER_MATMUL // P) * 192
-    return (rounds * (2 * plan.columns + 144) + bisection + ranks
-            + ties * cap_cols * 2 * plan.compact + head_sums)  # fmt: skip
 
 
 def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_rows, keys_sb, chunk_sbs, on_vector: int):
@@ -339,8 +318,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
 
     Args: as the module docstring's interface; ``topk`` (K), ``depth`` (candidates per
     partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
-    compile-time ints. Launch as ``kernel[n]`` with ``T`` a multiple
-    of ``n``; ``steps`` (default ``BISECT_STEPS``; 0: no pivot) the pivot's halvings;
+    compile-time ints. Launch as ``kernel[n]`` with the groups ``G`` a multiple of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
     ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE. Returns
     ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
     valid rows), their rows (-1 there), and each token's path (the interface's codes).

@@ -9,6 +9,7 @@ the packing, the kernel and its cost.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -192,13 +193,22 @@ def _call_decode(target, programs, plan, operands, tokens, emulated):
 
 
 def decode_plan(target: str, Hi: int, Di: int, R: int, topk: int):
-    """:func:`decode_kernel.plan_decode` for ``target``'s SBUF and engine clocks."""
-    from ..nki_emulator.cost import HARDWARE
+    """:func:`decode_kernel.plan_decode` for ``target``'s SBUF, with step 3b's ``split`` (rank
+    columns as GpSimd compares and ScalarE sums) balancing the VectorE's count passes against the
+    ScalarE's sums and relu by the target's clocks (the cost formulas: ``M + MIN_II`` cycles a
+    column on either engine, the relu one ScalarE cycle per scored row)."""
+    from ..nki_emulator.cost import HARDWARE, MIN_II
     from ..nki_emulator.targets import TARGETS
 
+    plan = _decode.plan_decode(Hi, Di, R, topk, TARGETS[target].sbuf_bytes_per_partition)
+    if plan is None:
+        return None
     hw = HARDWARE[target]
-    return _decode.plan_decode(Hi, Di, R, topk, TARGETS[target].sbuf_bytes_per_partition,
-                               hw.vector_ghz, hw.scalar_ghz)  # fmt: skip
+    column = plan.candidates + MIN_II
+    relu_us = plan.rows_padded / hw.scalar_ghz
+    split = ((plan.depth * column / hw.vector_ghz - relu_us)
+             / (column / hw.vector_ghz + column / hw.scalar_ghz))  # fmt: skip
+    return dataclasses.replace(plan, split=int(min(max(round(split), 0), plan.depth)))
 
 
 def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
@@ -219,6 +229,25 @@ def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
     return plan.chunks * ((blocks - on_vector) * (dots + head_sums) + on_vector * rows_first)
 
 
+def _decode_vector_cycles(plan, on_vector: int, ties: float) -> float:
+    """The VectorE's cycles for one token in the row-spread kernel, by the cost formulas: the
+    head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor ``2 N`` and a
+    reduce ``N`` per 128 rows) and the selection on the pivot's path: max8 ``N`` and
+    match_replace8 ``N + 144`` rounds, the bisection's small instructions (``MIN_II`` each), two
+    thirds of the list's rank columns (tensor_scalar_reduce ``N + MIN_II``), and in a ``ties``
+    share of the tokens the tie break (``2 N`` per column)."""
+    from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
+
+    rounds = plan.depth // _kernel.SELECTED_PER_ROUND
+    bisection = (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth))
+    cap_cols = plan.compact // _decode.P
+    ranks = (cap_cols - cap_cols // 3) * (plan.compact + MIN_II)
+    heads = plan.heads
+    head_sums = plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * heads
+    return (rounds * (2 * plan.columns + MATCH_REPLACE8_OVERHEAD) + bisection + ranks
+            + ties * cap_cols * 2 * plan.compact + head_sums)  # fmt: skip
+
+
 # The share of tokens whose ties the row-spread kernel breaks (step 4), for sizing its head-sum
 # split: about half in the model's runs (7 of 16, 50 of 128 tokens at K=2048; inferred).
 EXPECTED_TIES = 0.5
@@ -231,7 +260,7 @@ def decode_token_us(target: str, plan, group: int, on_vector: int, ties: float) 
 
     hw = HARDWARE[target]
     return max(_decode_tensor_cycles(plan, group, on_vector) / hw.tensor_ghz,
-               _decode.vector_cycles_per_token(plan, on_vector, ties) / hw.vector_ghz) / 1e3  # fmt: skip
+               _decode_vector_cycles(plan, on_vector, ties) / hw.vector_ghz) / 1e3  # fmt: skip
 
 
 def head_sums_on_vector(target: str, plan, group: int) -> int:
@@ -247,7 +276,7 @@ def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, 
     formulas give it less time per program (its busier of TensorE and VectorE, ties broken) than
     the tiled kernel's VectorE merges, else ``("tiled", None)``. It needs the indirect (scatter)
     DMA, NeuronCore-v3+: never on trn1."""
-    from ..nki_emulator.cost import HARDWARE
+    from ..nki_emulator.cost import HARDWARE, MATCH_REPLACE8_OVERHEAD
     from ..nki_emulator.targets import TARGETS
 
     if target == "trn1":
@@ -261,7 +290,7 @@ def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, 
     tiles = -(-T // tiled.tile_tokens)
     rounds = tiled.topk8 // _kernel.SELECTED_PER_ROUND
     tiled_cycles = (tiles * (tiled.chunks // shares) * rounds
-                    * (2 * (tiled.topk8 + tiled.chunk) + 144))  # fmt: skip
+                    * (2 * (tiled.topk8 + tiled.chunk) + MATCH_REPLACE8_OVERHEAD))  # fmt: skip
     hw = HARDWARE[target]
     group = decode_group(T, Hi, programs)
     on_vector = head_sums_on_vector(target, plan, group)
@@ -317,6 +346,8 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
         raise ValueError(f"keys has {R} rows; the indexer kernel takes fewer than 2**24")
     from ..nki_emulator.targets import TARGETS
 
+    if kernel not in (None, "tiled", "decode"):
+        raise ValueError(f"kernel must be None, 'tiled' or 'decode', got {kernel!r}")
     target = neuron_target()
     programs = launch_programs(target)
     n_valid = valid_rows(positions, R, int(compress_ratio))
