@@ -454,6 +454,29 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
             nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
                                         scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
 
+    def count_greater(out, data, keys, on_gpsimd: int, scratch, scratch_gpsimd):
+        # out[:, c] = #(data > keys[:, c]): a VectorE compare-and-count pass per column, the last
+        # ``on_gpsimd`` columns as a GpSimd compare and a ScalarE sum (the engines share passes).
+        cols = keys.shape[1]
+        for c in range(cols - on_gpsimd):
+            nisa.tensor_scalar_reduce(dst=scratch, data=data, op0=nl.greater,
+                                      operand0=keys[:, c : c + 1], reduce_op=nl.add,
+                                      reduce_res=out[:, c : c + 1],
+                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        for c in range(cols - on_gpsimd, cols):
+            nisa.tensor_scalar(dst=scratch_gpsimd, data=data, op0=nl.greater,
+                               operand0=keys[:, c : c + 1], engine=nisa.engine.gpsimd)
+            nisa.activation(dst=scratch_gpsimd, op=nl.copy, data=scratch_gpsimd, reduce_op=nl.add,
+                            reduce_res=out[:, c : c + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+
+    def scatter_to_slots(slots_u32, keys_src, rows_src):
+        # Column c's partitions to ranked_keys / ranked_rows rows slots_u32[:, c] (past: skipped).
+        for c in range(slots_u32.shape[1]):
+            for ranked, src in ((ranked_keys, keys_src), (ranked_rows, rows_src)):
+                nisa.dma_copy(dst=ranked.ap(pattern=[[1, P], [1, 1]], offset=0,
+                                            vector_offset=slots_u32[:, c : c + 1], indirect_dim=0),
+                              src=src[:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+
     def choose():
         # chosen = (rank < Kv) * (a real row's key).
         nisa.tensor_scalar(dst=chosen, data=ranks, op0=nl.less, operand0=kv_col)
@@ -487,21 +510,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
 
     def rank_in_list():
-        # rank = #(entries with a greater key): one compare-and-count pass of cap per column on
-        # the VectorE, or, for the last third of the columns, a GpSimd compare and a ScalarE sum
-        # (as step 3b's split: the three engines share the passes).
-        on_gpsimd = cap_cols // 3
-        for c in range(cap_cols - on_gpsimd):
-            nisa.tensor_scalar_reduce(dst=equal, data=list_keys, op0=nl.greater,
-                                      operand0=listed[0][:, c : c + 1], reduce_op=nl.add,
-                                      reduce_res=listed[2][:, c : c + 1],
-                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
-        for c in range(cap_cols - on_gpsimd, cap_cols):
-            nisa.tensor_scalar(dst=list_scratch, data=list_keys, op0=nl.greater,
-                               operand0=listed[0][:, c : c + 1], engine=nisa.engine.gpsimd)
-            nisa.activation(dst=list_scratch, op=nl.copy, data=list_scratch, reduce_op=nl.add,
-                            reduce_res=listed[2][:, c : c + 1],
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+        # rank = #(entries with a greater key), a third of the columns on GpSimd + ScalarE.
+        count_greater(listed[2], list_keys, listed[0], cap_cols // 3, equal, list_scratch)
 
     def break_ties(_):
         # rank += #(entries with an equal key and a lower row): the contract's order.
@@ -525,13 +535,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.tensor_tensor(dst=listed_gain, data1=listed_gain, data2=listed[2], op=nl.add)
         nisa.tensor_copy(dst=listed_slot, src=listed_gain)
         nisa.tensor_copy(dst=listed_rows, src=listed[1])
-        for c in range(cap_cols):
-            nisa.dma_copy(dst=ranked_keys.ap(pattern=[[1, P], [1, 1]], offset=0,
-                                             vector_offset=listed_slot[:, c : c + 1], indirect_dim=0),
-                          src=listed[0][:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
-            nisa.dma_copy(dst=ranked_rows.ap(pattern=[[1, P], [1, 1]], offset=0,
-                                             vector_offset=listed_slot[:, c : c + 1], indirect_dim=0),
-                          src=listed_rows[:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+        scatter_to_slots(listed_slot, listed[0], listed_rows)
 
     def tie_free(chosen_tile, ranks_tile):
         """1.0 in ``flags[:, 0:1]`` where the chosen ranks are exactly 0 .. Kv-1 (count Kv, sum
@@ -577,16 +581,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         # Step 3: every candidate's rank among all M (strictly greater keys).
         nisa.dma_copy(dst=cand_hbm, src=sel.best_keys)
         nisa.dma_copy(dst=all_keys, src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
-        for j in range(depth - split):
-            nisa.tensor_scalar_reduce(dst=beaten, data=all_keys, op0=nl.greater,
-                                      operand0=sel.best_keys[:, j : j + 1], reduce_op=nl.add,
-                                      reduce_res=ranks[:, j : j + 1],
-                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
-        for j in range(depth - split, depth):
-            nisa.tensor_scalar(dst=beaten_alt, data=all_keys, op0=nl.greater,
-                               operand0=sel.best_keys[:, j : j + 1], engine=nisa.engine.gpsimd)
-            nisa.activation(dst=beaten_alt, op=nl.copy, data=beaten_alt, reduce_op=nl.add,
-                            reduce_res=ranks[:, j : j + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        count_greater(ranks, all_keys, sel.best_keys, split, beaten, beaten_alt)
         choose()
         nisa.tensor_copy(dst=chosen_work, src=chosen)
         tie_free(chosen_work, ranks)
@@ -610,13 +605,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
                            op1=nl.add, operand1=float(topk))  # fmt: skip
         nisa.tensor_tensor(dst=slot, data1=slot, data2=ranks, op=nl.add)
         nisa.tensor_copy(dst=slot_u32, src=slot)
-        for j in range(depth):
-            nisa.dma_copy(dst=ranked_keys.ap(pattern=[[1, P], [1, 1]], offset=0,
-                                             vector_offset=slot_u32[:, j : j + 1], indirect_dim=0),
-                          src=sel.best_keys[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
-            nisa.dma_copy(dst=ranked_rows.ap(pattern=[[1, P], [1, 1]], offset=0,
-                                             vector_offset=slot_u32[:, j : j + 1], indirect_dim=0),
-                          src=cand_rows_i32[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+        scatter_to_slots(slot_u32, sel.best_keys, cand_rows_i32)
 
     def count_above(op, value):
         # count_col: each partition's candidates ``op`` value; total_col: all of them, everywhere.
