@@ -241,6 +241,22 @@ def test_nothing_of_size_tokens_by_rows_is_built(rng):
     assert with_rows == {f"{R},{Di}", f"{R}"}, with_rows  # the operands themselves, nothing more
 
 
+def test_no_f32_copy_of_all_queries_in_the_f32_form():
+    # The f32 form widens each chunk's queries once. XLA:CPU used to widen the whole 16-bit q
+    # outside the token loop (twice q's bytes: 2 GiB for a 65,536-token V3.2 prefill) and then
+    # each block's piece widened its chunk again.
+    T, Hi, Di, R, topk = 512, 8, 32, 2048, 32
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((T, Hi, Di), jnp.bfloat16),
+            ((T, Hi), jnp.float32), ((R, Di), jnp.bfloat16), ((R,), jnp.float32),
+            ((T,), jnp.int32)]]
+    run = jax.jit(lambda *a: reference.indexer_topk_reference(*a, topk=topk, compress_ratio=1))
+    with cpu_products.forced(cpu_products.parse_form("f32")):
+        text = run.lower(*args).compile().as_text()
+    f32_shapes = [[int(n) for n in s.split(",")] for s in re.findall(r"f32\[([0-9,]+)\]", text)]
+    copies = [s for s in f32_shapes if s[-2:] == [Hi, Di] and np.prod(s) >= T * Hi * Di]
+    assert not copies, copies
+
+
 def test_streamed_scores_alone_give_each_tokens_best_score(rng):
     # The bench's measure of the selection's share (bench_indexer.scores_alone_fn): the same
     # streaming with no selection. Each token's kept score is its best valid score.

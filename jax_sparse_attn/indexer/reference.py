@@ -712,6 +712,12 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen, s
     R = keys.shape[0]
     Tc = plan.tokens
     limit = row_limits(positions, ratio, R)
+    dtype = q.dtype
+    # 16-bit queries travel through the token loop as raw bits: XLA:CPU otherwise widens the whole
+    # q to f32 outside it (a copy twice q's size) and each block's product widens its chunk again.
+    q_bits = dtype.itemsize == 2
+    if q_bits:
+        q = jax.lax.bitcast_convert_type(q, jnp.uint16)
     n = -(-T // Tc)
     lanes = LANES if n >= LANES_MIN_CHUNKS else 1
     n = _round_up(n, lanes)
@@ -732,6 +738,10 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen, s
         # programs, which XLA:CPU runs side by side (its sorts and scatters use one core each).
         out = []
         for q_c, w_c, l_c in zip(*args):
+            if q_bits:
+                q_c = jax.lax.bitcast_convert_type(q_c, dtype)
+            if widen:  # once per chunk, not per block (exact: a 16-bit value in f32)
+                q_c = q_c.astype(jnp.float32)
             k, r = select(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan, widen=widen)
             out.append((jnp.where(k == INVALID_KEY, -1, r), scores_of_keys(k)))
         return tuple(jnp.stack(x) for x in zip(*out))
