@@ -25,6 +25,9 @@ prefill scores about half of the dense pairs), and keeps each token's running se
   overflow, every buffer of the chunk is ``cut``: it keeps its entries at or above a threshold
   that between ``topk`` and ``topk + cut_slack`` of them reach (``cut_threshold``: a search of
   compare-and-count passes, not a sort), in row order, and ``tau`` rises to it;
+- until a chunk's first cut every buffer holds the same count, so each piece is copied in whole
+  at that offset (rows that do not beat ``tau`` as ``INVALID_KEY`` holes, which no cut keeps)
+  instead of compacted: a causal chunk's first blocks cost no scatter;
 - blocks are scored and appended in pieces of about ``DOT_BYTES`` of products; pieces past every
   token's last valid row are skipped;
 - at the end each buffer is cut to at most ``topk + FINAL_SLACK`` entries and sorted best first
@@ -601,7 +604,7 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     piece_row = jnp.arange(Rd, dtype=jnp.int32)[None, :]
 
     def step(b, state):
-        buf, count, tau = state
+        buf, count, tau, uniform = state
         pieces, los, live = _block_keys(q, w, limit, keys, key_scale, b, Rb=Rb, Rd=Rd,
                                         widen=widen)
         if Rb // 2 >= topk:
@@ -621,29 +624,43 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
             return cut(buf, topk, topk + slack, M, _known_kth_bound(count, tau, topk))
 
         if -(-R // Rb) * Rb > M:  # else every valid row fits: no cut to compile
-            arrivals = sum(count_true(n > tau[:, None]) for n in pieces)
-            buf, count, tau = jax.lax.cond(
-                jnp.any(count + arrivals > M), cut_buffers, lambda s: s, (buf, count, tau))
+            def overflows(_):
+                arrivals = sum(count_true(n > tau[:, None]) for n in pieces)
+                return jnp.any(count + arrivals > M)
+
+            # Uniform buffers take the whole block (its rows that do not beat tau as holes).
+            full = jax.lax.cond(uniform, lambda _: count[0] + Rb > M, overflows, None)
+            buf, count, tau = jax.lax.cond(full, cut_buffers, lambda s: s, (buf, count, tau))
+            uniform = uniform & ~full
 
         def append(args):
             buf, count, new, lo = args
             pairs = jnp.stack([new, jnp.broadcast_to(lo + piece_row, new.shape)], axis=-1)
             return compact(pairs, new > tau[:, None], M, offset=(count, buf))
 
+        def append_in_place(args):
+            # Every buffer holds the same count until the chunk's first cut: the piece goes in
+            # at that offset as it is, a copy instead of a compaction (a scatter per entry).
+            buf, count, new, lo = args
+            pairs = jnp.stack([jnp.where(new > tau[:, None], new, INVALID_KEY),
+                               jnp.broadcast_to(lo + piece_row, new.shape)], axis=-1)
+            return jax.lax.dynamic_update_slice(buf, pairs, (0, count[0], 0)), count + Rd
+
         for new, lo, on in zip(pieces, los, live):
             args = (buf, count, new, lo)
-            buf, count = append(args) if on is None else jax.lax.cond(
-                on, append, lambda a: a[:2], args)
+            add = lambda a: jax.lax.cond(uniform, append_in_place, append, a)
+            buf, count = add(args) if on is None else jax.lax.cond(on, add, lambda a: a[:2], args)
         if floor is not None:  # a later row equal to the floor loses to the k rows before it
             tau = jnp.maximum(tau, floor)
-        return buf, count, tau
+        return buf, count, tau, uniform
 
     state = (
         jnp.stack([jnp.full((Tc, M), INVALID_KEY, jnp.int32), jnp.zeros((Tc, M), jnp.int32)], -1),
         jnp.zeros((Tc,), jnp.int32),
         jnp.full((Tc,), INVALID_KEY, jnp.int32),
+        jnp.bool_(True),
     )
-    buf, count, tau = jax.lax.fori_loop(0, nblocks, step, state)
+    buf, count, tau, _ = jax.lax.fori_loop(0, nblocks, step, state)
     return best_first(buf, topk, _known_kth_bound(count, tau, topk))
 
 
