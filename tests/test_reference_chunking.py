@@ -144,17 +144,22 @@ def test_chunk_size_follows_the_budget(monkeypatch):
 
 def test_eigen_form_is_x_times_rows_behind_a_barrier(monkeypatch, rng):
     """The form for XLA's Eigen kernels keeps its [K, H] product apart from the transpose (an
-    optimization barrier in the CPU program); the other form has none."""
+    optimization barrier in the CPU program); the native form has none, and the f32 form has one
+    up to ``X_FIRST_MAX_HEADS`` heads only."""
     q, kv, idx, sink, bias = make_case(rng, 50, BF16)
+    many = cpu_products.X_FIRST_MAX_HEADS + 1
+    q_many = np.repeat(q[:, :1], many, axis=1)
 
-    def program(form):
+    def program(form, q=q, sink=sink):
         jax.clear_caches()
         with cpu_products.forced(cpu_products.parse_form(form)):
             return jax.jit(lambda *a: jsa.gathered_attn_idx(*a)).lower(q, kv, idx, sink).as_text()
 
     for widened in ("native", "f32"):
         assert "optimization_barrier" in program(widened + "-x-first")
-        assert "optimization_barrier" not in program(widened)
+    assert "optimization_barrier" not in program("native")
+    assert "optimization_barrier" in program("f32")  # H = 3
+    assert "optimization_barrier" not in program("f32", q_many, np.zeros(many, np.float32))
     jax.clear_caches()
 
 

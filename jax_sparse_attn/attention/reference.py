@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
-from ..cpu_products import ACCELERATOR_FORM, ProductForm, cpu_form
+from ..cpu_products import ACCELERATOR_FORM, ProductForm, cpu_form, logits_x_first
 
 # Target working set of one token chunk (gathered slots + fp32 logits/probabilities). Small on
 # purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM, which
@@ -244,7 +244,7 @@ def attend_token(q, x, valid, sink, bias, scale,
     q_scaled, up = prescale_queries(q)
     operand = _widened if form.widen else (lambda a: a)
     x_op = operand(x)  # under vmap: the whole chunk's slots at once
-    z = slot_products(x_op, operand(q_scaled), form.x_first)
+    z = slot_products(x_op, operand(q_scaled), logits_x_first(form, q.shape[-2]))
     s = saturated_logits(scale_up(z, up), valid[None, :], bias[None, :], scale)
     m = jnp.max(s, axis=-1)
     e = jnp.exp(s - m[:, None])
