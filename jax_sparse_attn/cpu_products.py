@@ -111,7 +111,8 @@ class ProductForm(NamedTuple):
 
     ``widen``: 16-bit operands are widened to f32 chunk by chunk and multiplied in f32 (the
     ``"f32"`` form); otherwise they are multiplied as they are (``"native"``). ``x_first``: the
-    dot products run as ``x rows^T`` and are transposed after, for XLA:CPU's Eigen kernels.
+    dot products run as ``x rows^T`` and are transposed after, for XLA:CPU's Eigen kernels (the
+    f32 form's logits product also takes that layout for few heads: ``logits_x_first``).
     """
 
     widen: bool = False
