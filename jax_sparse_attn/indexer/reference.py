@@ -97,6 +97,11 @@ WIDE_BLOCK_TOKENS = 8
 # A chunk's candidate buffer ``[Tc, topk + cut_slack + Rb, 2]`` int32 within this (the cuts and
 # compactions pass over it; with Hi = 4, K = 2048 on a Zen 3, 32 to 128 tokens ran alike).
 BUFFER_BYTES = 2 * 2**20
+# With at most FEW_HEADS heads the selection, not the scores, is the cost: buffers with room for
+# this many blocks cut half as often (Hi = 4, K = 2048, T = R = 16384 and 32768 on a Zen 3: 0.93x
+# the time, A/B in one run; Hi = 64: 1.00x to 1.09x, so one block there).
+FEW_HEADS = 16
+FEW_HEADS_BUFFER_BLOCKS = 2
 # Token chunks selected side by side in each step of the chunk loop (measured on 2 cores: about
 # 10% faster than one), where a call has at least LANES_MIN_CHUNKS chunks (the second lane adds
 # about a third to the compile time, which a short call would not win back).
@@ -484,9 +489,9 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
     """Chunk and block sizes: blocks of at least ``MIN_BLOCK_ROWS`` rows (fewer only for a
     smaller cache), of about ``topk`` rows where several tokens share a chunk and of at most
     ``budget / (32 Hi)``, a candidate buffer of ``topk + cut_slack(Rb) + Rb`` entries (a cut
-    always makes room for one block), and as many tokens as keep the chunk's buffers within
-    ``BUFFER_BYTES``. A chunk of at most ``WIDE_BLOCK_TOKENS`` tokens (a decode step) takes
-    blocks of up to ``MAX_WIDE_BLOCK_ROWS`` rows with ``[Tc, Hi, Rb]`` f32 within ``budget``.
+    always makes room for one block; for two with at most ``FEW_HEADS`` heads), and as many
+    tokens as keep the chunk's buffers within ``BUFFER_BYTES``. A chunk of at most
+    ``WIDE_BLOCK_TOKENS`` tokens (a decode step) takes one block's room and blocks of up to ``MAX_WIDE_BLOCK_ROWS`` rows with ``[Tc, Hi, Rb]`` f32 within ``budget``.
     Blocks are scored in pieces of ``DOT_BYTES`` (``dot_rows``)."""
     Rb = int(min(max(rows, 1), MAX_BLOCK_ROWS))
     if Rb > MIN_BLOCK_ROWS:
@@ -499,14 +504,16 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
     # The products are bounded by their pieces (dot_rows), so the buffers bound the chunk: more
     # tokens per chunk spread each step's fixed costs (measured: Hi = 64 takes 20% less time
     # with 32 tokens per chunk than with 8).
-    Tc = BUFFER_BYTES // (8 * (topk + Rb + cut_slack(Rb)))
+    blocks = FEW_HEADS_BUFFER_BLOCKS if heads <= FEW_HEADS else 1
+    Tc = BUFFER_BYTES // (8 * (topk + blocks * Rb + cut_slack(Rb)))
     Tc = int(max(1, min(num_tokens, MAX_CHUNK_TOKENS, Tc)))
     if Tc <= WIDE_BLOCK_TOKENS:
+        blocks = 1
         # A small chunk (a decode step) takes longer blocks, scored in pieces: fewer loop steps.
         wide = min(max(rows, 1), MAX_WIDE_BLOCK_ROWS, budget // (4 * max(heads, 1) * Tc))
         Rb = max(Rb, wide)
     Rb = max(Rb, 1)
-    return ChunkPlan(Tc, Rb, topk + Rb + cut_slack(Rb))
+    return ChunkPlan(Tc, Rb, topk + blocks * Rb + cut_slack(Rb))
 
 
 def row_limits(positions, compress_ratio: int, rows: int):
