@@ -127,7 +127,7 @@ class ProductForm(NamedTuple):
 X_FIRST_MAX_HEADS = 64
 
 
-def logits_x_first(form: "ProductForm", heads: int) -> bool:
+def logits_x_first(form: ProductForm, heads: int) -> bool:
     """Whether the logits product of a token with ``heads`` query heads runs x-first
     (``reference.slot_products``): always in an ``-x-first`` form, and in the f32 form for at
     most ``X_FIRST_MAX_HEADS`` heads."""

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import cpu_products
+from ..attention.reference import from_bits, to_bits
 
 # f32 products at full precision (GPUs would otherwise run f32 products in TF32).
 _EXACT = jax.lax.Precision.HIGHEST
@@ -491,8 +492,9 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
     ``budget / (32 Hi)``, a candidate buffer of ``topk + cut_slack(Rb) + Rb`` entries (a cut
     always makes room for one block; for two with at most ``FEW_HEADS`` heads), and as many
     tokens as keep the chunk's buffers within ``BUFFER_BYTES``. A chunk of at most
-    ``WIDE_BLOCK_TOKENS`` tokens (a decode step) takes one block's room and blocks of up to ``MAX_WIDE_BLOCK_ROWS`` rows with ``[Tc, Hi, Rb]`` f32 within ``budget``.
-    Blocks are scored in pieces of ``DOT_BYTES`` (``dot_rows``)."""
+    ``WIDE_BLOCK_TOKENS`` tokens (a decode step) takes one block's room and blocks of up to
+    ``MAX_WIDE_BLOCK_ROWS`` rows with ``[Tc, Hi, Rb]`` f32 within ``budget``. Blocks are scored
+    in pieces of ``DOT_BYTES`` (``dot_rows``)."""
     Rb = int(min(max(rows, 1), MAX_BLOCK_ROWS))
     if Rb > MIN_BLOCK_ROWS:
         Rb = max(MIN_BLOCK_ROWS, min(Rb, budget // (4 * max(heads, 1) * 8),
@@ -653,9 +655,11 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
                                jnp.broadcast_to(lo + piece_row, new.shape)], axis=-1)
             return jax.lax.dynamic_update_slice(buf, pairs, (0, count[0], 0)), count + Rd
 
+        def add(args):
+            return jax.lax.cond(uniform, append_in_place, append, args)
+
         for new, lo, on in zip(pieces, los, live):
             args = (buf, count, new, lo)
-            add = lambda a: jax.lax.cond(uniform, append_in_place, append, a)
             buf, count = add(args) if on is None else jax.lax.cond(on, add, lambda a: a[:2], args)
         if floor is not None:  # a later row equal to the floor loses to the k rows before it
             tau = jnp.maximum(tau, floor)
@@ -737,11 +741,9 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen, s
     Tc = plan.tokens
     limit = row_limits(positions, ratio, R)
     dtype = q.dtype
-    # 16-bit queries travel through the token loop as raw bits: XLA:CPU otherwise widens the whole
-    # q to f32 outside it (a copy twice q's size) and each block's product widens its chunk again.
-    q_bits = dtype.itemsize == 2
-    if q_bits:
-        q = jax.lax.bitcast_convert_type(q, jnp.uint16)
+    # The queries travel through the token loop as raw bits: XLA:CPU otherwise widens a 16-bit q
+    # to f32 outside it (a copy twice q's size) and each block's product widens its chunk again.
+    q = to_bits(q)
     n = -(-T // Tc)
     lanes = LANES if n >= LANES_MIN_CHUNKS else 1
     n = _round_up(n, lanes)
@@ -762,8 +764,7 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen, s
         # programs, which XLA:CPU runs side by side (its sorts and scatters use one core each).
         out = []
         for q_c, w_c, l_c in zip(*args):
-            if q_bits:
-                q_c = jax.lax.bitcast_convert_type(q_c, dtype)
+            q_c = from_bits(q_c, dtype)
             if widen:  # once per chunk, not per block (exact: a 16-bit value in f32)
                 q_c = q_c.astype(jnp.float32)
             k, r = select(q_c, w_c, l_c, keys, key_scale, topk=topk, plan=plan, widen=widen)
