@@ -177,7 +177,8 @@ def test_indexer_scores_and_topk_rows():
     assert select_topk_rows(jnp.asarray(got), 50).shape == (B, T, R)
 
 
-@pytest.mark.parametrize("prefill, selection", [(1, "dense"), (5, STREAMING)])
+@pytest.mark.parametrize("prefill, selection",
+                         [(1, "dense"), pytest.param(5, STREAMING, marks=pytest.mark.slow)])
 def test_prefill_then_decode_matches_the_full_sequence(prefill, selection):
     B, T, K, max_len = 2, 9, 3, 12
     layer = make_layer(topk=K, seed=6, sink=SINK, selection=selection)

@@ -113,6 +113,7 @@ def test_fp8_queries_and_keys_with_scales(rng):
     check_selection(idx, scores, s, bound, valid_rows(positions, R), topk)
 
 
+@pytest.mark.slow
 def test_bit_identical_across_runs_and_under_jit(rng):
     q, w, k = make(rng, 9, 4, 32, 700)
     positions = np.arange(691, 700)

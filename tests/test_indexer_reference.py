@@ -228,6 +228,7 @@ def test_prefix_counts_and_compact_against_numpy(rng, L):
         np.testing.assert_array_equal(got[i, len(want):], old[i, len(want):])
 
 
+@pytest.mark.slow
 def test_nothing_of_size_tokens_by_rows_is_built(rng):
     T, Hi, Di, topk = 64, 4, 16, 32
     R = 4 * reference.MAX_BLOCK_ROWS
@@ -241,6 +242,7 @@ def test_nothing_of_size_tokens_by_rows_is_built(rng):
     assert with_rows == {f"{R},{Di}", f"{R}"}, with_rows  # the operands themselves, nothing more
 
 
+@pytest.mark.slow
 def test_no_f32_copy_of_all_queries_in_the_f32_form():
     # The f32 form widens each chunk's queries once. XLA:CPU used to widen the whole 16-bit q
     # outside the token loop (twice q's bytes: 2 GiB for a 65,536-token V3.2 prefill) and then
