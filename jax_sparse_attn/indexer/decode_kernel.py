@@ -93,6 +93,18 @@ MAX_CHUNK = 16 * ROWS_PER_MATMUL
 FALLBACK_CHUNK = 2048
 # The tie check sums the selected ranks, Kv (Kv - 1) / 2, which fp32 holds exactly below 2**24.
 MAX_TOPK = 4096
+# Of the list's rank columns (step 3a), this share runs as GpSimd compares and ScalarE sums, the
+# rest on the VectorE: chosen from the cost model's runs (trn2, Hi=64, Di=128, K=2048), where it
+# evens the VectorE and the GpSimd at the 128-token prefill tile (10 of 17 columns); a third
+# (the first choice) left the VectorE binding there, 1.4 times the GpSimd's time.
+LIST_OFFLOAD_SHARE = 0.6
+
+
+def list_offload_columns(columns: int) -> int:
+    """Of ``columns`` rank columns of the list, those counted on GpSimd + ScalarE."""
+    return min(columns, round(columns * LIST_OFFLOAD_SHARE))
+
+
 # Halvings of [U*, best key] that look for step 3a's pivot (a window of 128 counts); a token
 # that finds none ranks all M candidates (step 3).
 BISECT_STEPS = 16
@@ -510,8 +522,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
 
     def rank_in_list():
-        # rank = #(entries with a greater key), a third of the columns on GpSimd + ScalarE.
-        count_greater(listed[2], list_keys, listed[0], cap_cols // 3, equal, list_scratch)
+        # rank = #(entries with a greater key), list_offload_columns of them on GpSimd + ScalarE.
+        count_greater(listed[2], list_keys, listed[0], list_offload_columns(cap_cols), equal,
+                      list_scratch)
 
     def break_ties(_):
         # rank += #(entries with an equal key and a lower row): the contract's order.

@@ -233,15 +233,16 @@ def _decode_vector_cycles(plan, on_vector: int, ties: float) -> float:
     """The VectorE's cycles for one token in the row-spread kernel, by the cost formulas: the
     head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor ``2 N`` and a
     reduce ``N`` per 128 rows) and the selection on the pivot's path: max8 ``N`` and
-    match_replace8 ``N + 144`` rounds, the bisection's small instructions (``MIN_II`` each), two
-    thirds of the list's rank columns (tensor_scalar_reduce ``N + MIN_II``), and in a ``ties``
-    share of the tokens the tie break (``2 N`` per column)."""
+    match_replace8 ``N + 144`` rounds, the bisection's small instructions (``MIN_II`` each), the
+    list's rank columns that stay on the VectorE (``decode_kernel.list_offload_columns`` go to
+    the GpSimd; tensor_scalar_reduce ``N + MIN_II``), and in a ``ties`` share of the tokens the
+    tie break (``2 N`` per column)."""
     from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
 
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
     bisection = (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth))
     cap_cols = plan.compact // _decode.P
-    ranks = (cap_cols - cap_cols // 3) * (plan.compact + MIN_II)
+    ranks = (cap_cols - _decode.list_offload_columns(cap_cols)) * (plan.compact + MIN_II)
     heads = plan.heads
     head_sums = plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * heads
     return (rounds * (2 * plan.columns + MATCH_REPLACE8_OVERHEAD) + bisection + ranks
