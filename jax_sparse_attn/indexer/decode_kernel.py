@@ -93,16 +93,15 @@ MAX_CHUNK = 16 * ROWS_PER_MATMUL
 FALLBACK_CHUNK = 2048
 # The tie check sums the selected ranks, Kv (Kv - 1) / 2, which fp32 holds exactly below 2**24.
 MAX_TOPK = 4096
-# Of the list's rank columns (step 3a), this share runs as GpSimd compares and ScalarE sums, the
-# rest on the VectorE: chosen from the cost model's runs (trn2, Hi=64, Di=128, K=2048), where it
-# evens the VectorE and the GpSimd at the 128-token prefill tile (10 of 17 columns); a third
-# (the first choice) left the VectorE binding there, 1.4 times the GpSimd's time.
+# The share of the list's rank columns (step 3a) counted as GpSimd compares and ScalarE sums, the
+# rest on the VectorE: from the cost model's runs (trn2, Hi=64, Di=128, K=2048), where 10 of 17
+# even the VectorE and the GpSimd at the 128-token prefill tile (docs/indexer-kernel.md).
 LIST_OFFLOAD_SHARE = 0.6
 
 
 def list_offload_columns(columns: int) -> int:
     """Of ``columns`` rank columns of the list, those counted on GpSimd + ScalarE."""
-    return min(columns, round(columns * LIST_OFFLOAD_SHARE))
+    return round(columns * LIST_OFFLOAD_SHARE)
 
 
 # Halvings of [U*, best key] that look for step 3a's pivot (a window of 128 counts); a token
