@@ -42,19 +42,30 @@ def cpu_reports_native_bf16(cpuinfo: str | None = None) -> bool:
     Reads ``/proc/cpuinfo`` (Linux; ``cpuinfo`` overrides its text, for tests). On macOS, Apple
     silicon from M2 on reports ``hw.optional.arm.FEAT_BF16``. Anything unreadable counts as no.
     """
+    if cpuinfo is None and platform.system() == "Darwin":
+        return _darwin_feature("hw.optional.arm.FEAT_BF16")
+    return bool(_BF16_FLAGS & _cpu_flags(cpuinfo))
+
+
+def cpu_reports_amx(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU lists Intel's AMX tiles for bf16 (``amx_bf16``: Sapphire Rapids and later)."""
+    return "amx_bf16" in _cpu_flags(cpuinfo)
+
+
+def _cpu_flags(cpuinfo: str | None) -> set:
+    """The CPU's flags (x86 ``flags``, Arm ``Features``) from ``/proc/cpuinfo`` or the given
+    text; empty where unreadable."""
     if cpuinfo is None:
-        if platform.system() == "Darwin":
-            return _darwin_feature("hw.optional.arm.FEAT_BF16")
         try:
             with open("/proc/cpuinfo") as f:
                 cpuinfo = f.read()
         except OSError:
-            return False
+            return set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features") and _BF16_FLAGS & set(value.split()):
-            return True
-    return False
+        if key.strip().lower() in ("flags", "features"):
+            return set(value.split())
+    return set()
 
 
 def _darwin_feature(name: str) -> bool:
@@ -132,6 +143,21 @@ def logits_x_first(form: ProductForm, heads: int) -> bool:
     (``reference.slot_products``): always in an ``-x-first`` form, and in the f32 form for at
     most ``X_FIRST_MAX_HEADS`` heads."""
     return form.x_first or (form.widen and heads <= X_FIRST_MAX_HEADS)
+
+
+def shape_invariant(form: ProductForm) -> bool:
+    """Whether the CPU's products in ``form`` give each f32 element the same bits whatever the
+    product's shape (how many rows and columns are multiplied at once), so that the results do not
+    depend on chunk and block sizes. Only the native form on YNNPACK without AMX:
+
+    - f32 products and Eigen's kernels sum in another order for another block shape (measured on
+      a Zen 3, jaxlib 0.10);
+    - with AMX, YNNPACK multiplies products of few rows with other kernels than the rest (measured
+      on a Sapphire Rapids, jaxlib 0.10.2: a product of 1 row of 64 or 128 bf16 columns, or of up
+      to 4 rows of 16, differs in the last bit from the same rows multiplied among 1024);
+    - a Zen 4's AVX-512 BF16 kernels gave the same bits at every shape the tests use.
+    """
+    return not (form.widen or products_by_eigen() or cpu_reports_amx())
 
 
 # GPUs and TPUs multiply 16-bit operands natively, in the plain form.

@@ -21,6 +21,21 @@ def test_native_bf16_is_read_from_the_cpu_flags(cpuinfo, native):
     assert cpu_products.cpu_reports_native_bf16(cpuinfo) is native
 
 
+@pytest.mark.parametrize("cpuinfo, amx", [(ZEN4, False), (SAPPHIRE_RAPIDS, True), ("", False)])
+def test_amx_is_read_from_the_cpu_flags(cpuinfo, amx):
+    assert cpu_products.cpu_reports_amx(cpuinfo) is amx
+
+
+def test_only_native_products_without_amx_or_eigen_are_shape_invariant(monkeypatch):
+    monkeypatch.setattr(cpu_products, "products_by_eigen", lambda: False)
+    for amx in (False, True):
+        monkeypatch.setattr(cpu_products, "cpu_reports_amx", lambda cpuinfo=None, amx=amx: amx)
+        assert cpu_products.shape_invariant(cpu_products.parse_form("native")) is not amx
+        assert not cpu_products.shape_invariant(cpu_products.parse_form("f32"))
+    monkeypatch.setattr(cpu_products, "products_by_eigen", lambda: True)
+    assert not cpu_products.shape_invariant(cpu_products.parse_form("native"))
+
+
 def with_env(monkeypatch, value):
     if value is None:
         monkeypatch.delenv(cpu_products.ENV_VAR, raising=False)
