@@ -6,7 +6,7 @@ Run through the benchmark's command line (``python -m jax_sparse_attn.bench``):
   prefill at T=R=8192 and a decode step (T=1) over R=1M rows, and a small indexer (Hi=4, Di=64,
   K=2048) at T=R=32768. Each case is timed in interleaved rounds with an f32 GEMM (the rate
   baseline, ``of f32 GEMM``) and, where its ``[T, Hi, R]`` products fit in
-  ``DENSE_BUDGET_BYTES``, the dense path (``flax.indexer_scores`` + ``flax.select_topk_rows``, the
+  ``dense_budget_bytes()``, the dense path (``flax.indexer_scores`` + ``flax.select_topk_rows``, the
   layer's form before the op). FLOPs: ``2 Hi Di`` per valid (token, row) pair (the products; the
   relu and head sum are not counted). A few tokens' selections are checked against float64
   numpy scores. On the jnp reference the same rounds also time its streaming of the scores with
@@ -39,8 +39,21 @@ import numpy as np
 from . import bench
 
 # The dense path is run only where its [T, Hi, R] f32 products and [T, R] scores stay within this
-# (the machine's processes are kept under ~4 GiB).
+# on CPU (the machine's processes are kept under ~4 GiB), and within this fraction of an
+# accelerator's memory on GPU and TPU.
 DENSE_BUDGET_BYTES = 3 * 2**30
+DENSE_ACCELERATOR_MEMORY_FRACTION = 1 / 2
+
+
+def dense_budget_bytes() -> int:
+    """Where the dense path runs: ``DENSE_BUDGET_BYTES`` on CPU (or an accelerator that does not
+    report its memory), ``DENSE_ACCELERATOR_MEMORY_FRACTION`` of the device's memory elsewhere."""
+    device = jax.devices()[0]
+    if device.platform != "cpu":
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+        if limit:
+            return int(limit * DENSE_ACCELERATOR_MEMORY_FRACTION)
+    return DENSE_BUDGET_BYTES
 # The GEMM baseline's FLOPs are capped (its rate is stable from n ~ 2000 on): the indexer cases
 # have up to 550 GFLOP and the GEMM would otherwise take as long as the op.
 GEMM_MAX_FLOPS = 2 * 3072**3
@@ -98,7 +111,7 @@ QUICK_INDEXER_SHAPES = [
 LAYER_DECODE = dict(E=512, H=16, D=128, K=2048, Hi=4, Di=64, R=2**20)
 QUICK_LAYER_DECODE = dict(E=64, H=4, D=32, K=64, Hi=2, Di=16, R=8192)
 
-# The sweep: a small indexer (Hi=4, Di=64, K=2048). Points above DENSE_BUDGET_BYTES skip the dense
+# The sweep: a small indexer (Hi=4, Di=64, K=2048). Points above dense_budget_bytes() skip the dense
 # path; the largest prefills run one timed call.
 SWEEP = {
     "full": {"fixed": dict(Hi=4, Di=64, K=2048),
@@ -195,9 +208,10 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
         fns["scores_alone"] = (scores_alone_fn(shape), (q, w, keys, positions))
     dense_skipped = None
     if dense:
-        if shape.dense_bytes > DENSE_BUDGET_BYTES:
+        budget = dense_budget_bytes()
+        if shape.dense_bytes > budget:
             dense_skipped = (f"dense products and scores need {shape.dense_bytes / 2**30:.1f} GiB "
-                             f"> {DENSE_BUDGET_BYTES / 2**30:.0f} GiB")
+                             f"> {budget / 2**30:.0f} GiB")
         else:
             try:
                 fns["dense"] = (dense_fn(shape), (q, w, keys, positions))
@@ -353,18 +367,33 @@ def format_layer_decode(rec: dict) -> str:
 # --- the sweep: time and memory against T and R -------------------------------------------------------
 
 
+def _device_bytes(key: str) -> Optional[int]:
+    """An accelerator's ``memory_stats()[key]`` (``bytes_in_use``, ``peak_bytes_in_use``), or None
+    on CPU (whose memory is the process's, measured by its RSS)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    return (device.memory_stats() or {}).get(key)
+
+
 def sweep_child(shape: IndexerShape, path: str, dtype_name: str, repeats: int) -> dict:
-    """Runs in a fresh process: peak RSS growth of the first call (compilation included, inputs
-    excluded) of ``path`` ("op" or "dense"), then the median time of ``repeats`` more calls."""
+    """Runs in a fresh process: peak memory growth of the first call (compilation included, inputs
+    excluded) of ``path`` ("op" or "dense"), then the median time of ``repeats`` more calls. The
+    memory is the process's RSS on CPU, the device's peak bytes in use on an accelerator."""
     dtype = bench.DTYPES[dtype_name]
     args = _inputs(shape, dtype)
     peak_reset = bench._reset_peak_rss()
     rss_before = bench._rss_bytes()
+    device_before = _device_bytes("bytes_in_use")
     fn = op_fn(shape) if path == "op" else dense_fn(shape)
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     first = time.perf_counter() - start
-    growth = bench._peak_rss_bytes() - rss_before
+    if device_before is None:
+        growth = bench._peak_rss_bytes() - rss_before
+    else:  # a fresh process: its peak so far is the inputs and this call
+        growth = _device_bytes("peak_bytes_in_use") - device_before
+        peak_reset = True
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -395,7 +424,7 @@ def sweep(quick: bool = False, dtype_name: str = "bf16", max_size: Optional[int]
     sizes = SWEEP["quick" if quick else "full"]
     fixed = sizes["fixed"]
     result: dict = {"environment": bench.environment(), "dtype": dtype_name, "sizes": sizes,
-                    "dense_budget_bytes": DENSE_BUDGET_BYTES}
+                    "dense_budget_bytes": dense_budget_bytes()}
     for key, points in (("prefill", [(n, n) for n in sizes["prefill_T"]]),
                         ("decode", [(1, n) for n in sizes["decode_R"]])):
         records = []
@@ -408,12 +437,12 @@ def sweep(quick: bool = False, dtype_name: str = "bf16", max_size: Optional[int]
             n = 3 if repeats is None or key == "decode" else repeats
             point = {"T": T, "R": R, "flops": shape.flops, "dense_bytes": shape.dense_bytes,
                      "op": run_sweep_child(shape, "op", dtype_name, n)}
-            if shape.dense_bytes <= DENSE_BUDGET_BYTES:
+            if shape.dense_bytes <= result["dense_budget_bytes"]:
                 point["dense"] = run_sweep_child(shape, "dense", dtype_name, n)
             else:
                 point["dense"] = None
                 point["dense_skipped"] = (f"needs {shape.dense_bytes / 2**30:.1f} GiB > "
-                                          f"{DENSE_BUDGET_BYTES / 2**30:.0f} GiB")
+                                          f"{result['dense_budget_bytes'] / 2**30:.0f} GiB")
             records.append(point)
             gib = 2**30
             dense = point["dense"]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from indexer_oracle import check_selection, scores_f64, valid_rows
+from indexer_oracle import check_selection, scores_f64, topk_f64, valid_rows
 from jax_sparse_attn import cpu_products
 from jax_sparse_attn.indexer import reference
 
@@ -278,3 +278,98 @@ def test_streamed_scores_alone_give_each_tokens_best_score(rng):
         r = np.flatnonzero(valid[t])
         top = r[np.argmax(s[t, r])]
         assert abs(best[t, 0] - s[t, top]) <= bound[t, top] + np.max(bound[t, r]), t
+
+
+# --- the form on GPU and TPU: merges by top_k, few large steps ---------------------------------
+
+
+MERGE_PLANS = [None, reference.ChunkPlan(1, 16, 0, 16), reference.ChunkPlan(4, 32, 0, 32),
+               reference.ChunkPlan(16, 48, 0, 48)]
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
+    # topk 24 of 300 rows, and 350 (more than the rows: -1 padding); row 3 scores NaN for every
+    # token; the rows past every token's limit hold NaN and inf.
+    T, Hi, Di, R = 21, 4, 16, 300
+    q, w, k, ks = _inputs(rng, T, Hi, Di, R)
+    positions = jnp.asarray(np.concatenate([rng.integers(0, 250 * ratio, T - 2), [-5, 40]]),
+                            jnp.int32)
+    k = k.at[3].set(jnp.nan)
+    dirty = k.at[250:].set(jnp.nan).at[260].set(jnp.inf)
+    s, bound = scores_f64(q, w, k, scale=1.0)
+    valid = valid_rows(positions, R, ratio)
+    for topk in (24, 350):
+        results = []
+        for plan in MERGE_PLANS:
+            run = jax.jit(lambda *a, plan=plan: reference.indexer_topk_by_merging(
+                *a, topk=topk, compress_ratio=ratio, plan=plan))
+            idx, scores = (np.asarray(x) for x in run(q, w, k, ks, positions))
+            check_selection(idx, scores, s, bound, valid, topk)
+            for a, b in zip((idx, scores), run(q, w, dirty, ks, positions)):
+                np.testing.assert_array_equal(a, np.asarray(b))
+            results.append((idx, scores))
+        # The streaming form's selection from the same scores: the same rows, ties included.
+        stream = [np.asarray(x) for x in jax.jit(lambda *a: reference.indexer_topk_reference(
+            *a, topk=topk, compress_ratio=ratio))(q, w, k, ks, positions)]
+        # (Elsewhere each plan's products may round differently: each is exact on its own.)
+        if cpu_products.shape_invariant(cpu_products.cpu_form()):
+            for idx, scores in results:
+                np.testing.assert_array_equal(idx, stream[0])
+                np.testing.assert_array_equal(scores, stream[1])
+
+
+def test_merging_form_breaks_exact_ties_by_row_across_blocks(rng):
+    # Every row's key is one of three: ties within a block and across blocks, the running best
+    # set full of them before later blocks arrive.
+    T, Hi, Di, R, topk = 6, 2, 16, 400, 50
+    q = jnp.asarray(rng.standard_normal((T, Hi, Di)), jnp.bfloat16)
+    w = jnp.abs(jnp.asarray(rng.standard_normal((T, Hi)), jnp.float32))
+    three = jnp.asarray(rng.standard_normal((3, Di)), jnp.bfloat16)
+    k = three[jnp.asarray(rng.integers(0, 3, R))]
+    positions = jnp.asarray(rng.integers(100, R, T), jnp.int32)
+    s, _ = scores_f64(q, w, k, scale=1.0)
+    want = topk_f64(s, valid_rows(positions, R), topk)
+    for plan in MERGE_PLANS:
+        idx, _ = jax.jit(lambda *a, plan=plan: reference.indexer_topk_by_merging(
+            *a, topk=topk, compress_ratio=1, plan=plan))(q, w, k, jnp.ones((R,)), positions)
+        np.testing.assert_array_equal(np.asarray(idx), want)
+
+
+def _lowered_for(platform, fn, *args):
+    jitted = jax.jit(fn)
+    if hasattr(jitted, "trace"):
+        return jitted.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return jax.export.export(jitted, platforms=(platform,))(*args).mlir_module()  # older JAX
+
+
+@pytest.mark.parametrize("T, R", [(8192, 8192), (1, 2**20)])
+def test_accelerators_merge_in_few_steps_and_cpus_stream(T, R):
+    # DeepSeek V3.2's indexer (Hi = 64, Di = 128, K = 2048): a prefill and a decode step.
+    Hi, Di, topk = 64, 128, 2048
+    args = (jax.ShapeDtypeStruct((T, Hi, Di), jnp.bfloat16),
+            jax.ShapeDtypeStruct((T, Hi), jnp.float32),
+            jax.ShapeDtypeStruct((R, Di), jnp.bfloat16), jax.ShapeDtypeStruct((R,), jnp.float32),
+            jax.ShapeDtypeStruct((T,), jnp.int32))
+    fn = lambda *a: reference.indexer_topk_reference(*a, topk=topk, compress_ratio=1)
+    gpu, cpu = _lowered_for("cuda", fn, *args), _lowered_for("cpu", fn, *args)
+    plan = reference.accelerator_plan(T, Hi, R, topk)
+    assert "chlo.top_k" in gpu and "chlo.top_k" not in cpu
+    # No data-dependent loop on the GPU: the chunk loop (a decode step has none) and the blocks'.
+    assert gpu.count("stablehlo.while") == (1 if T == plan.tokens else 2)
+    assert "stablehlo.sort" not in gpu and "stablehlo.sort" in cpu
+    assert cpu.count("stablehlo.while") > gpu.count("stablehlo.while")
+
+
+def test_accelerator_plan_fills_its_budget_in_square_prefill_tiles():
+    budget = 17 * 2**30  # an eighth of an H200's 141 GiB
+    Hi, topk = 64, 2048
+    prefill = reference.accelerator_plan(8192, Hi, 8192, topk, budget)
+    assert prefill.tokens == prefill.rows == 8192 // reference.ACCELERATOR_TOKEN_CHUNKS
+    decode = reference.accelerator_plan(1, Hi, 2**20, topk, budget)
+    assert decode.tokens == 1 and decode.rows == 2**20  # the whole cache in one step
+    small = reference.accelerator_plan(1, Hi, 2**20, topk, 2**28)  # a 2 GiB device
+    assert small.rows % reference.BLOCK_ALIGN == 0 and small.rows < 2**20
+    assert 4 * (Hi + 4) * small.rows + 24 * (topk + small.rows) <= 2**28
+    tight = reference.accelerator_plan(65536, Hi, 65536, topk, 2**30)
+    assert tight.tokens * (4 * (Hi + 4) * tight.rows + 24 * (topk + tight.rows)) <= 2**30

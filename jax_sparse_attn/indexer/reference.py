@@ -46,6 +46,11 @@ ones a score may move by its last bits between them (docs/indexer.md, "Determini
 Memory beyond the inputs and outputs: one chunk's working set, ``O(Tc (Hi Rd + topk + Rb))``
 with ``Rd`` the rows of a piece (``chunk_plan``, ``dot_rows``).
 
+On GPU and TPU, where each loop step and data-dependent loop costs a launch and a device sync,
+the same selection takes another route (``indexer_topk_by_merging``): blocks sized by the device's
+memory (``accelerator_plan``), each merged with the running best ``topk`` by ``lax.top_k`` on the
+order keys (docs/indexer.md, "On GPU and TPU").
+
 ``streamed_scores_alone`` runs the same streaming with no selection (each block's scores by the
 same ``_block_keys``), so that the benchmark measures what the selection costs.
 """
@@ -60,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import cpu_products
-from ..attention.reference import from_bits, to_bits
+from ..attention.reference import accelerator_chunk_bytes, from_bits, to_bits
 
 # f32 products at full precision (GPUs would otherwise run f32 products in TF32).
 _EXACT = jax.lax.Precision.HIGHEST
@@ -483,6 +488,7 @@ class ChunkPlan(NamedTuple):
     tokens: int  # Tc: tokens per chunk
     rows: int  # Rb: cache rows per block
     buffer: int  # M: candidate buffer per token
+    piece: int = 0  # rows per product (0: as many as DOT_BYTES holds, ``dot_rows``)
 
 
 def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
@@ -516,6 +522,41 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
         Rb = max(Rb, wide)
     Rb = max(Rb, 1)
     return ChunkPlan(Tc, Rb, topk + blocks * Rb + cut_slack(Rb))
+
+
+def accelerator_plan(num_tokens: int, heads: int, rows: int, topk: int,
+                     budget: int | None = None) -> ChunkPlan:
+    """Chunk and block sizes on GPU and TPU, where each loop step costs a launch and a sync
+    rather than cache misses: one block is one product, and a step's working set (the
+    ``[Tc, Hi, Rb]`` f32 products with the block's keys, rows and the running ``[Tc, topk]``
+    selection merged with them) fills ``budget`` (default: ``accelerator_chunk_bytes``, a
+    fraction of the device's memory). A prefill runs in square tiles of at most
+    ``1 / ACCELERATOR_TOKEN_CHUNKS`` of its tokens, so that it scores little more than its
+    causally valid pairs (``(n + 1) / 2n`` of the dense ones for n chunks); a decode step (at
+    most ``WIDE_BLOCK_TOKENS`` tokens) takes the longest blocks that fit."""
+    budget = accelerator_chunk_bytes() if budget is None else budget
+    # Bytes per (token, row) of a block and per (token, entry) of the merge (keys and rows, the
+    # concatenation, top_k's values and positions, the gathered rows).
+    per_pair = 4 * (max(heads, 1) + 4)
+    per_entry = 24
+    rows_fit = lambda tokens: (budget // tokens - per_entry * topk) // (per_pair + per_entry)
+    whole = rows if rows < BLOCK_ALIGN else rows - rows % BLOCK_ALIGN  # blocks within the cache
+    if num_tokens <= WIDE_BLOCK_TOKENS:
+        Tc = num_tokens
+    else:
+        Tc = _round_up(-(-num_tokens // ACCELERATOR_TOKEN_CHUNKS), BLOCK_ALIGN)
+        while Tc > BLOCK_ALIGN and rows_fit(Tc) < Tc:
+            Tc -= BLOCK_ALIGN
+        Tc = min(Tc, num_tokens)
+    Rb = int(max(1, min(whole, rows_fit(Tc) if num_tokens <= WIDE_BLOCK_TOKENS else Tc)))
+    if Rb > BLOCK_ALIGN:
+        Rb -= Rb % BLOCK_ALIGN
+    return ChunkPlan(int(Tc), Rb, topk + Rb, Rb)
+
+
+# A prefill on an accelerator runs in token chunks of at least 1 / ACCELERATOR_TOKEN_CHUNKS of its
+# tokens (``accelerator_plan``): 8 chunks score 56% of the dense pairs in 8 * 4.5 steps.
+ACCELERATOR_TOKEN_CHUNKS = 8
 
 
 def row_limits(positions, compress_ratio: int, rows: int):
@@ -554,6 +595,8 @@ def dot_rows(plan: ChunkPlan, heads: int) -> int:
     """Rows per product of a block: ``[Tc, Hi, rows]`` f32 within ``DOT_BYTES``, a multiple of
     ``BLOCK_ALIGN``; a block is scored in such pieces (those past every token's last valid
     row are skipped, so a causal chunk scores little more than its valid rows)."""
+    if plan.piece:
+        return plan.piece
     rows = _round_up(plan.rows, BLOCK_ALIGN)
     pieces = -(-4 * plan.tokens * max(heads, 1) * rows // DOT_BYTES)
     return _round_up(-(-rows // pieces), BLOCK_ALIGN)
@@ -689,8 +732,47 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
     R = keys.shape[0]
     if T == 0 or topk == 0 or R == 0:
         return (jnp.full((T, topk), -1, jnp.int32), jnp.full((T, topk), -jnp.inf, jnp.float32))
-    return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio,
-                             chunk_plan(T, Hi, R, topk) if plan is None else plan, _select_chunk)
+    operands = (q, weights, keys, key_scale, positions)
+    cpu_plan = chunk_plan(T, Hi, R, topk) if plan is None else plan
+    return jax.lax.platform_dependent(
+        *operands,
+        cpu=_run(topk, compress_ratio, cpu_plan, _select_chunk, _cpu_widens(q)),
+        default=_run(topk, compress_ratio, accelerator_plan(T, Hi, R, topk), _select_by_merging,
+                     False))
+
+
+def indexer_topk_by_merging(q, weights, keys, key_scale, positions, *, topk: int,
+                            compress_ratio: int, plan: ChunkPlan | None = None):
+    """The reference's form on GPU and TPU, on any platform (tests run it on CPU): operands and
+    results as ``indexer_topk_reference``; ``plan`` defaults to ``accelerator_plan``."""
+    T, Hi, _ = q.shape
+    R = keys.shape[0]
+    if T == 0 or topk == 0 or R == 0:
+        return (jnp.full((T, topk), -1, jnp.int32), jnp.full((T, topk), -jnp.inf, jnp.float32))
+    plan = accelerator_plan(T, Hi, R, topk) if plan is None else plan
+    return _run(topk, compress_ratio, plan, _select_by_merging, _cpu_widens(q))(
+        q, weights, keys, key_scale, positions)
+
+
+def _select_by_merging(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan,
+                       widen: bool):
+    """``_select_chunk``'s result by another route, for GPU and TPU: each block's keys are merged
+    with the running best ``topk`` by ``lax.top_k`` on the int32 order keys, which puts equal
+    values in index order (JAX's ``lax.top_k`` documentation); the running entries come first and
+    hold lower rows than the block's, so ties still go to the lower row. Few, large steps: no
+    buffers, cuts or data-dependent loops, each of which costs a device sync there."""
+    Tc = q.shape[0]
+    Rb = block_rows(plan, q.shape[1])
+
+    def step(b, state):
+        best, rows = state
+        pieces, los, _ = _block_keys(q, w, limit, keys, key_scale, b, Rb=Rb, Rd=Rb, widen=widen)
+        block_row = jnp.broadcast_to(los[0] + jnp.arange(Rb, dtype=jnp.int32), (Tc, Rb))
+        best, at = jax.lax.top_k(jnp.concatenate([best, pieces[0]], axis=1), topk)
+        return best, jnp.take_along_axis(jnp.concatenate([rows, block_row], axis=1), at, axis=1)
+
+    state = (jnp.full((Tc, topk), INVALID_KEY, jnp.int32), jnp.zeros((Tc, topk), jnp.int32))
+    return jax.lax.fori_loop(0, (jnp.max(limit) + Rb - 1) // Rb, step, state)
 
 
 def _max_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, widen: bool):
@@ -715,24 +797,23 @@ def streamed_scores_alone(q, weights, keys, key_scale, positions, *, topk: int,
     form and chunk lanes; each token keeps only its best key): what the selection adds to
     ``indexer_topk_reference`` is its time less this one's (``bench --cases indexer``)."""
     T, Hi, _ = q.shape
-    plan = chunk_plan(T, Hi, keys.shape[0], topk)
-    return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio, plan,
-                             _max_chunk)
-
-
-def _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio, plan, select):
-    widen = q.dtype != jnp.float32
-
-    def run(widen_products: bool):
-        def fn(q, weights, keys, key_scale, positions):
-            return _chunked(q, weights, keys, key_scale, positions, topk, compress_ratio, plan,
-                            widen_products, select)
-        return fn
-
-    cpu_widen = widen and _products_form() == "f32"
+    R = keys.shape[0]
     return jax.lax.platform_dependent(
-        q, weights, keys, key_scale, positions, cpu=run(cpu_widen), default=run(False)
-    )
+        q, weights, keys, key_scale, positions,
+        cpu=_run(topk, compress_ratio, chunk_plan(T, Hi, R, topk), _max_chunk, _cpu_widens(q)),
+        default=_run(topk, compress_ratio, accelerator_plan(T, Hi, R, topk), _max_chunk, False))
+
+
+def _cpu_widens(q) -> bool:
+    """Whether the CPU's products widen 16-bit operands to f32 (``cpu_products``)."""
+    return q.dtype != jnp.float32 and _products_form() == "f32"
+
+
+def _run(topk, compress_ratio, plan, select, widen: bool):
+    def fn(q, weights, keys, key_scale, positions):
+        return _chunked(q, weights, keys, key_scale, positions, topk, compress_ratio, plan,
+                        widen, select)
+    return fn
 
 
 def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen, select):
