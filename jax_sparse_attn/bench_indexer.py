@@ -48,12 +48,10 @@ DENSE_ACCELERATOR_MEMORY_FRACTION = 1 / 2
 def dense_budget_bytes() -> int:
     """Where the dense path runs: ``DENSE_BUDGET_BYTES`` on CPU (or an accelerator that does not
     report its memory), ``DENSE_ACCELERATOR_MEMORY_FRACTION`` of the device's memory elsewhere."""
-    device = jax.devices()[0]
-    if device.platform != "cpu":
-        limit = (device.memory_stats() or {}).get("bytes_limit")
-        if limit:
-            return int(limit * DENSE_ACCELERATOR_MEMORY_FRACTION)
-    return DENSE_BUDGET_BYTES
+    from .attention.reference import accelerator_memory_bytes
+
+    limit = accelerator_memory_bytes()
+    return DENSE_BUDGET_BYTES if limit is None else int(limit * DENSE_ACCELERATOR_MEMORY_FRACTION)
 # The GEMM baseline's FLOPs are capped (its rate is stable from n ~ 2000 on): the indexer cases
 # have up to 550 GFLOP and the GEMM would otherwise take as long as the op.
 GEMM_MAX_FLOPS = 2 * 3072**3

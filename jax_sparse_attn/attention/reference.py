@@ -90,21 +90,28 @@ def token_chunk_size(
     return int(max(1, min(num_tokens, budget // max(per_token, 1))))
 
 
+def accelerator_memory_bytes() -> int | None:
+    """The memory JAX may use on its first device (``memory_stats()["bytes_limit"]``) when that
+    device is an accelerator that reports it; None on CPU or where unknown."""
+    try:
+        device = jax.devices()[0]
+        if device.platform != "cpu":
+            return (device.memory_stats() or {}).get("bytes_limit") or None
+    except Exception:  # no backend, or no memory_stats
+        pass
+    return None
+
+
 def accelerator_chunk_bytes() -> int:
     """The working-set budget of one token chunk on GPU / TPU (bytes).
 
     ``ACCELERATOR_MEMORY_FRACTION`` of the first accelerator's memory when JAX has one attached and
     reports its size, else ``ACCELERATOR_CHUNK_BYTES_DEFAULT``. Read at trace time.
     """
-    try:
-        device = jax.devices()[0]
-        if device.platform != "cpu":
-            limit = (device.memory_stats() or {}).get("bytes_limit")
-            if limit:
-                return int(limit * ACCELERATOR_MEMORY_FRACTION)
-    except Exception:  # no backend, or no memory_stats: the documented default
-        pass
-    return ACCELERATOR_CHUNK_BYTES_DEFAULT
+    limit = accelerator_memory_bytes()
+    if limit is None:
+        return ACCELERATOR_CHUNK_BYTES_DEFAULT
+    return int(limit * ACCELERATOR_MEMORY_FRACTION)
 
 
 def per_platform(cpu_fn, accelerator_fn, *args):

@@ -725,7 +725,9 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
     Args:
       q: ``[T, Hi, Di]`` bf16, f16 or f32. weights: ``[T, Hi]`` f32 (scale folded in).
       keys: ``[R, Di]`` in q's dtype. key_scale: ``[R]`` f32. positions: ``[T]`` int32.
-      topk, compress_ratio: static ints. plan: chunk and block sizes (default ``chunk_plan``).
+      topk, compress_ratio: static ints. plan: chunk and block sizes on CPU (default
+        ``chunk_plan``); GPU and TPU take ``accelerator_plan``'s and merge
+        (``indexer_topk_by_merging``).
     Returns ``(idx [T, topk] int32, scores [T, topk] f32)``: -1 and -inf in empty slots.
     """
     T, Hi, Di = q.shape
