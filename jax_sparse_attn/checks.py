@@ -44,6 +44,19 @@ def as_array(name: str, x):
     return arr
 
 
+def host_rows_or_empty(idx: np.ndarray, rows: int) -> np.ndarray:
+    """Host indices of any integer dtype -> int32, with each one outside ``[0, rows)`` set to -1.
+
+    Decided at the index's own width, before JAX would narrow an int64 to int32 (which wraps
+    ``2**32 + 5`` into the valid row 5 when x64 is off); written without a -1 of the index's own
+    dtype, which NumPy 2.5 refuses for unsigned indices (OverflowError).
+    """
+    out = np.full(np.shape(idx), -1, np.int32)
+    valid = (idx >= 0) & (idx < rows)
+    out[valid] = idx[valid]
+    return out
+
+
 def check_rank(name: str, x, rank: int, layout: str) -> None:
     if np.ndim(x) != rank:
         raise ValueError(f"{name} must have rank {rank} ({layout}); got shape {shape_of(x)}")

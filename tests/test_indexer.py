@@ -47,6 +47,19 @@ def test_compress_ratio_validity(rng, ratio):
     assert (np.asarray(idx)[3, 1:] == -1).all()
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.int8])
+def test_positions_of_any_integer_dtype(rng, dtype):
+    # Unsigned positions have no -1 of their own dtype (NumPy 2.5 refuses one: OverflowError).
+    T, R, topk = 4, 300, 8
+    q, w, k = make(rng, T, 2, 8, R)
+    positions = np.array([0, 5, 100, 255] if dtype != np.int8 else [0, 5, 100, -1]).astype(dtype)
+    s, bound = scores_f64(q, w, k)
+    valid = valid_rows(positions.astype(np.int64), R)
+    for given in (positions, jnp.asarray(positions)):  # host and device arrays
+        idx, scores = indexer_topk(q, w, k, given, topk, return_scores=True)
+        check_selection(idx, scores, s, bound, valid, topk)
+
+
 def test_int64_positions_beyond_int32_are_not_wrapped(rng):
     q, w, k = make(rng, 2, 2, 8, 10)
     positions = np.array([2**32 + 1, -(2**32) + 3], np.int64)  # wrapped: 1 and 3

@@ -19,6 +19,7 @@ from ..checks import (
     check_rank,
     check_scale,
     dtype_of,
+    host_rows_or_empty,
     shape_of,
 )
 from ..constants import BIAS_FLOOR, FLT_MAX, MAX_ROWS
@@ -170,9 +171,7 @@ def _normalise_idx(idx, rows: int):
     if isinstance(idx, np.ndarray):
         # Concrete host indices: decide validity in numpy before JAX would canonicalise an int64
         # array to int32 (which wraps 2**32 + 5 into the valid row 5 when x64 is off).
-        idx = np.asarray(idx)
-        valid = (idx >= 0) & (idx < rows)
-        return jnp.asarray(np.where(valid, idx, -1).astype(np.int32))
+        return jnp.asarray(host_rows_or_empty(idx, rows))
     idx = jnp.asarray(idx)
     if idx.dtype.itemsize < 4:
         idx = idx.astype(jnp.int32)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..checks import check_integer
+from ..checks import check_integer, host_rows_or_empty
 from ..constants import MAX_ROWS
 
 
@@ -55,7 +55,7 @@ def paged_indices(idx, block_table, block_size: int) -> jax.Array:
     logical_rows = num_blocks * block_size
     if isinstance(idx, np.ndarray):
         # Host indices: decided at full width before JAX could narrow an int64 to int32.
-        idx = np.where((idx >= 0) & (idx < logical_rows), idx, -1).astype(np.int32)
+        idx = host_rows_or_empty(idx, logical_rows)
     idx = jnp.asarray(idx)
     if idx.dtype.itemsize < 4:
         idx = idx.astype(jnp.int32)

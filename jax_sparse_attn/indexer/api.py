@@ -61,11 +61,20 @@ def _static_int(name: str, value, minimum: int, maximum: Optional[int] = None) -
 def _normalise_positions(positions):
     """Any integer dtype -> int32; beyond int32 is clipped (a later position than any row, or
     -1), so a 64-bit position is never wrapped into a small one."""
+    # Bounds that a dtype cannot hold (-1 unsigned, 2**31 - 1 in 8 or 16 bits) are refused by
+    # NumPy 2 (OverflowError): unsigned positions are only capped, and only when they can exceed it.
     if isinstance(positions, np.ndarray):
-        return jnp.asarray(np.clip(positions, -1, _INT32.max).astype(np.int32))
+        if np.issubdtype(positions.dtype, np.unsignedinteger):
+            if positions.dtype.itemsize >= 4:
+                positions = np.minimum(positions, positions.dtype.type(_INT32.max))
+            return jnp.asarray(positions.astype(np.int32))
+        return jnp.asarray(np.clip(positions.astype(np.int64), -1, _INT32.max).astype(np.int32))
     positions = jnp.asarray(positions)
     if positions.dtype.itemsize > 4 or positions.dtype == jnp.uint32:
-        positions = jnp.clip(positions, -1, _INT32.max)
+        if jnp.issubdtype(positions.dtype, jnp.unsignedinteger):
+            positions = jnp.minimum(positions, _INT32.max)
+        else:
+            positions = jnp.clip(positions, -1, _INT32.max)
     return positions.astype(jnp.int32)
 
 
