@@ -3,7 +3,7 @@
 # machine with one CUDA GPU and JAX's CUDA plugin installed: the attention op against
 # jax.nn.dot_product_attention (`bench --sdpa`), the indexer against its dense path and an f32
 # GEMM (`bench --cases indexer`), the reference's two selection forms on the GPU
-# (benchmarks/indexer_forms.py), and the indexer's tests against their float64 oracle there.
+# (benchmarks/indexer_forms.py), and the behavioural tests (float64 oracles) on the GPU.
 # Usage: benchmarks/gpu_records.sh OUT_DIR   (from the repository's root; nothing is installed:
 # the package runs from the source tree)
 set -u
@@ -26,6 +26,11 @@ step gpu-indexer 150 python3 -m jax_sparse_attn.bench --cases indexer --repeats 
 step gpu-indexer-forms 120 python3 benchmarks/indexer_forms.py --json "$out/gpu-indexer-forms.json"
 step gpu-sdpa 150 python3 -m jax_sparse_attn.bench --sdpa --cases decode,prefill,mla --repeats 5 \
     --json "$out/gpu-sdpa.json"
-# One process (pytest-xdist's workers would each take JAX's share of the GPU's memory).
-step gpu-indexer-tests 120 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_indexer.py
+# The behavioural test files that hold on a GPU (the others check the CPU's programs, or compare
+# f32 results that XLA computes in TF32 there at tolerances set for the CPU), in 8 processes that
+# take the GPU's memory as they need it rather than each JAX's default share.
+step gpu-tests 240 env JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest \
+    -q -n 8 -p no:cacheprovider tests/test_indexer.py tests/test_indexer_reference.py \
+    tests/test_forward.py tests/test_nan_rules.py tests/test_fp8.py tests/test_lse.py \
+    tests/test_merge.py tests/test_paging.py tests/test_vmap.py
 exit $status

@@ -15,6 +15,11 @@ TESTS = Path(__file__).resolve().parent
 # how fast they run and f32's last bit can differ (measured up to 2.4e-7; FMA contraction,
 # inferred). The fresh-process memory checks, which run long shapes, compile at XLA's default
 # level (`xla_default_optimization`).
+# The suite checks the CPU's programs (its product forms, chunk budgets and loop structure) as
+# well as behaviour, so it runs on the CPU even where JAX has a GPU, unless JAX_PLATFORMS says
+# otherwise: `JAX_PLATFORMS=cuda,cpu` runs the behavioural files there (benchmarks/gpu_records.sh).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
