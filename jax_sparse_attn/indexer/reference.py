@@ -614,11 +614,18 @@ def _known_kth_bound(count, tau, k: int):
     return jnp.where(count >= k, tau, INVALID_KEY)
 
 
-def _block_keys(q, w, limit, keys, key_scale, b, *, Rb: int, Rd: int, widen: bool):
+def _block_keys(q, w, limit, keys, key_scale, b, *, Rb: int, Rd: int, widen: bool,
+                cond_pieces: bool = True):
     """Block ``b``'s order keys in pieces of ``Rd`` rows: ``(pieces [Tc, Rd] each, their first
     rows, whether each is live)``; rows not valid for a token (or before the block: the last
     block may overlap the one before it) are ``INVALID_KEY``. A piece past every token's last
-    valid row is not scored (``live`` is None where every piece is scored)."""
+    valid row is not scored (``live`` is None where every piece is scored).
+
+    ``cond_pieces``: each piece is scored in a ``cond`` on its liveness, even a block's only piece
+    (always live there). On CPU that keeps the keys' 16-bit-to-f32 conversion in the loop: for a
+    piece outside a ``cond`` XLA:CPU hoisted it out of the block loop as one f32 copy of the
+    whole cache (``test_no_f32_copy_of_the_key_cache_at_a_decode_step``). GPUs and TPUs pass
+    False: there each ``cond`` costs a device sync."""
     Tc = q.shape[0]
     R = keys.shape[0]
     last = jnp.max(limit)
@@ -634,7 +641,7 @@ def _block_keys(q, w, limit, keys, key_scale, b, *, Rb: int, Rd: int, widen: boo
         return jnp.where((rows < limit[:, None]) & (rows >= first), new, INVALID_KEY)
 
     los = [start + i for i in range(0, Rb, Rd)]
-    live = [None if Rd == Rb else lo < last for lo in los]
+    live = [None if Rd == Rb and not cond_pieces else lo < last for lo in los]
     pieces = [piece(lo) if on is None else jax.lax.cond(
         on, piece, lambda _: jnp.full((Tc, Rd), INVALID_KEY, jnp.int32), lo)
         for lo, on in zip(los, live)]
@@ -768,7 +775,8 @@ def _select_by_merging(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPl
 
     def step(b, state):
         best, rows = state
-        pieces, los, _ = _block_keys(q, w, limit, keys, key_scale, b, Rb=Rb, Rd=Rb, widen=widen)
+        pieces, los, _ = _block_keys(q, w, limit, keys, key_scale, b, Rb=Rb, Rd=Rb, widen=widen,
+                                     cond_pieces=False)
         block_row = jnp.broadcast_to(los[0] + jnp.arange(Rb, dtype=jnp.int32), (Tc, Rb))
         best, at = jax.lax.top_k(jnp.concatenate([best, pieces[0]], axis=1), topk)
         return best, jnp.take_along_axis(jnp.concatenate([rows, block_row], axis=1), at, axis=1)
