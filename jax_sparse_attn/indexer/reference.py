@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import cpu_products
-from ..attention.reference import accelerator_chunk_bytes, from_bits, to_bits
+from ..attention.reference import accelerator_chunk_bytes, from_bits, per_platform, to_bits
 
 # f32 products at full precision (GPUs would otherwise run f32 products in TF32).
 _EXACT = jax.lax.Precision.HIGHEST
@@ -740,14 +740,14 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
     T, Hi, Di = q.shape
     R = keys.shape[0]
     if T == 0 or topk == 0 or R == 0:
-        return (jnp.full((T, topk), -1, jnp.int32), jnp.full((T, topk), -jnp.inf, jnp.float32))
-    operands = (q, weights, keys, key_scale, positions)
-    cpu_plan = chunk_plan(T, Hi, R, topk) if plan is None else plan
-    return jax.lax.platform_dependent(
-        *operands,
-        cpu=_run(topk, compress_ratio, cpu_plan, _select_chunk, _cpu_widens(q)),
-        default=_run(topk, compress_ratio, accelerator_plan(T, Hi, R, topk), _select_by_merging,
-                     False))
+        return _nothing_selected(T, topk)
+    return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio,
+                             chunk_plan(T, Hi, R, topk) if plan is None else plan, _select_chunk,
+                             _select_by_merging)
+
+
+def _nothing_selected(T: int, topk: int):
+    return jnp.full((T, topk), -1, jnp.int32), jnp.full((T, topk), -jnp.inf, jnp.float32)
 
 
 def indexer_topk_by_merging(q, weights, keys, key_scale, positions, *, topk: int,
@@ -757,7 +757,7 @@ def indexer_topk_by_merging(q, weights, keys, key_scale, positions, *, topk: int
     T, Hi, _ = q.shape
     R = keys.shape[0]
     if T == 0 or topk == 0 or R == 0:
-        return (jnp.full((T, topk), -1, jnp.int32), jnp.full((T, topk), -jnp.inf, jnp.float32))
+        return _nothing_selected(T, topk)
     plan = accelerator_plan(T, Hi, R, topk) if plan is None else plan
     return _run(topk, compress_ratio, plan, _select_by_merging, _cpu_widens(q))(
         q, weights, keys, key_scale, positions)
@@ -807,11 +807,19 @@ def streamed_scores_alone(q, weights, keys, key_scale, positions, *, topk: int,
     form and chunk lanes; each token keeps only its best key): what the selection adds to
     ``indexer_topk_reference`` is its time less this one's (``bench --cases indexer``)."""
     T, Hi, _ = q.shape
-    R = keys.shape[0]
-    return jax.lax.platform_dependent(
-        q, weights, keys, key_scale, positions,
-        cpu=_run(topk, compress_ratio, chunk_plan(T, Hi, R, topk), _max_chunk, _cpu_widens(q)),
-        default=_run(topk, compress_ratio, accelerator_plan(T, Hi, R, topk), _max_chunk, False))
+    return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio,
+                             chunk_plan(T, Hi, keys.shape[0], topk), _max_chunk, _max_chunk)
+
+
+def _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio, cpu_plan,
+                      cpu_select, accelerator_select):
+    """``cpu_select`` over ``cpu_plan``'s chunks in a program lowered for the CPU (in the CPU's
+    product form), ``accelerator_select`` over ``accelerator_plan``'s on every other platform."""
+    T, Hi, _ = q.shape
+    accelerator = accelerator_plan(T, Hi, keys.shape[0], topk)
+    return per_platform(_run(topk, compress_ratio, cpu_plan, cpu_select, _cpu_widens(q)),
+                        _run(topk, compress_ratio, accelerator, accelerator_select, False),
+                        q, weights, keys, key_scale, positions)
 
 
 def _cpu_widens(q) -> bool:
