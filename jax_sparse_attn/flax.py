@@ -125,6 +125,13 @@ def _to_storage(rows, stored_dtype):
     return rows.astype(stored_dtype)
 
 
+def _put(stored, values, at):
+    """``stored [B, R, ...]`` with ``values [B, n, ...]`` written at rows ``at [B, n]``. Rows past
+    the capacity are dropped (a clamped dynamic_update_slice would overwrite the last row)."""
+    batch = jnp.arange(stored.shape[0])[:, None]
+    return stored.at[batch, at].set(_to_storage(values, stored.dtype), mode="drop")
+
+
 def _values(stored):
     """The float rows of a cache array (a uint16 array holds bf16 bit patterns)."""
     if stored is None or stored.dtype != jnp.uint16:
@@ -231,16 +238,24 @@ def _pad_slots(idx, width: int):
 
 class _Prepared(NamedTuple):
     """What one call works on (batched): the queries, the selectable rows and their indexer keys,
-    the raw rows (the window's), the indexer's queries and weights, the positions, the new cache."""
+    the raw rows (the window's), the indexer's queries and weights, the positions, the new cache.
+
+    With a cache, ``keys`` are the cache's index keys as the call found them (as stored: bf16 as
+    uint16 bits) and ``fresh`` the keys of the rows the call writes (rows ``first + j``, stored
+    at ``fresh_at``, out-of-range entries dropped); ``cache`` holds everything new but the index
+    keys, which are written after the selection (``_keys_written``)."""
 
     q: jax.Array  # [B, T, H, D]
     rows: jax.Array  # [B, R, D], float: the rows the selection points into
-    keys: jax.Array  # [B, R, Di], float: their indexer keys
+    keys: jax.Array  # [B, R, Di]: their indexer keys (see above)
     raw: jax.Array  # [B, N, D] float: the tokens' own rows, which the window points into
     iq: jax.Array  # [B, T, Hi, Di]
     iw: jax.Array  # [B, T, Hi]
     positions: jax.Array  # [B, T] int32
     cache: Optional[SparseAttentionCache]
+    fresh: Optional[jax.Array] = None  # [B, n, Di] float, rounded to the cache's dtype
+    first: Optional[jax.Array] = None  # [B] int32: the row of fresh[:, 0]
+    fresh_at: Optional[jax.Array] = None  # [B, n] int32: where fresh is written
 
 
 class SparseAttention(nnx.Module):
@@ -437,7 +452,7 @@ class SparseAttention(nnx.Module):
         p = self._prepare(x, cache)
         block = PREFILL_BLOCK_TOKENS
         if T <= block:
-            o = self._select_and_attend(p, p.q, p.iq, p.iw, p.positions)
+            o, least = self._select_and_attend(p, p.q, p.iq, p.iw, p.positions)
         else:
             # Token blocks, one after the other: the selection [B, block, topk] and the attention's
             # working set exist for one block at a time (padding tokens: position -1, no rows).
@@ -451,16 +466,29 @@ class SparseAttention(nnx.Module):
             def one(args):
                 return self._select_and_attend(p, *args)
 
-            o = jax.lax.map(one, (blocks(p.q), blocks(p.iq), blocks(p.iw),
-                                  blocks(p.positions, -1)))
+            o, least = jax.lax.map(one, (blocks(p.q), blocks(p.iq), blocks(p.iw),
+                                         blocks(p.positions, -1)))
             o = jnp.moveaxis(o, 0, 1).reshape(B, n * block, self.num_heads, self.head_dim)[:, :T]
         y = self.out(o.reshape(B, T, self.num_heads * self.head_dim))
-        return y if cache is None else (y, p.cache)
+        return y if cache is None else (y, self._keys_written(p, jnp.min(least)))
+
+    def _keys_written(self, p: _Prepared, least) -> SparseAttentionCache:
+        """The new cache: ``p.cache`` with the call's index keys written. ``least`` (the
+        selection's least index, never below -1) feeds the write, so that XLA:CPU orders it
+        after the selection has read the old keys in place; unordered, it kept a copy of the
+        donated key cache for each (2 x 128 MiB per step at 1M rows, Hi = 4, Di = 64).
+        ``test_a_decode_step_never_copies_the_index_key_cache``."""
+        fresh = jnp.where(least < -1, jnp.zeros_like(p.fresh), p.fresh)
+        return p.cache._replace(index_keys=_put(p.keys, fresh, p.fresh_at))
 
     def _select_and_attend(self, p: _Prepared, q, iq, iw, positions):
         """Selection and attention of a block of tokens (``q [B, t, H, D]``, ``iq``, ``iw``,
-        ``positions [B, t]``) over the prepared rows -> ``o [B, t, H, D]``."""
-        idx = self._select(iq, iw, p.keys, positions)
+        ``positions [B, t]``) over the prepared rows -> ``(o [B, t, H, D], least)``, ``least``
+        the least selected index (-1 if any slot is empty), for ``_keys_written``."""
+        idx = self._selection(p, iq, iw, positions)
+        return self._attend(p, q, idx, positions), jnp.min(idx, initial=0)
+
+    def _attend(self, p: _Prepared, q, idx, positions):
         sink = self.sink[...]
         impl, scale = self.implementation, self.scale
         if self.window is None:
@@ -494,7 +522,43 @@ class SparseAttention(nnx.Module):
         """
         self._check_input(x, cache)
         p = self._prepare(x, cache)
-        return self._select(p.iq, p.iw, p.keys, p.positions)
+        return self._selection(p, p.iq, p.iw, p.positions)
+
+    def _selection(self, p: _Prepared, iq, iw, positions):
+        """The top-k rows ``[B, t, topk]`` of a block of the call's tokens."""
+        if p.fresh is None:
+            return self._select(iq, iw, p.keys, positions)
+        if self.selection == "dense":  # short sequences: the whole written cache, as floats
+            return self._select(iq, iw, _values(_put(p.keys, p.fresh, p.fresh_at)), positions)
+        return self._select_over_cache(iq, iw, p, positions)
+
+    def _select_over_cache(self, iq, iw, p: _Prepared, positions):
+        """The streaming selection of tokens that a call writes into a cache: among the rows
+        before the call's, read from the cache as stored (in place: no float copy of the cache),
+        and among the rows the call writes (``p.fresh``), each apart; then the two lists merged,
+        the earlier rows first, so that ties still go to the lower row (docs/indexer.md,
+        "Merging selections")."""
+        from . import indexer_topk
+        from .indexer.sharding import merge_candidates
+
+        c, k, impl = self.compress_ratio, self.topk, self.implementation
+        R, n = p.keys.shape[1], p.fresh.shape[1]
+        bits = p.keys.dtype == jnp.uint16
+
+        def one(q_b, w_b, old_b, fresh_b, pos_b, first_b):
+            # Rows before `first` are valid up to a position of first * c - 1; fresh row j
+            # (row first + j) at a position of p - first * c, within the cache's R rows.
+            before = jnp.where(pos_b < 0, -1, jnp.minimum(pos_b, first_b * c - 1))
+            own = jnp.where(pos_b < 0, -1, jnp.minimum(pos_b - first_b * c, (R - first_b) * c - 1))
+            i0, s0 = indexer_topk(q_b, w_b, old_b, before, k, compress_ratio=c, return_scores=True,
+                                  implementation=impl, keys_as_bits=bits)
+            i1, s1 = indexer_topk(q_b, w_b, fresh_b, own, min(k, n), compress_ratio=c,
+                                  return_scores=True, implementation=impl)
+            i1 = jnp.where(i1 >= 0, i1 + first_b, -1)
+            return merge_candidates(jnp.concatenate([i0, i1], 1), jnp.concatenate([s0, s1], 1),
+                                    k)[0]
+
+        return jax.vmap(one)(iq, iw, p.keys, p.fresh, positions, p.first)
 
     def _select(self, iq, iw, keys, positions, return_scores=False):
         """The top-k rows ``[B, T, topk]`` (and their f32 scores, differentiable with respect to
@@ -528,31 +592,26 @@ class SparseAttention(nnx.Module):
                 sel_rows, sel_keys = rows, ik
             else:
                 sel_rows, sel_keys = _pool_blocks(rows, c), _pool_blocks(ik, c)
-            new_cache = None
-        else:
-            positions = cache.length[:, None] + offsets
-            sel_rows, sel_keys, raw, new_cache = self._write(cache, rows, ik, positions)
-        return _Prepared(q, sel_rows, sel_keys, raw, iq, iw, positions, new_cache)
+            return _Prepared(q, sel_rows, sel_keys, raw, iq, iw, positions, None)
+        positions = cache.length[:, None] + offsets
+        return self._write(cache, q, rows, iq, ik, iw, positions)
 
-    def _write(self, cache, rows, ik, positions):
-        """Writes the new tokens into the cache. Returns the selectable rows and keys and the raw
-        rows (float views of the new cache) and the new cache."""
+    def _write(self, cache, q, rows, iq, ik, iw, positions) -> _Prepared:
+        """Writes the new tokens' rows into the cache (their index keys: ``_keys_written``)."""
         B, T = positions.shape
         c = self.compress_ratio
-        batch = jnp.arange(B)[:, None]
 
-        def put(stored, values, at):
-            # mode="drop": tokens beyond the capacity are not stored instead of overwriting the
-            # last row (what a clamped dynamic_update_slice would do).
-            return stored.at[batch, at].set(_to_storage(values, stored.dtype), mode="drop")
+        def stored(values, like):  # the values as the cache will hold them
+            return _values(_to_storage(values, like.dtype))
 
         if c == 1:
-            kv = put(cache.kv, rows, positions)
-            keys = put(cache.index_keys, ik, positions)
-            new = SparseAttentionCache(kv, keys, cache.length + T)
-            return _values(kv), _values(keys), _values(kv), new
-        raw_kv = put(cache.raw_kv, rows, positions)
-        raw_keys = put(cache.raw_index_keys, ik, positions)
+            kv = _put(cache.kv, rows, positions)
+            new = SparseAttentionCache(kv, cache.index_keys, cache.length + T)
+            return _Prepared(q, _values(kv), cache.index_keys, _values(kv), iq, iw, positions, new,
+                             stored(ik, cache.index_keys), cache.length, positions)
+        raw_kv = _put(cache.raw_kv, rows, positions)
+        raw_keys = _put(cache.raw_index_keys, ik, positions)
+        batch = jnp.arange(B)[:, None]
         # The blocks that the call's tokens complete (at most T // c + 1), pooled from the raw rows.
         first = cache.length // c
         blocks = first[:, None] + jnp.arange(T // c + 1, dtype=jnp.int32)[None, :]  # [B, nb]
@@ -565,10 +624,10 @@ class SparseAttention(nnx.Module):
             got = _values(stored_raw.at[batch[..., None], members].get(mode="fill", fill_value=0))
             return (got.astype(jnp.float32).sum(2) / c).astype(dtype)
 
-        kv = put(cache.kv, pooled(raw_kv, rows.dtype), target)
-        keys = put(cache.index_keys, pooled(raw_keys, ik.dtype), target)
-        new = SparseAttentionCache(kv, keys, cache.length + T, raw_kv, raw_keys)
-        return _values(kv), _values(keys), _values(raw_kv), new
+        kv = _put(cache.kv, pooled(raw_kv, rows.dtype), target)
+        new = SparseAttentionCache(kv, cache.index_keys, cache.length + T, raw_kv, raw_keys)
+        return _Prepared(q, _values(kv), cache.index_keys, _values(raw_kv), iq, iw, positions, new,
+                         stored(pooled(raw_keys, ik.dtype), cache.index_keys), first, target)
 
     def indexer_loss(self, x: jax.Array, *, sparse: bool = False) -> tuple[jax.Array, jax.Array]:
         """Distillation loss that trains the indexer to pick the rows the attention uses.

@@ -136,6 +136,31 @@ def test_bit_identical_across_runs_and_under_jit(rng):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_keys_as_bits_are_the_bf16_keys(rng, q_dtype):
+    # A cache stored as bf16 bit patterns (the Flax layer's) selects as its bf16 values do, the
+    # scores bit for bit, jitted or not, with gradients of the scores with respect to q.
+    T, Hi, Di, R, topk = 9, 4, 32, 700, 24
+    q, w, k = make(rng, T, Hi, Di, R)
+    q = q.astype(q_dtype)
+    k = k.at[R - 3:].set(jnp.nan)  # garbage past every token's rows
+    bits = jax.lax.bitcast_convert_type(k, jnp.uint16)
+    positions = rng.integers(-1, R - 3, T)
+    idx, scores = jax.jit(lambda *a: indexer_topk(*a, topk, return_scores=True, keys_as_bits=True))(
+        q, w, bits, positions)
+    s, bound = scores_f64(q, w, k)
+    check_selection(idx, scores, s, bound, valid_rows(positions, R), topk)
+    want = indexer_topk(q, w, k, positions, topk, return_scores=True)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(want[1]))
+    if q_dtype == jnp.float32:
+        grad = jax.grad(lambda q_: indexer_topk(q_, w, bits, positions, topk, return_scores=True,
+                                                keys_as_bits=True)[1].sum())(q)
+        want_grad = jax.grad(lambda q_: indexer_topk(q_, w, k, positions, topk,
+                                                     return_scores=True)[1].sum())(q)
+        np.testing.assert_array_equal(np.asarray(grad), np.asarray(want_grad))
+
+
 def test_empty_shapes(rng):
     q, w, k = make(rng, 4, 2, 8, 16)
     assert indexer_topk(q, w, k, [1, 2, 3, 4], 0).shape == (4, 0)
@@ -248,6 +273,13 @@ def test_jvp_of_scores_against_float64(rng):
     (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, scale="big"), TypeError, "scale must be a real"),
     (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, implementation="gpu"), ValueError, "implementation"),
     (lambda q, w, k: indexer_topk(q, w, "keys", [0, 1], 4), TypeError, "keys"),
+    (lambda q, w, k: indexer_topk(q, w, jax.lax.bitcast_convert_type(k, jnp.uint16), [0, 1], 4),
+     TypeError, "keys must be a floating.*keys_as_bits=True"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, keys_as_bits=True), TypeError,
+     "keys_as_bits=True takes keys as uint16"),
+    (lambda q, w, k: indexer_topk(q.astype(jnp.float16), w, jax.lax.bitcast_convert_type(
+        k, jnp.uint16), [0, 1], 4, keys_as_bits=True), TypeError, "share a 16-bit dtype"),
+    (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, keys_as_bits=1), TypeError, "keys_as_bits"),
 ])
 def test_bad_arguments_name_the_argument(rng, call, err, match):
     q, w, k = make(rng, 2, 2, 8, 10)

@@ -14,6 +14,7 @@ from ..checks import (as_array, check_implementation, check_integer, check_rank,
                       dtype_of, shape_of)
 from ..constants import MAX_ROWS
 from . import primitive
+from . import reference
 from .reference import MAX_TOPK
 
 ArrayLike = jax.typing.ArrayLike
@@ -90,6 +91,7 @@ def indexer_topk(
     key_scale: Optional[ArrayLike] = None,
     return_scores: bool = False,
     implementation: Optional[str] = None,
+    keys_as_bits: bool = False,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """Each token's top-k cache rows by the lightning-indexer score, exact and in bounded memory.
 
@@ -119,6 +121,9 @@ def indexer_topk(
       return_scores: also return the scores of the selected rows.
       implementation: as for the attention op: None (the NKI kernel on Neuron, the jnp reference
         elsewhere), ``"reference"``, ``"nki"``, ``"nki_emulated"``.
+      keys_as_bits: ``keys`` is ``uint16``, the bit patterns of bf16 keys (a cache stored as bits,
+        as :mod:`jax_sparse_attn.flax` stores bf16). The reference reads them in place, block by
+        block; a bf16 view of the whole cache would be a copy of it in every call.
 
     Returns:
       ``idx [T, topk]`` int32, or ``(idx, scores [T, topk] f32)`` with ``-inf`` at the ``-1``
@@ -127,13 +132,13 @@ def indexer_topk(
     """
     operands, params = primitive_operands(q, weights, keys, positions, topk, scale=scale,
                                           compress_ratio=compress_ratio, key_scale=key_scale,
-                                          implementation=implementation)
+                                          implementation=implementation, keys_as_bits=keys_as_bits)
     idx, scores = primitive.indexer_topk_p.bind(*operands, **params)
     return (idx, scores) if return_scores else idx
 
 
 def primitive_operands(q, weights, keys, positions, topk, *, scale=None, compress_ratio=1,
-                       key_scale=None, implementation=None):
+                       key_scale=None, implementation=None, keys_as_bits=False):
     """``indexer_topk``'s checks and operand preparation: ``(operands, params)`` of
     ``indexer_topk_p`` (q and keys in the compute dtype, weights f32 with the scale folded in,
     key_scale ``[R]`` f32, positions ``[T]`` int32), also for code that runs the primitive's
@@ -153,7 +158,17 @@ def primitive_operands(q, weights, keys, positions, topk, *, scale=None, compres
     check_rank("weights", weights, 2, "[T, Hi]")
     _check_float_or_fp8("weights", weights)
     check_rank("keys", keys, 2, "[R, Di]")
-    _check_float_or_fp8("keys", keys)
+    if not isinstance(keys_as_bits, bool):
+        raise TypeError(f"keys_as_bits must be a bool; got {type(keys_as_bits).__name__}")
+    if keys_as_bits:
+        if dtype_of(keys) != jnp.uint16:
+            raise TypeError(f"keys_as_bits=True takes keys as uint16 (bf16 bit patterns); got "
+                            f"keys of dtype {dtype_of(keys)}")
+    elif dtype_of(keys) == jnp.uint16:
+        raise TypeError("keys must be a floating dtype (bf16, f16, f32 or float8_e4m3fn); got "
+                        "uint16 (bit patterns of bf16 keys need keys_as_bits=True)")
+    else:
+        _check_float_or_fp8("keys", keys)
     check_rank("positions", positions, 1, "[T]")
     check_integer("positions", positions)
     T, Hi, Di = shape_of(q)
@@ -182,8 +197,11 @@ def primitive_operands(q, weights, keys, positions, topk, *, scale=None, compres
             raise ValueError(f"key_scale must have shape [R] = ({R},) to match keys "
                              f"{shape_of(keys)}; got {shape_of(key_scale)}")
         key_scale = jax.lax.stop_gradient(jnp.asarray(key_scale, jnp.float32))
-    dtype = _compute_dtype(dtype_of(q), dtype_of(keys))
+    dtype = _compute_dtype(dtype_of(q), jnp.bfloat16 if keys_as_bits else dtype_of(keys))
     scale = check_scale(scale, (Hi * Di) ** -0.5)
+    keys = jnp.asarray(keys)
+    if not (keys_as_bits and dtype == jnp.bfloat16):  # bf16 bits go in as they are
+        keys = reference.key_rows(keys).astype(dtype)
     operands = (jnp.asarray(q).astype(dtype), jnp.asarray(weights, jnp.float32) * scale,
-                jnp.asarray(keys).astype(dtype), key_scale, _normalise_positions(positions))
+                keys, key_scale, _normalise_positions(positions))
     return operands, dict(topk=topk, compress_ratio=compress_ratio, implementation=implementation)

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import decode_kernel as _decode
 from . import kernel as _kernel
+from .reference import key_rows
 
 # Row numbers travel through the kernel as fp32 (its row ids and the n_valid bound): exact below
 # 2**24 rows.
@@ -314,7 +315,7 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
     Args:
       q: ``[T, Hi, Di]`` bf16, f16 or f32 (the kernel's matmul dtype; ``Hi <= 128``).
       weights: ``[T, Hi]`` f32, already multiplied by the scale.
-      keys: ``[R, Di]`` in q's dtype.
+      keys: ``[R, Di]`` in q's dtype (bf16 also as ``uint16`` bit patterns).
       key_scale: ``[R]`` f32 or None.
       positions: ``[T]`` int32.
       topk: static int >= 0; compress_ratio: static int >= 1.
@@ -330,6 +331,7 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
 
     T, Hi, Di = q.shape
     R = keys.shape[0]
+    keys = key_rows(keys)  # the kernel reads bf16 keys (a view of bit patterns is a copy)
     if not isinstance(topk, (int, np.integer)) or topk < 0:
         raise ValueError(f"topk must be a static int >= 0, got {topk!r}")
     if not isinstance(compress_ratio, (int, np.integer)) or compress_ratio < 1:

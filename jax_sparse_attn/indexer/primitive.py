@@ -3,7 +3,8 @@
 Operands, already normalised by :mod:`jax_sparse_attn.indexer.api` (``docs/indexer.md``)::
 
     q [T, Hi, Di] (bf16, f16 or f32), weights [T, Hi] f32 (the scale folded in),
-    keys [R, Di] in q's dtype, key_scale [R] f32, positions [T] int32
+    keys [R, Di] in q's dtype (bf16 also as uint16 bit patterns), key_scale [R] f32,
+    positions [T] int32
 
 Static parameters: ``topk``, ``compress_ratio``, ``implementation``. Two results, always:
 ``idx [T, topk]`` int32 (-1 for an empty slot) and ``scores [T, topk]`` f32 (-inf there).
@@ -129,7 +130,7 @@ def selected_scores(q, weights, keys, key_scale, idx):
     rows = jnp.where(valid, idx, 0)
 
     def one(q_t, w_t, rows_t, valid_t):
-        x = keys[rows_t].astype(jnp.float32)  # [K, Di]
+        x = reference.key_rows(keys[rows_t]).astype(jnp.float32)  # [K, Di]
         d = jnp.einsum("hd,kd->hk", q_t.astype(jnp.float32), x, precision=reference._EXACT)
         s = jnp.einsum("hk,h->k", jax.nn.relu(d), w_t, precision=reference._EXACT)
         return jnp.where(valid_t, s * key_scale[rows_t], 0.0)

@@ -43,6 +43,12 @@ not depend on the chunk or block sizes, so the result is bit-identical across th
 ones a score may move by its last bits between them (docs/indexer.md, "Determinism";
 ``tests/test_indexer_reference.py``).
 
+bf16 keys may come as their raw bit patterns (``uint16``: a cache stored as bits, as
+``jax_sparse_attn.flax`` stores bf16): each block's slice is read back as bf16 inside the loop
+(``key_rows``), so the cache itself enters the loop as it is stored. A float view of the
+whole cache would be a new buffer, one copy of the cache per call (XLA:CPU gives every loop
+operand a buffer of its own).
+
 Memory beyond the inputs and outputs: one chunk's working set, ``O(Tc (Hi Rd + topk + Rb))``
 with ``Rd`` the rows of a piece (``chunk_plan``, ``dot_rows``).
 
@@ -587,6 +593,12 @@ def block_scores(q, w, keys, key_scale, widen: bool):
     return h * key_scale[None, :]
 
 
+def key_rows(keys):
+    """Rows of the keys operand as floats: the keys themselves, or the bf16 values of ``uint16``
+    bit patterns (read per block, never the whole cache at once)."""
+    return from_bits(keys, jnp.bfloat16) if keys.dtype == jnp.uint16 else keys
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-max(n, 1) // m) * m
 
@@ -635,7 +647,7 @@ def _block_keys(q, w, limit, keys, key_scale, b, *, Rb: int, Rd: int, widen: boo
 
     def piece(lo):
         rows = lo + piece_row
-        kb = jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0)
+        kb = key_rows(jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0))
         sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
         new = order_keys(block_scores(q, w, kb, sb, widen))
         return jnp.where((rows < limit[:, None]) & (rows >= first), new, INVALID_KEY)
@@ -731,7 +743,8 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
 
     Args:
       q: ``[T, Hi, Di]`` bf16, f16 or f32. weights: ``[T, Hi]`` f32 (scale folded in).
-      keys: ``[R, Di]`` in q's dtype. key_scale: ``[R]`` f32. positions: ``[T]`` int32.
+      keys: ``[R, Di]`` in q's dtype (bf16 also as ``uint16`` bit patterns). key_scale: ``[R]``
+        f32. positions: ``[T]`` int32.
       topk, compress_ratio: static ints. plan: chunk and block sizes on CPU (default
         ``chunk_plan``); GPU and TPU take ``accelerator_plan``'s and merge
         (``indexer_topk_by_merging``).
