@@ -111,6 +111,12 @@ SPARSE_LOSS_CHUNK_TOKENS = 64
 # attention's working set exist for one block at a time (256 MiB of int32 indices at topk = 2048
 # for 32k tokens would otherwise grow with T).
 PREFILL_BLOCK_TOKENS = 8192
+# A call of at most this many tokens into a cache (a decode step) selects among the cache's rows as
+# stored and among its own rows apart, then merges the two (a sort of T * (topk + T) entries), so
+# that the key cache is read and updated in place. A longer call writes its index keys first and
+# selects over the written cache: a bf16 view of it, one copy of the key cache per call, small
+# beside a prefill's work (the merge took a 16k-token prefill from 11 to 20 s).
+SPLIT_SELECTION_MAX_TOKENS = 64
 
 
 def _storage_dtype(dtype):
@@ -236,14 +242,24 @@ def _pad_slots(idx, width: int):
     return jnp.concatenate([idx, jnp.full(idx.shape[:-1] + (missing,), -1, idx.dtype)], axis=-1)
 
 
+def _written_first(p: "_Prepared") -> "_Prepared":
+    """``p`` with its index keys written into the cache now: the selection reads the whole
+    written cache as floats (see ``SPLIT_SELECTION_MAX_TOKENS``)."""
+    keys = _put(p.keys, p.fresh, p.fresh_at)
+    return p._replace(keys=_values(keys), cache=p.cache._replace(index_keys=keys), fresh=None,
+                      first=None, fresh_at=None)
+
+
 class _Prepared(NamedTuple):
     """What one call works on (batched): the queries, the selectable rows and their indexer keys,
     the raw rows (the window's), the indexer's queries and weights, the positions, the new cache.
 
-    With a cache, ``keys`` are the cache's index keys as the call found them (as stored: bf16 as
-    uint16 bits) and ``fresh`` the keys of the rows the call writes (rows ``first + j``, stored
-    at ``fresh_at``, out-of-range entries dropped); ``cache`` holds everything new but the index
-    keys, which are written after the selection (``_keys_written``)."""
+    With a cache and at most ``SPLIT_SELECTION_MAX_TOKENS`` tokens, ``keys`` are the cache's index
+    keys as the call found them (as stored: bf16 as uint16 bits) and ``fresh`` the keys of the
+    rows the call writes (rows ``first + j``, stored at ``fresh_at``, out-of-range entries
+    dropped); ``cache`` holds everything new but the index keys, which are written after the
+    selection (``_keys_written``). Otherwise ``fresh`` is None and ``keys`` are floats: the
+    call's own, or the whole written cache's."""
 
     q: jax.Array  # [B, T, H, D]
     rows: jax.Array  # [B, R, D], float: the rows the selection points into
@@ -478,6 +494,8 @@ class SparseAttention(nnx.Module):
         after the selection has read the old keys in place; unordered, it kept a copy of the
         donated key cache for each (2 x 128 MiB per step at 1M rows, Hi = 4, Di = 64).
         ``test_a_decode_step_never_copies_the_index_key_cache``."""
+        if p.fresh is None:  # written before the selection (_written_first), or no cache
+            return p.cache
         fresh = jnp.where(least < -1, jnp.zeros_like(p.fresh), p.fresh)
         return p.cache._replace(index_keys=_put(p.keys, fresh, p.fresh_at))
 
@@ -607,8 +625,9 @@ class SparseAttention(nnx.Module):
         if c == 1:
             kv = _put(cache.kv, rows, positions)
             new = SparseAttentionCache(kv, cache.index_keys, cache.length + T)
-            return _Prepared(q, _values(kv), cache.index_keys, _values(kv), iq, iw, positions, new,
-                             stored(ik, cache.index_keys), cache.length, positions)
+            p = _Prepared(q, _values(kv), cache.index_keys, _values(kv), iq, iw, positions, new,
+                          stored(ik, cache.index_keys), cache.length, positions)
+            return p if T <= SPLIT_SELECTION_MAX_TOKENS else _written_first(p)
         raw_kv = _put(cache.raw_kv, rows, positions)
         raw_keys = _put(cache.raw_index_keys, ik, positions)
         batch = jnp.arange(B)[:, None]
@@ -626,8 +645,9 @@ class SparseAttention(nnx.Module):
 
         kv = _put(cache.kv, pooled(raw_kv, rows.dtype), target)
         new = SparseAttentionCache(kv, cache.index_keys, cache.length + T, raw_kv, raw_keys)
-        return _Prepared(q, _values(kv), cache.index_keys, _values(raw_kv), iq, iw, positions, new,
-                         stored(pooled(raw_keys, ik.dtype), cache.index_keys), first, target)
+        p = _Prepared(q, _values(kv), cache.index_keys, _values(raw_kv), iq, iw, positions, new,
+                      stored(pooled(raw_keys, ik.dtype), cache.index_keys), first, target)
+        return p if T <= SPLIT_SELECTION_MAX_TOKENS else _written_first(p)
 
     def indexer_loss(self, x: jax.Array, *, sparse: bool = False) -> tuple[jax.Array, jax.Array]:
         """Distillation loss that trains the indexer to pick the rows the attention uses.

@@ -14,6 +14,7 @@ nnx = pytest.importorskip("flax.nnx")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import jax_sparse_attn.flax as flax_layer  # noqa: E402
 from jax_sparse_attn.flax import (  # noqa: E402
     SparseAttention,
     SparseAttentionCache,
@@ -465,9 +466,11 @@ def test_bf16_cache_is_stored_as_bits_and_decodes_like_the_full_sequence():
 
 
 @pytest.mark.parametrize("ratio, window", [(1, None), pytest.param(2, 2, marks=pytest.mark.slow)])
-def test_streaming_decode_over_a_bf16_cache_matches_the_full_sequence(ratio, window):
-    # A cached call selects among the cache's rows as stored (bits) and its own rows apart, then
-    # merges: the same rows and outputs as the whole sequence at once.
+def test_streaming_decode_over_a_bf16_cache_matches_the_full_sequence(ratio, window, monkeypatch):
+    # A decode step selects among the cache's rows as stored (bits) and its own rows apart, then
+    # merges; the 3-token prefill (above the limit set here) writes its keys first and selects
+    # over the written cache. Both: the same rows and outputs as the whole sequence at once.
+    monkeypatch.setattr(flax_layer, "SPLIT_SELECTION_MAX_TOKENS", 2)
     B, T, K = 2, 9, 3
     layer = make_layer(topk=K, seed=25, dtype=jnp.bfloat16, sink=SINK, selection=STREAMING,
                        compress_ratio=ratio, window=window)
