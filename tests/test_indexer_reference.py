@@ -366,6 +366,34 @@ def test_merging_form_breaks_exact_ties_by_row_across_blocks(rng):
         np.testing.assert_array_equal(np.asarray(idx), want)
 
 
+def test_candidate_lists_merge_alike_by_top_k_and_by_sorting(rng):
+    # The merge of selections over disjoint row ranges (row-sharded caches, the Flax layer's
+    # decode step): GPUs and TPUs take lax.top_k, CPUs the sort. Scores of three values (ties
+    # within and across the lists), NaN, -inf and empty slots; the lists in row order.
+    from jax_sparse_attn.indexer import sharding
+
+    T, n, topk = 7, 40, 24
+    values = np.array([0.5, -1.0, 2.0, np.nan, -np.inf], np.float32)
+    scores = values[rng.integers(0, 5, (T, 2 * n))]
+    rows = np.concatenate([np.sort(rng.choice(100, (T, n)), 1),  # rows 0..99, then 100..199
+                           100 + np.sort(rng.choice(100, (T, n)), 1)], 1).astype(np.int32)
+    rows[:, n - 5:n] = -1  # empty slots
+    keys = np.where(rows >= 0, np.asarray(reference.order_keys(jnp.asarray(scores))),
+                    reference.INVALID_KEY)
+    by_top_k = sharding.best_by_top_k(jnp.asarray(keys), jnp.asarray(rows), topk)
+    by_sorting = reference.best_first(jnp.stack([jnp.asarray(keys), jnp.asarray(rows)], -1), topk)
+    for a, b in zip(by_top_k, by_sorting):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Against numpy: best score first (NaN below -inf, empty slots last), then the lower row.
+    rank = np.where(rows < 0, 3, np.where(np.isnan(scores), 2, 0))
+    for t in range(T):
+        order = np.lexsort((rows[t], -np.nan_to_num(scores[t], nan=0.0), rank[t]))[:topk]
+        want = np.where(rows[t, order] < 0, -1, rows[t, order])
+        got = np.asarray(by_top_k[1])[t]
+        np.testing.assert_array_equal(np.where(np.asarray(by_top_k[0])[t] == reference.INVALID_KEY,
+                                               -1, got), want)
+
+
 def _lowered_for(platform, fn, *args):
     jitted = jax.jit(fn)
     if hasattr(jitted, "trace"):

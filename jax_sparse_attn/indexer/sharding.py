@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import cache_sharding
+from ..attention.reference import per_platform
 from . import reference
 
 # Operand and result layouts: ``t`` tokens, ``j`` indexer heads (never split), ``d`` the key
@@ -39,10 +40,21 @@ ROW_OPERANDS = (2, 3)  # keys, key_scale
 
 def merge_candidates(idx, scores, topk: int):
     """The best ``topk`` of candidate lists ``[T, n]`` (rows ascending among equal scores in
-    list order) by the indexer's ranking: ``(idx [T, topk], scores [T, topk])``."""
+    list order) by the indexer's ranking: ``(idx [T, topk], scores [T, topk])``. On CPU by the
+    reference's sort (``best_first``); elsewhere by ``lax.top_k`` on the order keys, which puts
+    equal keys in list order (few large steps: a GPU syncs on each of the sort's loops)."""
     keys = jnp.where(idx >= 0, reference.order_keys(scores), reference.INVALID_KEY)
-    keys, rows = reference.best_first(jnp.stack([keys, idx], axis=-1), topk)
+    keys, rows = per_platform(
+        lambda k, i: reference.best_first(jnp.stack([k, i], axis=-1), topk),
+        lambda k, i: best_by_top_k(k, i, topk), keys, idx)
     return jnp.where(keys == reference.INVALID_KEY, -1, rows), reference.scores_of_keys(keys)
+
+
+def best_by_top_k(keys, rows, topk: int):
+    """``reference.best_first``'s result for order keys and rows ``[T, n]`` (``n >= topk``) by
+    ``lax.top_k``, which puts equal keys in index order (JAX's documentation)."""
+    best, at = jax.lax.top_k(keys, topk)
+    return best, jnp.take_along_axis(rows, at, axis=1)
 
 
 def _rows_local(compress_ratio: int, topk: int):
