@@ -26,6 +26,9 @@ step gpu-indexer 150 python3 -m jax_sparse_attn.bench --cases indexer --repeats 
 step gpu-indexer-forms 120 python3 benchmarks/indexer_forms.py --json "$out/gpu-indexer-forms.json"
 step gpu-sdpa 150 python3 -m jax_sparse_attn.bench --sdpa --cases decode,prefill,mla --repeats 5 \
     --json "$out/gpu-sdpa.json"
+# The Flax layer's decode step against the indexer call and the attention op (needs Flax).
+step gpu-layer-decode 150 python3 -m jax_sparse_attn.bench --cases layer-decode \
+    --json "$out/gpu-layer-decode.json"
 # The behavioural test files that hold on a GPU (the others check the CPU's programs, or compare
 # f32 results that XLA computes in TF32 there at tolerances set for the CPU), in 8 processes that
 # take the GPU's memory as they need it rather than each JAX's default share.
