@@ -511,18 +511,19 @@ def test_cached_selection_gives_ties_to_the_lower_row_across_the_call(ratio):
         assert got[0, t].tolist() == want, (t, got[0, t])
 
 
-@pytest.mark.parametrize("ratio", [1, 4])
-def test_a_decode_step_never_copies_the_index_key_cache(ratio):
+@pytest.mark.parametrize("ratio, batch", [(1, 1), (4, 1), (1, 3)])
+def test_a_decode_step_never_copies_the_index_key_cache(ratio, batch):
     # A donated decode step reads the key cache in place (its bits, block by block) and updates it
     # in place. Selecting over the written cache, XLA:CPU made a bf16 view of the whole cache (a
-    # copy) and kept another to order the update after the read: 28 of 74 ms at 1M rows.
+    # copy) and kept another to order the update after the read: 28 of 74 ms at 1M rows. With
+    # several sequences, the vmap rule's per-sequence calls copied each sequence's keys.
     R, Di = 2**18, 64
     layer = SparseAttention(64, 2, 32, 256, index_heads=4, index_dim=Di, dtype=jnp.bfloat16,
                             compress_ratio=ratio, rngs=nnx.Rngs(0))
-    cache = layer.init_cache(1, R * ratio)
+    cache = layer.init_cache(batch, R * ratio)
     graph, state = nnx.split(layer)
     step = jax.jit(lambda s, x, c: nnx.merge(graph, s)(x, c), donate_argnums=2)
-    compiled = step.lower(state, jnp.zeros((1, 1, 64), jnp.bfloat16), cache).compile()
+    compiled = step.lower(state, jnp.zeros((batch, 1, 64), jnp.bfloat16), cache).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < R * Di * 2 // 2, f"{temp / 2**20:.1f} MiB of temporaries (the keys: 32 MiB)"
 

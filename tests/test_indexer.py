@@ -200,6 +200,40 @@ def test_vmap_shared_and_own_caches(rng):
                                       indexer_topk(q[b], w[b], keys[0], positions[b], topk))
 
 
+@pytest.mark.parametrize("R", [90, 700])  # a cache below one block (padded), and above
+def test_vmap_over_own_caches_reads_only_each_sequences_rows(rng, R):
+    # Nested vmap over sequences with their own caches and key scales: one call reads every
+    # sequence's blocks out of the whole batch. Each sequence's rows past its tokens' positions
+    # are NaN, so a read of a neighbour's rows or of a padding row would show.
+    A, B, T, Hi, Di, topk = 2, 3, 4, 4, 16, 12
+    q = jnp.asarray(rng.standard_normal((A, B, T, Hi, Di)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((A, B, T, Hi)), jnp.float32)
+    k = rng.standard_normal((A, B, R, Di))
+    ks = rng.uniform(0.5, 2.0, (A, B, R)).astype(np.float32)
+    positions = rng.integers(-1, R - 10, (A, B, T))
+    last = positions.max(-1)
+    k[np.arange(R)[None, None, :] > last[..., None]] = np.nan
+    k = jnp.asarray(k, jnp.bfloat16)
+    run = jax.jit(jax.vmap(jax.vmap(lambda *a: indexer_topk(*a[:4], topk, key_scale=a[4],
+                                                            return_scores=True))))
+    idx, scores = run(q, w, k, positions, ks)
+    for a in range(A):
+        for b in range(B):
+            s, bound = scores_f64(q[a, b], w[a, b], k[a, b], ks[a, b])
+            check_selection(idx[a, b], scores[a, b], s, bound, valid_rows(positions[a, b], R),
+                            topk)
+    # Gradients of the scores with respect to the batched keys: each sequence's own.
+    grad = jax.grad(lambda k_: jax.vmap(jax.vmap(lambda *a: indexer_topk(
+        *a[:4], topk, key_scale=a[4], return_scores=True)[1]))(q, w, k_, positions, ks).sum())(
+        jnp.nan_to_num(k.astype(jnp.float32)))
+    for a in range(A):
+        for b in range(B):
+            want = _score_grads_f64(q[a, b], w[a, b], jnp.nan_to_num(k[a, b]), ks[a, b],
+                                    (Hi * Di) ** -0.5, np.asarray(idx[a, b]),
+                                    np.ones((T, topk)))[2]
+            np.testing.assert_allclose(np.asarray(grad[a, b]), want, rtol=1e-4, atol=1e-4)
+
+
 def _score_grads_f64(q, w, k, ks, scale, idx, ct):
     """d/d(q, w, k) of sum(ct * scores) at the selected rows, by hand in float64."""
     q, w, k = as_f64(q), as_f64(w), as_f64(k)

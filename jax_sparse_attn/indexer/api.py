@@ -204,4 +204,5 @@ def primitive_operands(q, weights, keys, positions, topk, *, scale=None, compres
         keys = reference.key_rows(keys).astype(dtype)
     operands = (jnp.asarray(q).astype(dtype), jnp.asarray(weights, jnp.float32) * scale,
                 keys, key_scale, _normalise_positions(positions))
-    return operands, dict(topk=topk, compress_ratio=compress_ratio, implementation=implementation)
+    return operands, dict(topk=topk, compress_ratio=compress_ratio, implementation=implementation,
+                          sequences=1)

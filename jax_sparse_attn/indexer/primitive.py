@@ -6,15 +6,18 @@ Operands, already normalised by :mod:`jax_sparse_attn.indexer.api` (``docs/index
     keys [R, Di] in q's dtype (bf16 also as uint16 bit patterns), key_scale [R] f32,
     positions [T] int32
 
-Static parameters: ``topk``, ``compress_ratio``, ``implementation``. Two results, always:
-``idx [T, topk]`` int32 (-1 for an empty slot) and ``scores [T, topk]`` f32 (-inf there).
+Static parameters: ``topk``, ``compress_ratio``, ``implementation``, ``sequences``. Two results,
+always: ``idx [T, topk]`` int32 (-1 for an empty slot) and ``scores [T, topk]`` f32 (-inf there).
+With ``sequences = S > 1`` (only from vmap over caches) the T tokens are S sequences' tokens one
+after the other, each with its own cache: keys ``[S, R, Di]``, key_scale ``[S, R]``.
 
 - Lowerings: the jnp reference on every platform (``reference.py``), the NKI kernel for
   ``"nki"`` / ``"nki_emulated"`` (``indexer/neuron.py``), each run shard-locally
   (``indexer/sharding.py``).
 - vmap: a batch axis on the token operands only (sequences sharing one key cache) folds into the
-  tokens; a batched key cache (each sequence its own) runs one call per sequence, so a token never
-  scans another sequence's rows.
+  tokens; a batched key cache (each sequence its own) becomes ``sequences``: one call, whose
+  reference reads each sequence's blocks out of the whole batch of caches (a per-sequence slice
+  would copy each sequence's cache), so a token never scans another sequence's rows.
 - JVP: the scores' tangent is that of the score formula at the selected rows, recomputed in
   token chunks; the indices have none. Its transpose (the gradient) is derived by JAX.
 """
@@ -43,8 +46,8 @@ ROW_OPERANDS = (2, 3)
 
 
 def _abstract_eval(q, weights, keys, key_scale, positions, *, topk, compress_ratio,
-                   implementation):
-    del weights, keys, key_scale, positions, compress_ratio, implementation
+                   implementation, sequences=1):
+    del weights, keys, key_scale, positions, compress_ratio, implementation, sequences
     shape = (q.shape[0], topk)
     return [
         shared_sharding.result_aval(q, shape, jnp.int32, indexer_sharding.LAYOUTS["idx"]),
@@ -69,23 +72,35 @@ def _neuron_path(emulated: bool):
     return functools.partial(neuron.indexer_topk_neuron, emulated=emulated)
 
 
-def path(implementation, *, topk: int, compress_ratio: int):
+def path(implementation, *, topk: int, compress_ratio: int, sequences: int = 1):
     """The jnp-traceable function of the five operands that ``implementation`` lowers to."""
     if implementation in ("nki", "nki_emulated"):
         kernel = _neuron_path(emulated=implementation == "nki_emulated")
         if kernel is not None:
-            return functools.partial(kernel, topk=topk, compress_ratio=compress_ratio)
+            kernel = functools.partial(kernel, topk=topk, compress_ratio=compress_ratio)
+            return kernel if sequences == 1 else functools.partial(_each_sequence, kernel, sequences)
         import warnings
 
         warnings.warn(
             f"implementation={implementation!r}: the indexer's NKI kernel is not part of this "
             "version; indexer_topk runs the jnp reference instead", stacklevel=3)
     return functools.partial(reference.indexer_topk_reference, topk=topk,
-                             compress_ratio=compress_ratio)
+                             compress_ratio=compress_ratio, sequences=sequences)
 
 
-def _lower(q, weights, keys, key_scale, positions, *, topk, compress_ratio, implementation):
-    fn = path(implementation, topk=topk, compress_ratio=compress_ratio)
+def _each_sequence(fn, sequences, q, weights, keys, key_scale, positions):
+    """``fn`` (of one sequence's operands) over ``sequences`` sequences, one call each."""
+    T = q.shape[0] // sequences
+    outs = [fn(q[s * T:(s + 1) * T], weights[s * T:(s + 1) * T], keys[s], key_scale[s],
+               positions[s * T:(s + 1) * T]) for s in range(sequences)]
+    return tuple(jnp.concatenate(x) for x in zip(*outs))
+
+
+def _lower(q, weights, keys, key_scale, positions, *, topk, compress_ratio, implementation,
+           sequences=1):
+    fn = path(implementation, topk=topk, compress_ratio=compress_ratio, sequences=sequences)
+    if sequences > 1:  # a vmap's batch of caches: the partitioner splits the plain program
+        return tuple(fn(q, weights, keys, key_scale, positions))
     return indexer_sharding.run_shard_local(fn, topk, compress_ratio, q, weights, keys, key_scale,
                                             positions)
 
@@ -98,8 +113,20 @@ mlir.register_lowering(indexer_topk_p, mlir.lower_fun(_lower, multiple_results=T
 
 def _batcher(args, dims, **params):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    S = params.get("sequences", 1)
     if any(dims[i] is not None for i in ROW_OPERANDS):
-        # One key cache per sequence: one call each (a fold would let tokens scan other caches).
+        # One key cache per sequence: the batch's caches become ``sequences`` (S each before).
+        args = [attention_primitives._to_front(a, d, size) for a, d in zip(args, dims)]
+        for i in TOKEN_OPERANDS:
+            args[i] = attention_primitives._fold(args[i])
+        for i in ROW_OPERANDS:
+            if S > 1:
+                args[i] = attention_primitives._fold(args[i])
+            elif size == 1:  # one sequence: its cache as it is (a reshape, no copy)
+                args[i] = args[i].reshape(args[i].shape[1:])
+        outs = indexer_topk_p.bind(*args, **dict(params, sequences=size * S))
+        return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs], [0, 0]
+    if S > 1:  # shared caches over a batch of per-sequence calls: one call per batch element
         return attention_primitives._map_over_batch(indexer_topk_p, args, dims, params)
     args = list(args)
     for i in TOKEN_OPERANDS:
@@ -139,12 +166,18 @@ def selected_scores(q, weights, keys, key_scale, idx):
     return jax.lax.map(lambda a: one(*a), (q, weights, rows, valid), batch_size=chunk)
 
 
-def _jvp(primals, tangents, *, topk, compress_ratio, implementation):
+def _jvp(primals, tangents, *, topk, compress_ratio, implementation, sequences=1):
     q, weights, keys, key_scale, positions = primals
     idx, scores = indexer_topk_p.bind(*primals, topk=topk, compress_ratio=compress_ratio,
-                                      implementation=implementation)
+                                      implementation=implementation, sequences=sequences)
     dq, dw, dk = (ad.instantiate_zeros(t) for t in tangents[:3])
-    fn = lambda q_, w_, k_: selected_scores(q_, w_, k_, key_scale, idx)  # noqa: E731
+    if sequences == 1:
+        fn = lambda q_, w_, k_: selected_scores(q_, w_, k_, key_scale, idx)  # noqa: E731
+    else:
+        def fn(q_, w_, k_):
+            per = lambda a: a.reshape((sequences, a.shape[0] // sequences) + a.shape[1:])  # noqa: E731
+            s = jax.vmap(selected_scores)(per(q_), per(w_), k_, key_scale, per(idx))
+            return s.reshape(idx.shape)
     _, dscores = jax.jvp(fn, (q, weights, keys), (dq, dw, dk))
     return (idx, scores), (ad.Zero(jax.typeof(idx).to_tangent_aval()), dscores)
 

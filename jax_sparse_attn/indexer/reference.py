@@ -63,6 +63,7 @@ same ``_block_keys``), so that the benchmark measures what the selection costs.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -593,6 +594,27 @@ def block_scores(q, w, keys, key_scale, widen: bool):
     return h * key_scale[None, :]
 
 
+class SequenceRows(NamedTuple):
+    """Sequence ``seq``'s rows of a batch of caches ``array [S, R, ...]`` (keys or key scales),
+    read block by block. A slice of the sequence's whole cache would be a new buffer: one copy of
+    it per call, since XLA:CPU gives every loop operand a buffer of its own."""
+
+    array: jax.Array
+    seq: jax.Array  # int32 scalar
+
+    @property
+    def shape(self) -> tuple:
+        return self.array.shape[1:]
+
+
+def _rows_at(x, lo, n: int):
+    """Rows ``lo .. lo + n - 1`` of keys or key scales: an array, or a ``SequenceRows``."""
+    if isinstance(x, SequenceRows):
+        start = (x.seq, lo) + (0,) * (x.array.ndim - 2)
+        return jax.lax.dynamic_slice(x.array, start, (1, n) + x.array.shape[2:])[0]
+    return jax.lax.dynamic_slice_in_dim(x, lo, n, axis=0)
+
+
 def key_rows(keys):
     """Rows of the keys operand as floats: the keys themselves, or the bf16 values of ``uint16``
     bit patterns (read per block, never the whole cache at once)."""
@@ -647,8 +669,8 @@ def _block_keys(q, w, limit, keys, key_scale, b, *, Rb: int, Rd: int, widen: boo
 
     def piece(lo):
         rows = lo + piece_row
-        kb = key_rows(jax.lax.dynamic_slice_in_dim(keys, lo, Rd, axis=0))
-        sb = jax.lax.dynamic_slice_in_dim(key_scale, lo, Rd, axis=0)
+        kb = key_rows(_rows_at(keys, lo, Rd))
+        sb = _rows_at(key_scale, lo, Rd)
         new = order_keys(block_scores(q, w, kb, sb, widen))
         return jnp.where((rows < limit[:, None]) & (rows >= first), new, INVALID_KEY)
 
@@ -738,7 +760,8 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
 
 
 def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
-                           compress_ratio: int, plan: ChunkPlan | None = None):
+                           compress_ratio: int, plan: ChunkPlan | None = None,
+                           sequences: int = 1):
     """The reference lowering of ``indexer_topk_p`` (operands as in ``docs/indexer.md``).
 
     Args:
@@ -748,8 +771,20 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
       topk, compress_ratio: static ints. plan: chunk and block sizes on CPU (default
         ``chunk_plan``); GPU and TPU take ``accelerator_plan``'s and merge
         (``indexer_topk_by_merging``).
+      sequences: static int: with ``S > 1`` the tokens are S sequences' tokens one after the
+        other, each with its own cache: keys ``[S, R, Di]``, key_scale ``[S, R]`` (the
+        primitive's vmap over caches); ``idx`` holds each sequence's own rows.
     Returns ``(idx [T, topk] int32, scores [T, topk] f32)``: -1 and -inf in empty slots.
     """
+    if sequences > 1:
+        Hi = q.shape[1]
+        if plan is None:
+            plan = chunk_plan(q.shape[0] // sequences, Hi, keys.shape[1], topk)
+        return over_sequences(functools.partial(indexer_topk_reference, topk=topk,
+                                                compress_ratio=compress_ratio, plan=plan),
+                              q, weights, keys, key_scale, positions, sequences=sequences,
+                              topk=topk, compress_ratio=compress_ratio,
+                              min_rows=block_rows(plan, Hi))
     T, Hi, Di = q.shape
     R = keys.shape[0]
     if T == 0 or topk == 0 or R == 0:
@@ -757,6 +792,35 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
     return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio,
                              chunk_plan(T, Hi, R, topk) if plan is None else plan, _select_chunk,
                              _select_by_merging)
+
+
+def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: int, topk: int,
+                   compress_ratio: int, min_rows: int):
+    """``run(q, weights, keys, key_scale, positions)`` for each of S sequences with their own
+    caches (operands as ``indexer_topk_reference``'s with ``sequences = S``), one after the other:
+    ``run`` reads its sequence's rows through ``SequenceRows`` views of the whole batch, which
+    holds at least ``min_rows`` rows per sequence (a block)."""
+    S = sequences
+    T, Hi, Di = q.shape[0] // S, q.shape[1], q.shape[2]
+    R = keys.shape[1]
+    if T == 0 or topk == 0 or R == 0:
+        return _nothing_selected(S * T, topk)
+    Rb = min_rows
+    if R < Rb:
+        # A cache smaller than one block: padded here, as _chunked pads a single one (a small
+        # copy), and positions capped at the cache's last row so that no padding row is valid.
+        keys = jnp.pad(keys, ((0, 0), (0, Rb - R), (0, 0)))
+        key_scale = jnp.pad(key_scale, ((0, 0), (0, Rb - R)))
+        cap = min(R * compress_ratio - 1, 2**31 - 1)
+        positions = jnp.minimum(positions, jnp.int32(cap))
+
+    def one(args):
+        s, q_s, w_s, p_s = args
+        return run(q_s, w_s, SequenceRows(keys, s), SequenceRows(key_scale, s), p_s)
+
+    idx, scores = jax.lax.map(one, (jnp.arange(S, dtype=jnp.int32), q.reshape(S, T, Hi, Di),
+                                    weights.reshape(S, T, Hi), positions.reshape(S, T)))
+    return idx.reshape(S * T, topk), scores.reshape(S * T, topk)
 
 
 def _nothing_selected(T: int, topk: int):
