@@ -507,6 +507,8 @@ class SparseAttention(nnx.Module):
         return self._attend(p, q, idx, positions), jnp.min(idx, initial=0)
 
     def _attend(self, p: _Prepared, q, idx, positions):
+        """The attention of a block of tokens to their selected rows ``idx [B, t, topk]`` (and to
+        the window's rows) -> ``o [B, t, H, D]``."""
         sink = self.sink[...]
         impl, scale = self.implementation, self.scale
         if self.window is None:

@@ -46,3 +46,16 @@ def test_only_candidates_travel(records, name):
             for n in shape:
                 size *= n
             assert size <= checks.T * checks.TOPK * 8, c
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_vmap_over_own_caches_split_over_the_batch(records, axis_type):
+    # Sequences with their own caches (vmap), the batch split over the mesh: the selection and
+    # the scores' gradients as on one device. With Explicit axes each device selects for its own
+    # sequences, with no collective; with Auto ones XLA partitions the plain program, which
+    # gathers the caches (docs/indexer.md, "Transforms and sharding").
+    r = records[f"sequences/{axis_type}"]
+    assert r["idx_equal"] and r["scores_equal"] and r["grads_equal"], r
+    assert r["selected"] > 0
+    if axis_type == "Explicit":
+        assert r["collectives"] == [], r["collectives"]

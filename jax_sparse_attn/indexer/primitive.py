@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..attention import primitive as attention_primitives
 from .. import sharding as shared_sharding
@@ -98,9 +99,11 @@ def _each_sequence(fn, sequences, q, weights, keys, key_scale, positions):
 
 def _lower(q, weights, keys, key_scale, positions, *, topk, compress_ratio, implementation,
            sequences=1):
-    fn = path(implementation, topk=topk, compress_ratio=compress_ratio, sequences=sequences)
-    if sequences > 1:  # a vmap's batch of caches: the partitioner splits the plain program
-        return tuple(fn(q, weights, keys, key_scale, positions))
+    if sequences > 1:  # a vmap's batch of caches
+        return indexer_sharding.run_over_sequences(
+            lambda s: path(implementation, topk=topk, compress_ratio=compress_ratio, sequences=s),
+            sequences, q, weights, keys, key_scale, positions)
+    fn = path(implementation, topk=topk, compress_ratio=compress_ratio)
     return indexer_sharding.run_shard_local(fn, topk, compress_ratio, q, weights, keys, key_scale,
                                             positions)
 
@@ -117,6 +120,8 @@ def _batcher(args, dims, **params):
     if any(dims[i] is not None for i in ROW_OPERANDS):
         # One key cache per sequence: the batch's caches become ``sequences`` (S each before).
         args = [attention_primitives._to_front(a, d, size) for a, d in zip(args, dims)]
+        batched = next(args[i] for i in ROW_OPERANDS if dims[i] is not None)
+        args = [a if d is not None else _split_like(a, batched) for a, d in zip(args, dims)]
         for i in TOKEN_OPERANDS:
             args[i] = attention_primitives._fold(args[i])
         for i in ROW_OPERANDS:
@@ -135,6 +140,18 @@ def _batcher(args, dims, **params):
     outs = indexer_topk_p.bind(*args, **params)
     outs = [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
     return outs, [0, 0]
+
+
+def _split_like(x, batched):
+    """``x``, broadcast to the batch, with its batch axis split like ``batched``'s under Explicit
+    mesh axes (vmap needs all batch axes split alike, and each device runs its own sequences)."""
+    ref = jax.typeof(batched)
+    if not shared_sharding._explicit_axis_names(ref):
+        return x
+    spec = PartitionSpec(tuple(ref.sharding.spec)[0] if ref.sharding.spec else None)
+    if tuple(jax.typeof(x).sharding.spec)[:1] == tuple(spec):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(ref.sharding.mesh, spec))
 
 
 batching.primitive_batchers[indexer_topk_p] = _batcher

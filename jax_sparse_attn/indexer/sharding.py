@@ -15,10 +15,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import cache_sharding
+from .. import sharding as shared_sharding
 from ..attention.reference import per_platform
 from . import reference
 
@@ -73,6 +77,33 @@ def _rows_local(compress_ratio: int, topk: int):
         return local
 
     return make_local
+
+
+def run_over_sequences(path_for, sequences: int, *operands):
+    """The call over a vmap's batch of caches (``sequences`` of them: keys ``[S, R, Di]``; the
+    primitive's docstring). With the caches split over Explicit mesh axes, each device selects for
+    its own sequences under ``shard_map``, with no collective (a sequence's tokens and rows are on
+    one device; the reference's loop over sequences cannot take a split axis); otherwise the plain
+    program, which the partitioner splits. ``path_for(s)``: the function for ``s`` sequences."""
+    keys = jax.typeof(operands[2])
+    explicit = shared_sharding._explicit_axis_names(keys)
+    spec = tuple(getattr(keys.sharding, "spec", ())) if explicit else ()
+    axes = shared_sharding._mesh_axes(spec[0]) if spec else ()
+    if not axes or not set(axes) <= explicit or shared_sharding._in_manual_region(keys):
+        return tuple(path_for(sequences)(*operands))
+    mesh = keys.sharding.mesh
+    local = sequences // math.prod(mesh.shape[a] for a in axes)
+    split = PartitionSpec(shared_sharding._spec_entry(axes))
+    operands = [x if tuple(jax.typeof(x).sharding.spec)[:1] == tuple(split)
+                else jax.sharding.reshard(x, NamedSharding(mesh, split)) for x in operands]
+
+    def body(q, weights, keys, key_scale, positions):
+        if local == 1:  # one sequence per device: its cache as a single one
+            keys, key_scale = keys[0], key_scale[0]
+        return tuple(path_for(local)(q, weights, keys, key_scale, positions))
+
+    return tuple(jax.shard_map(body, mesh=mesh, in_specs=(split,) * 5, out_specs=(split, split),
+                               axis_names=set(axes), check_vma=False)(*operands))
 
 
 def run_shard_local(fn, topk: int, compress_ratio: int, *operands):
