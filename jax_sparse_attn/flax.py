@@ -134,8 +134,10 @@ def _to_storage(rows, stored_dtype):
 def _put(stored, values, at):
     """``stored [B, R, ...]`` with ``values [B, n, ...]`` written at rows ``at [B, n]``. Rows past
     the capacity are dropped (a clamped dynamic_update_slice would overwrite the last row)."""
-    batch = jnp.arange(stored.shape[0])[:, None]
-    return stored.at[batch, at].set(_to_storage(values, stored.dtype), mode="drop")
+    # Per sequence under vmap: the batch axis stays the scatter's batch (split like the cache's
+    # under an Explicit mesh axis, where a scatter indexed by a batch iota has no output split).
+    return jax.vmap(lambda s, v, a: s.at[a].set(v, mode="drop"))(
+        stored, _to_storage(values, stored.dtype), at)
 
 
 def _values(stored):
@@ -606,7 +608,9 @@ class SparseAttention(nnx.Module):
         q, rows, iq, ik, iw = self._project(x)
         offsets = jnp.arange(T, dtype=jnp.int32)[None, :]
         if cache is None:
-            positions = jnp.broadcast_to(offsets, (B, T))
+            # From x's batch, so that it is split like x's (vmap over an Explicit mesh axis needs
+            # every operand's batch axis split alike).
+            positions = jnp.zeros_like(x[..., 0], jnp.int32) + offsets
             raw = rows
             if c == 1:
                 sel_rows, sel_keys = rows, ik
@@ -632,7 +636,6 @@ class SparseAttention(nnx.Module):
             return p if T <= SPLIT_SELECTION_MAX_TOKENS else _written_first(p)
         raw_kv = _put(cache.raw_kv, rows, positions)
         raw_keys = _put(cache.raw_index_keys, ik, positions)
-        batch = jnp.arange(B)[:, None]
         # The blocks that the call's tokens complete (at most T // c + 1), pooled from the raw rows.
         first = cache.length // c
         blocks = first[:, None] + jnp.arange(T // c + 1, dtype=jnp.int32)[None, :]  # [B, nb]
@@ -642,7 +645,8 @@ class SparseAttention(nnx.Module):
         target = jnp.where(complete, blocks, rows_out)  # rows_out: out of range, dropped
 
         def pooled(stored_raw, dtype):
-            got = _values(stored_raw.at[batch[..., None], members].get(mode="fill", fill_value=0))
+            got = _values(jax.vmap(lambda s, m: s.at[m].get(mode="fill", fill_value=0))(
+                stored_raw, members))  # per sequence, as in _put
             return (got.astype(jnp.float32).sum(2) / c).astype(dtype)
 
         kv = _put(cache.kv, pooled(raw_kv, rows.dtype), target)

@@ -83,6 +83,40 @@ def check_sequences(records, name, mesh):
     records.append(record)
 
 
+def check_layer(records, name, mesh, compress_ratio):
+    """The Flax layer with its batch split over the mesh: a prefill into a cache and a decode step
+    (the cache and x split alike, the parameters replicated), against one device's outputs and
+    selected rows."""
+    from flax import nnx
+
+    from jax_sparse_attn.flax import SparseAttention
+
+    B, T, E = 8, 12, 32
+    layer = SparseAttention(E, 2, 16, 4, index_heads=2, index_dim=8, compress_ratio=compress_ratio,
+                            window=2 if compress_ratio > 1 else None, rngs=nnx.Rngs(0))
+    x = np.asarray(jax.random.normal(jax.random.key(1), (B, T, E)))
+    prefill = nnx.jit(lambda m, x, c: m(x, c))
+    select = nnx.jit(lambda m, x, c: m.select_rows(x, c))
+
+    def run_on(put, layer):
+        cache = jax.tree.map(put, layer.init_cache(B, 16))
+        y0, cache = prefill(layer, put(x[:, :8]), cache)
+        rows = select(layer, put(x[:, 8:9]), cache)
+        y1, _ = prefill(layer, put(x[:, 8:9]), cache)
+        return [np.asarray(a) for a in (y0, y1, rows)]
+
+    single = run_on(lambda a: jax.device_put(a, jax.devices()[0]), layer)
+    graph, state = nnx.split(layer)
+    state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), state)
+    got = run_on(lambda a: jax.device_put(a, NamedSharding(mesh, P("x"))), nnx.merge(graph, state))
+    record = {"check": name,
+              "max_abs_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(got[:2], single)),
+              "rows_equal": bool(np.array_equal(got[2], single[2])),
+              "selected": int(np.sum(single[2] >= 0))}
+    print(json.dumps(record), flush=True)
+    records.append(record)
+
+
 def run():
     records = []
     for axis_type in ("Auto", "Explicit"):
@@ -95,6 +129,8 @@ def run():
         check(records, f"rows/ratio4/{axis_type}", mesh,
               {"q": P(), "w": P(), "keys": P("x"), "key_scale": P("x"), "positions": P()}, 4)
         check_sequences(records, f"sequences/{axis_type}", mesh)
+        for ratio in (1, 2):
+            check_layer(records, f"layer/ratio{ratio}/{axis_type}", mesh, ratio)
         mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(kind, kind))
         check(records, f"tokens+rows/{axis_type}", mesh,
               {"q": P("x"), "w": P("x"), "keys": P("y"), "key_scale": P("y"),
