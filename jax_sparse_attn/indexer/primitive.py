@@ -102,7 +102,8 @@ def _lower(q, weights, keys, key_scale, positions, *, topk, compress_ratio, impl
     if sequences > 1:  # a vmap's batch of caches
         return indexer_sharding.run_over_sequences(
             lambda s: path(implementation, topk=topk, compress_ratio=compress_ratio, sequences=s),
-            sequences, q, weights, keys, key_scale, positions)
+            sequences, q, weights, keys, key_scale, positions,
+            host_callbacks=implementation == "nki_emulated")
     fn = path(implementation, topk=topk, compress_ratio=compress_ratio)
     return indexer_sharding.run_shard_local(fn, topk, compress_ratio, q, weights, keys, key_scale,
                                             positions)

@@ -79,31 +79,96 @@ def _rows_local(compress_ratio: int, topk: int):
     return make_local
 
 
-def run_over_sequences(path_for, sequences: int, *operands):
+def run_over_sequences(path_for, sequences: int, *operands, host_callbacks: bool = False):
     """The call over a vmap's batch of caches (``sequences`` of them: keys ``[S, R, Di]``; the
-    primitive's docstring). With the caches split over Explicit mesh axes, each device selects for
-    its own sequences under ``shard_map``, with no collective (a sequence's tokens and rows are on
-    one device; the reference's loop over sequences cannot take a split axis); otherwise the plain
-    program, which the partitioner splits. ``path_for(s)``: the function for ``s`` sequences."""
+    primitive's docstring). ``path_for(s)`` is the function for ``s`` sequences. With the batch
+    split over the mesh, each device selects for its own sequences, with no collective (a
+    sequence's tokens and rows are on one device):
+
+    - Explicit axes: under ``shard_map`` (the reference's loop over sequences cannot take a split
+      axis);
+    - Auto axes: a custom partitioning (``_SequencePartitioner``), unless ``path_for`` calls back
+      into Python (the emulated kernel), which custom_partitioning cannot hold: then, as inside a
+      user's ``shard_map``, the plain program.
+    """
     keys = jax.typeof(operands[2])
     explicit = shared_sharding._explicit_axis_names(keys)
+    manual = shared_sharding._in_manual_region(keys)
+    if not explicit and not manual and not host_callbacks:
+        return _auto_over_sequences(path_for, sequences, operands)
     spec = tuple(getattr(keys.sharding, "spec", ())) if explicit else ()
     axes = shared_sharding._mesh_axes(spec[0]) if spec else ()
-    if not axes or not set(axes) <= explicit or shared_sharding._in_manual_region(keys):
+    if not axes or not set(axes) <= explicit or manual:
         return tuple(path_for(sequences)(*operands))
     mesh = keys.sharding.mesh
-    local = sequences // math.prod(mesh.shape[a] for a in axes)
     split = PartitionSpec(shared_sharding._spec_entry(axes))
     operands = [x if tuple(jax.typeof(x).sharding.spec)[:1] == tuple(split)
                 else jax.sharding.reshard(x, NamedSharding(mesh, split)) for x in operands]
+    return tuple(jax.shard_map(_on_local_sequences(path_for), mesh=mesh, in_specs=(split,) * 5,
+                               out_specs=(split, split), axis_names=set(axes),
+                               check_vma=False)(*operands))
 
-    def body(q, weights, keys, key_scale, positions):
-        if local == 1:  # one sequence per device: its cache as a single one
+
+# A call over a batch of caches: the sequences ("t" here: whole sequences' tokens, and the caches'
+# leading axis) split alike; heads, widths, rows and slots whole.
+SEQUENCE_LAYOUTS = ("t j d", "t j", "t r d", "t r", "t")
+SEQUENCE_RULE = ("(s u) j d", "(s u) j", "s r d", "s r", "(s u)")
+
+
+def _on_local_sequences(path_for):
+    """The call on one device's sequences: as many as its block of caches holds."""
+    def fn(q, weights, keys, key_scale, positions):
+        local = keys.shape[0]
+        if local == 1:  # one sequence: its cache as a single one
             keys, key_scale = keys[0], key_scale[0]
         return tuple(path_for(local)(q, weights, keys, key_scale, positions))
+    return fn
 
-    return tuple(jax.shard_map(body, mesh=mesh, in_specs=(split,) * 5, out_specs=(split, split),
-                               axis_names=set(axes), check_vma=False)(*operands))
+
+class _SequencePartitioner(shared_sharding._Partitioner):
+    """custom_partitioning of a call over a batch of caches (Auto mesh axes): the sequences split
+    like the caches' leading axis when its devices divide them, each device selecting for its
+    own; else the call runs whole on each device. The Shardy rule ties the tokens ``(s u)`` (S
+    sequences of u tokens) to the caches' ``s``."""
+
+    sequences = 1
+    tokens = 1
+
+    def _factor_axes(self, mesh, arg_shapes) -> dict:
+        sharding = arg_shapes[2].sharding
+        axes = ()
+        if isinstance(sharding, NamedSharding) and len(sharding.spec):
+            axes = shared_sharding._mesh_axes(sharding.spec[0])
+            if self.sequences % math.prod(mesh.shape[a] for a in axes):
+                axes = ()
+        return {"t": axes, "h": ()}
+
+    def sharding_rule(self):
+        # The five operands, then the constants shard_local passes after them (c0, c1, ...).
+        # One token per sequence (a decode step): the tokens are the sequences (Shardy refuses a
+        # compound factor of size 1).
+        tokens = "(s u)" if self.tokens > 1 else "s"
+        operands = [lay.replace("(s u)", tokens) for lay in SEQUENCE_RULE]
+        operands += self.operand_layouts[len(SEQUENCE_RULE):]
+        rule = ", ".join(operands) + " -> " + ", ".join(f"{tokens} k" for _ in self.result_layouts)
+        replicated = tuple(dict.fromkeys(
+            f for lay in operands + ["k"] for f in lay.replace("(", " ").replace(")", " ").split()
+            if f != "s"))
+        sizes = {"u": self.tokens} if self.tokens > 1 else {}
+        if "need_replication_factors" not in shared_sharding._DEF_PARTITION_KWARGS:  # JAX 0.7
+            from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
+
+            return str_to_sdy_sharding_rule(rule, **sizes), {}
+        return rule, {"need_replication_factors": replicated, **sizes}
+
+
+def _auto_over_sequences(path_for, sequences, operands):
+    fn = _on_local_sequences(path_for)
+    partitioner = type("_Partitioner", (_SequencePartitioner,),
+                       {"sequences": sequences, "tokens": operands[0].shape[0] // sequences})
+    run = shared_sharding.shard_local(fn, SEQUENCE_LAYOUTS,
+                                      RESULT_LAYOUTS, partitioner, q_layout=LAYOUTS["q"])
+    return tuple(run(*operands))
 
 
 def run_shard_local(fn, topk: int, compress_ratio: int, *operands):
