@@ -91,8 +91,7 @@ def main(argv=None) -> int:
         records.append(rec)
         print(json.dumps(rec), flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"environment": bench.environment(), "records": records}, f, indent=1)
+        bench.write_records(records, a.json)
     return 0
 
 

@@ -10,7 +10,6 @@ GPU and TPU"); on CPU, what choosing the streaming form there did.
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +62,7 @@ def main(argv=None) -> int:
               f"  merging {med['merging'] * 1e3:9.2f} ms  ratio {rec['streaming_over_merging']:6.2f}"
               f"  same rows {rec['same_rows']:.4f}", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"environment": bench.environment(), "records": records}, f, indent=1)
+        bench.write_records(records, a.json)
     return 0
 
 

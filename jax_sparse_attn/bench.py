@@ -634,6 +634,13 @@ def run_memory_check(shape: Shape, dtype_name: str, implementation: str,
 # --- reporting ------------------------------------------------------------------------------------
 
 
+def write_records(records: list, json_path: str) -> None:
+    """Writes ``records`` with this run's environment block (``--json``) and says where."""
+    from .bench_model import write_json
+
+    write_json({"environment": environment(), "records": records}, json_path)
+
+
 def environment() -> dict:
     """Where the figures come from."""
     cpu = {}
@@ -949,9 +956,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result["records"] += _indexer_cases(indexer_groups, a)
         ok = True
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"# wrote {a.json}")
+        from .bench_model import write_json
+
+        write_json(result, a.json)
     return 0 if ok else 1
 
 

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import bench
+from .attention.reference import accelerator_memory_bytes
 
 # The dense path is run only where its [T, Hi, R] f32 products and [T, R] scores stay within this
 # on CPU (the machine's processes are kept under ~4 GiB), and within this fraction of an
@@ -48,10 +49,8 @@ DENSE_ACCELERATOR_MEMORY_FRACTION = 1 / 2
 def dense_budget_bytes() -> int:
     """Where the dense path runs: ``DENSE_BUDGET_BYTES`` on CPU (or an accelerator that does not
     report its memory), ``DENSE_ACCELERATOR_MEMORY_FRACTION`` of the device's memory elsewhere."""
-    from .attention.reference import accelerator_memory_bytes
-
     limit = accelerator_memory_bytes()
-    return DENSE_BUDGET_BYTES if limit is None else int(limit * DENSE_ACCELERATOR_MEMORY_FRACTION)
+    return int(limit * DENSE_ACCELERATOR_MEMORY_FRACTION) if limit else DENSE_BUDGET_BYTES
 # The GEMM baseline's FLOPs are capped (its rate is stable from n ~ 2000 on): the indexer cases
 # have up to 550 GFLOP and the GEMM would otherwise take as long as the op.
 GEMM_MAX_FLOPS = 2 * 3072**3
@@ -365,15 +364,6 @@ def format_layer_decode(rec: dict) -> str:
 # --- the sweep: time and memory against T and R -------------------------------------------------------
 
 
-def _device_bytes(key: str) -> Optional[int]:
-    """An accelerator's ``memory_stats()[key]`` (``bytes_in_use``, ``peak_bytes_in_use``), or None
-    on CPU (whose memory is the process's, measured by its RSS)."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return None
-    return (device.memory_stats() or {}).get(key)
-
-
 def sweep_child(shape: IndexerShape, path: str, dtype_name: str, repeats: int) -> dict:
     """Runs in a fresh process: peak memory growth of the first call (compilation included, inputs
     excluded) of ``path`` ("op" or "dense"), then the median time of ``repeats`` more calls. The
@@ -382,7 +372,7 @@ def sweep_child(shape: IndexerShape, path: str, dtype_name: str, repeats: int) -
     args = _inputs(shape, dtype)
     peak_reset = bench._reset_peak_rss()
     rss_before = bench._rss_bytes()
-    device_before = _device_bytes("bytes_in_use")
+    device_before = accelerator_memory_bytes("bytes_in_use")
     fn = op_fn(shape) if path == "op" else dense_fn(shape)
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -390,7 +380,7 @@ def sweep_child(shape: IndexerShape, path: str, dtype_name: str, repeats: int) -
     if device_before is None:
         growth = bench._peak_rss_bytes() - rss_before
     else:  # a fresh process: its peak so far is the inputs and this call
-        growth = _device_bytes("peak_bytes_in_use") - device_before
+        growth = accelerator_memory_bytes("peak_bytes_in_use") - device_before
         peak_reset = True
     times = []
     for _ in range(repeats):

@@ -142,7 +142,7 @@ def _quiet_callback_errors():
 
 
 def write_json(result: dict, json_path: str) -> None:
-    """Writes a modelled-time record (``--json``) and says where."""
+    """Writes a benchmark's record (``--json``) and says where."""
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"# wrote {json_path}", flush=True)

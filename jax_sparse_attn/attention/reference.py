@@ -90,13 +90,14 @@ def token_chunk_size(
     return int(max(1, min(num_tokens, budget // max(per_token, 1))))
 
 
-def accelerator_memory_bytes() -> int | None:
-    """The memory JAX may use on its first device (``memory_stats()["bytes_limit"]``) when that
-    device is an accelerator that reports it; None on CPU or where unknown."""
+def accelerator_memory_bytes(stat: str = "bytes_limit") -> int | None:
+    """A memory statistic of JAX's first device when it is an accelerator that reports it
+    (``memory_stats()[stat]``: ``bytes_limit``, the memory JAX may use, or ``bytes_in_use``,
+    ``peak_bytes_in_use``); None on CPU (whose memory is the process's) or where unknown."""
     try:
         device = jax.devices()[0]
         if device.platform != "cpu":
-            return (device.memory_stats() or {}).get("bytes_limit") or None
+            return (device.memory_stats() or {}).get(stat)
     except Exception:  # no backend, or no memory_stats
         pass
     return None
@@ -109,7 +110,7 @@ def accelerator_chunk_bytes() -> int:
     reports its size, else ``ACCELERATOR_CHUNK_BYTES_DEFAULT``. Read at trace time.
     """
     limit = accelerator_memory_bytes()
-    if limit is None:
+    if not limit:
         return ACCELERATOR_CHUNK_BYTES_DEFAULT
     return int(limit * ACCELERATOR_MEMORY_FRACTION)
 

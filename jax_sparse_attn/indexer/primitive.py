@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
-from jax.sharding import NamedSharding, PartitionSpec
 
 from ..attention import primitive as attention_primitives
 from .. import sharding as shared_sharding
@@ -122,7 +121,8 @@ def _batcher(args, dims, **params):
         # One key cache per sequence: the batch's caches become ``sequences`` (S each before).
         args = [attention_primitives._to_front(a, d, size) for a, d in zip(args, dims)]
         batched = next(args[i] for i in ROW_OPERANDS if dims[i] is not None)
-        args = [a if d is not None else _split_like(a, batched) for a, d in zip(args, dims)]
+        args = [a if d is not None else indexer_sharding.split_like_batch(a, batched)
+                for a, d in zip(args, dims)]
         for i in TOKEN_OPERANDS:
             args[i] = attention_primitives._fold(args[i])
         for i in ROW_OPERANDS:
@@ -141,18 +141,6 @@ def _batcher(args, dims, **params):
     outs = indexer_topk_p.bind(*args, **params)
     outs = [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
     return outs, [0, 0]
-
-
-def _split_like(x, batched):
-    """``x``, broadcast to the batch, with its batch axis split like ``batched``'s under Explicit
-    mesh axes (vmap needs all batch axes split alike, and each device runs its own sequences)."""
-    ref = jax.typeof(batched)
-    if not shared_sharding._explicit_axis_names(ref):
-        return x
-    spec = PartitionSpec(tuple(ref.sharding.spec)[0] if ref.sharding.spec else None)
-    if tuple(jax.typeof(x).sharding.spec)[:1] == tuple(spec):
-        return x
-    return jax.sharding.reshard(x, NamedSharding(ref.sharding.mesh, spec))
 
 
 batching.primitive_batchers[indexer_topk_p] = _batcher

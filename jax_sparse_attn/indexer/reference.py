@@ -776,25 +776,23 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
         primitive's vmap over caches); ``idx`` holds each sequence's own rows.
     Returns ``(idx [T, topk] int32, scores [T, topk] f32)``: -1 and -inf in empty slots.
     """
+    T, Hi, Di = q.shape
+    R = keys.shape[-2]  # keys [R, Di], or [S, R, Di]
+    if T == 0 or topk == 0 or R == 0:
+        return _nothing_selected(T, topk)
     if sequences > 1:
-        Hi = q.shape[1]
         if plan is None:
-            plan = chunk_plan(q.shape[0] // sequences, Hi, keys.shape[1], topk)
+            plan = chunk_plan(T // sequences, Hi, R, topk)
         return over_sequences(functools.partial(indexer_topk_reference, topk=topk,
                                                 compress_ratio=compress_ratio, plan=plan),
                               q, weights, keys, key_scale, positions, sequences=sequences,
-                              topk=topk, compress_ratio=compress_ratio,
-                              min_rows=block_rows(plan, Hi))
-    T, Hi, Di = q.shape
-    R = keys.shape[0]
-    if T == 0 or topk == 0 or R == 0:
-        return _nothing_selected(T, topk)
+                              compress_ratio=compress_ratio, min_rows=block_rows(plan, Hi))
     return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio,
                              chunk_plan(T, Hi, R, topk) if plan is None else plan, _select_chunk,
                              _select_by_merging)
 
 
-def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: int, topk: int,
+def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: int,
                    compress_ratio: int, min_rows: int):
     """``run(q, weights, keys, key_scale, positions)`` for each of S sequences with their own
     caches (operands as ``indexer_topk_reference``'s with ``sequences = S``), one after the other:
@@ -803,8 +801,6 @@ def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: in
     S = sequences
     T, Hi, Di = q.shape[0] // S, q.shape[1], q.shape[2]
     R = keys.shape[1]
-    if T == 0 or topk == 0 or R == 0:
-        return _nothing_selected(S * T, topk)
     Rb = min_rows
     if R < Rb:
         # A cache smaller than one block: padded here, as _chunked pads a single one (a small
@@ -820,7 +816,7 @@ def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: in
 
     idx, scores = jax.lax.map(one, (jnp.arange(S, dtype=jnp.int32), q.reshape(S, T, Hi, Di),
                                     weights.reshape(S, T, Hi), positions.reshape(S, T)))
-    return idx.reshape(S * T, topk), scores.reshape(S * T, topk)
+    return idx.reshape(S * T, -1), scores.reshape(S * T, -1)
 
 
 def _nothing_selected(T: int, topk: int):

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -102,11 +103,28 @@ def run_over_sequences(path_for, sequences: int, *operands, host_callbacks: bool
         return tuple(path_for(sequences)(*operands))
     mesh = keys.sharding.mesh
     split = PartitionSpec(shared_sharding._spec_entry(axes))
-    operands = [x if tuple(jax.typeof(x).sharding.spec)[:1] == tuple(split)
-                else jax.sharding.reshard(x, NamedSharding(mesh, split)) for x in operands]
+    operands = [_leading_split(x, mesh, split) for x in operands]
     return tuple(jax.shard_map(_on_local_sequences(path_for), mesh=mesh, in_specs=(split,) * 5,
                                out_specs=(split, split), axis_names=set(axes),
                                check_vma=False)(*operands))
+
+
+def split_like_batch(x, batched):
+    """``x`` (broadcast to a vmap's batch) with its leading axis split like ``batched``'s under
+    Explicit mesh axes, unchanged elsewhere: vmap needs every batch axis split alike, and each
+    device then runs its own sequences (``run_over_sequences``)."""
+    like = jax.typeof(batched)
+    if not shared_sharding._explicit_axis_names(like):
+        return x
+    spec = tuple(like.sharding.spec)
+    return _leading_split(x, like.sharding.mesh, PartitionSpec(spec[0] if spec else None))
+
+
+def _leading_split(x, mesh, split: PartitionSpec):
+    """``x`` resharded so that its leading axis is split as ``split`` says (Explicit axes)."""
+    if tuple(jax.typeof(x).sharding.spec)[:1] == tuple(split):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, split))
 
 
 # A call over a batch of caches: the sequences ("t" here: whole sequences' tokens, and the caches'
@@ -131,8 +149,9 @@ class _SequencePartitioner(shared_sharding._Partitioner):
     own; else the call runs whole on each device. The Shardy rule ties the tokens ``(s u)`` (S
     sequences of u tokens) to the caches' ``s``."""
 
-    sequences = 1
-    tokens = 1
+    def __init__(self, *args, sequences: int, tokens: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sequences, self.tokens = sequences, tokens  # S, and u tokens per sequence
 
     def _factor_axes(self, mesh, arg_shapes) -> dict:
         sharding = arg_shapes[2].sharding
@@ -163,10 +182,9 @@ class _SequencePartitioner(shared_sharding._Partitioner):
 
 
 def _auto_over_sequences(path_for, sequences, operands):
-    fn = _on_local_sequences(path_for)
-    partitioner = type("_Partitioner", (_SequencePartitioner,),
-                       {"sequences": sequences, "tokens": operands[0].shape[0] // sequences})
-    run = shared_sharding.shard_local(fn, SEQUENCE_LAYOUTS,
+    partitioner = functools.partial(_SequencePartitioner, sequences=sequences,
+                                    tokens=operands[0].shape[0] // sequences)
+    run = shared_sharding.shard_local(_on_local_sequences(path_for), SEQUENCE_LAYOUTS,
                                       RESULT_LAYOUTS, partitioner, q_layout=LAYOUTS["q"])
     return tuple(run(*operands))
 
