@@ -822,6 +822,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--value-dim", type=int, default=None,
                    help="with --model: the value columns (value_dim <= D; default D); each "
                    "shape is modelled with all D columns of values too, for the ratio")
+    p.add_argument("--cpu-devices", type=int, default=1, metavar="N",
+                   help="--cases indexer: give JAX N CPU devices (one per core) and deal each "
+                   "prefill's tokens out over them (XLA:CPU runs one program's sorts and scatters "
+                   "on one core at a time; N devices run N programs side by side)")
     p.add_argument("--op", choices=("attention", "indexer"), default="attention",
                    help="with --model: the op to model; for indexer, --shape is T,R,Hi,Di,K "
                    "(jax_sparse_attn/indexer/bench_model.py)")
@@ -829,6 +833,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="with --model and --op indexer: the kernel to model (auto: the one the "
                    "routing picks; decode is the row-spread kernel)")
     a = p.parse_args(argv)
+    if a.cpu_devices != 1:
+        _use_cpu_devices(p, a)
 
     if a.model and a.op == "indexer":
         from .indexer.bench_model import run_indexer_model
@@ -962,6 +968,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if ok else 1
 
 
+def _use_cpu_devices(p, a) -> None:
+    """``--cpu-devices N``: JAX's CPU devices, set before its backends start (else an error)."""
+    cases = {group.strip() for group in a.cases.split(",")}
+    if a.cpu_devices < 1 or cases != {"indexer"} or a.model or a.indexer_sweep or a.memory:
+        p.error("--cpu-devices N (N >= 1) applies to --cases indexer alone")
+    try:
+        jax.config.update("jax_num_cpu_devices", a.cpu_devices)
+    except RuntimeError as err:  # JAX's backends already started in this process
+        p.error(f"--cpu-devices: {err}")
+    if jax.default_backend() != "cpu" or jax.device_count() != a.cpu_devices:
+        p.error(f"--cpu-devices splits tokens over CPU devices; JAX runs on "
+                f"{jax.default_backend()} with {jax.device_count()} devices")
+
+
 def _indexer_cases(groups, a) -> list:
     """The indexer and layer-decode cases (bench_indexer.py), printed as they finish."""
     from . import bench_indexer as bi
@@ -976,10 +996,15 @@ def _indexer_cases(groups, a) -> list:
         done = []
         for shape in shapes:
             rec = bi.bench_indexer_shape(shape, a.dtype, a.implementation, repeats,
-                                         min(a.warmup, 1), gemm=not a.no_gemm)
+                                         min(a.warmup, 1), gemm=not a.no_gemm,
+                                         cpu_devices=a.cpu_devices)
             done.append(rec)
             table = bi.format_indexer_table(done).splitlines()
             print("\n".join(table if len(done) == 1 else table[-1:]), flush=True)
+            if a.cpu_devices > 1:
+                where = (f"tokens dealt over {rec['cpu_devices']} CPU devices" if
+                         rec["cpu_devices"] > 1 else f"T = {shape.T} does not split: one device")
+                print(f"  {shape.name}: {where} (the GEMM on one)", flush=True)
             if "dense_skipped" in rec:
                 print(f"  {shape.name}: dense path skipped: {rec['dense_skipped']}", flush=True)
         records += done

@@ -11,7 +11,10 @@ Run through the benchmark's command line (``python -m jax_sparse_attn.bench``):
   relu and head sum are not counted). A few tokens' selections are checked against float64
   numpy scores. On the jnp reference the same rounds also time its streaming of the scores with
   no selection (``scores alone``: the rate the op would reach if selecting cost nothing;
-  ``selection_share_of_op`` in the JSON).
+  ``selection_share_of_op`` in the JSON). ``--cpu-devices N`` gives JAX N CPU devices and deals
+  each prefill's tokens out over them (``TokenSplit``): XLA:CPU runs a program's sorts and
+  scatters one after another on one core, so one device selects on one core at a time, while N
+  devices run N programs side by side (README, "The indexer on CPU").
 - ``--cases layer-decode``: one decode step of ``SparseAttention`` (E=512, H=16, D=128, K=2048,
   Hi=4, Di=64, bf16) over a 1M-row cache, jitted with the cache donated, against the indexer call
   and the attention op alone at the same shapes, in the same rounds (target: the step within
@@ -119,6 +122,52 @@ SWEEP = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenSplit:
+    """A prefill's tokens dealt out over ``devices`` CPU devices in turn (token t to device
+    t mod N), so that each device holds as many late, long tokens of a causal prefill as the
+    others; the op takes its tokens in any order, as each carries its position."""
+
+    devices: int
+
+    def applies(self, shape: IndexerShape) -> bool:
+        return self.devices > 1 and shape.T % self.devices == 0
+
+    def order(self, T: int) -> np.ndarray:
+        """The tokens' order in the split operands: each device's share is contiguous."""
+        return np.concatenate([np.arange(d, T, self.devices) for d in range(self.devices)])
+
+    def mesh(self):
+        return jax.make_mesh((self.devices,), ("tokens",))
+
+    def operands(self, q, weights, keys, positions):
+        """The operands with their tokens in ``order`` and split over the mesh's devices."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        mesh = self.mesh()
+        order = self.order(q.shape[0])
+        tokens, whole = NamedSharding(mesh, P("tokens")), NamedSharding(mesh, P())
+        return jax.block_until_ready((
+            jax.device_put(q[order], tokens), jax.device_put(weights[order], tokens),
+            jax.device_put(keys, whole), jax.device_put(positions[order], tokens)))
+
+    def per_device(self, fn):
+        """``fn(q, w, keys, positions) -> [T, ...]``, jitted, on each device's tokens (plain jnp
+        code: its conds' branches are not typed for a manual axis, hence no ``check_vma``)."""
+        from jax.sharding import PartitionSpec as P
+
+        tokens = P("tokens")
+        return jax.jit(jax.shard_map(fn, mesh=self.mesh(), in_specs=(tokens, tokens, P(), tokens),
+                                     out_specs=tokens, check_vma=False))
+
+    def unsplit(self, x) -> np.ndarray:
+        """A result in the split order, back in the tokens' own order."""
+        x = np.asarray(x)
+        out = np.empty_like(x)
+        out[self.order(x.shape[0])] = x
+        return out
+
+
 def _inputs(shape: IndexerShape, dtype, seed: int = 0):
     """Random indexer operands: q [T, Hi, Di], weights [T, Hi] f32, keys [R, Di], positions [T]."""
     k_q, k_w, k_k = jax.random.split(jax.random.key(seed), 3)
@@ -136,10 +185,10 @@ def op_fn(shape: IndexerShape, implementation: Optional[str] = None):
                                                    implementation=implementation))
 
 
-def scores_alone_fn(shape: IndexerShape):
+def scores_alone_fn(shape: IndexerShape, split: Optional[TokenSplit] = None):
     """The reference's streaming of the scores without the selection, jitted, same signature
     (``reference.streamed_scores_alone`` on the op's own operands): the op's time less this
-    one's is the selection's."""
+    one's is the selection's. ``split``: on each device's tokens."""
     from .indexer import api, reference
 
     def scores(q, w, k, p):
@@ -147,19 +196,20 @@ def scores_alone_fn(shape: IndexerShape):
         return reference.streamed_scores_alone(
             *operands, topk=params["topk"], compress_ratio=params["compress_ratio"])[1]
 
-    return jax.jit(scores)
+    return split.per_device(scores) if split else jax.jit(scores)
 
 
-def dense_fn(shape: IndexerShape):
+def dense_fn(shape: IndexerShape, split: Optional[TokenSplit] = None):
     """The dense path (the layer's selection before the op), jitted, same signature and output
-    width ``min(K, R)``. Needs flax (it lives in ``jax_sparse_attn.flax``)."""
+    width ``min(K, R)``. Needs flax (it lives in ``jax_sparse_attn.flax``). ``split``: on each
+    device's tokens."""
     from .flax import indexer_scores, select_topk_rows
 
     def dense(q, w, k, p):
         scores = indexer_scores(q[None], w[None], k[None], p[None])
         return select_topk_rows(scores, shape.K)[0]
 
-    return jax.jit(dense)
+    return split.per_device(dense) if split else jax.jit(dense)
 
 
 def check_selection(idx, q, weights, keys, positions, k: int, tokens: int = 4) -> dict:
@@ -191,18 +241,24 @@ def check_selection(idx, q, weights, keys, positions, k: int, tokens: int = 4) -
 
 
 def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: str, repeats: int,
-                        warmup: int, dense: bool = True, gemm: bool = True) -> dict:
-    """Times the op (and, where it fits, the dense path, and the f32 GEMM) at one shape."""
+                        warmup: int, dense: bool = True, gemm: bool = True,
+                        cpu_devices: int = 1) -> dict:
+    """Times the op (and, where it fits, the dense path, and the f32 GEMM) at one shape.
+    ``cpu_devices > 1``: the tokens split over that many devices (``TokenSplit``; the op under
+    ``jit`` on split operands, as a user would call it), where T divides; the GEMM on one."""
     dtype = bench.DTYPES[dtype_name]
     q, w, keys, positions = _inputs(shape, dtype)
+    split = TokenSplit(cpu_devices)
+    split = split if split.applies(shape) else None
+    args = split.operands(q, w, keys, positions) if split else (q, w, keys, positions)
     impl = bench._implementation_arg(implementation)
     op = op_fn(shape, impl)
     start = time.perf_counter()
-    idx = jax.block_until_ready(op(q, w, keys, positions))
+    idx = jax.block_until_ready(op(*args))
     first_call_s = time.perf_counter() - start
-    fns = {"op": (op, (q, w, keys, positions))}
+    fns = {"op": (op, args)}
     if impl in (None, "reference"):  # the jnp reference: its scores alone, in the same rounds
-        fns["scores_alone"] = (scores_alone_fn(shape), (q, w, keys, positions))
+        fns["scores_alone"] = (scores_alone_fn(shape, split), args)
     dense_skipped = None
     if dense:
         budget = dense_budget_bytes()
@@ -211,7 +267,7 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
                              f"> {budget / 2**30:.0f} GiB")
         else:
             try:
-                fns["dense"] = (dense_fn(shape), (q, w, keys, positions))
+                fns["dense"] = (dense_fn(shape, split), args)
             except ImportError as err:
                 dense_skipped = f"needs flax: {err}"
     gemm_flops = None
@@ -234,7 +290,9 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
         "times_s": times,
         "median_s": med,
         "op_gflops": shape.flops / med["op"] / 1e9,
-        "selection_check": check_selection(idx, q, w, keys, shape.positions, shape.K),
+        "cpu_devices": split.devices if split else 1,
+        "selection_check": check_selection(split.unsplit(idx) if split else idx, q, w, keys,
+                                           shape.positions, shape.K),
         "load_average": {"before": load_before, "after": bench._load_average()},
         "cpu_times_s": cpu_times,
         "median_cpu_s": cpu_med,
@@ -246,7 +304,7 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
         rec["dense_skipped"] = dense_skipped
     if "dense" in med:
         rec["dense_over_op"] = med["dense"] / med["op"]
-        same = np.asarray(fns["dense"][0](q, w, keys, positions))
+        same = np.asarray(fns["dense"][0](*args))
         got = np.asarray(idx)[:, : same.shape[1]]
         rec["dense_same_rows"] = float(np.mean(np.sort(same, 1) == np.sort(got, 1)))
     if gemm:

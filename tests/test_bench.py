@@ -180,6 +180,55 @@ def test_indexer_command_line_writes_json(tmp_path, capsys):
     assert "layer-decode" in capsys.readouterr().out
 
 
+def test_token_split_deals_tokens_out_in_turn_and_puts_results_back():
+    from jax_sparse_attn import bench_indexer as bi
+
+    split = bi.TokenSplit(3)
+    order = split.order(9)
+    # Device d's share (contiguous in the split operands) is tokens d, d + 3, d + 6.
+    assert order.tolist() == [0, 3, 6, 1, 4, 7, 2, 5, 8]
+    rows = np.arange(9 * 2).reshape(9, 2)
+    np.testing.assert_array_equal(split.unsplit(rows[order]), rows)
+    # A causal prefill's (token, row) pairs: the devices' shares differ by one token's worth.
+    shape = bi.IndexerShape("p", 96, 2, 4, 3, 96)
+    dealt = split.order(shape.T)
+    pairs = [int(np.sum(shape.positions[dealt[d * 32:(d + 1) * 32]] + 1)) for d in range(3)]
+    assert max(pairs) - min(pairs) <= 2 * 32 and sum(pairs) == shape.valid_pairs
+    assert split.applies(shape) and not split.applies(bi.IndexerShape("d", 1, 2, 4, 3, 96))
+    assert not bi.TokenSplit(1).applies(shape)
+
+
+def test_cpu_devices_flag_refuses_what_it_cannot_split(capsys):
+    # Only the indexer cases split; and JAX's CPU devices are fixed once its backends started
+    # (as in this test session).
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "decode", "--cpu-devices", "2"])
+    assert "applies to --cases indexer alone" in capsys.readouterr().err
+    jax.devices()
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "indexer", "--quick", "--cpu-devices", "2"])
+    assert "--cpu-devices" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fresh process with two CPU devices compiling the indexer's quick cases
+def test_cpu_devices_flag_splits_a_prefill_over_the_devices(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "indexer.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, "-m", "jax_sparse_attn.bench", "--cases", "indexer",
+                           "--quick", "--repeats", "1", "--cpu-devices", "2", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prefill, decode = json.loads(out.read_text())["records"]
+    assert prefill["cpu_devices"] == 2 and decode["cpu_devices"] == 1  # T = 1 does not split
+    for rec in (prefill, decode):  # the float64 top-k, and the dense path's rows, either way
+        assert rec["selection_check"]["rows_in_f64_topk"] == 1.0
+        assert rec["dense_same_rows"] == 1.0
+    assert "tokens dealt over 2 CPU devices" in proc.stdout
+
+
 @pytest.mark.slow
 def test_layer_memory_flag_measures_a_fresh_process(tmp_path):
     pytest.importorskip("flax")

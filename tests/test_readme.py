@@ -53,7 +53,8 @@ def test_every_snippet_is_covered_below():
                'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale",
                "paged_indices(idx, table, block_size)", "topk_length=topk_length",
                "value_dim=V, return_lse=True", "extra_kv=compressed, extra_idx=topk_idx)",
-               "kv_rope=rope)", "indexer_topk, static_argnames"]
+               "kv_rope=rope)", "indexer_topk, static_argnames",
+               '"jax_num_cpu_devices", 2']
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -245,3 +246,30 @@ def test_indexer_snippet_selects_the_exact_top_rows():
     s, bound = scores_f64(ns["iq"], ns["iw"], ns["ik"])
     check_rows(ns["idx"], s, bound, valid_rows(np.asarray(ns["positions"]), ns["R"]), ns["K"])
     assert ns["out"].shape == (ns["T"], 16, 512)
+
+
+def test_cpu_devices_snippet_selects_the_exact_top_rows_on_two_devices(tmp_path):
+    # The snippet sets JAX's CPU devices, which only a fresh process can: it runs in one (at a
+    # smaller T), saves its inputs and result, and this process checks them against float64.
+    import os
+    import subprocess
+    import sys
+
+    from indexer_oracle import check_rows, scores_f64, valid_rows
+
+    code, replaced = re.subn(r"^T, Hi, Di, K = [0-9, ]+", "T, Hi, Di, K = 512, 2, 16, 40",
+                             snippet('"jax_num_cpu_devices", 2'), flags=re.M)
+    assert replaced == 1
+    out = tmp_path / "split.npz"
+    code += (f"\nnp.savez({str(out)!r}, q=np.asarray(q.astype(jnp.float32)), w=np.asarray(weights),"
+             f" k=np.asarray(keys.astype(jnp.float32)), idx=idx, devices=jax.device_count(),"
+             f" shards=len(dealt[0].sharding.device_set))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = np.load(out)
+    assert int(got["devices"]) == 2 and int(got["shards"]) == 2
+    s, bound = scores_f64(got["q"], got["w"], got["k"])
+    T = got["q"].shape[0]
+    check_rows(got["idx"], s, bound, valid_rows(np.arange(T), T), 40)

@@ -933,7 +933,8 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen, s
     def one(args):
         # Each chunk returns its final (idx, scores): a caller that drops the scores then holds
         # one [T, topk] array, not the keys and rows besides. The lanes' chunks are independent
-        # programs, which XLA:CPU runs side by side (its sorts and scatters use one core each).
+        # work, which XLA:CPU overlaps only in part (docs/indexer.md: one program's sorts and
+        # scatters run one at a time; CPU devices, one per core, run side by side).
         out = []
         for q_c, w_c, l_c in zip(*args):
             q_c = from_bits(q_c, dtype)
