@@ -757,8 +757,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cases", default="decode,prefill",
                    help="comma-separated groups of shapes: decode, prefill, mla, grad (default: "
                    "decode,prefill; use grad with --grad); indexer (indexer_topk against an f32 "
-                   "GEMM and the dense path) and layer-decode (the Flax layer's donated decode "
-                   "step against the indexer and the op alone): see bench_indexer.py")
+                   "GEMM and the dense path), layer-decode (the Flax layer's donated decode "
+                   "step against the indexer and the op alone) and layer-prefill (the layer's "
+                   "causal prefill of a batch): see bench_indexer.py")
     p.add_argument("--shape", type=_parse_shape, action="append",
                    help="a custom shape T,H,D,K,R (repeatable; replaces --cases)")
     p.add_argument("--quick", action="store_true",
@@ -823,9 +824,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="with --model: the value columns (value_dim <= D; default D); each "
                    "shape is modelled with all D columns of values too, for the ratio")
     p.add_argument("--cpu-devices", type=int, default=1, metavar="N",
-                   help="--cases indexer: give JAX N CPU devices (one per core) and deal each "
-                   "prefill's tokens out over them (XLA:CPU runs one program's sorts and scatters "
-                   "on one core at a time; N devices run N programs side by side)")
+                   help="--cases indexer, layer-prefill: give JAX N CPU devices (one per core) "
+                   "and also time each prefill split over them, its tokens dealt out (indexer) or "
+                   "its batch (layer), in the same rounds (XLA:CPU runs one program's sorts and "
+                   "scatters on one core at a time; N devices run N programs side by side)")
     p.add_argument("--op", choices=("attention", "indexer"), default="attention",
                    help="with --model: the op to model; for indexer, --shape is T,R,Hi,Di,K "
                    "(jax_sparse_attn/indexer/bench_model.py)")
@@ -926,7 +928,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ok = rec["within_limit"] and rec.get("rows_same_bits_as_unchunked", True)
     else:
         groups = [group.strip() for group in a.cases.split(",")]
-        indexer_groups = [g for g in groups if g in ("indexer", "layer-decode")]
+        indexer_groups = [g for g in groups if g in ("indexer", "layer-decode", "layer-prefill")]
         groups = [g for g in groups if g not in indexer_groups]
         if a.shape:
             shapes = a.shape
@@ -971,8 +973,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _use_cpu_devices(p, a) -> None:
     """``--cpu-devices N``: JAX's CPU devices, set before its backends start (else an error)."""
     cases = {group.strip() for group in a.cases.split(",")}
-    if a.cpu_devices < 1 or cases != {"indexer"} or a.model or a.indexer_sweep or a.memory:
-        p.error("--cpu-devices N (N >= 1) applies to --cases indexer alone")
+    if (a.cpu_devices < 1 or not cases <= {"indexer", "layer-prefill"} or a.model
+            or a.indexer_sweep or a.memory):
+        p.error("--cpu-devices N (N >= 1) applies to --cases indexer and layer-prefill alone")
     try:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)
     except RuntimeError as err:  # JAX's backends already started in this process
@@ -1002,12 +1005,22 @@ def _indexer_cases(groups, a) -> list:
             table = bi.format_indexer_table(done).splitlines()
             print("\n".join(table if len(done) == 1 else table[-1:]), flush=True)
             if a.cpu_devices > 1:
-                where = (f"tokens dealt over {rec['cpu_devices']} CPU devices" if
-                         rec["cpu_devices"] > 1 else f"T = {shape.T} does not split: one device")
+                where = (f"tokens dealt over {rec['cpu_devices']} CPU devices: "
+                         f"{rec['split_over_one_device']:.2f}x the time on one device in the "
+                         f"same rounds (one device: "
+                         f"{rec.get('op_one_device_fraction_of_gemm_f32', float('nan')):.2f} of "
+                         f"the GEMM)"
+                         if rec["cpu_devices"] > 1 else f"T = {shape.T} does not split: one device")
                 print(f"  {shape.name}: {where} (the GEMM on one)", flush=True)
             if "dense_skipped" in rec:
                 print(f"  {shape.name}: dense path skipped: {rec['dense_skipped']}", flush=True)
         records += done
+    if "layer-prefill" in groups:
+        sizes = bi.QUICK_LAYER_PREFILL if a.quick else bi.LAYER_PREFILL
+        rec = bi.bench_layer_prefill(sizes, a.dtype, a.implementation, a.repeats or 3,
+                                     min(a.warmup, 1), a.cpu_devices)
+        print(bi.format_layer_prefill(rec), flush=True)
+        records.append(rec)
     if "layer-decode" in groups:
         sizes = bi.QUICK_LAYER_DECODE if a.quick else bi.LAYER_DECODE
         rec = bi.bench_layer_decode(sizes, a.dtype, a.implementation, a.repeats or 7, a.warmup)

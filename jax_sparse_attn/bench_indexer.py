@@ -19,6 +19,10 @@ Run through the benchmark's command line (``python -m jax_sparse_attn.bench``):
   Hi=4, Di=64, bf16) over a 1M-row cache, jitted with the cache donated, against the indexer call
   and the attention op alone at the same shapes, in the same rounds (target: the step within
   ``LAYER_STEP_TARGET`` times the sum of the two).
+- ``--cases layer-prefill``: a causal prefill of ``SparseAttention`` over a batch of B = 2
+  sequences of T = 8192 tokens (same layer sizes), jitted; with ``--cpu-devices N`` (N dividing B)
+  also with the batch split over N CPU devices, in the same rounds, and the two outputs compared
+  bit for bit.
 - ``--indexer-sweep``: time and peak memory of one call against T (causal prefill, T=R) and
   against R (decode, T=1) from 4k to 128k, for the op and the dense path, each point in a fresh
   process. ``python -m jax_sparse_attn.plots --indexer-sweep JSON --png PATH`` draws it.
@@ -106,6 +110,10 @@ QUICK_INDEXER_SHAPES = [
     IndexerShape("idx-quick-prefill", 512, 4, 64, 64, 512),
     IndexerShape("idx-quick-decode", 1, 8, 64, 64, 8192),
 ]
+
+# The layer's causal prefill of a batch (``--cases layer-prefill``), same layer sizes.
+LAYER_PREFILL = dict(E=512, H=16, D=128, K=2048, Hi=4, Di=64, B=2, T=8192)
+QUICK_LAYER_PREFILL = dict(E=64, H=4, D=32, K=64, Hi=2, Di=16, B=2, T=512)
 
 # The layer's decode case (issue 17's user report): E=512, H=16, D=128, K=2048, Hi=4, Di=64.
 LAYER_DECODE = dict(E=512, H=16, D=128, K=2048, Hi=4, Di=64, R=2**20)
@@ -257,6 +265,9 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
     idx = jax.block_until_ready(op(*args))
     first_call_s = time.perf_counter() - start
     fns = {"op": (op, args)}
+    if split:  # the same call on one device, in the same rounds (compiled before them)
+        fns["op_one_device"] = (op, (q, w, keys, positions))
+        jax.block_until_ready(op(q, w, keys, positions))
     if impl in (None, "reference"):  # the jnp reference: its scores alone, in the same rounds
         fns["scores_alone"] = (scores_alone_fn(shape, split), args)
     dense_skipped = None
@@ -300,6 +311,8 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
     }
     if "scores_alone" in med:
         rec["selection_share_of_op"] = 1 - med["scores_alone"] / med["op"]
+    if split:
+        rec["split_over_one_device"] = med["op"] / med["op_one_device"]
     if dense_skipped:
         rec["dense_skipped"] = dense_skipped
     if "dense" in med:
@@ -318,6 +331,9 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
         if cpu_med["op"] > 0 and cpu_med["gemm_f32"] > 0:
             rec["op_fraction_of_gemm_f32_per_cpu_s"] = (
                 (shape.flops / cpu_med["op"]) / (gemm_flops / cpu_med["gemm_f32"]))
+        if split:
+            rec["op_one_device_fraction_of_gemm_f32"] = (
+                shape.flops / med["op_one_device"] / 1e9 / rec["gemm_f32_gflops"])
         if shape.name in GEMM_FRACTION_TARGETS:
             rec["target_fraction_of_gemm_f32"] = GEMM_FRACTION_TARGETS[shape.name]
     return rec
@@ -417,6 +433,52 @@ def format_layer_decode(rec: dict) -> str:
             f"{med['indexer'] * 1e3:.1f} ms, attention {med['attention'] * 1e3:.2f} ms; step / "
             f"(indexer + attention) = {rec['step_over_parts']:.2f} (per-round median "
             f"{rec['step_over_parts_per_round_median']:.2f}; target <= {LAYER_STEP_TARGET})")
+
+
+def bench_layer_prefill(sizes: dict, dtype_name: str, implementation: str, repeats: int,
+                        warmup: int, cpu_devices: int = 1) -> dict:
+    """A causal prefill of ``SparseAttention`` (no cache) over ``[B, T, E]``, jitted, on one
+    device and, where ``cpu_devices`` divides B, with the batch split over that many devices (each
+    selects and attends for its own sequences), in the same rounds."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from .flax import SparseAttention
+
+    dtype = bench.DTYPES[dtype_name]
+    impl = bench._implementation_arg(implementation)
+    E, H, D, K, Hi, Di, B, T = (sizes[k] for k in ("E", "H", "D", "K", "Hi", "Di", "B", "T"))
+    layer = SparseAttention(E, H, D, K, index_heads=Hi, index_dim=Di, dtype=dtype,
+                            implementation=impl, rngs=nnx.Rngs(0))
+    x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (B, T, E), dtype))
+    prefill = nnx.jit(lambda m, x: m(x))
+    fns = {"one_device": (prefill, (layer, x))}
+    split = cpu_devices > 1 and B % cpu_devices == 0
+    if split:
+        mesh = jax.make_mesh((cpu_devices,), ("batch",))
+        fns["split"] = (prefill, (layer, jax.device_put(x, NamedSharding(mesh, P("batch")))))
+    outs = {k: np.asarray(jax.block_until_ready(fn(*args))) for k, (fn, args) in fns.items()}
+    load_before = bench._load_average()
+    times = bench._time_rounds(fns, repeats, warmup)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    rec = {"case": "layer-prefill", "sizes": dict(sizes), "dtype": dtype_name,
+           "implementation": implementation, "cpu_devices": cpu_devices if split else 1,
+           "times_s": times, "median_s": med, "finite": bool(np.isfinite(outs["one_device"]).all()),
+           "load_average": {"before": load_before, "after": bench._load_average()}}
+    if split:
+        rec["split_over_one_device"] = med["split"] / med["one_device"]
+        rec["split_same_bits"] = bool(np.array_equal(outs["split"], outs["one_device"]))
+    return rec
+
+
+def format_layer_prefill(rec: dict) -> str:
+    med, s = rec["median_s"], rec["sizes"]
+    line = (f"layer-prefill  B={s['B']} T={s['T']} E={s['E']} H={s['H']} D={s['D']} K={s['K']} "
+            f"Hi={s['Hi']} Di={s['Di']} {rec['dtype']}: one device {med['one_device']:.2f} s")
+    if "split" in med:
+        line += (f"; batch over {rec['cpu_devices']} CPU devices {med['split']:.2f} s "
+                 f"({rec['split_over_one_device']:.2f}x), same bits: {rec['split_same_bits']}")
+    return line
 
 
 # --- the sweep: time and memory against T and R -------------------------------------------------------

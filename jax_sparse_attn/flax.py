@@ -561,17 +561,17 @@ class SparseAttention(nnx.Module):
         the earlier rows first, so that ties still go to the lower row (docs/indexer.md,
         "Merging selections")."""
         from . import indexer_topk
-        from .indexer.sharding import merge_candidates
+        from .indexer.sharding import merge_candidates, positions_from_row
 
         c, k, impl = self.compress_ratio, self.topk, self.implementation
         R, n = p.keys.shape[1], p.fresh.shape[1]
         bits = p.keys.dtype == jnp.uint16
 
         def one(q_b, w_b, old_b, fresh_b, pos_b, first_b):
-            # Rows before `first` are valid up to a position of first * c - 1; fresh row j
-            # (row first + j) at a position of p - first * c, within the cache's R rows.
+            # Rows before `first` are valid up to a position of first * c - 1; the fresh rows
+            # are the cache's rows from `first` on, capped at its R rows.
             before = jnp.where(pos_b < 0, -1, jnp.minimum(pos_b, first_b * c - 1))
-            own = jnp.where(pos_b < 0, -1, jnp.minimum(pos_b - first_b * c, (R - first_b) * c - 1))
+            own = jnp.minimum(positions_from_row(pos_b, first_b, c), (R - first_b) * c - 1)
             i0, s0 = indexer_topk(q_b, w_b, old_b, before, k, compress_ratio=c, return_scores=True,
                                   implementation=impl, keys_as_bits=bits)
             i1, s1 = indexer_topk(q_b, w_b, fresh_b, own, min(k, n), compress_ratio=c,

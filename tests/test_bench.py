@@ -203,7 +203,7 @@ def test_cpu_devices_flag_refuses_what_it_cannot_split(capsys):
     # (as in this test session).
     with pytest.raises(SystemExit):
         bench.main(["--cases", "decode", "--cpu-devices", "2"])
-    assert "applies to --cases indexer alone" in capsys.readouterr().err
+    assert "applies to --cases indexer and layer-prefill alone" in capsys.readouterr().err
     jax.devices()
     with pytest.raises(SystemExit):
         bench.main(["--cases", "indexer", "--quick", "--cpu-devices", "2"])
@@ -217,16 +217,22 @@ def test_cpu_devices_flag_splits_a_prefill_over_the_devices(tmp_path):
 
     out = tmp_path / "indexer.json"
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    proc = subprocess.run([sys.executable, "-m", "jax_sparse_attn.bench", "--cases", "indexer",
-                           "--quick", "--repeats", "1", "--cpu-devices", "2", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "jax_sparse_attn.bench", "--cases",
+                           "indexer,layer-prefill", "--quick", "--repeats", "1", "--cpu-devices",
+                           "2", "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    prefill, decode = json.loads(out.read_text())["records"]
+    prefill, decode, layer = json.loads(out.read_text())["records"]
     assert prefill["cpu_devices"] == 2 and decode["cpu_devices"] == 1  # T = 1 does not split
     for rec in (prefill, decode):  # the float64 top-k, and the dense path's rows, either way
         assert rec["selection_check"]["rows_in_f64_topk"] == 1.0
         assert rec["dense_same_rows"] == 1.0
+    assert prefill["split_over_one_device"] > 0 and "split_over_one_device" not in decode
     assert "tokens dealt over 2 CPU devices" in proc.stdout
+    # The layer's prefill with its batch over the two devices: the one-device output, bit for bit.
+    assert layer["case"] == "layer-prefill" and layer["cpu_devices"] == 2
+    assert layer["split_same_bits"] and layer["finite"] and layer["split_over_one_device"] > 0
+    assert "batch over 2 CPU devices" in proc.stdout
 
 
 @pytest.mark.slow

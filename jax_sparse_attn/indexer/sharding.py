@@ -62,13 +62,19 @@ def best_by_top_k(keys, rows, topk: int):
     return best, jnp.take_along_axis(rows, at, axis=1)
 
 
+def positions_from_row(positions, first, compress_ratio: int):
+    """Positions for the cache's rows from row ``first`` on, numbered from 0: local row ``r`` is
+    valid at the result iff row ``first + r`` is valid at ``positions`` (-1, nothing, for a token
+    before them)."""
+    # (first + r + 1) * ratio <= p + 1  <=>  (r + 1) * ratio <= p - first * ratio + 1.
+    return jnp.where(positions // compress_ratio < first, -1, positions - first * compress_ratio)
+
+
 def _rows_local(compress_ratio: int, topk: int):
     def make_local(fn, axes, mesh_shape):
         def local(q, weights, keys, key_scale, positions, *extra):
             first = cache_sharding._shard_index(axes, mesh_shape) * keys.shape[0]
-            # (first + r + 1) * ratio <= p + 1  <=>  (r + 1) * ratio <= p - first * ratio + 1.
-            shifted = jnp.where(positions // compress_ratio < first, -1,
-                                positions - first * compress_ratio)
+            shifted = positions_from_row(positions, first, compress_ratio)
             idx, scores = fn(q, weights, keys, key_scale, shifted, *extra)[:2]
             idx = jnp.where(idx >= 0, idx + first, -1)
             all_idx = jax.lax.all_gather(idx, axes, axis=1, tiled=True)  # [T, n * topk]
