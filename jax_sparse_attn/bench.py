@@ -985,6 +985,18 @@ def _use_cpu_devices(p, a) -> None:
                 f"{jax.default_backend()} with {jax.device_count()} devices")
 
 
+def _split_summary(rec: dict, T: int) -> str:
+    """One line on an indexer record's token split (``--cpu-devices``)."""
+    if rec["cpu_devices"] == 1:
+        return f"T = {T} does not split: one device"
+    line = (f"tokens dealt over {rec['cpu_devices']} CPU devices: "
+            f"{rec['split_over_one_device']:.2f}x the one-device time in the same rounds")
+    if "op_one_device_fraction_of_gemm_f32" in rec:
+        line += (f"; on one device {rec['op_one_device_fraction_of_gemm_f32']:.2f} of the f32 "
+                 f"GEMM (which runs on one device throughout)")
+    return line
+
+
 def _indexer_cases(groups, a) -> list:
     """The indexer and layer-decode cases (bench_indexer.py), printed as they finish."""
     from . import bench_indexer as bi
@@ -1005,13 +1017,7 @@ def _indexer_cases(groups, a) -> list:
             table = bi.format_indexer_table(done).splitlines()
             print("\n".join(table if len(done) == 1 else table[-1:]), flush=True)
             if a.cpu_devices > 1:
-                where = (f"tokens dealt over {rec['cpu_devices']} CPU devices: "
-                         f"{rec['split_over_one_device']:.2f}x the time on one device in the "
-                         f"same rounds (one device: "
-                         f"{rec.get('op_one_device_fraction_of_gemm_f32', float('nan')):.2f} of "
-                         f"the GEMM)"
-                         if rec["cpu_devices"] > 1 else f"T = {shape.T} does not split: one device")
-                print(f"  {shape.name}: {where} (the GEMM on one)", flush=True)
+                print(f"  {shape.name}: {_split_summary(rec, shape.T)}", flush=True)
             if "dense_skipped" in rec:
                 print(f"  {shape.name}: dense path skipped: {rec['dense_skipped']}", flush=True)
         records += done
