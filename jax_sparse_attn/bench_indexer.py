@@ -448,15 +448,21 @@ def bench_layer_prefill(sizes: dict, dtype_name: str, implementation: str, repea
     dtype = bench.DTYPES[dtype_name]
     impl = bench._implementation_arg(implementation)
     E, H, D, K, Hi, Di, B, T = (sizes[k] for k in ("E", "H", "D", "K", "Hi", "Di", "B", "T"))
-    layer = SparseAttention(E, H, D, K, index_heads=Hi, index_dim=Di, dtype=dtype,
-                            implementation=impl, rngs=nnx.Rngs(0))
+
+    def layer():  # the same weights each time
+        return SparseAttention(E, H, D, K, index_heads=Hi, index_dim=Di, dtype=dtype,
+                               implementation=impl, rngs=nnx.Rngs(0))
+
     x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (B, T, E), dtype))
     prefill = nnx.jit(lambda m, x: m(x))
-    fns = {"one_device": (prefill, (layer, x))}
+    # One layer per placement: a call on the split batch leaves its layer's weights replicated
+    # over the mesh, and the one-device call would then run on every device.
+    one_device = layer()
+    fns = {"one_device": (prefill, (one_device, x))}
     split = cpu_devices > 1 and B % cpu_devices == 0
     if split:
         mesh = jax.make_mesh((cpu_devices,), ("batch",))
-        fns["split"] = (prefill, (layer, jax.device_put(x, NamedSharding(mesh, P("batch")))))
+        fns["split"] = (prefill, (layer(), jax.device_put(x, NamedSharding(mesh, P("batch")))))
     outs = {k: np.asarray(jax.block_until_ready(fn(*args))) for k, (fn, args) in fns.items()}
     load_before = bench._load_average()
     times = bench._time_rounds(fns, repeats, warmup)
@@ -464,6 +470,7 @@ def bench_layer_prefill(sizes: dict, dtype_name: str, implementation: str, repea
     rec = {"case": "layer-prefill", "sizes": dict(sizes), "dtype": dtype_name,
            "implementation": implementation, "cpu_devices": cpu_devices if split else 1,
            "times_s": times, "median_s": med, "finite": bool(np.isfinite(outs["one_device"]).all()),
+           "one_device_weights_on": len(jax.tree.leaves(nnx.state(one_device))[0].devices()),
            "load_average": {"before": load_before, "after": bench._load_average()}}
     if split:
         rec["split_over_one_device"] = med["split"] / med["one_device"]

@@ -232,6 +232,9 @@ def test_cpu_devices_flag_splits_a_prefill_over_the_devices(tmp_path):
     # The layer's prefill with its batch over the two devices: the one-device output, bit for bit.
     assert layer["case"] == "layer-prefill" and layer["cpu_devices"] == 2
     assert layer["split_same_bits"] and layer["finite"] and layer["split_over_one_device"] > 0
+    # The one-device layer's weights stay on one device through the rounds (a layer shared with
+    # the split calls had its weights replicated, and its "one device" call ran on both).
+    assert layer["one_device_weights_on"] == 1
     assert "batch over 2 CPU devices" in proc.stdout
 
 
