@@ -972,10 +972,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _use_cpu_devices(p, a) -> None:
     """``--cpu-devices N``: JAX's CPU devices, set before its backends start (else an error)."""
+    from .bench_indexer import CPU_DEVICE_CASES
+
     cases = {group.strip() for group in a.cases.split(",")}
-    if (a.cpu_devices < 1 or not cases <= {"indexer", "layer-prefill"} or a.model
-            or a.indexer_sweep or a.memory):
-        p.error("--cpu-devices N (N >= 1) applies to --cases indexer and layer-prefill alone")
+    if (a.cpu_devices < 1 or not cases <= CPU_DEVICE_CASES or a.model or a.indexer_sweep
+            or a.memory):
+        p.error(f"--cpu-devices N (N >= 1) applies to --cases "
+                f"{' and '.join(sorted(CPU_DEVICE_CASES))} alone")
     try:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)
     except RuntimeError as err:  # JAX's backends already started in this process
@@ -983,18 +986,6 @@ def _use_cpu_devices(p, a) -> None:
     if jax.default_backend() != "cpu" or jax.device_count() != a.cpu_devices:
         p.error(f"--cpu-devices splits tokens over CPU devices; JAX runs on "
                 f"{jax.default_backend()} with {jax.device_count()} devices")
-
-
-def _split_summary(rec: dict, T: int) -> str:
-    """One line on an indexer record's token split (``--cpu-devices``)."""
-    if rec["cpu_devices"] == 1:
-        return f"T = {T} does not split: one device"
-    line = (f"tokens dealt over {rec['cpu_devices']} CPU devices: "
-            f"{rec['split_over_one_device']:.2f}x the one-device time in the same rounds")
-    if "op_one_device_fraction_of_gemm_f32" in rec:
-        line += (f"; on one device {rec['op_one_device_fraction_of_gemm_f32']:.2f} of the f32 "
-                 f"GEMM (which runs on one device throughout)")
-    return line
 
 
 def _indexer_cases(groups, a) -> list:
@@ -1017,7 +1008,7 @@ def _indexer_cases(groups, a) -> list:
             table = bi.format_indexer_table(done).splitlines()
             print("\n".join(table if len(done) == 1 else table[-1:]), flush=True)
             if a.cpu_devices > 1:
-                print(f"  {shape.name}: {_split_summary(rec, shape.T)}", flush=True)
+                print(f"  {shape.name}: {bi.format_token_split(rec, shape.T)}", flush=True)
             if "dense_skipped" in rec:
                 print(f"  {shape.name}: dense path skipped: {rec['dense_skipped']}", flush=True)
         records += done

@@ -42,6 +42,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import bench
 from .attention.reference import accelerator_memory_bytes
@@ -111,6 +112,9 @@ QUICK_INDEXER_SHAPES = [
     IndexerShape("idx-quick-decode", 1, 8, 64, 64, 8192),
 ]
 
+# The cases that ``--cpu-devices N`` also times split over N CPU devices.
+CPU_DEVICE_CASES = {"indexer", "layer-prefill"}
+
 # The layer's causal prefill of a batch (``--cases layer-prefill``), same layer sizes.
 LAYER_PREFILL = dict(E=512, H=16, D=128, K=2048, Hi=4, Di=64, B=2, T=8192)
 QUICK_LAYER_PREFILL = dict(E=64, H=4, D=32, K=64, Hi=2, Di=16, B=2, T=512)
@@ -150,8 +154,6 @@ class TokenSplit:
 
     def operands(self, q, weights, keys, positions):
         """The operands with their tokens in ``order`` and split over the mesh's devices."""
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
         mesh = self.mesh()
         order = self.order(q.shape[0])
         tokens, whole = NamedSharding(mesh, P("tokens")), NamedSharding(mesh, P())
@@ -162,8 +164,6 @@ class TokenSplit:
     def per_device(self, fn):
         """``fn(q, w, keys, positions) -> [T, ...]``, jitted, on each device's tokens (plain jnp
         code: its conds' branches are not typed for a manual axis, hence no ``check_vma``)."""
-        from jax.sharding import PartitionSpec as P
-
         tokens = P("tokens")
         return jax.jit(jax.shard_map(fn, mesh=self.mesh(), in_specs=(tokens, tokens, P(), tokens),
                                      out_specs=tokens, check_vma=False))
@@ -339,6 +339,18 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
     return rec
 
 
+def format_token_split(rec: dict, T: int) -> str:
+    """One line on an indexer record's token split (``--cpu-devices``)."""
+    if rec["cpu_devices"] == 1:
+        return f"T = {T} does not split: one device"
+    line = (f"tokens dealt over {rec['cpu_devices']} CPU devices: "
+            f"{rec['split_over_one_device']:.2f}x the one-device time in the same rounds")
+    if "op_one_device_fraction_of_gemm_f32" in rec:
+        line += (f"; on one device {rec['op_one_device_fraction_of_gemm_f32']:.2f} of the f32 "
+                 f"GEMM (which runs on one device throughout)")
+    return line
+
+
 def format_indexer_table(records) -> str:
     head = (f"{'case':<18} {'shape':<36} {'op ms':>9} {'dense ms':>9} {'dense/op':>8} "
             f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'target':>6} {'scores alone':>12} "
@@ -441,7 +453,6 @@ def bench_layer_prefill(sizes: dict, dtype_name: str, implementation: str, repea
     device and, where ``cpu_devices`` divides B, with the batch split over that many devices (each
     selects and attends for its own sequences), in the same rounds."""
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from .flax import SparseAttention
 

@@ -90,9 +90,8 @@ def path(implementation, *, topk: int, compress_ratio: int, sequences: int = 1):
 
 def _each_sequence(fn, sequences, q, weights, keys, key_scale, positions):
     """``fn`` (of one sequence's operands) over ``sequences`` sequences, one call each."""
-    T = q.shape[0] // sequences
-    outs = [fn(q[s * T:(s + 1) * T], weights[s * T:(s + 1) * T], keys[s], key_scale[s],
-               positions[s * T:(s + 1) * T]) for s in range(sequences)]
+    q, weights, positions = (reference.per_sequence(x, sequences) for x in (q, weights, positions))
+    outs = [fn(q[s], weights[s], keys[s], key_scale[s], positions[s]) for s in range(sequences)]
     return tuple(jnp.concatenate(x) for x in zip(*outs))
 
 
@@ -181,7 +180,7 @@ def _jvp(primals, tangents, *, topk, compress_ratio, implementation, sequences=1
         fn = lambda q_, w_, k_: selected_scores(q_, w_, k_, key_scale, idx)  # noqa: E731
     else:
         def fn(q_, w_, k_):
-            per = lambda a: a.reshape((sequences, a.shape[0] // sequences) + a.shape[1:])  # noqa: E731
+            per = functools.partial(reference.per_sequence, sequences=sequences)
             s = jax.vmap(selected_scores)(per(q_), per(w_), k_, key_scale, per(idx))
             return s.reshape(idx.shape)
     _, dscores = jax.jvp(fn, (q, weights, keys), (dq, dw, dk))

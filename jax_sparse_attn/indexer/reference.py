@@ -792,6 +792,12 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
                              _select_by_merging)
 
 
+def per_sequence(x, sequences: int):
+    """A token operand or result ``[S T, ...]`` of a call over S sequences (tokens one sequence
+    after another) as ``[S, T, ...]``: a reshape, no copy."""
+    return x.reshape((sequences, x.shape[0] // sequences) + x.shape[1:])
+
+
 def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: int,
                    compress_ratio: int, min_rows: int):
     """``run(q, weights, keys, key_scale, positions)`` for each of S sequences with their own
@@ -799,7 +805,6 @@ def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: in
     ``run`` reads its sequence's rows through ``SequenceRows`` views of the whole batch, which
     holds at least ``min_rows`` rows per sequence (a block)."""
     S = sequences
-    T, Hi, Di = q.shape[0] // S, q.shape[1], q.shape[2]
     R = keys.shape[1]
     Rb = min_rows
     if R < Rb:
@@ -814,9 +819,9 @@ def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: in
         s, q_s, w_s, p_s = args
         return run(q_s, w_s, SequenceRows(keys, s), SequenceRows(key_scale, s), p_s)
 
-    idx, scores = jax.lax.map(one, (jnp.arange(S, dtype=jnp.int32), q.reshape(S, T, Hi, Di),
-                                    weights.reshape(S, T, Hi), positions.reshape(S, T)))
-    return idx.reshape(S * T, -1), scores.reshape(S * T, -1)
+    idx, scores = jax.lax.map(one, (jnp.arange(S, dtype=jnp.int32), per_sequence(q, S),
+                                    per_sequence(weights, S), per_sequence(positions, S)))
+    return idx.reshape(q.shape[0], -1), scores.reshape(q.shape[0], -1)
 
 
 def _nothing_selected(T: int, topk: int):

@@ -65,7 +65,8 @@ def best_by_top_k(keys, rows, topk: int):
 def positions_from_row(positions, first, compress_ratio: int):
     """Positions for the cache's rows from row ``first`` on, numbered from 0: local row ``r`` is
     valid at the result iff row ``first + r`` is valid at ``positions`` (-1, nothing, for a token
-    before them)."""
+    before them). ``positions`` int32 ``[T]`` (or any shape), ``first`` an int32 broadcasting
+    against it."""
     # (first + r + 1) * ratio <= p + 1  <=>  (r + 1) * ratio <= p - first * ratio + 1.
     return jnp.where(positions // compress_ratio < first, -1, positions - first * compress_ratio)
 
