@@ -73,13 +73,16 @@ def cpu_product_layout(request):
     yield from _under_form(request.param)
 
 
-def run_on_8_devices(script: str, *args: str) -> dict:
+def run_on_8_devices(script: str, *args: str, default_optimization: bool = False) -> dict:
     """Runs ``tests/<script>`` in a subprocess with 8 host CPU devices (this session keeps its one
-    device) and returns the JSON records it prints, by their ``check`` name."""
+    device) and returns the JSON records it prints, by their ``check`` name.
+    ``default_optimization``: compile at XLA's default level, as users do, where the script
+    compares two programs' f32 bits (without LLVM's optimisation their last bits may differ)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+    flags = env.get("XLA_FLAGS", "")
+    if default_optimization:
+        flags = flags.replace(FAST_COMPILE_FLAG, "")
+    env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS.parent), str(TESTS),
                                                       env.get("PYTHONPATH")]))
     env.pop("JAX_NUM_CPU_DEVICES", None)

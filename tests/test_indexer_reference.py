@@ -349,6 +349,75 @@ def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
                 np.testing.assert_array_equal(scores, stream[1])
 
 
+# A small call is selected whole (straight-line code); PLANS[1] forces the streaming selection.
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_whole_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
+    # As the merging form's test: topk 24 of 300 rows and 350 (beyond the rows: -1 padding), a
+    # NaN row, ties across blocks, NaN and inf in the rows past every token's limit.
+    T, Hi, Di, R = 21, 4, 16, 300
+    assert reference.whole_plan(T, Hi, R) is not None
+    q, w, k, ks = _inputs(rng, T, Hi, Di, R)
+    positions = jnp.asarray(np.concatenate([rng.integers(0, 250 * ratio, T - 2), [-5, 40]]),
+                            jnp.int32)
+    k = k.at[3].set(jnp.nan)
+    dirty = k.at[250:].set(jnp.nan).at[260].set(jnp.inf)
+    s, bound = scores_f64(q, w, k, scale=1.0)
+    valid = valid_rows(positions, R, ratio)
+    for topk in (24, 350):
+        results = []
+        for plan in (None, PLANS[1]):
+            run = jax.jit(lambda *a, plan=plan: reference.indexer_topk_reference(
+                *a, topk=topk, compress_ratio=ratio, plan=plan))
+            idx, scores = (np.asarray(x) for x in run(q, w, k, ks, positions))
+            check_selection(idx, scores, s, bound, valid, topk)
+            for t in range(T):  # rows 7, 130 and 250 tie exactly: in row order, lower ones kept
+                tied = [r for r in (7, 130, 250) if valid[t, r]]
+                kept = [r for r in idx[t] if r in tied]
+                assert kept == tied[: len(kept)], (t, kept)
+            for a, b in zip((idx, scores), run(q, w, dirty, ks, positions)):
+                np.testing.assert_array_equal(a, np.asarray(b))
+            results.append((idx, scores))
+        if cpu_products.shape_invariant(cpu_products.cpu_form()):
+            for a, b in zip(*results):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_whole_selection_compiles_no_loop_and_stops_at_its_bounds():
+    text = jax.jit(lambda *a: reference.indexer_topk_reference(*a, topk=8, compress_ratio=1)).lower(
+        jnp.zeros((64, 4, 16), jnp.bfloat16), jnp.ones((64, 4)), jnp.zeros((1000, 16), jnp.bfloat16),
+        jnp.ones((1000,)), jnp.arange(64)).compile().as_text()
+    assert " while(" not in text and " sort(" in text
+    assert reference.whole_plan(1, 4, reference.WHOLE_ROWS) is not None
+    assert reference.whole_plan(1, 4, reference.WHOLE_ROWS + 1) is None  # rows round up to 16
+    assert reference.whole_plan(reference.WHOLE_PAIRS // 256, 4, 256) is not None
+    assert reference.whole_plan(reference.WHOLE_PAIRS // 256 + 1, 4, 256) is None
+    # The products [T, Hi, R] f32 within CHUNK_BYTES: 64 heads take fewer pairs.
+    assert reference.whole_plan(64, 64, 256) is not None
+    assert reference.whole_plan(128, 64, 256) is None
+
+
+@pytest.mark.parametrize("plan", [None, PLANS[1]])
+def test_sequences_with_own_caches_read_only_their_rows(rng, plan):
+    # The primitive's call over S sequences' caches (vmap), selected whole and streamed: each
+    # sequence's rows past its tokens' positions are NaN, so a read of another's would show.
+    S, T, Hi, Di, R, topk = 3, 5, 4, 16, 100, 12
+    q = jnp.asarray(rng.standard_normal((S * T, Hi, Di)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((S * T, Hi)), jnp.float32)
+    positions = rng.integers(-1, R - 10, S * T)
+    k = rng.standard_normal((S, R, Di))
+    last = positions.reshape(S, T).max(-1)
+    k[np.arange(R)[None, :] > last[:, None]] = np.nan
+    k = jnp.asarray(k, jnp.bfloat16)
+    ks = jnp.asarray(rng.uniform(0.5, 2.0, (S, R)), jnp.float32)
+    idx, scores = jax.jit(lambda *a: reference.indexer_topk_reference(
+        *a, topk=topk, compress_ratio=1, plan=plan, sequences=S))(
+        q, w, k, ks, jnp.asarray(positions, jnp.int32))
+    for i in range(S):
+        part = slice(i * T, (i + 1) * T)
+        s, bound = scores_f64(q[part], w[part], k[i], ks[i], scale=1.0)
+        check_selection(idx[part], scores[part], s, bound, valid_rows(positions[part], R), topk)
+
+
 def test_merging_form_breaks_exact_ties_by_row_across_blocks(rng):
     # Every row's key is one of three: ties within a block and across blocks, the running best
     # set full of them before later blocks arrive.
