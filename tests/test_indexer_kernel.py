@@ -240,6 +240,14 @@ def test_public_op_vmap_over_own_caches_runs_the_kernel_per_sequence(monkeypatch
     for s in range(S):
         want = oracle_topk(oracle_scores(q[s], w[s], keys[s]), positions[s], K)
         np.testing.assert_array_equal(idx[s], want)
+    # One kernel call in a loop over the sequences: the program does not grow with the batch.
+    sizes = []
+    for n in (2, 6):
+        args = [jax.ShapeDtypeStruct((n,) + x.shape[1:], d)
+                for x, d in ((q, jnp.bfloat16), (w, jnp.float32), (keys, jnp.bfloat16),
+                             (positions, jnp.int32))]
+        sizes.append(run.lower(*args).as_text().count("callback"))
+    assert sizes[0] == sizes[1] > 0, sizes
 
 
 def test_valid_rows_follow_the_rule_without_overflow():

@@ -89,10 +89,11 @@ def path(implementation, *, topk: int, compress_ratio: int, sequences: int = 1):
 
 
 def _each_sequence(fn, sequences, q, weights, keys, key_scale, positions):
-    """``fn`` (of one sequence's operands) over ``sequences`` sequences, one call each."""
+    """``fn`` (of one sequence's operands) over ``sequences`` sequences, one call each, in a loop
+    (``lax.map``): the program holds one kernel call whatever the batch."""
     q, weights, positions = (reference.per_sequence(x, sequences) for x in (q, weights, positions))
-    outs = [fn(q[s], weights[s], keys[s], key_scale[s], positions[s]) for s in range(sequences)]
-    return tuple(jnp.concatenate(x) for x in zip(*outs))
+    outs = jax.lax.map(lambda a: fn(*a), (q, weights, keys, key_scale, positions))
+    return tuple(x.reshape((-1,) + x.shape[2:]) for x in outs)
 
 
 def _lower(q, weights, keys, key_scale, positions, *, topk, compress_ratio, implementation,
