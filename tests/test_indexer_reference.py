@@ -354,8 +354,8 @@ def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
 def test_whole_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
     # As the merging form's test: topk 24 of 300 rows and 350 (beyond the rows: -1 padding), a
     # NaN row, ties across blocks, NaN and inf in the rows past every token's limit.
-    T, Hi, Di, R = 21, 4, 16, 300
-    assert reference.whole_plan(T, Hi, R) is not None
+    T, Hi, Di, R = 13, 4, 16, 300
+    assert all(reference.whole_plan(T, Hi, R, topk) is not None for topk in (24, 350))
     q, w, k, ks = _inputs(rng, T, Hi, Di, R)
     positions = jnp.asarray(np.concatenate([rng.integers(0, 250 * ratio, T - 2), [-5, 40]]),
                             jnp.int32)
@@ -384,16 +384,20 @@ def test_whole_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
 
 def test_whole_selection_compiles_no_loop_and_stops_at_its_bounds():
     text = jax.jit(lambda *a: reference.indexer_topk_reference(*a, topk=8, compress_ratio=1)).lower(
-        jnp.zeros((64, 4, 16), jnp.bfloat16), jnp.ones((64, 4)), jnp.zeros((1000, 16), jnp.bfloat16),
-        jnp.ones((1000,)), jnp.arange(64)).compile().as_text()
+        jnp.zeros((16, 4, 16), jnp.bfloat16), jnp.ones((16, 4)), jnp.zeros((1000, 16), jnp.bfloat16),
+        jnp.ones((1000,)), jnp.arange(16)).compile().as_text()
     assert " while(" not in text and " sort(" in text
-    assert reference.whole_plan(1, 4, reference.WHOLE_ROWS) is not None
-    assert reference.whole_plan(1, 4, reference.WHOLE_ROWS + 1) is None  # rows round up to 16
-    assert reference.whole_plan(reference.WHOLE_PAIRS // 256, 4, 256) is not None
-    assert reference.whole_plan(reference.WHOLE_PAIRS // 256 + 1, 4, 256) is None
+    plan = reference.whole_plan
+    assert plan(1, 4, reference.WHOLE_ROWS, 8) is not None
+    assert plan(1, 4, reference.WHOLE_ROWS + 1, 8) is None  # rows round up to 16
+    assert plan(reference.WHOLE_PAIRS // 256, 4, 256, 128) is not None
+    assert plan(reference.WHOLE_PAIRS // 256 + 1, 4, 256, 128) is None
+    # Beyond WHOLE_ANY_PAIRS only rows few against topk (at most 2 topk).
+    assert plan(reference.WHOLE_ANY_PAIRS // 256, 4, 256, 8) is not None
+    assert plan(reference.WHOLE_ANY_PAIRS // 256 + 1, 4, 256, 127) is None
     # The products [T, Hi, R] f32 within CHUNK_BYTES: 64 heads take fewer pairs.
-    assert reference.whole_plan(64, 64, 256) is not None
-    assert reference.whole_plan(128, 64, 256) is None
+    assert plan(64, 64, 256, 128) is not None
+    assert plan(128, 64, 256, 128) is None
 
 
 @pytest.mark.parametrize("plan", [None, PLANS[1]])

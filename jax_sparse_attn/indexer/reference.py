@@ -123,13 +123,19 @@ FEW_HEADS_BUFFER_BLOCKS = 2
 # about a third to the compile time, which a short call would not win back).
 LANES = 2
 LANES_MIN_CHUNKS = 16
-# A call of at most WHOLE_PAIRS (token, row) pairs over at most WHOLE_ROWS rows, whose products
-# ``[T, Hi, R]`` f32 fit CHUNK_BYTES, is selected in one straight-line step on CPU
-# (``_select_whole``): it compiles in about a tenth of the streaming program's time (0.2 s against
-# 1.5 to 2.2 s for T = 1 .. 2048 at Hi = 4, Sapphire Rapids), and up to this size runs within
-# about 1.5x of it (T = R = 256: 2.8 ms both; T = 1, R = 4096: 0.46 against 0.30 ms).
+# A small call is selected in one straight-line step on CPU (``whole_plan``, ``_select_whole``),
+# which compiles in about a tenth of the streaming program's time (0.1-0.2 s against 1.5-2.2 s,
+# Hi = 4, Sapphire Rapids). It sorts every row twice (the LSD sort: about 60-80 ns per pair from
+# 512 rows on) where the stream sorts topk + 64 entries per token, so it takes a call of at most
+# WHOLE_PAIRS (token, row) pairs over at most WHOLE_ROWS rows whose rows are few against topk
+# (at most 2 topk), or a call of at most WHOLE_ANY_PAIRS pairs whatever its topk (about a
+# millisecond at most). Measured there, whole against streamed: T = 1, R = 4096, K = 64: 0.54 /
+# 0.50 ms; T = 128, R = 512, K = 256: 3.9 / 3.6 ms; T = 8, R = 512, K = 16: 0.42 / 0.27 ms;
+# T = 8, R = 2048, K = 64: 1.25 / 0.56 ms (the worst inside the bounds); outside them T = 8,
+# R = 4096: 2.7 / 0.8 ms; T = 128, R = 512, K = 16: 4.1 / 1.6 ms.
 WHOLE_PAIRS = 2**16
 WHOLE_ROWS = 4096
+WHOLE_ANY_PAIRS = 2**14
 
 
 def order_keys(scores):
@@ -769,13 +775,16 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     return best_first(buf, topk, _known_kth_bound(count, tau, topk))
 
 
-def whole_plan(num_tokens: int, heads: int, rows: int) -> ChunkPlan | None:
+def whole_plan(num_tokens: int, heads: int, rows: int, topk: int) -> ChunkPlan | None:
     """The plan of a call small enough to select all its rows at once (``WHOLE_PAIRS``): one
     chunk of every token and one block of every row (a multiple of ``BLOCK_ALIGN``, as
-    ``chunk_plan``'s blocks, so each score's arithmetic is the same); None for a larger call."""
+    ``chunk_plan``'s blocks, so each score's arithmetic is the same), its products ``[T, Hi, R]``
+    f32 within ``CHUNK_BYTES``; None for a larger call."""
     Rb = _round_up(rows, BLOCK_ALIGN)
     pairs = max(num_tokens, 1) * Rb
     if Rb > WHOLE_ROWS or pairs > WHOLE_PAIRS or 4 * pairs * max(heads, 1) > CHUNK_BYTES:
+        return None
+    if pairs > WHOLE_ANY_PAIRS and Rb > 2 * topk:
         return None
     return ChunkPlan(max(num_tokens, 1), Rb, Rb, Rb)
 
@@ -799,7 +808,7 @@ def _select_whole(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
 def cpu_selection(num_tokens: int, heads: int, rows: int, topk: int):
     """The CPU's default ``(plan, select)`` for a call of one sequence: ``_select_whole`` where
     ``whole_plan`` takes the call, else ``_select_chunk`` streaming over ``chunk_plan``."""
-    plan = whole_plan(num_tokens, heads, rows)
+    plan = whole_plan(num_tokens, heads, rows, topk)
     if plan is not None:
         return plan, _select_whole
     return chunk_plan(num_tokens, heads, rows, topk), _select_chunk
