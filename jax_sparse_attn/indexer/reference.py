@@ -795,9 +795,17 @@ def _select_whole(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     keep row order), the first ``topk`` kept. No loop, cut or buffer: straight-line code."""
     Rb = plan.rows
     rows = jnp.arange(Rb, dtype=jnp.int32)
-    new = order_keys(block_scores(q, w, key_rows(_rows_at(keys, 0, Rb)),
-                                  _rows_at(key_scale, 0, Rb), widen))
-    new = jnp.where(rows[None, :] < limit[:, None], new, INVALID_KEY)
+
+    def scored(_):
+        new = order_keys(block_scores(q, w, key_rows(_rows_at(keys, 0, Rb)),
+                                      _rows_at(key_scale, 0, Rb), widen))
+        return jnp.where(rows[None, :] < limit[:, None], new, INVALID_KEY)
+
+    # Scored in a branch of its own (skipped where no token has a valid row), as the stream scores
+    # in its loop: at the program's top level jax 0.7's XLA:CPU laid the product out otherwise in
+    # a jitted caller than in an eager call, and a score's last bit moved between the two.
+    new = jax.lax.cond(jnp.max(limit) > 0, scored,
+                       lambda _: jnp.full((q.shape[0], Rb), INVALID_KEY, jnp.int32), None)
     best, best_rows = _sort_lsd(new, jnp.broadcast_to(rows, new.shape), (Rb - 1).bit_length())
     if topk > Rb:  # more slots than rows: the rest select nothing
         pad = ((0, 0), (0, topk - Rb))
