@@ -349,7 +349,7 @@ def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
                 np.testing.assert_array_equal(scores, stream[1])
 
 
-# A small call is selected whole (straight-line code); PLANS[1] forces the streaming selection.
+# A small call is selected whole (no loop); PLANS[1] forces the streaming selection.
 @pytest.mark.parametrize("ratio", [1, 4])
 def test_whole_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
     # As the merging form's test: topk 24 of 300 rows and 350 (beyond the rows: -1 padding), a

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def records():
-    # A small call is selected whole, in one straight-line program of the call's shape: without
+    # A small call is selected whole, in one program of the call's shape with no loop: without
     # LLVM's optimisation a device's share and the whole call rounded differently (the last bit
     # of a score, seen for tokens and rows split together).
     return run_on_8_devices("indexer_sharding_checks.py", default_optimization=True)

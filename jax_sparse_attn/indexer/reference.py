@@ -9,9 +9,8 @@ The arithmetic is the contract of ``docs/indexer.md``: per token ``t`` and cache
 and the selection is exact on those f32 scores: the ``topk`` valid rows with the highest scores,
 best first, exact ties to the lower row, NaN below every number.
 
-A call small enough to hold its ``[T, Hi, R]`` products in one step (``whole_plan``) is selected
-whole, in straight-line code that compiles in a tenth of the time (``_select_whole``: all its
-order keys sorted at once). Otherwise nothing of size ``[T, R]`` is built: tokens run in chunks
+A small call (``whole_plan``) is selected whole, in one step with no loop, which compiles in a
+tenth of the time (``_select_whole``: all its order keys sorted at once). Otherwise nothing of size ``[T, R]`` is built: tokens run in chunks
 (``lax.map``); for each chunk a loop streams over blocks of cache rows, only as many as the
 chunk's last valid row needs (a causal prefill scores about half of the dense pairs), and keeps
 each token's running selection:
@@ -66,8 +65,6 @@ same ``_block_keys``), so that the benchmark measures what the selection costs.
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -123,7 +120,7 @@ FEW_HEADS_BUFFER_BLOCKS = 2
 # about a third to the compile time, which a short call would not win back).
 LANES = 2
 LANES_MIN_CHUNKS = 16
-# A small call is selected in one straight-line step on CPU (``whole_plan``, ``_select_whole``),
+# A small call is selected in one step with no loop on CPU (``whole_plan``, ``_select_whole``),
 # which compiles in about a tenth of the streaming program's time (0.1-0.2 s against 1.5-2.2 s,
 # Hi = 4, Sapphire Rapids). It sorts every row twice (the LSD sort: about 60-80 ns per pair from
 # 512 rows on) where the stream sorts topk + 64 entries per token, so it takes a call of at most
@@ -776,10 +773,10 @@ def _select_chunk(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
 
 
 def whole_plan(num_tokens: int, heads: int, rows: int, topk: int) -> ChunkPlan | None:
-    """The plan of a call small enough to select all its rows at once (``WHOLE_PAIRS``): one
-    chunk of every token and one block of every row (a multiple of ``BLOCK_ALIGN``, as
-    ``chunk_plan``'s blocks, so each score's arithmetic is the same), its products ``[T, Hi, R]``
-    f32 within ``CHUNK_BYTES``; None for a larger call."""
+    """The plan of a call small enough to select all its rows at once (the bounds beside
+    ``WHOLE_PAIRS``): one chunk of every token and one block of every row (a multiple of
+    ``BLOCK_ALIGN``, as ``chunk_plan``'s blocks, so each score's arithmetic is the same), its
+    products ``[T, Hi, R]`` f32 within ``CHUNK_BYTES``; None for a larger call."""
     Rb = _round_up(rows, BLOCK_ALIGN)
     pairs = max(num_tokens, 1) * Rb
     if Rb > WHOLE_ROWS or pairs > WHOLE_PAIRS or 4 * pairs * max(heads, 1) > CHUNK_BYTES:
@@ -792,7 +789,7 @@ def whole_plan(num_tokens: int, heads: int, rows: int, topk: int) -> ChunkPlan |
 def _select_whole(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, widen: bool):
     """``_select_chunk``'s result for a ``whole_plan``: every row's order key at once (invalid
     rows at ``INVALID_KEY``), sorted best first by the exact two-pass LSD sort (stable, so ties
-    keep row order), the first ``topk`` kept. No loop, cut or buffer: straight-line code."""
+    keep row order), the first ``topk`` kept. No loop, cut or buffer to compile."""
     Rb = plan.rows
     rows = jnp.arange(Rb, dtype=jnp.int32)
 
