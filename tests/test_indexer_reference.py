@@ -392,9 +392,11 @@ def test_whole_selection_compiles_no_loop_and_stops_at_its_bounds():
     assert plan(1, 4, reference.WHOLE_ROWS + 1, 8) is None  # rows round up to 16
     assert plan(reference.WHOLE_PAIRS // 256, 4, 256, 128) is not None
     assert plan(reference.WHOLE_PAIRS // 256 + 1, 4, 256, 128) is None
-    # Beyond WHOLE_ANY_PAIRS only rows few against topk (at most 2 topk).
-    assert plan(reference.WHOLE_ANY_PAIRS // 256, 4, 256, 8) is not None
-    assert plan(reference.WHOLE_ANY_PAIRS // 256 + 1, 4, 256, 127) is None
+    # Beyond WHOLE_ANY_PAIRS only few rows: at most WHOLE_FEW_ROWS, or 2 topk.
+    few = reference.WHOLE_FEW_ROWS
+    assert plan(reference.WHOLE_PAIRS // few, 4, few, 8) is not None
+    assert plan(reference.WHOLE_ANY_PAIRS // (2 * few) + 1, 4, 2 * few, few - 1) is None
+    assert plan(reference.WHOLE_ANY_PAIRS // (2 * few) + 1, 4, 2 * few, few) is not None
     # The products [T, Hi, R] f32 within CHUNK_BYTES: 64 heads take fewer pairs.
     assert plan(64, 64, 256, 128) is not None
     assert plan(128, 64, 256, 128) is None

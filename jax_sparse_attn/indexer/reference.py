@@ -124,15 +124,17 @@ LANES_MIN_CHUNKS = 16
 # which compiles in about a tenth of the streaming program's time (0.1-0.2 s against 1.5-2.2 s,
 # Hi = 4, Sapphire Rapids). It sorts every row twice (the LSD sort: about 60-80 ns per pair from
 # 512 rows on) where the stream sorts topk + 64 entries per token, so it takes a call of at most
-# WHOLE_PAIRS (token, row) pairs over at most WHOLE_ROWS rows whose rows are few against topk
-# (at most 2 topk), or a call of at most WHOLE_ANY_PAIRS pairs whatever its topk (about a
-# millisecond at most). Measured there, whole against streamed: T = 1, R = 4096, K = 64: 0.54 /
-# 0.50 ms; T = 128, R = 512, K = 256: 3.9 / 3.6 ms; T = 8, R = 512, K = 16: 0.42 / 0.27 ms;
-# T = 8, R = 2048, K = 64: 1.25 / 0.56 ms (the worst inside the bounds); outside them T = 8,
-# R = 4096: 2.7 / 0.8 ms; T = 128, R = 512, K = 16: 4.1 / 1.6 ms.
+# WHOLE_PAIRS (token, row) pairs over at most WHOLE_ROWS rows whose rows are few (at most
+# WHOLE_FEW_ROWS, where the sort is short, or 2 topk), or a call of at most WHOLE_ANY_PAIRS pairs
+# whatever its rows (about a millisecond at most). Measured there, whole against streamed (ms):
+# T = 1, R = 4096, K = 64: 0.54 / 0.50; T = 128, R = 512, K = 256: 3.9 / 3.6; T = 256, R = 256,
+# K = 16: 2.9 / 3.2; T = 128, R = 256, K = 8: 1.8 / 1.4; T = 512, R = 128: 2.7 / 5.2;
+# T = 8, R = 2048, K = 64: 1.25 / 0.56 (the worst inside the bounds); outside them T = 8,
+# R = 4096: 2.7 / 0.8; T = 128, R = 512, K = 16: 4.1 / 1.6.
 WHOLE_PAIRS = 2**16
 WHOLE_ROWS = 4096
 WHOLE_ANY_PAIRS = 2**14
+WHOLE_FEW_ROWS = 256
 
 
 def order_keys(scores):
@@ -781,7 +783,7 @@ def whole_plan(num_tokens: int, heads: int, rows: int, topk: int) -> ChunkPlan |
     pairs = max(num_tokens, 1) * Rb
     if Rb > WHOLE_ROWS or pairs > WHOLE_PAIRS or 4 * pairs * max(heads, 1) > CHUNK_BYTES:
         return None
-    if pairs > WHOLE_ANY_PAIRS and Rb > 2 * topk:
+    if pairs > WHOLE_ANY_PAIRS and Rb > max(WHOLE_FEW_ROWS, 2 * topk):
         return None
     return ChunkPlan(max(num_tokens, 1), Rb, Rb, Rb)
 
