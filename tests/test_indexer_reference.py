@@ -196,9 +196,11 @@ def test_cut_keeps_the_best_in_buffer_order(rng, M, k, cap):
             assert tau[i] == reference.INVALID_KEY
 
 
-# Buffers up to WHOLE_SORT_MAX are sorted whole; longer ones are cut, then sorted in one pass.
+# Buffers up to WHOLE_SORT_MAX are sorted whole; longer ones are cut, then sorted whole (at most
+# FINAL_WHOLE_SORT_MAX entries: k <= 32) or in one pass.
 @pytest.mark.parametrize("M, k", [(40, 24), (reference.WHOLE_SORT_MAX, 13),
                                   (reference.WHOLE_SORT_MAX + 1, 13),
+                                  (reference.WHOLE_SORT_MAX + 1, 33),
                                   pytest.param(4096, 2048, marks=pytest.mark.slow)])
 def test_best_first_against_numpy(rng, M, k):
     keys = _hard_key_rows(rng, M)
