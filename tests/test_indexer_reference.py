@@ -319,11 +319,13 @@ MERGE_PLANS = [None, reference.ChunkPlan(1, 16, 0, 16), reference.ChunkPlan(4, 3
                reference.ChunkPlan(16, 48, 0, 48)]
 
 
-@pytest.mark.parametrize("ratio", [1, 4])
-def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
-    # topk 24 of 300 rows, and 350 (more than the rows: -1 padding); row 3 scores NaN for every
-    # token; the rows past every token's limit hold NaN and inf.
-    T, Hi, Di, R = 21, 4, 16, 300
+def _exact_with_ties_nan_and_garbage(rng, T, ratio, select, plans):
+    """``select(topk, ratio, plan)`` (a reference form) for each plan at topk 24 of 300 rows and
+    350 (beyond the rows: -1 padding): row 3 scores NaN for every token, rows 7, 130 and 250 tie
+    exactly (across blocks), the rows past every token's limit hold NaN and inf. Each plan's
+    selection is checked against float64, its ties in row order, and unchanged by the garbage.
+    Returns ``{topk: [(idx, scores) per plan]}`` and the case's operands."""
+    Hi, Di, R = 4, 16, 300
     q, w, k, ks = _inputs(rng, T, Hi, Di, R)
     positions = jnp.asarray(np.concatenate([rng.integers(0, 250 * ratio, T - 2), [-5, 40]]),
                             jnp.int32)
@@ -331,22 +333,35 @@ def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
     dirty = k.at[250:].set(jnp.nan).at[260].set(jnp.inf)
     s, bound = scores_f64(q, w, k, scale=1.0)
     valid = valid_rows(positions, R, ratio)
+    results = {}
     for topk in (24, 350):
-        results = []
-        for plan in MERGE_PLANS:
-            run = jax.jit(lambda *a, plan=plan: reference.indexer_topk_by_merging(
-                *a, topk=topk, compress_ratio=ratio, plan=plan))
+        results[topk] = []
+        for plan in plans:
+            run = jax.jit(lambda *a, plan=plan: select(*a, topk=topk, compress_ratio=ratio,
+                                                       plan=plan))
             idx, scores = (np.asarray(x) for x in run(q, w, k, ks, positions))
             check_selection(idx, scores, s, bound, valid, topk)
+            for t in range(T):  # the tied rows in row order, the lower ones kept
+                tied = [r for r in (7, 130, 250) if valid[t, r]]
+                kept = [r for r in idx[t] if r in tied]
+                assert kept == tied[: len(kept)], (t, kept)
             for a, b in zip((idx, scores), run(q, w, dirty, ks, positions)):
                 np.testing.assert_array_equal(a, np.asarray(b))
-            results.append((idx, scores))
+            results[topk].append((idx, scores))
+    return results, (q, w, k, ks, positions)
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
+    results, operands = _exact_with_ties_nan_and_garbage(
+        rng, 21, ratio, reference.indexer_topk_by_merging, MERGE_PLANS)
+    for topk, per_plan in results.items():
         # The streaming form's selection from the same scores: the same rows, ties included.
         stream = [np.asarray(x) for x in jax.jit(lambda *a: reference.indexer_topk_reference(
-            *a, topk=topk, compress_ratio=ratio))(q, w, k, ks, positions)]
+            *a, topk=topk, compress_ratio=ratio))(*operands)]
         # (Elsewhere each plan's products may round differently: each is exact on its own.)
         if cpu_products.shape_invariant(cpu_products.cpu_form()):
-            for idx, scores in results:
+            for idx, scores in per_plan:
                 np.testing.assert_array_equal(idx, stream[0])
                 np.testing.assert_array_equal(scores, stream[1])
 
@@ -354,33 +369,13 @@ def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
 # A small call is selected whole (no loop); PLANS[1] forces the streaming selection.
 @pytest.mark.parametrize("ratio", [1, 4])
 def test_whole_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
-    # As the merging form's test: topk 24 of 300 rows and 350 (beyond the rows: -1 padding), a
-    # NaN row, ties across blocks, NaN and inf in the rows past every token's limit.
-    T, Hi, Di, R = 13, 4, 16, 300
-    assert all(reference.whole_plan(T, Hi, R, topk) is not None for topk in (24, 350))
-    q, w, k, ks = _inputs(rng, T, Hi, Di, R)
-    positions = jnp.asarray(np.concatenate([rng.integers(0, 250 * ratio, T - 2), [-5, 40]]),
-                            jnp.int32)
-    k = k.at[3].set(jnp.nan)
-    dirty = k.at[250:].set(jnp.nan).at[260].set(jnp.inf)
-    s, bound = scores_f64(q, w, k, scale=1.0)
-    valid = valid_rows(positions, R, ratio)
-    for topk in (24, 350):
-        results = []
-        for plan in (None, PLANS[1]):
-            run = jax.jit(lambda *a, plan=plan: reference.indexer_topk_reference(
-                *a, topk=topk, compress_ratio=ratio, plan=plan))
-            idx, scores = (np.asarray(x) for x in run(q, w, k, ks, positions))
-            check_selection(idx, scores, s, bound, valid, topk)
-            for t in range(T):  # rows 7, 130 and 250 tie exactly: in row order, lower ones kept
-                tied = [r for r in (7, 130, 250) if valid[t, r]]
-                kept = [r for r in idx[t] if r in tied]
-                assert kept == tied[: len(kept)], (t, kept)
-            for a, b in zip((idx, scores), run(q, w, dirty, ks, positions)):
-                np.testing.assert_array_equal(a, np.asarray(b))
-            results.append((idx, scores))
-        if cpu_products.shape_invariant(cpu_products.cpu_form()):
-            for a, b in zip(*results):
+    T = 13
+    assert all(reference.whole_plan(T, 4, 300, topk) is not None for topk in (24, 350))
+    results, _ = _exact_with_ties_nan_and_garbage(
+        rng, T, ratio, reference.indexer_topk_reference, (None, PLANS[1]))
+    if cpu_products.shape_invariant(cpu_products.cpu_form()):
+        for whole, streamed in results.values():
+            for a, b in zip(whole, streamed):
                 np.testing.assert_array_equal(a, b)
 
 
