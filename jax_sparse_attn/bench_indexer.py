@@ -376,6 +376,17 @@ def format_indexer_table(records) -> str:
 # --- the layer's decode step ------------------------------------------------------------------------
 
 
+def _layer(sizes: dict, dtype, **options):
+    """``SparseAttention`` of the bench's sizes (E, H, D, K, Hi, Di) with ``options``, seeded:
+    the same weights on every call."""
+    from flax import nnx
+
+    from .flax import SparseAttention
+
+    return SparseAttention(sizes["E"], sizes["H"], sizes["D"], sizes["K"], index_heads=sizes["Hi"],
+                           index_dim=sizes["Di"], dtype=dtype, rngs=nnx.Rngs(0), **options)
+
+
 def bench_layer_decode(sizes: dict, dtype_name: str, implementation: str, repeats: int,
                        warmup: int) -> dict:
     """One decode step of ``SparseAttention`` over an ``R``-row cache (jitted, cache donated),
@@ -383,13 +394,11 @@ def bench_layer_decode(sizes: dict, dtype_name: str, implementation: str, repeat
     from flax import nnx
 
     from . import gathered_attn_idx, indexer_topk
-    from .flax import SparseAttention
 
     dtype = bench.DTYPES[dtype_name]
     impl = bench._implementation_arg(implementation)
     E, H, D, K, Hi, Di, R = (sizes[k] for k in ("E", "H", "D", "K", "Hi", "Di", "R"))
-    layer = SparseAttention(E, H, D, K, index_heads=Hi, index_dim=Di, dtype=dtype,
-                            implementation=impl, rngs=nnx.Rngs(0))
+    layer = _layer(sizes, dtype, implementation=impl)
     position = R - 2  # a full cache: the indexer scores R - 1 rows
     cache = layer.init_cache(1, R)._replace(length=jnp.array([position], jnp.int32))
     x = jax.random.normal(jax.random.key(1), (1, 1, E), dtype)
@@ -454,26 +463,20 @@ def bench_layer_prefill(sizes: dict, dtype_name: str, implementation: str, repea
     selects and attends for its own sequences), in the same rounds."""
     from flax import nnx
 
-    from .flax import SparseAttention
-
     dtype = bench.DTYPES[dtype_name]
     impl = bench._implementation_arg(implementation)
-    E, H, D, K, Hi, Di, B, T = (sizes[k] for k in ("E", "H", "D", "K", "Hi", "Di", "B", "T"))
-
-    def layer():  # the same weights each time
-        return SparseAttention(E, H, D, K, index_heads=Hi, index_dim=Di, dtype=dtype,
-                               implementation=impl, rngs=nnx.Rngs(0))
-
+    B, T, E = sizes["B"], sizes["T"], sizes["E"]
     x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (B, T, E), dtype))
     prefill = nnx.jit(lambda m, x: m(x))
     # One layer per placement: a call on the split batch leaves its layer's weights replicated
     # over the mesh, and the one-device call would then run on every device.
-    one_device = layer()
+    one_device = _layer(sizes, dtype, implementation=impl)
     fns = {"one_device": (prefill, (one_device, x))}
     split = cpu_devices > 1 and B % cpu_devices == 0
     if split:
         mesh = jax.make_mesh((cpu_devices,), ("batch",))
-        fns["split"] = (prefill, (layer(), jax.device_put(x, NamedSharding(mesh, P("batch")))))
+        fns["split"] = (prefill, (_layer(sizes, dtype, implementation=impl),
+                                  jax.device_put(x, NamedSharding(mesh, P("batch")))))
     outs = {k: np.asarray(jax.block_until_ready(fn(*args))) for k, (fn, args) in fns.items()}
     load_before = bench._load_average()
     times = bench._time_rounds(fns, repeats, warmup)
@@ -595,13 +598,9 @@ def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16",
     included)."""
     from flax import nnx
 
-    from .flax import SparseAttention
-
     dtype = bench.DTYPES[dtype_name]
-    E, H, D, K, Hi, Di = (sizes[k] for k in ("E", "H", "D", "K", "Hi", "Di"))
-    layer = SparseAttention(E, H, D, K, index_heads=Hi, index_dim=Di, dtype=dtype,
-                            selection=selection, rngs=nnx.Rngs(0))
-    x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (1, T, E), dtype))
+    layer = _layer(sizes, dtype, selection=selection)
+    x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (1, T, sizes["E"]), dtype))
     cache = jax.block_until_ready(layer.init_cache(1, T))
     prefill = nnx.jit(lambda m, x, c: m(x, c), donate_argnums=2)
     peak_reset = bench._reset_peak_rss()
@@ -617,7 +616,7 @@ def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16",
             "seconds_first_call": seconds, "finite": bool(np.isfinite(np.asarray(y, np.float32)).all()),
             "length": int(cache.length[0]),
             # The dense selection's [T, Hi, T] f32 products alone (what the op avoids).
-            "dense_products_bytes": 4 * T * Hi * T}
+            "dense_products_bytes": 4 * T * sizes["Hi"] * T}
 
 
 def run_layer_memory_check(T: int = LAYER_PREFILL_T, sizes: Optional[dict] = None,
