@@ -10,7 +10,7 @@ and the selection is exact on those f32 scores: the ``topk`` valid rows with the
 best first, exact ties to the lower row, NaN below every number.
 
 A small call (``whole_plan``) is selected whole, in one step with no loop, which compiles in a
-tenth of the time (``_select_whole``: all its order keys sorted at once). Otherwise nothing of size ``[T, R]`` is built: tokens run in chunks
+third to a tenth of the time (``_select_whole``: all its order keys sorted at once). Otherwise nothing of size ``[T, R]`` is built: tokens run in chunks
 (``lax.map``); for each chunk a loop streams over blocks of cache rows, only as many as the
 chunk's last valid row needs (a causal prefill scores about half of the dense pairs), and keeps
 each token's running selection:
@@ -121,8 +121,8 @@ FEW_HEADS_BUFFER_BLOCKS = 2
 LANES = 2
 LANES_MIN_CHUNKS = 16
 # A small call is selected in one step with no loop on CPU (``whole_plan``, ``_select_whole``),
-# which compiles in about a tenth of the streaming program's time (0.1-0.2 s against 1.5-2.2 s,
-# Hi = 4, Sapphire Rapids). It sorts every row twice (the LSD sort: about 60-80 ns per pair from
+# which compiles in a third to a tenth of the streaming program's time (0.1-0.2 s against 0.6 s
+# for a tiny cache and 1.4-2.2 s from 256 rows on, Hi = 4, Sapphire Rapids). It sorts every row twice (the LSD sort: about 60-80 ns per pair from
 # 512 rows on) where the stream sorts topk + 64 entries per token, so it takes a call of at most
 # WHOLE_PAIRS (token, row) pairs over at most WHOLE_ROWS rows whose rows are few (at most
 # WHOLE_FEW_ROWS, where the sort is short, or 2 topk), or a call of at most WHOLE_ANY_PAIRS pairs
