@@ -230,9 +230,97 @@ def test_prefix_counts_and_compact_against_numpy(rng, L):
         np.testing.assert_array_equal(got[i, len(want):], old[i, len(want):])
 
 
+@pytest.mark.parametrize("L, size", [(32, 32), (256, 40), (4096, 700)])
+def test_compact_positions_against_numpy(rng, L, size):
+    # Rows of several densities (none, a few, full groups, at most size), and keys gathered by
+    # the positions equal numpy's boolean selection in order.
+    density = np.array([0.0, 0.02, 0.3, 1.0])[:, None]
+    keep = rng.random((4, L)) < density
+    for i in range(4):  # at most size per row: the first size of a dense row
+        keep[i, np.flatnonzero(keep[i])[size:]] = False
+    keep[1, :32] = True  # one full group
+    keep[1, np.flatnonzero(keep[1])[size:]] = False
+    src, live = (np.asarray(a) for a in jax.jit(
+        lambda m: reference.compact_positions(m, size))(jnp.asarray(keep)))
+    for i in range(4):
+        want = np.flatnonzero(keep[i])
+        assert live[i].sum() == len(want) and live[i, :len(want)].all(), i
+        np.testing.assert_array_equal(src[i, :len(want)], want)
+        assert ((src[i] >= 0) & (src[i] < L)).all(), i
+
+
+# The whole-rows selection on small shapes: chunks of 8 and 5 tokens, products of 64 and 48 rows,
+# rows 512 and 1536 wide (multiples of COMPACT_GROUP * ROWS_WIDTHS).
+ROWS_PLANS = [reference.RowsPlan(8, 64, 512, 64), reference.RowsPlan(5, 48, 512, 48)]
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_rows_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
+    # topk 24 of 300 rows: every token's valid rows fit the candidates' room, so it keeps them all.
+    results, _ = _exact_with_ties_nan_and_garbage(
+        rng, 21, ratio, reference.indexer_topk_reference, [PLANS[2]] + ROWS_PLANS)
+    if cpu_products.shape_invariant(cpu_products.cpu_form()):
+        for streamed, *rows in results.values():
+            for got in rows:
+                for a, b in zip(got, streamed):
+                    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_rows_selection_takes_its_sample_floor_or_cuts_whole_rows(rng, tied):
+    # 1000 to 1450 valid rows against a room of 192 (topk 8) or 832 (topk 300): the sample's
+    # floor picks the candidates; with a third of the keys equal (tied scores, so the floor's
+    # count passes the room) the chunk cuts its whole rows. topk 1200's room holds every valid
+    # row. Against float64, ties in row order, rows past the positions garbage, and the stream's
+    # result from the same scores.
+    T, Hi, Di, R = 12, 4, 16, 1500
+    q, w, k, ks = _inputs(rng, T, Hi, Di, R)
+    if tied:
+        k = k.at[100:600].set(k[50])
+    k = k.at[1450:].set(jnp.nan)
+    positions = jnp.asarray(np.concatenate([rng.integers(1000, 1449, T - 2), [-1, 5]]), jnp.int32)
+    s, bound = scores_f64(q, w, k, scale=1.0)
+    valid = valid_rows(positions, R)
+    plan = reference.RowsPlan(6, 64, 1536, 64)
+    for topk in (8, 300, 1200):
+        room = reference._sample_reach(topk)[2]
+        assert (valid.sum(1)[:-2] > room).all() == (topk < 1200)
+        run = lambda p: jax.jit(lambda *a: reference.indexer_topk_reference(
+            *a, topk=topk, compress_ratio=1, plan=p))(q, w, k, ks, positions)
+        idx, scores = (np.asarray(a) for a in run(plan))
+        check_selection(idx, scores, s, bound, valid, topk)
+        if tied:  # the tied rows that are kept are the lowest ones
+            for t in range(T):
+                tied_rows = [r for r in range(100, 600) if valid[t, r]]
+                kept = sorted(r for r in idx[t] if 100 <= r < 600)
+                assert kept == tied_rows[: len(kept)], t
+        if cpu_products.shape_invariant(cpu_products.cpu_form()):
+            for a, b in zip((idx, scores), run(PLANS[2])):
+                np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_rows_plan_takes_prefill_chunks_whose_rows_fit():
+    plan = reference.rows_plan
+    # The small indexer's prefill (issue 17): chunks of 32 tokens, rows of 32,768 keys (4 MiB).
+    p = plan(32768, 4, 32768, 2048)
+    assert isinstance(p, reference.RowsPlan) and p.tokens == 32 and p.buffer == 32768
+    assert 4 * p.tokens * p.buffer <= reference.ROWS_BYTES
+    assert 4 * p.tokens * 4 * p.piece <= reference.DOT_BYTES and p.piece % 16 == 0
+    # 64 heads: fewer tokens, so that a product keeps at least ROWS_MIN_PIECE rows.
+    p = plan(8192, 64, 8192, 2048)
+    assert p.piece >= reference.ROWS_MIN_PIECE and p.tokens == 32
+    assert plan(8192, 4, 8192, reference.ROWS_MIN_TOPK - 1) is None  # small topk: the stream
+    assert plan(8, 4, 8192, 2048) is None  # a decode step's few tokens: the stream
+    assert plan(4096, 4, 2**17, 2048) is None  # rows too long for more than 8 tokens
+    assert reference.cpu_selection(4096, 4, 2**16, 2048)[1] is reference._select_rows
+    assert reference.cpu_selection(4096, 4, 2**16, 64)[1] is reference._select_chunk
+
+
+# topk 32 streams; topk 256 keeps each chunk's whole rows, within ROWS_BYTES.
+@pytest.mark.parametrize("topk", [32, 256])
 @pytest.mark.slow
-def test_nothing_of_size_tokens_by_rows_is_built(rng):
-    T, Hi, Di, topk = 64, 4, 16, 32
+def test_nothing_of_size_tokens_by_rows_is_built(rng, topk):
+    T, Hi, Di = 64, 4, 16
     R = 4 * reference.MAX_BLOCK_ROWS
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((T, Hi, Di), jnp.bfloat16),
             ((T, Hi), jnp.float32), ((R, Di), jnp.bfloat16), ((R,), jnp.float32),
@@ -241,7 +329,16 @@ def test_nothing_of_size_tokens_by_rows_is_built(rng):
     text = run.lower(*args).compile().as_text()
     shapes = set(re.findall(r"\[([0-9,]+)\]", text))
     with_rows = {s for s in shapes if str(R) in s.split(",")}
-    assert with_rows == {f"{R},{Di}", f"{R}"}, with_rows  # the operands themselves, nothing more
+    operands = {f"{R},{Di}", f"{R}"}
+    if topk < reference.ROWS_MIN_TOPK:
+        assert with_rows == operands, with_rows  # the operands themselves, nothing more
+        return
+    chunk = reference.rows_plan(T, Hi, R, topk).tokens
+    assert chunk < T and f"{chunk},{R}" in with_rows
+    # Each chunk's rows of int32 keys within ROWS_BYTES; jax 0.7's XLA:CPU also materialises a
+    # count pass's f32 masks, two rows of them at once in the search's count at zero.
+    for shape in with_rows - operands:
+        assert 4 * np.prod([int(n) for n in shape.split(",")]) <= 2 * reference.ROWS_BYTES, shape
 
 
 @pytest.mark.slow

@@ -267,7 +267,8 @@ PREFIX_SEGMENT = 32
 
 
 def prefix_counts(mask):
-    """Inclusive prefix counts of ``mask [N, L]`` bool along its rows -> int32 ``[N, L]``.
+    """Inclusive prefix counts of ``mask [N, L]`` bool (or prefix sums of small non-negative
+    integers) along its rows -> int32 ``[N, L]``.
 
     XLA:CPU's ``cumsum`` is slow (a reduce-window); this is two small products instead: within
     segments of ``PREFIX_SEGMENT`` entries by an upper-triangular matrix of ones, then the
@@ -461,19 +462,24 @@ def cut(pairs, k: int, cap: int, size: int, below=None):
     of them that the best k need are kept. Returns ``(pairs, count, tau)``: ``tau`` is a key that
     at least k kept entries reach (later entries equal to it rank below them), ``INVALID_KEY``
     where fewer than k are valid."""
-    keys = pairs[..., 0]
-    x = cut_threshold(keys, k, cap, below)
+    x = cut_threshold(pairs[..., 0], k, cap, below)
+    out, count = compact(pairs, keep_at_or_above(pairs[..., 0], x, k, cap), size)
+    return out, count, jnp.where(count >= k, x, INVALID_KEY)
+
+
+def keep_at_or_above(keys, x, k: int, cap: int):
+    """Which entries of ``keys [N, M]`` a cut at ``x [N]`` (a ``cut_threshold``, above
+    ``INVALID_KEY``) keeps: those at or above x, or where more than ``cap`` are, those above x
+    and as many of the earliest equal to x as the best ``k`` need."""
     above = keys > x[:, None]
-    at = keys == x[:, None]  # x is above INVALID_KEY
+    at = keys == x[:, None]
     n_above = count_true(above)
     n = n_above + count_true(at)
 
     def trim_ties(_):  # as many of the earliest ties as the best k need (all rows: still >= k)
         return above | (at & (prefix_counts(at) <= (k - n_above)[:, None]))
 
-    keep = jax.lax.cond(jnp.any(n > cap), trim_ties, lambda _: above | at, None)
-    out, count = compact(pairs, keep, size)
-    return out, count, jnp.where(count >= k, x, INVALID_KEY)
+    return jax.lax.cond(jnp.any(n > cap), trim_ties, lambda _: above | at, None)
 
 
 # A buffer of at most this many entries is sorted whole by the exact two-pass sort: at this size
@@ -819,12 +825,170 @@ def _select_whole(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
     return best[:, :topk], best_rows[:, :topk]
 
 
+# --- prefill chunks with their whole rows ----------------------------------------------------
+
+# A prefill chunk keeps its tokens' whole rows of keys (``rows_plan``, ``_select_rows``) within
+# ROWS_BYTES: a chunk of more than WIDE_BLOCK_TOKENS tokens, so up to 65,536 rows at 4 MiB (at most
+# 8 chunks of it in flight: two lanes of two devices at most, 16 + 16 MiB of candidates and
+# products beside them).
+ROWS_BYTES = 4 * 2**20
+# Its selection samples one row in ROWS_SAMPLE to find a floor that about 1.2 topk keys reach, which
+# needs topk / ROWS_SAMPLE well above 1: smaller topk take the stream.
+ROWS_MIN_TOPK = 256
+ROWS_SAMPLE = 8
+# The keys' passes count over the chunk's live width, in steps of 1 / ROWS_WIDTHS of the row (a
+# causal chunk's last valid row: about half the row on average).
+ROWS_WIDTHS = 8
+# Entries per word of the compaction's bit masks.
+COMPACT_GROUP = 32
+# Rows per product at least (a product of fewer rows runs far below the GEMM rate: Hi = 64 and
+# Di = 128 at T = R = 8192 took the stream's time with 128 rows, 1.07x with 32).
+ROWS_MIN_PIECE = 128
+
+
+class RowsPlan(ChunkPlan):
+    """A ``ChunkPlan`` for ``_select_rows``: ``tokens`` per chunk, products of ``piece`` rows
+    (``rows == piece``, one piece per block) and a key buffer ``buffer`` rows wide."""
+
+
+def rows_plan(num_tokens: int, heads: int, rows: int, topk: int) -> RowsPlan | None:
+    """The plan of ``_select_rows`` for a call whose chunks of more than ``WIDE_BLOCK_TOKENS``
+    tokens hold their whole rows of int32 keys within ``ROWS_BYTES`` (and ``topk >=
+    ROWS_MIN_TOPK``); None otherwise. Products ``[Tc, Hi, piece]`` f32 within ``DOT_BYTES``, of
+    at least ``ROWS_MIN_PIECE`` rows (fewer tokens where the heads are many)."""
+    width = _round_up(rows, COMPACT_GROUP * ROWS_WIDTHS)
+    heads = max(heads, 1)
+    Tc = min(num_tokens, ROWS_BYTES // (4 * width), MAX_CHUNK_TOKENS,
+             DOT_BYTES // (4 * heads * ROWS_MIN_PIECE))
+    if topk < ROWS_MIN_TOPK or Tc <= WIDE_BLOCK_TOKENS:
+        return None
+    piece = DOT_BYTES // (4 * Tc * heads)
+    piece = min(_round_up(rows, BLOCK_ALIGN), piece - piece % BLOCK_ALIGN)
+    return RowsPlan(Tc, piece, width, piece)
+
+
+def compact_positions(keep, size: int):
+    """The positions of ``keep [N, L]``'s true entries (``L`` a multiple of ``COMPACT_GROUP``,
+    at most ``size`` true per row) in order: ``(src [N, size] int32, live [N, size] bool)``,
+    ``live`` false past each row's count (``src`` there is a valid position, not a kept one).
+
+    A gather's positions, not a scatter of the entries: XLA:CPU's scatter costs about 7 ns per
+    index (Sapphire Rapids), its gather under 1 ns. Each group of 32 entries becomes a bit mask;
+    slot j's group is the number of groups whose prefix count ends at or before j (a scatter-add
+    of one index per group, then prefix sums), and its entry the (j - group's start)-th set bit
+    of the group's mask (five population counts)."""
+    N, L = keep.shape
+    G = L // COMPACT_GROUP
+    bit = jnp.left_shift(jnp.uint32(1), jnp.arange(COMPACT_GROUP, dtype=jnp.uint32))
+    mask = jnp.sum(jnp.where(keep.reshape(N, G, COMPACT_GROUP), bit, jnp.uint32(0)), axis=2,
+                   dtype=jnp.uint32)
+    counts = jax.lax.population_count(mask).astype(jnp.int32)
+    end = prefix_counts(counts)
+    tok = jnp.arange(N, dtype=jnp.int32)[:, None]
+    flat = jnp.where(end < size, tok * size + end, N * size)
+    ends = jnp.zeros((N * size,), jnp.int32).at[flat.reshape(-1)].add(1, mode="drop")
+    group = jnp.minimum(prefix_counts(ends.reshape(N, size)), G - 1)
+    slot = jnp.arange(size, dtype=jnp.int32)[None, :]
+    start = jnp.take_along_axis(end - counts, group, axis=1, mode="promise_in_bounds")
+    nth = slot - start
+    m = jnp.take_along_axis(mask, group, axis=1, mode="promise_in_bounds")
+    bit_at = jnp.zeros_like(nth)  # the least b with more than nth set bits below b + 1
+    for step in (16, 8, 4, 2, 1):
+        below = m & ((jnp.uint32(1) << (bit_at + step).astype(jnp.uint32)) - 1)
+        bit_at = jnp.where(jax.lax.population_count(below).astype(jnp.int32) <= nth,
+                           bit_at + step, bit_at)
+    return group * COMPACT_GROUP + bit_at, slot < end[:, -1:]
+
+
+def _take(x, src, live, fill):
+    return jnp.where(live, jnp.take_along_axis(x, src, axis=1, mode="promise_in_bounds"), fill)
+
+
+def _sample_reach(topk: int):
+    """The sample's rank ``r`` and window ``d`` of ``_select_rows``' floor, and the candidates'
+    room: the floor is a key that between r and r + d sampled keys reach, about ``ROWS_SAMPLE``
+    times as many of the whole row; r is ``topk / ROWS_SAMPLE`` plus three standard deviations of
+    a sample's count, and the room adds three to the whole row's expected count at r + d."""
+    mean = topk / ROWS_SAMPLE
+    d = int(3 * mean ** 0.5) + 2
+    r = int(np.ceil(mean)) + d
+    expected = ROWS_SAMPLE * (r + d)
+    room = expected + 3 * (ROWS_SAMPLE * (ROWS_SAMPLE - 1) * (r + d)) ** 0.5
+    return r, d, _round_up(max(int(room), 2 * topk), COMPACT_GROUP)
+
+
+def _select_rows(q, w, limit, keys, key_scale, *, topk: int, plan: RowsPlan, widen: bool):
+    """``_select_chunk``'s result for a ``RowsPlan``: the chunk's whole rows of order keys in a
+    ``[Tc, plan.buffer]`` buffer (scored in pieces up to the last valid row, the rest
+    ``INVALID_KEY``), then:
+
+    - a floor that about 1.2 ``topk`` keys of each row reach, from a sample of one key in
+      ``ROWS_SAMPLE`` (``cut_threshold`` on the sample), checked by one count of the row; the
+      keys at or above it become the candidates (``compact_positions``, a gather). Where a row's
+      count misses ``[topk, room]`` (skewed or tied scores), the chunk cuts its whole rows
+      instead. A row of at most ``room`` valid keys keeps them all.
+    - the candidates' cut to ``topk + FINAL_SLACK`` (``cut_threshold``, ``keep_at_or_above``,
+      compacted again) and ``sort_best_first``.
+
+    No scatter per entry and no buffer cuts in a loop, which are the stream's cost where the
+    heads are few. Same scores, same exact ranking."""
+    Tc = q.shape[0]
+    R = keys.shape[0]
+    Rd, W = plan.piece, plan.buffer
+    last = jnp.max(limit)
+    piece_row = jnp.arange(Rd, dtype=jnp.int32)[None, :]
+
+    def score_piece(p, buf):
+        first = p * Rd
+        lo = jnp.minimum(first, R - Rd)  # the last piece may overlap the one before it
+        rows = lo + piece_row
+        new = order_keys(block_scores(q, w, key_rows(_rows_at(keys, lo, Rd)),
+                                      _rows_at(key_scale, lo, Rd), widen))
+        new = jnp.where(rows < limit[:, None], new, INVALID_KEY)
+        old = jax.lax.dynamic_slice_in_dim(buf, lo, Rd, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(rows >= first, new, old), lo,
+                                                   axis=1)
+
+    buf = jax.lax.fori_loop(0, (last + Rd - 1) // Rd, score_piece,
+                            jnp.full((Tc, W), INVALID_KEY, jnp.int32))
+    size = _round_up(topk + FINAL_SLACK, BLOCK_ALIGN)
+    r, d, room = _sample_reach(topk)
+    step = W // ROWS_WIDTHS
+    live = jnp.clip((last + step - 1) // step, 1, ROWS_WIDTHS) - 1
+
+    def count(x):  # over the live width only
+        return jax.lax.switch(live, [lambda n=n: count_true(buf[:, :n] >= x[:, None])
+                                     for n in range(step, W + 1, step)])
+
+    n_valid = jnp.minimum(limit, R)
+    floor = jnp.where(n_valid <= room, NAN_KEY,
+                      cut_threshold(buf[:, ::ROWS_SAMPLE], r, r + d))
+    c = count(floor)
+
+    def whole_rows(_):  # skewed or tied scores: the whole rows' cut
+        x = cut_threshold(buf, topk, size)
+        return compact_positions(keep_at_or_above(buf, x, topk, size), room)
+
+    src, held = jax.lax.cond(
+        jnp.all((c >= jnp.minimum(n_valid, topk)) & (c <= room)),
+        lambda _: compact_positions(buf >= floor[:, None], room), whole_rows, None)
+    cand = _take(buf, src, held, INVALID_KEY)
+    x = cut_threshold(cand, topk, size)
+    src2, held2 = compact_positions(keep_at_or_above(cand, x, topk, size), size)
+    best, rows = sort_best_first(_take(cand, src2, held2, INVALID_KEY), _take(src, src2, held2, 0))
+    return best[:, :topk], rows[:, :topk]
+
+
 def cpu_selection(num_tokens: int, heads: int, rows: int, topk: int):
     """The CPU's default ``(plan, select)`` for a call of one sequence: ``_select_whole`` where
-    ``whole_plan`` takes the call, else ``_select_chunk`` streaming over ``chunk_plan``."""
+    ``whole_plan`` takes the call, ``_select_rows`` where ``rows_plan`` does, else
+    ``_select_chunk`` streaming over ``chunk_plan``."""
     plan = whole_plan(num_tokens, heads, rows, topk)
     if plan is not None:
         return plan, _select_whole
+    plan = rows_plan(num_tokens, heads, rows, topk)
+    if plan is not None:
+        return plan, _select_rows
     return chunk_plan(num_tokens, heads, rows, topk), _select_chunk
 
 
@@ -838,8 +1002,9 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
       keys: ``[R, Di]`` in q's dtype (bf16 also as ``uint16`` bit patterns). key_scale: ``[R]``
         f32. positions: ``[T]`` int32.
       topk, compress_ratio: static ints. plan: chunk and block sizes of the streaming selection
-        on CPU (default: ``cpu_selection``'s, which selects a small call whole); GPU and TPU
-        take ``accelerator_plan``'s and merge (``indexer_topk_by_merging``).
+        on CPU, or a ``RowsPlan`` for the whole-rows one (default: ``cpu_selection``'s, which
+        selects a small call whole and a prefill chunk by its whole rows where they fit); GPU
+        and TPU take ``accelerator_plan``'s and merge (``indexer_topk_by_merging``).
       sequences: static int: with ``S > 1`` the tokens are S sequences' tokens one after the
         other, each with its own cache: keys ``[S, R, Di]``, key_scale ``[S, R]`` (the
         primitive's vmap over caches); ``idx`` holds each sequence's own rows.
@@ -850,7 +1015,7 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
     if T == 0 or topk == 0 or R == 0:
         return _nothing_selected(T, topk)
     plan, select = (cpu_selection(T // sequences, Hi, R, topk) if plan is None
-                    else (plan, _select_chunk))
+                    else (plan, _select_rows if isinstance(plan, RowsPlan) else _select_chunk))
 
     def one(q, weights, keys, key_scale, positions):
         return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio,
