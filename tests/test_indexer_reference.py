@@ -241,12 +241,26 @@ def test_compact_positions_against_numpy(rng, L, size):
     keep[1, :32] = True  # one full group
     keep[1, np.flatnonzero(keep[1])[size:]] = False
     src, live = (np.asarray(a) for a in jax.jit(
-        lambda m: reference.compact_positions(m, size))(jnp.asarray(keep)))
+        lambda m: reference.compact_positions(reference.bit_masks(m), size))(jnp.asarray(keep)))
     for i in range(4):
         want = np.flatnonzero(keep[i])
         assert live[i].sum() == len(want) and live[i, :len(want)].all(), i
         np.testing.assert_array_equal(src[i, :len(want)], want)
         assert ((src[i] >= 0) & (src[i] < L)).all(), i
+
+
+@pytest.mark.parametrize("L", [32, 4096])
+def test_first_set_bits_against_numpy(rng, L):
+    # Each row keeps its first n true entries (n from none to past its count, and a cut inside a
+    # full word and at a word's last bit).
+    keep = rng.random((6, L)) < np.array([0.0, 0.05, 0.5, 1.0, 1.0, 0.5])[:, None]
+    n = np.array([3, 7, L // 3, 31, 32, L + 5], np.int32)
+    got = np.asarray(jax.jit(lambda m, n: reference.first_set_bits(reference.bit_masks(m), n))(
+        jnp.asarray(keep), jnp.asarray(n)))
+    for i in range(6):
+        want = keep[i] & (np.cumsum(keep[i]) <= n[i])
+        bits = ((got[i][:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(bool).reshape(-1)
+        np.testing.assert_array_equal(bits, want, err_msg=str(i))
 
 
 # The whole-rows selection on small shapes: chunks of 8 and 5 tokens, products of 64 and 48 rows,
@@ -266,20 +280,23 @@ def test_rows_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
                     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_rows_selection_takes_its_sample_floor_or_cuts_whole_rows(rng, tied):
+@pytest.mark.parametrize("case", ["plain", "tied", "skewed"])
+def test_rows_selection_takes_its_sample_floor_or_cuts_whole_rows(rng, case):
     # 1000 to 1450 valid rows against a room of 192 (topk 8) or 832 (topk 300): the sample's
-    # floor picks the candidates; with a third of the keys equal (tied scores, so the floor's
-    # count passes the room) the chunk cuts its whole rows. topk 1200's room holds every valid
-    # row. Against float64, ties in row order, rows past the positions garbage, and the stream's
-    # result from the same scores.
+    # floor picks the candidates. "tied": 500 rows share one key, so a floor tied by more keys
+    # than the room keeps only the earliest ties it needs. "skewed": the unsampled rows (not
+    # multiples of 8) score higher, so the floor lets too many through and the chunk cuts its
+    # whole rows. topk 1200's room holds every valid row. Against float64, ties in row order,
+    # rows past the positions garbage, and the stream's result from the same scores.
     T, Hi, Di, R = 12, 4, 16, 1500
     q, w, k, ks = _inputs(rng, T, Hi, Di, R)
-    if tied:
+    if case == "tied":
         k = k.at[100:600].set(k[50])
+    if case == "skewed":
+        ks = jnp.where(jnp.arange(R) % reference.ROWS_SAMPLE == 0, 1.0, 4.0)
     k = k.at[1450:].set(jnp.nan)
     positions = jnp.asarray(np.concatenate([rng.integers(1000, 1449, T - 2), [-1, 5]]), jnp.int32)
-    s, bound = scores_f64(q, w, k, scale=1.0)
+    s, bound = scores_f64(q, w, k, ks, scale=1.0)
     valid = valid_rows(positions, R)
     plan = reference.RowsPlan(6, 64, 1536, 64)
     for topk in (8, 300, 1200):
@@ -289,7 +306,7 @@ def test_rows_selection_takes_its_sample_floor_or_cuts_whole_rows(rng, tied):
             *a, topk=topk, compress_ratio=1, plan=p))(q, w, k, ks, positions)
         idx, scores = (np.asarray(a) for a in run(plan))
         check_selection(idx, scores, s, bound, valid, topk)
-        if tied:  # the tied rows that are kept are the lowest ones
+        if case == "tied":  # the tied rows that are kept are the lowest ones
             for t in range(T):
                 tied_rows = [r for r in range(100, 600) if valid[t, r]]
                 kept = sorted(r for r in idx[t] if 100 <= r < 600)

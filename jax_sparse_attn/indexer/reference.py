@@ -10,7 +10,10 @@ and the selection is exact on those f32 scores: the ``topk`` valid rows with the
 best first, exact ties to the lower row, NaN below every number.
 
 A small call (``whole_plan``) is selected whole, in one step with no loop, which compiles in a
-third to a tenth of the time (``_select_whole``: all its order keys sorted at once). Otherwise nothing of size ``[T, R]`` is built: tokens run in chunks
+third to a tenth of the time (``_select_whole``: all its order keys sorted at once). A prefill
+chunk whose rows of keys fit ``ROWS_BYTES`` selects from its whole rows (``rows_plan``,
+``_select_rows``: a sampled floor, candidates gathered, one cut and sort). Otherwise nothing of
+size ``[T, R]`` is built: tokens run in chunks
 (``lax.map``); for each chunk a loop streams over blocks of cache rows, only as many as the
 chunk's last valid row needs (a causal prefill scores about half of the dense pairs), and keeps
 each token's running selection:
@@ -867,22 +870,48 @@ def rows_plan(num_tokens: int, heads: int, rows: int, topk: int) -> RowsPlan | N
     return RowsPlan(Tc, piece, width, piece)
 
 
-def compact_positions(keep, size: int):
-    """The positions of ``keep [N, L]``'s true entries (``L`` a multiple of ``COMPACT_GROUP``,
-    at most ``size`` true per row) in order: ``(src [N, size] int32, live [N, size] bool)``,
-    ``live`` false past each row's count (``src`` there is a valid position, not a kept one).
+def bit_masks(keep):
+    """``keep [N, L]`` bool (``L`` a multiple of ``COMPACT_GROUP``) as ``[N, L / 32]`` uint32
+    words, entry ``32 g + b`` at bit b of word g: an OR reduction of the shifted bits, 5x faster
+    than their sum on XLA:CPU (0.26 against 1.31 ms for ``[32, 32768]``, Sapphire Rapids)."""
+    N, L = keep.shape
+    bits = (keep.reshape(N, L // COMPACT_GROUP, COMPACT_GROUP).astype(jnp.uint32)
+            << jnp.arange(COMPACT_GROUP, dtype=jnp.uint32))
+    return jax.lax.reduce(bits, jnp.uint32(0), jax.lax.bitwise_or, (2,))
+
+
+def _nth_set_bit(words, nth):
+    """The position of each word's set bit with ``nth`` set bits below it (``nth`` below the
+    word's count): five population counts of its low bits."""
+    at = jnp.zeros_like(nth)
+    for step in (16, 8, 4, 2, 1):
+        below = words & ((jnp.uint32(1) << (at + step).astype(jnp.uint32)) - 1)
+        at = jnp.where(jax.lax.population_count(below).astype(jnp.int32) <= nth, at + step, at)
+    return at
+
+
+def first_set_bits(words, n):
+    """``words [N, G]`` uint32 bit masks with only each row's first ``n [N]`` set bits kept (in
+    entry order, ``bit_masks``' order)."""
+    counts = jax.lax.population_count(words).astype(jnp.int32)
+    need = n[:, None] - (prefix_counts(counts) - counts)  # still wanted at each word
+    last = _nth_set_bit(words, jnp.clip(need - 1, 0, COMPACT_GROUP - 1))
+    # Bits up to the last one wanted (2 << 31 wraps to 0, so a last bit of 31 keeps them all).
+    partial = words & ((jnp.uint32(2) << last.astype(jnp.uint32)) - 1)
+    return jnp.where(need >= counts, words, jnp.where(need <= 0, jnp.uint32(0), partial))
+
+
+def compact_positions(words, size: int):
+    """The positions of the set bits of ``words [N, G]`` (``bit_masks``; at most ``size`` set
+    per row) in entry order: ``(src [N, size] int32, live [N, size] bool)``, ``live`` false
+    past each row's count (``src`` there is a valid position, not a kept one).
 
     A gather's positions, not a scatter of the entries: XLA:CPU's scatter costs about 7 ns per
-    index (Sapphire Rapids), its gather under 1 ns. Each group of 32 entries becomes a bit mask;
-    slot j's group is the number of groups whose prefix count ends at or before j (a scatter-add
-    of one index per group, then prefix sums), and its entry the (j - group's start)-th set bit
-    of the group's mask (five population counts)."""
-    N, L = keep.shape
-    G = L // COMPACT_GROUP
-    bit = jnp.left_shift(jnp.uint32(1), jnp.arange(COMPACT_GROUP, dtype=jnp.uint32))
-    mask = jnp.sum(jnp.where(keep.reshape(N, G, COMPACT_GROUP), bit, jnp.uint32(0)), axis=2,
-                   dtype=jnp.uint32)
-    counts = jax.lax.population_count(mask).astype(jnp.int32)
+    index (Sapphire Rapids), its gather under 1 ns. Slot j's word is the number of words whose
+    prefix count ends at or before j (a scatter-add of one index per word, then prefix sums),
+    and its entry the (j - word's start)-th set bit of that word (``_nth_set_bit``)."""
+    N, G = words.shape
+    counts = jax.lax.population_count(words).astype(jnp.int32)
     end = prefix_counts(counts)
     tok = jnp.arange(N, dtype=jnp.int32)[:, None]
     flat = jnp.where(end < size, tok * size + end, N * size)
@@ -890,14 +919,8 @@ def compact_positions(keep, size: int):
     group = jnp.minimum(prefix_counts(ends.reshape(N, size)), G - 1)
     slot = jnp.arange(size, dtype=jnp.int32)[None, :]
     start = jnp.take_along_axis(end - counts, group, axis=1, mode="promise_in_bounds")
-    nth = slot - start
-    m = jnp.take_along_axis(mask, group, axis=1, mode="promise_in_bounds")
-    bit_at = jnp.zeros_like(nth)  # the least b with more than nth set bits below b + 1
-    for step in (16, 8, 4, 2, 1):
-        below = m & ((jnp.uint32(1) << (bit_at + step).astype(jnp.uint32)) - 1)
-        bit_at = jnp.where(jax.lax.population_count(below).astype(jnp.int32) <= nth,
-                           bit_at + step, bit_at)
-    return group * COMPACT_GROUP + bit_at, slot < end[:, -1:]
+    word = jnp.take_along_axis(words, group, axis=1, mode="promise_in_bounds")
+    return group * COMPACT_GROUP + _nth_set_bit(word, slot - start), slot < end[:, -1:]
 
 
 def _take(x, src, live, fill):
@@ -922,11 +945,12 @@ def _select_rows(q, w, limit, keys, key_scale, *, topk: int, plan: RowsPlan, wid
     ``[Tc, plan.buffer]`` buffer (scored in pieces up to the last valid row, the rest
     ``INVALID_KEY``), then:
 
-    - a floor that about 1.2 ``topk`` keys of each row reach, from a sample of one key in
-      ``ROWS_SAMPLE`` (``cut_threshold`` on the sample), checked by one count of the row; the
-      keys at or above it become the candidates (``compact_positions``, a gather). Where a row's
-      count misses ``[topk, room]`` (skewed or tied scores), the chunk cuts its whole rows
-      instead. A row of at most ``room`` valid keys keeps them all.
+    - a floor that about 1.2 to 1.4 ``topk`` keys of each row reach, from a sample of one key
+      in ``ROWS_SAMPLE`` (``cut_threshold`` on the sample), checked by one count of the row; the
+      keys at or above it become the candidates (``compact_positions``, a gather). A floor tied
+      by more than ``room`` keys keeps those above it and the earliest ties the best topk need;
+      where a row's count still misses ``[topk, room]`` (skewed scores), the chunk cuts its
+      whole rows instead. A row of at most ``room`` valid keys keeps them all.
     - the candidates' cut to ``topk + FINAL_SLACK`` (``cut_threshold``, ``keep_at_or_above``,
       compacted again) and ``sort_best_first``.
 
@@ -964,17 +988,31 @@ def _select_rows(q, w, limit, keys, key_scale, *, topk: int, plan: RowsPlan, wid
     floor = jnp.where(n_valid <= room, NAN_KEY,
                       cut_threshold(buf[:, ::ROWS_SAMPLE], r, r + d))
     c = count(floor)
+    reached = c >= jnp.minimum(n_valid, topk)
 
-    def whole_rows(_):  # skewed or tied scores: the whole rows' cut
+    def whole_rows(_):  # skewed scores: the whole rows' cut
         x = cut_threshold(buf, topk, size)
-        return compact_positions(keep_at_or_above(buf, x, topk, size), room)
+        return compact_positions(bit_masks(keep_at_or_above(buf, x, topk, size)), room)
+
+    def tied_floor(_):
+        # A floor tied by more keys than the room (a point mass: relu puts every score whose
+        # heads all miss at exactly 0) keeps the keys above it and only the earliest of its ties
+        # that the best topk need.
+        above = count(floor + 1)
+
+        def above_and_ties(_):
+            ties = first_set_bits(bit_masks(buf == floor[:, None]), jnp.maximum(topk - above, 0))
+            return compact_positions(bit_masks(buf > floor[:, None]) | ties, room)
+
+        return jax.lax.cond(jnp.all(reached & (above <= room)), above_and_ties, whole_rows, None)
 
     src, held = jax.lax.cond(
-        jnp.all((c >= jnp.minimum(n_valid, topk)) & (c <= room)),
-        lambda _: compact_positions(buf >= floor[:, None], room), whole_rows, None)
+        jnp.all(reached & (c <= room)),
+        lambda _: compact_positions(bit_masks(buf >= floor[:, None]), room),
+        lambda _: jax.lax.cond(jnp.all(reached), tied_floor, whole_rows, None), None)
     cand = _take(buf, src, held, INVALID_KEY)
     x = cut_threshold(cand, topk, size)
-    src2, held2 = compact_positions(keep_at_or_above(cand, x, topk, size), size)
+    src2, held2 = compact_positions(bit_masks(keep_at_or_above(cand, x, topk, size)), size)
     best, rows = sort_best_first(_take(cand, src2, held2, INVALID_KEY), _take(src, src2, held2, 0))
     return best[:, :topk], rows[:, :topk]
 
