@@ -55,7 +55,8 @@ whole cache would be a new buffer, one copy of the cache per call (XLA:CPU gives
 operand a buffer of its own).
 
 Memory beyond the inputs and outputs: one chunk's working set, ``O(Tc (Hi Rd + topk + Rb))``
-with ``Rd`` the rows of a piece (``chunk_plan``, ``dot_rows``).
+with ``Rd`` the rows of a piece (``chunk_plan``, ``dot_rows``); for a whole-rows chunk its keys
+``[Tc, R]`` int32 within ``ROWS_BYTES`` and ``O(Tc (Hi Rd + topk))`` beside them.
 
 On GPU and TPU, where each loop step and data-dependent loop costs a launch and a device sync,
 the same selection takes another route (``indexer_topk_by_merging``): blocks sized by the device's
