@@ -513,9 +513,10 @@ def test_whole_selection_compiles_no_loop_and_stops_at_its_bounds():
     assert plan(128, 64, 256, 128) is None
 
 
-@pytest.mark.parametrize("plan", [None, PLANS[1]])
+@pytest.mark.parametrize("plan", [None, PLANS[1], reference.RowsPlan(5, 48, 256, 48)])
 def test_sequences_with_own_caches_read_only_their_rows(rng, plan):
-    # The primitive's call over S sequences' caches (vmap), selected whole and streamed: each
+    # The primitive's call over S sequences' caches (vmap), selected whole, streamed and by whole
+    # rows: each
     # sequence's rows past its tokens' positions are NaN, so a read of another's would show.
     S, T, Hi, Di, R, topk = 3, 5, 4, 16, 100, 12
     q = jnp.asarray(rng.standard_normal((S * T, Hi, Di)), jnp.bfloat16)

@@ -832,12 +832,13 @@ def _select_whole(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
 # --- prefill chunks with their whole rows ----------------------------------------------------
 
 # A prefill chunk keeps its tokens' whole rows of keys (``rows_plan``, ``_select_rows``) within
-# ROWS_BYTES: a chunk of more than WIDE_BLOCK_TOKENS tokens, so up to 65,536 rows at 4 MiB (at most
-# 8 chunks of it in flight: two lanes of two devices at most, 16 + 16 MiB of candidates and
-# products beside them).
+# ROWS_BYTES: a chunk of more than WIDE_BLOCK_TOKENS tokens, so up to 65,536 rows. Small indexer
+# at T = R = 32768 on a Sapphire Rapids, A/B in one process: 2 MiB took 1.18x the time of 4 MiB,
+# 8 MiB 1.14x.
 ROWS_BYTES = 4 * 2**20
-# Its selection samples one row in ROWS_SAMPLE to find a floor that about 1.2 topk keys reach, which
-# needs topk / ROWS_SAMPLE well above 1: smaller topk take the stream.
+# Its selection samples one row in ROWS_SAMPLE to find a floor that 1.2 to 1.4 topk keys reach,
+# which needs topk / ROWS_SAMPLE well above 1: smaller topk take the stream (a sample of one in 16
+# took 1.03x the time at the same shape).
 ROWS_MIN_TOPK = 256
 ROWS_SAMPLE = 8
 # The keys' passes count over the chunk's live width, in steps of 1 / ROWS_WIDTHS of the row (a
