@@ -405,6 +405,21 @@ def test_no_f32_copy_of_the_key_cache_at_a_decode_step(form):
     assert not _materialised(text, f"{R},{Di}"), _materialised(text, f"{R},{Di}")
 
 
+@pytest.mark.parametrize("form", ["native", "f32"])
+def test_no_f32_copy_of_the_key_cache_in_a_whole_rows_prefill(form):
+    # The whole-rows form scores the stream's pieces, each in its cond: scored outside one,
+    # XLA:CPU carried an f32 copy of the whole cache through the piece loop in both forms.
+    T, Hi, Di, R, topk = 64, 4, 64, 8192, 256
+    assert isinstance(reference.cpu_selection(T, Hi, R, topk)[0], reference.RowsPlan)
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((T, Hi, Di), jnp.bfloat16),
+            ((T, Hi), jnp.float32), ((R, Di), jnp.bfloat16), ((R,), jnp.float32),
+            ((T,), jnp.int32)]]
+    run = jax.jit(lambda *a: reference.indexer_topk_reference(*a, topk=topk, compress_ratio=1))
+    with cpu_products.forced(cpu_products.parse_form(form)):
+        text = run.lower(*args).compile().as_text()
+    assert not _materialised(text, f"{R},{Di}"), _materialised(text, f"{R},{Di}")
+
+
 def test_streamed_scores_alone_give_each_tokens_best_score(rng):
     # The bench's measure of the selection's share (bench_indexer.scores_alone_fn): the same
     # streaming with no selection. Each token's kept score is its best valid score.

@@ -962,18 +962,15 @@ def _select_rows(q, w, limit, keys, key_scale, *, topk: int, plan: RowsPlan, wid
     R = keys.shape[0]
     Rd, W = plan.piece, plan.buffer
     last = jnp.max(limit)
-    piece_row = jnp.arange(Rd, dtype=jnp.int32)[None, :]
 
     def score_piece(p, buf):
-        first = p * Rd
-        lo = jnp.minimum(first, R - Rd)  # the last piece may overlap the one before it
-        rows = lo + piece_row
-        new = order_keys(block_scores(q, w, key_rows(_rows_at(keys, lo, Rd)),
-                                      _rows_at(key_scale, lo, Rd), widen))
-        new = jnp.where(rows < limit[:, None], new, INVALID_KEY)
+        # The stream's pieces (each in its cond, so that XLA:CPU keeps the keys' conversion in
+        # the loop). The last may overlap the one before it: its rows before p * Rd come as
+        # INVALID_KEY, below the keys already there, and the rest of the buffer is still
+        # INVALID_KEY, so the maximum writes each key once.
+        (new,), (lo,), _ = _block_keys(q, w, limit, keys, key_scale, p, Rb=Rd, Rd=Rd, widen=widen)
         old = jax.lax.dynamic_slice_in_dim(buf, lo, Rd, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(rows >= first, new, old), lo,
-                                                   axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.maximum(old, new), lo, axis=1)
 
     buf = jax.lax.fori_loop(0, (last + Rd - 1) // Rd, score_piece,
                             jnp.full((Tc, W), INVALID_KEY, jnp.int32))
@@ -1006,7 +1003,7 @@ def _select_rows(q, w, limit, keys, key_scale, *, topk: int, plan: RowsPlan, wid
             ties = first_set_bits(bit_masks(buf == floor[:, None]), jnp.maximum(topk - above, 0))
             return compact_positions(bit_masks(buf > floor[:, None]) | ties, room)
 
-        return jax.lax.cond(jnp.all(reached & (above <= room)), above_and_ties, whole_rows, None)
+        return jax.lax.cond(jnp.all(above <= room), above_and_ties, whole_rows, None)  # reached
 
     src, held = jax.lax.cond(
         jnp.all(reached & (c <= room)),
