@@ -396,13 +396,20 @@ def test_no_f32_copy_of_the_key_cache_at_a_decode_step(form):
     T, Hi, Di, R, topk = 1, 4, 64, 65536, 256
     plan = reference.chunk_plan(T, Hi, R, topk)
     assert reference.dot_rows(plan, Hi) == reference.block_rows(plan, Hi) < R  # single pieces
+    copies = _f32_key_cache_copies(T, Hi, Di, R, topk, form)
+    assert not copies, copies
+
+
+def _f32_key_cache_copies(T, Hi, Di, R, topk, form):
+    """The f32 ``[R, Di]`` buffers in the compiled reference's program (``_materialised``) for
+    bf16 operands of these sizes, under the product form ``form``."""
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [((T, Hi, Di), jnp.bfloat16),
             ((T, Hi), jnp.float32), ((R, Di), jnp.bfloat16), ((R,), jnp.float32),
             ((T,), jnp.int32)]]
     run = jax.jit(lambda *a: reference.indexer_topk_reference(*a, topk=topk, compress_ratio=1))
     with cpu_products.forced(cpu_products.parse_form(form)):
         text = run.lower(*args).compile().as_text()
-    assert not _materialised(text, f"{R},{Di}"), _materialised(text, f"{R},{Di}")
+    return _materialised(text, f"{R},{Di}")
 
 
 @pytest.mark.parametrize("form", ["native", "f32"])
@@ -411,13 +418,8 @@ def test_no_f32_copy_of_the_key_cache_in_a_whole_rows_prefill(form):
     # XLA:CPU carried an f32 copy of the whole cache through the piece loop in both forms.
     T, Hi, Di, R, topk = 64, 4, 64, 8192, 256
     assert isinstance(reference.cpu_selection(T, Hi, R, topk)[0], reference.RowsPlan)
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((T, Hi, Di), jnp.bfloat16),
-            ((T, Hi), jnp.float32), ((R, Di), jnp.bfloat16), ((R,), jnp.float32),
-            ((T,), jnp.int32)]]
-    run = jax.jit(lambda *a: reference.indexer_topk_reference(*a, topk=topk, compress_ratio=1))
-    with cpu_products.forced(cpu_products.parse_form(form)):
-        text = run.lower(*args).compile().as_text()
-    assert not _materialised(text, f"{R},{Di}"), _materialised(text, f"{R},{Di}")
+    copies = _f32_key_cache_copies(T, Hi, Di, R, topk, form)
+    assert not copies, copies
 
 
 def test_streamed_scores_alone_give_each_tokens_best_score(rng):

@@ -106,8 +106,8 @@ def indexer_topk(
     scores, best first, exact ties to the lower row, a NaN score below every number; the rest of
     each row is ``-1``, so it feeds :func:`jax_sparse_attn.gathered_attn_idx` directly. Rows that
     are not valid for a token never influence its selection, whatever they hold. Nothing of size
-    ``[T, R]`` is built beyond a small call's few MiB (arithmetic and guarantees:
-    ``docs/indexer.md``).
+    ``[T, R]`` is built beyond a small call's few MiB; a prefill chunk of ``Tc`` tokens may hold
+    its ``[Tc, R]`` keys, within 4 MiB (arithmetic and guarantees: ``docs/indexer.md``).
 
     Args:
       q: ``[T, Hi, Di]`` indexer queries: bf16, f16, f32 or ``float8_e4m3fn`` (its scale folded
