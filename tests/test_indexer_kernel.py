@@ -501,3 +501,34 @@ def test_row_spread_program_does_not_grow_with_tokens_or_rows(monkeypatch):
         s64 = oracle_scores(np.asarray(q, np.float32), w, np.asarray(keys, np.float32))
         np.testing.assert_array_equal(idx, oracle_topk(s64, positions, 64))
     assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("on_vector", [0, 1])
+def test_paired_head_sums_keep_one_tokens_overflow_from_its_partner(monkeypatch, on_vector):
+    """Two tokens share each head-sum matmul (the weights block-diagonal), where a zero weight
+    meets the partner's relu(d). Token 1's d overflows to +inf at row 600 (its q and the key both
+    2**126 in one dimension, no other token or row touching that dimension), so 0 * inf would
+    make token 0's finite score there NaN and rank it last; the chunk is scored again unpaired,
+    and both tokens equal the oracle. Also with the first 512 rows' head sums on the VectorE
+    (row 600 is in the second block, paired either way)."""
+    from jax_sparse_attn.indexer import neuron
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.setattr(neuron, "decode_group", lambda T, Hi, programs: 2)
+    monkeypatch.setattr(neuron, "head_sums_on_vector", lambda target, plan, g: on_vector)
+    rng = np.random.default_rng(21)
+    q, w, keys = integer_case(rng, 2, 4, 8, 700)
+    w = np.abs(w)
+    q[:, :, 0] = 0.0
+    keys[:, 0] = 0.0
+    big = 2.0**126  # exact in bf16; big * big overflows f32, not float64
+    keys[600, 0] = big
+    q[1, 0, 0] = big
+    positions = np.array([699, 699])
+    K = 700
+    s64 = oracle_scores(q, w, keys)
+    assert np.isfinite(s64[0, 600]) and s64[1, 600] > np.finfo(np.float32).max
+    idx, scores = run_kernel(q, w, keys, positions, K, kernel="decode")
+    np.testing.assert_array_equal(idx, oracle_topk(s64, positions, K))
+    assert idx[1, 0] == 600 and scores[1, 0] == np.inf
+    assert not np.isnan(scores).any()

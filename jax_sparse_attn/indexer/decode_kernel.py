@@ -7,11 +7,14 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
 
 1. **Scores** on the TensorEngine: ``d = q . k`` per 512 rows as in the tiled kernel (q
    stationary; two tokens side by side where their heads fit, ``2 Hi <= 128``, so they share
-   each matmul), then per token the head sum with the ``relu(d)`` columns stationary and the
-   weights moving, so the result lands as ``[128 rows, 1]`` columns (fp32 operands: the
-   contract's fp32 products); ``on_vector`` blocks per chunk instead with the rows
-   stationary and the head sums on the VectorE; times ``key_scale``; staged through HBM, then
-   ``select_key`` on the ``[128, F]`` tile.
+   each matmul), then the head sums with the ``relu(d)`` columns stationary and the weights
+   moving, so the result lands as ``[128 rows, 1]`` columns per token (fp32 operands: the
+   contract's fp32 products); a pair's two tokens share each head-sum matmul (the weights
+   block-diagonal), and a chunk with a NaN score (``0 * inf`` from a zero weight meeting the
+   other token's ``relu(d)``, or a real one) is scored again with each token's own head sums;
+   ``on_vector`` blocks per chunk instead with the rows stationary and the head sums on the
+   VectorE; times ``key_scale``; staged through HBM, then ``select_key`` on the ``[128, F]``
+   tile.
 2. **A threshold** from ``depth / 8`` rounds of ``max8`` per partition: each partition's
    ``depth`` best keys are candidates, and ``U*``, the best key left anywhere, bounds every row
    that is not. If at least ``Kv = min(K, n_valid)`` candidates are strictly above ``U*`` (or
@@ -190,9 +193,9 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     matrices, and the fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK``
     candidates on one partition)."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
-    # Two tokens' q, weights on every partition and chunk scores.
+    # Two tokens' q, weights on every partition and chunk scores, the chunk's NaN check.
     scoring = (d_tiles * 2 * plan.heads * 2 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL
-               + 4 * 2 * plan.heads + 2 * 4 * plan.chunk_columns + 64)  # fmt: skip
+               + 4 * 2 * plan.heads + 3 * 4 * 2 * plan.chunk_columns + 64)  # fmt: skip
     scores = 2 * 4 * plan.columns + plan.columns
     candidates = (18 * 4 * plan.depth + 3 * 4 * plan.candidates + 9 * 4 * plan.compact // P
                   + 4 * plan.compact + 2 * 4 * P)  # fmt: skip
@@ -221,19 +224,23 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int) -> Deco
     return plan
 
 
-def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_rows, keys_sb, chunk_sbs, on_vector: int):
-    """A chunk's scores ``[128, C/128]`` for each token of the group into ``chunk_sbs`` (f32):
-    column ``j`` partition ``p`` holds the chunk's row ``128 j + p`` (module docstring, step 1).
-    The group's tokens share each ``d`` matmul (their q side by side, ``g Hi <= 128`` stationary
-    columns: one matmul's cost, whatever that count); each has its own head sums, so no token's
-    ``relu(d)`` meets another's weights (``0 * inf`` would be NaN). The first ``on_vector``
-    512-row blocks take the other form: ``d`` with 128 rows stationary (rows on the partitions),
-    then ``relu(d) * w'`` and the head sum on the VectorE (``w_rows``: the weights on every
-    partition), the same fp32 products and sums."""
-    heads, group = plan.heads, len(chunk_sbs)
+def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_pair, w_rows, keys_sb, scores, on_vector: int,
+                 paired: bool):
+    """A chunk's scores into the PSUM tile ``scores [128, g C/128]`` (f32): token ``m`` of the
+    group's row ``128 j + p`` of the chunk at partition ``p``, column ``g j + m`` (module
+    docstring, step 1). The group's tokens share each ``d`` matmul (their q side by side,
+    ``g Hi <= 128`` stationary columns: one matmul's cost, whatever that count).
+
+    ``paired`` (two tokens): one head-sum matmul per 128 rows for both, ``relu(d)`` of both
+    stationary and ``w_pair`` moving, the weights block-diagonal ``[2 Hi, 2]`` (half the fp32
+    matmuls). There a zero weight meets the other token's ``relu(d)``, and ``0 * inf`` is NaN:
+    the caller checks the chunk for NaN and, where there is one, scores it again unpaired, each
+    token's head sums on its own partitions in both operands (so no ``relu(d)`` meets another
+    token's weights). The first ``on_vector`` 512-row blocks take the other form: ``d`` with 128
+    rows stationary (rows on the partitions), then ``relu(d) * w'`` and the head sum on the
+    VectorE (``w_rows``: the weights on every partition), the same fp32 products and sums."""
+    heads, group = plan.heads, scores.shape[1] // plan.chunk_columns
     blocks = plan.chunk // ROWS_PER_MATMUL
-    scores = [nl.ndarray((P, plan.chunk_columns), dtype=nl.float32, buffer=nl.psum)
-              for _ in range(group)]  # fmt: skip
     per_block = ROWS_PER_MATMUL // P
     for s in range(on_vector, blocks):
         r0 = s * ROWS_PER_MATMUL
@@ -244,14 +251,19 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_rows, keys_sb, chunk_sbs, on_ve
                            accumulate=dc > 0)  # fmt: skip
         relu = nl.ndarray((group * heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=relu, op=nl.relu, data=dots)
-        for g in range(group):
-            heads_g = slice(g * heads, (g + 1) * heads)  # the token's partitions, in both operands
-            for i in range(per_block):
-                col = s * per_block + i
-                # relu(d) of 128 rows stationary, the weights moving: the head sums of those rows
-                # land on the partitions (fp32 operands, so w' * relu(d) are fp32 products).
-                nisa.nc_matmul(dst=scores[g][:, col : col + 1],
-                               stationary=relu[heads_g, i * P : (i + 1) * P], moving=w_sb[heads_g, :],
+        for i in range(per_block):
+            col = s * per_block + i
+            rows = slice(i * P, (i + 1) * P)
+            # relu(d) of 128 rows stationary, the weights moving: the head sums of those rows
+            # land on the partitions (fp32 operands, so w' * relu(d) are fp32 products).
+            if paired:
+                nisa.nc_matmul(dst=scores[:, 2 * col : 2 * col + 2], stationary=relu[:, rows],
+                               moving=w_pair, accumulate=False)  # fmt: skip
+                continue
+            for g in range(group):
+                heads_g = slice(g * heads, (g + 1) * heads)  # the token's partitions, in both
+                nisa.nc_matmul(dst=scores[:, group * col + g : group * col + g + 1],
+                               stationary=relu[heads_g, rows], moving=w_sb[heads_g, :],
                                accumulate=False)  # fmt: skip
     for col in range(on_vector * per_block):
         rows = slice(col * P, (col + 1) * P)
@@ -264,10 +276,8 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_rows, keys_sb, chunk_sbs, on_ve
             products = nl.ndarray((P, heads), dtype=nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=products, data=dots_t[:, heads_g], op0=nl.maximum,
                                       operand0=0.0, op1=nl.multiply, operand1=w_rows[:, heads_g])
-            nisa.tensor_reduce(dst=scores[g][:, col : col + 1], op=nl.add, data=products, axis=1,
-                               keepdims=True)  # fmt: skip
-    for g in range(group):
-        nisa.tensor_copy(dst=chunk_sbs[g], src=scores[g])
+            nisa.tensor_reduce(dst=scores[:, group * col + g : group * col + g + 1], op=nl.add,
+                               data=products, axis=1, keepdims=True)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -373,11 +383,18 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     # Loop-carried state, allocated outside the loops (nki.language.fori_loop page).
     q_sb = nl.ndarray((KERNEL_TILE, d_tiles, group_heads), dtype=q_t.dtype, buffer=nl.sbuf)
     w_sb = nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf)
+    paired = group == 2
+    w_pair = nl.ndarray((group_heads, group), dtype=nl.float32, buffer=nl.sbuf)  # block-diagonal
     w_rows = nl.ndarray((P, group_heads), dtype=nl.float32, buffer=nl.sbuf)
     assert 0 <= on_vector <= chunk // ROWS_PER_MATMUL, f"on_vector {on_vector}"
     keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=keys_t.dtype, buffer=nl.sbuf)
     chunk_sbs = [nl.ndarray((P, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
                  for _ in range(group)]  # fmt: skip
+    chunk_ps = nl.ndarray((P, group * chunk_columns), dtype=nl.float32, buffer=nl.psum)
+    nan_mask = nl.ndarray((P, group * chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
+    nan_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nan_flag = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    chunk_nan_ps = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum)
     keys_tile = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
     work = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
     nv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -460,7 +477,21 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
             nisa.dma_copy(dst=keys_sb[0:dw, dc, :], src=keys_t.ap(
                 pattern=[[n_chunks * chunk, dw], [1, chunk]], offset=d0 * n_chunks * chunk,
                 scalar_offset=c, indirect_dim=1))  # fmt: skip
-        _score_chunk(plan, q_sb, w_sb, w_rows, keys_sb, chunk_sbs, on_vector)
+        _score_chunk(plan, q_sb, w_sb, w_pair, w_rows, keys_sb, chunk_ps, on_vector, paired)
+        if paired:
+            # A NaN anywhere in the chunk (a 0 * inf of the paired head sums among them): the
+            # chunk again, unpaired (0 or 1 trips), which gives the contract's scores.
+            # x >= -inf holds for every number, not for NaN: the chunk's numbers, counted.
+            nisa.tensor_scalar_reduce(dst=nan_mask, data=chunk_ps, op0=nl.greater_equal,
+                                      operand0=-math.inf, reduce_op=nl.add, reduce_res=nan_col,
+                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+            nisa.nc_matmul(dst=chunk_nan_ps, stationary=ones_col, moving=nan_col, accumulate=False)
+            nisa.tensor_scalar(dst=nan_flag, data=chunk_nan_ps, op0=nl.less,
+                               operand0=float(P * group * chunk_columns))  # fmt: skip
+            nl.fori_loop(0, load_register(nan_flag), lambda _: _score_chunk(
+                plan, q_sb, w_sb, w_pair, w_rows, keys_sb, chunk_ps, on_vector, False))  # fmt: skip
+        for g, chunk_sb in enumerate(chunk_sbs):
+            nisa.tensor_copy(dst=chunk_sb, src=chunk_ps[:, g::group])
         for staged, chunk_sb in zip(scores_hbm, chunk_sbs):
             nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
                                         scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
@@ -633,6 +664,11 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
             nisa.dma_copy(dst=q_sb[0:dw, dc, :],
                           src=_tile_block(q_t, t, dw, group_heads, d0 * group_heads))  # fmt: skip
         nisa.dma_copy(dst=w_sb, src=_tile_block(w_t, t, group_heads, 1))
+        if paired:
+            nisa.memset(dst=w_pair, value=0.0)
+            for m in range(group):
+                heads_m = slice(m * heads, (m + 1) * heads)
+                nisa.tensor_copy(dst=w_pair[heads_m, m : m + 1], src=w_sb[heads_m, :])
         nisa.dma_copy(dst=w_rows, src=_tile_block(w_t, t, P, group_heads, row_stride=0))
         nisa.dma_copy(dst=ends, src=chunk_ends.ap(pattern=[[group, 1], [1, group]], offset=0,
                                                   scalar_offset=t, indirect_dim=1))  # fmt: skip

@@ -216,8 +216,9 @@ def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
     """TensorE cycles of one token's scores in the row-spread kernel, by the cost model's
     nc_matmul formula: on the TensorE's blocks, per 512 rows one bf16 matmul per 128 of ``Di``
     (q stationary, shared by the ``group``'s tokens) and per 128 rows one fp32 head sum (relu(d)
-    stationary, the weights moving); on the ``on_vector`` blocks, per 128 rows one bf16 matmul
-    per 128 of ``Di`` (the rows stationary, the group's q moving)."""
+    stationary, the weights moving; one for a pair of tokens, the weights block-diagonal); on the
+    ``on_vector`` blocks, per 128 rows one bf16 matmul per 128 of ``Di`` (the rows stationary,
+    the group's q moving)."""
     from ..nki_emulator.cost import MATMUL_FP32_FACTOR, MATMUL_MIN_STATIONARY
 
     d_tiles = -(-plan.dim // _kernel.KERNEL_TILE)
@@ -225,19 +226,20 @@ def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
     blocks = plan.chunk // rows
     per_block = rows // _decode.P
     dots = d_tiles * max(min(MATMUL_MIN_STATIONARY, group * plan.heads), rows) / group
-    head_sums = per_block * MATMUL_MIN_STATIONARY * MATMUL_FP32_FACTOR
+    head_sums = per_block * MATMUL_MIN_STATIONARY * MATMUL_FP32_FACTOR / group
     rows_first = per_block * d_tiles * max(MATMUL_MIN_STATIONARY, group * plan.heads) / group
     return plan.chunks * ((blocks - on_vector) * (dots + head_sums) + on_vector * rows_first)
 
 
-def _decode_vector_cycles(plan, on_vector: int, ties: float) -> float:
+def _decode_vector_cycles(plan, group: int, on_vector: int, ties: float) -> float:
     """The VectorE's cycles for one token in the row-spread kernel, by the cost formulas: the
     head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor ``2 N`` and a
     reduce ``N`` per 128 rows) and the selection on the pivot's path: max8 ``N`` and
     match_replace8 ``N + 144`` rounds, the bisection's small instructions (``MIN_II`` each), the
     list's rank columns that stay on the VectorE (``decode_kernel.list_offload_columns`` go to
-    the GpSimd; tensor_scalar_reduce ``N + MIN_II``), and in a ``ties`` share of the tokens the
-    tie break (``2 N`` per column)."""
+    the GpSimd; tensor_scalar_reduce ``N + MIN_II``), in a ``ties`` share of the tokens the
+    tie break (``2 N`` per column), and for a pair of tokens its share of each chunk's NaN check
+    (a count over the pair's scores and two small instructions)."""
     from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
 
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
@@ -246,8 +248,10 @@ def _decode_vector_cycles(plan, on_vector: int, ties: float) -> float:
     ranks = (cap_cols - _decode.list_offload_columns(cap_cols)) * (plan.compact + MIN_II)
     heads = plan.heads
     head_sums = plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * heads
+    nan_check = 0.0 if group == 1 else plan.chunks * (
+        max(MIN_II, 2 * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
     return (rounds * (2 * plan.columns + MATCH_REPLACE8_OVERHEAD) + bisection + ranks
-            + ties * cap_cols * 2 * plan.compact + head_sums)  # fmt: skip
+            + ties * cap_cols * 2 * plan.compact + head_sums + nan_check)  # fmt: skip
 
 
 # The share of tokens whose ties the row-spread kernel breaks (step 4), for sizing its head-sum
@@ -262,7 +266,7 @@ def decode_token_us(target: str, plan, group: int, on_vector: int, ties: float) 
 
     hw = HARDWARE[target]
     return max(_decode_tensor_cycles(plan, group, on_vector) / hw.tensor_ghz,
-               _decode_vector_cycles(plan, on_vector, ties) / hw.vector_ghz) / 1e3  # fmt: skip
+               _decode_vector_cycles(plan, group, on_vector, ties) / hw.vector_ghz) / 1e3  # fmt: skip
 
 
 def head_sums_on_vector(target: str, plan, group: int) -> int:
