@@ -532,3 +532,51 @@ def test_paired_head_sums_keep_one_tokens_overflow_from_its_partner(monkeypatch,
     np.testing.assert_array_equal(idx, oracle_topk(s64, positions, K))
     assert idx[1, 0] == 600 and scores[1, 0] == np.inf
     assert not np.isnan(scores).any()
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "clustered", "garbage", "nan_and_inf",
+                                  "compressed"])  # fmt: skip
+def test_one_token_scored_by_both_programs_then_selected(monkeypatch, case):
+    """A decode step (one token, two programs on trn2): the programs split the token's rows to
+    score them, then one program selects (two launches). Distinct scores, integer ties, a
+    crowded partition (the exact fallback), garbage past the valid rows, -inf and NaN scores and
+    compressed blocks all equal the oracle, and the first launch runs on both programs."""
+    from jax_sparse_attn import nki_emulator
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    rng = np.random.default_rng(23)
+    R, K, ratio, position = 20000, 64, 1, 18700  # three chunks of 8192 rows
+    if case in ("ties", "garbage", "nan_and_inf", "compressed"):
+        q, w, keys = integer_case(rng, 1, 4, 8, R)
+    else:
+        q = rng.standard_normal((1, 8, 32)).astype(np.float32)
+        keys = rng.standard_normal((R, 32)).astype(np.float32)
+        w = np.abs(rng.standard_normal((1, 8)) * 0.1).astype(np.float32)
+        if case == "clustered":  # 30 rows of partition 0, far above the rest: past its depth
+            toward = np.sign(q.sum(axis=(0, 1)))[None, :]
+            keys[128 * np.arange(30)] = toward * (4.0 + np.arange(30)[:, None] / 8)
+    if case == "garbage":
+        keys[position + 1 :] = np.nan
+        keys[19000:, :3] = np.inf
+    elif case == "nan_and_inf":
+        q = np.abs(q) + 1
+        w = -np.abs(w) - 0.5
+        keys[[5, 9000]] = np.inf  # d = +inf, weights negative: score -inf
+        keys[[2, 17100], 1] = np.nan
+    elif case == "compressed":
+        ratio, position = 4, 4 * 4321 + 2
+    q, keys = np.asarray(q, BF16), np.asarray(keys, BF16)
+    s64 = oracle_scores(np.asarray(q, np.float32), w, np.asarray(keys, np.float32))
+    limit = min(R, (position + 1) // ratio)
+    if case == "garbage":  # the oracle of rows beyond the limit is never read
+        s64 = np.where(np.arange(R)[None, :] < limit, s64, 0.0)
+    want = oracle_topk(s64, [position], K, ratio)
+    with nki_emulator.recording() as rec:
+        idx, scores = run_kernel(q, w, keys, [position], K, ratio, kernel="decode")
+    np.testing.assert_array_equal(idx, want)
+    picked = np.where(want >= 0, np.take_along_axis(s64, np.maximum(want, 0), axis=1), -np.inf)
+    if case in ("distinct", "clustered"):  # f32 sums of random products: within rounding
+        np.testing.assert_allclose(scores, picked, rtol=1e-5)
+    else:  # integer inputs: every score exact
+        np.testing.assert_array_equal(scores, picked.astype(np.float32))
+    assert [r.grid for r in rec.runs] == [2, 1]

@@ -76,6 +76,7 @@ from .kernel import (
     _selection_tiles,
     _tile_block,
     extract_best,
+    fill_selection_constants,
     select_key,
 )
 
@@ -300,7 +301,7 @@ def _fallback_tiles(plan: DecodePlan) -> _Fallback:
         merge_plan,
         nl.ndarray((1, k8 + FALLBACK_CHUNK), dtype=nl.float32, buffer=nl.sbuf),
         nl.ndarray((1, k8 + FALLBACK_CHUNK), dtype=nl.float32, buffer=nl.sbuf),
-        _selection_tiles(1, k8, True),
+        _selection_tiles(1, k8, True, fill=False),  # filled where the fallback runs
         nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf),
         nl.ndarray((n, FALLBACK_CHUNK), dtype=nl.float32, buffer=nl.hbm),
     )  # fmt: skip
@@ -314,6 +315,7 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, group, member: in
     columns = keys_tile.shape[1]
     assert fb.keys_rows.shape[0] * c == P * columns  # chunks are multiples of FALLBACK_CHUNK
     nisa.dma_copy(dst=fb.keys_rows.ap(pattern=[[1, P], [P, columns]], offset=0), src=keys_tile)
+    fill_selection_constants(fb.sel)
     nisa.memset(dst=fb.cand[:, 0:k8], value=MARKER)
     nisa.memset(dst=fb.cand_rows[:, 0:k8], value=0.0)
     nisa.memset(dst=fb.row_base, value=0.0)
@@ -333,17 +335,25 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, group, member: in
     _emit(fb.cand, fb.cand_rows, keys_out, idx_out, group, 1, topk, k8, member * topk)
 
 
-def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, topk, depth,
-                          split=0, steps=None, on_vector=0):  # fmt: skip
+def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, staged_scores=None, *,
+                          topk, depth, split=0, steps=None, on_vector=0, phase="all"):  # fmt: skip
     """The row-spread selection (module docstring) of each of the program's tokens.
 
     Args: as the module docstring's interface; ``topk`` (K), ``depth`` (candidates per
     partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
-    compile-time ints. Launch as ``kernel[n]`` with the groups ``G`` a multiple of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
+    compile-time ints, keyword arguments. Launch as ``kernel[n]`` with the groups ``G`` a multiple of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
     ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE. Returns
     ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
     valid rows), their rows (-1 there), and each token's path (the interface's codes).
+
+    ``phase`` splits the work over two launches where the tokens are fewer than the programs
+    (a decode step): ``"score"`` has the programs split each group's chunks (not the groups) and
+    returns only the scores, ``staged [G, g, 128, F]`` f32 (row ``128 j + p`` at ``[p, j]``, no
+    key_scale yet); ``"select"`` takes them as ``staged_scores`` and runs steps 2 to 6 (q, w and
+    the keys are then read for their shapes only). ``"all"`` does both in one launch.
     """
+    assert phase in ("all", "score", "select"), f"phase {phase!r}"
+    assert (staged_scores is not None) == (phase == "select"), "staged_scores is the select phase's input"
     groups, dim, group_heads = q_t.shape
     group = n_valid.shape[1]  # tokens per group: 1, or 2 sharing the d matmuls
     heads = group_heads // group
@@ -361,12 +371,25 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     columns, m = plan.columns, plan.candidates
     assert depth <= columns <= MAX8_ELEMENTS
     programs, program = nl.num_programs(), nl.program_id(0)
-    assert groups % programs == 0, f"{groups} token groups must be a multiple of the {programs} programs"
+    assert phase == "score" or groups % programs == 0, (
+        f"{groups} token groups must be a multiple of the {programs} programs")  # fmt: skip
     per_program = groups // programs
+    if phase == "score":  # every program takes every group, and its share of their chunks
+        assert n_chunks >= programs, f"{n_chunks} chunks for {programs} programs"
+        per_program, program_groups = groups, 0
+        chunk_lo, chunk_hi = program * n_chunks // programs, (program + 1) * n_chunks // programs
+    else:
+        program_groups = program * per_program
 
     keys_out = nl.ndarray((groups, group, topk), dtype=nl.float32, buffer=nl.shared_hbm)
     idx_out = nl.ndarray((groups, group, topk), dtype=nl.int32, buffer=nl.shared_hbm)
     path_out = nl.ndarray((groups, group), dtype=nl.int32, buffer=nl.shared_hbm)
+    if phase == "score":
+        staged_out = nl.ndarray((groups, group, P, n_chunks * chunk_columns), dtype=nl.float32,
+                                buffer=nl.shared_hbm)  # fmt: skip
+    elif phase == "select":
+        assert tuple(staged_scores.shape) == (groups, group, P, n_chunks * chunk_columns), (
+            f"staged_scores {staged_scores.shape}")  # fmt: skip
     # HBM staging: each token's scores by chunk, its candidates (the broadcast's source), and the
     # ranked selection before it goes to keys_out/idx_out.
     scores_hbm = [nl.ndarray((P, n_chunks, chunk_columns), dtype=nl.float32, buffer=nl.hbm)
@@ -459,18 +482,26 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
     fill_rows = nl.ndarray((1, topk), dtype=nl.int32, buffer=nl.sbuf)
     fb = _fallback_tiles(plan)
 
-    nisa.iota(dst=partition, pattern=[[0, 1]], offset=0, channel_multiplier=1)
-    nisa.memset(dst=ones_row, value=1.0)
     nisa.memset(dst=ones_col, value=1.0)
-    nisa.memset(dst=ones_pp, value=1.0)
-    nisa.iota(dst=column, pattern=[[1, depth]], offset=0)
-    nisa.iota(dst=lower, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # i - k
-    nisa.tensor_scalar(dst=lower, data=lower, op0=nl.greater, operand0=0.0)
-    # Chunks past a token's last valid row are never scored: they hold zeros (or an earlier
-    # token's scores) in HBM, and select_key turns those rows into MARKER.
-    nisa.memset(dst=keys_tile, value=0.0)
-    for staged in scores_hbm:
-        nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, columns]], offset=0), src=keys_tile)
+    if phase != "score":  # the selection's constants
+        nisa.iota(dst=partition, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+        nisa.memset(dst=ones_row, value=1.0)
+        nisa.memset(dst=ones_pp, value=1.0)
+        nisa.iota(dst=column, pattern=[[1, depth]], offset=0)
+        nisa.iota(dst=lower, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # i - k
+        nisa.tensor_scalar(dst=lower, data=lower, op0=nl.greater, operand0=0.0)
+        nisa.memset(dst=fill_keys, value=MARKER)
+        nisa.memset(dst=fill_rows, value=-1)
+    if phase != "select":
+        # Chunks past a token's last valid row are never scored: they hold zeros (or an earlier
+        # token's scores) in HBM, and select_key turns those rows into MARKER. The scoring
+        # launch's programs each fill their own chunks.
+        own_first, own_width = (chunk_lo * chunk_columns, (chunk_hi - chunk_lo) * chunk_columns) if (
+            phase == "score") else (0, columns)  # fmt: skip
+        nisa.memset(dst=keys_tile[:, 0:own_width], value=0.0)
+        for staged in scores_hbm:
+            nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, own_width]], offset=own_first),
+                          src=keys_tile[:, 0:own_width])  # fmt: skip
 
     def one_chunk(c):
         for dc, d0, dw in _d_chunks(dim):
@@ -659,6 +690,24 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.tensor_copy(dst=total_col, src=column_ps)
 
     def one_group(t):
+        if phase != "select":
+            score_group(t)
+        if phase == "score":
+            # The program's chunks of each token (scored, or zeros / an earlier group's scores
+            # past the group's last valid row, which select_key turns into MARKER).
+            width = (chunk_hi - chunk_lo) * chunk_columns
+            for member in range(group):
+                nisa.dma_copy(
+                    dst=staged_out.ap(pattern=[[columns, P], [1, width]],
+                                      offset=member * P * columns + chunk_lo * chunk_columns,
+                                      scalar_offset=t, indirect_dim=0),
+                    src=scores_hbm[member].ap(pattern=[[columns, P], [1, width]],
+                                              offset=chunk_lo * chunk_columns))  # fmt: skip
+            return
+        for member in range(group):
+            select_token(t, member)
+
+    def score_group(t):
         # Step 1 for the group's tokens together, up to the last chunk any of them needs.
         for dc, d0, dw in _d_chunks(dim):
             nisa.dma_copy(dst=q_sb[0:dw, dc, :],
@@ -675,17 +724,23 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.tensor_copy(dst=ends_f, src=ends)
         nisa.tensor_reduce(dst=end_f, op=nl.max, data=ends_f, axis=1, keepdims=True)
         nisa.tensor_copy(dst=end, src=end_f)
+        if phase == "score":  # this program's chunks only: chunk_lo .. min(chunk_hi, end)
+            nisa.tensor_scalar(dst=end_f, data=end_f, op0=nl.minimum, operand0=float(chunk_hi),
+                               op1=nl.maximum, operand1=float(chunk_lo))  # fmt: skip
+            nisa.tensor_copy(dst=end, src=end_f)
         chunks_end = nisa.register_alloc(None)
         nisa.register_load(chunks_end, end)
-        nl.fori_loop(0, chunks_end, one_chunk)
-        for member in range(group):
-            select_token(t, member)
+        nl.fori_loop(chunk_lo if phase == "score" else 0, chunks_end, one_chunk)
 
     def select_token(t, member):
         nisa.dma_copy(dst=nv_col, src=n_valid.ap(pattern=[[0, P], [1, 1]], offset=member,
                                                  scalar_offset=t, indirect_dim=0))  # fmt: skip
-        nisa.dma_copy(dst=keys_tile,
-                      src=scores_hbm[member].ap(pattern=[[columns, P], [1, columns]], offset=0))
+        if phase == "select":
+            nisa.dma_copy(dst=keys_tile, src=_tile_block(staged_scores, t, P, columns,
+                                                         member * P * columns))  # fmt: skip
+        else:
+            nisa.dma_copy(dst=keys_tile,
+                          src=scores_hbm[member].ap(pattern=[[columns, P], [1, columns]], offset=0))
         # work holds the key scales, then the row numbers 128 j + p (SBUF for one [128, F] tile).
         nisa.dma_copy(dst=work, src=key_scale_t)
         nisa.tensor_tensor(dst=keys_tile, data1=keys_tile, data2=work, op=nl.multiply)
@@ -765,7 +820,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, to
         nisa.tensor_copy(dst=reg_i32, src=path_f)
         nisa.dma_copy(dst=_tile_block(path_out, t, 1, 1, member), src=reg_i32)
 
-    nisa.memset(dst=fill_keys, value=MARKER)
-    nisa.memset(dst=fill_rows, value=-1)
-    nl.fori_loop(program * per_program, (program + 1) * per_program, one_group)
+    nl.fori_loop(program_groups, program_groups + per_program, one_group)
+    if phase == "score":
+        return staged_out
     return keys_out, idx_out, path_out

@@ -282,7 +282,9 @@ class _Selection:
     reverse_groups: object = None
 
 
-def _selection_tiles(tt: int, topk8: int, match_indices: bool) -> _Selection:
+def _selection_tiles(tt: int, topk8: int, match_indices: bool, fill: bool = True) -> _Selection:
+    """The merge's tiles; ``fill=False`` leaves their constants to :func:`fill_selection_constants`
+    (for a merge that runs only on a rare path, which then pays for them alone)."""
     sel = _Selection(
         match_indices,
         nl.ndarray((tt, topk8), dtype=nl.float32, buffer=nl.sbuf),
@@ -292,13 +294,22 @@ def _selection_tiles(tt: int, topk8: int, match_indices: bool) -> _Selection:
     if match_indices:
         sel.keys_reversed = nl.ndarray((tt, SELECTED_PER_ROUND), dtype=nl.float32, buffer=nl.sbuf)
         sel.reverse8 = nl.ndarray((tt, SELECTED_PER_ROUND), dtype=nl.uint32, buffer=nl.sbuf)
-        nisa.iota(dst=sel.reverse8, pattern=[[-1, SELECTED_PER_ROUND]], offset=SELECTED_PER_ROUND - 1)
         sel.positions_fixed = nl.ndarray((tt, topk8), dtype=nl.uint32, buffer=nl.sbuf)
         sel.reverse_groups = nl.ndarray((tt, topk8), dtype=nl.uint32, buffer=nl.sbuf)
-        nisa.iota(dst=sel.reverse_groups, offset=SELECTED_PER_ROUND - 1,
-                  pattern=[[SELECTED_PER_ROUND, topk8 // SELECTED_PER_ROUND],
-                           [-1, SELECTED_PER_ROUND]])  # fmt: skip
+        if fill:
+            fill_selection_constants(sel)
     return sel
+
+
+def fill_selection_constants(sel: _Selection):
+    """The reversal indices of the ``dst_idx`` variant (``7 .. 0``, and per group of 8)."""
+    if not sel.match_indices:
+        return
+    topk8 = sel.reverse_groups.shape[1]
+    nisa.iota(dst=sel.reverse8, pattern=[[-1, SELECTED_PER_ROUND]], offset=SELECTED_PER_ROUND - 1)
+    nisa.iota(dst=sel.reverse_groups, offset=SELECTED_PER_ROUND - 1,
+              pattern=[[SELECTED_PER_ROUND, topk8 // SELECTED_PER_ROUND],
+                       [-1, SELECTED_PER_ROUND]])  # fmt: skip
 
 
 def _store_partial(part, program: int, tile, src, tt: int, width: int):

@@ -138,6 +138,14 @@ def decode_group(T: int, Hi: int, programs: int) -> int:
     return 2 if 2 * Hi <= _kernel.KERNEL_TILE and T > programs else 1
 
 
+def decode_splits_rows(T: int, programs: int, chunks: int) -> bool:
+    """Whether the row-spread kernel runs in two launches (``decode_kernel``'s phases): the
+    programs split each token's ``chunks`` to score them, then one program selects. Where the
+    tokens are fewer than the programs (a decode step), a program would otherwise sit idle while
+    the other reads every key row alone; it needs a chunk for each program."""
+    return 1 < programs <= chunks and T < programs
+
+
 def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
     """The row-spread kernel's operands (:mod:`.decode_kernel`, "Interface"), the tokens in
     groups (:func:`decode_group`) padded to a multiple of the programs."""
@@ -162,24 +170,37 @@ def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
     return operands, tokens
 
 
-def _run_decode_on_host(target: str, programs: int, *arrays, **statics):
+def _run_decode_on_host(target: str, programs: int, score_programs: int, score_on_vector: int,
+                        *arrays, **statics):
     from ..nki_emulator import simulate
 
-    run = simulate(_decode.indexer_decode_kernel, target=target)[programs]
-    keys_out, idx, _ = run(*[np.asarray(a) for a in arrays], **statics)
+    kernel = _decode.indexer_decode_kernel
+    arrays = [np.asarray(a) for a in arrays]
+    if score_programs:  # two launches: the programs split the rows to score them, one selects
+        staged = simulate(kernel, target=target)[score_programs](
+            *arrays, **{**statics, "on_vector": score_on_vector}, phase="score")
+        arrays, statics = arrays + [staged], {**statics, "phase": "select"}
+    keys_out, idx, _ = simulate(kernel, target=target)[programs](*arrays, **statics)
     return np.concatenate([keys_out, idx.astype(np.float32)], axis=-1)
 
 
-def _call_decode(target, programs, plan, operands, tokens, emulated):
+def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=False):
+    """The row-spread kernel on the packed ``operands``: one launch of ``programs``, or with
+    ``split_rows`` (:func:`decode_splits_rows`; operands packed for one program) a scoring
+    launch of ``programs`` and a selecting launch of one."""
     k = plan.topk
     g = operands[4].shape[1]
     # The kernel's compile-time arguments.
     statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
                    on_vector=head_sums_on_vector(target, plan, g))  # fmt: skip
+    score_programs = programs if split_rows else 0
+    select_programs = 1 if split_rows else programs
+    score_on_vector = scoring_on_vector(target, plan, g) if split_rows else 0
     if emulated:
         result = jax.ShapeDtypeStruct((tokens // g, g, 2 * k), jnp.float32)
         packed = jax.pure_callback(
-            functools.partial(_run_decode_on_host, target, programs, **statics),
+            functools.partial(_run_decode_on_host, target, select_programs, score_programs,
+                              score_on_vector, **statics),
             result,
             *operands, vmap_method="sequential",
         )  # fmt: skip
@@ -187,6 +208,11 @@ def _call_decode(target, programs, plan, operands, tokens, emulated):
     from ..attention.neuron import jitted_kernel
 
     run = jitted_kernel(_decode.indexer_decode_kernel)
+    if split_rows:
+        staged = run[score_programs](*operands, **{**statics, "on_vector": score_on_vector},
+                                     phase="score")  # fmt: skip
+        keys_out, idx, _ = run(*operands, staged, **statics, phase="select")
+        return keys_out, idx
     if programs > 1:
         run = run[programs]
     keys_out, idx, _ = run(*operands, **statics)
@@ -267,6 +293,19 @@ def decode_token_us(target: str, plan, group: int, on_vector: int, ties: float) 
     hw = HARDWARE[target]
     return max(_decode_tensor_cycles(plan, group, on_vector) / hw.tensor_ghz,
                _decode_vector_cycles(plan, group, on_vector, ties) / hw.vector_ghz) / 1e3  # fmt: skip
+
+
+def scoring_on_vector(target: str, plan, group: int) -> int:
+    """:func:`head_sums_on_vector` for the scoring launch of the two-launch form, where the
+    VectorE has no selection to do: the count that evens the TensorE and the VectorE's head sums
+    by the cost formulas."""
+    from ..nki_emulator.cost import HARDWARE
+
+    hw = HARDWARE[target]
+    blocks = plan.chunk // _decode.ROWS_PER_MATMUL
+    head_sums = lambda v: plan.chunks * v * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * plan.heads
+    return min(range(blocks + 1), key=lambda v: max(
+        _decode_tensor_cycles(plan, group, v) / hw.tensor_ghz, head_sums(v) / hw.vector_ghz))
 
 
 def head_sums_on_vector(target: str, plan, group: int) -> int:
@@ -365,8 +404,11 @@ def indexer_topk_neuron(q, weights, keys, key_scale, positions, *, topk, compres
         if spread is None:
             raise ValueError(f"the row-spread kernel cannot take this shape on {target}")
     if kernel == "decode":
-        operands, tokens = _pack_decode(spread, programs, q, weights, keys, key_scale, n_valid)
-        keys_out, idx = _call_decode(target, programs, spread, operands, tokens, emulated)
+        split_rows = decode_splits_rows(T, programs, spread.chunks)
+        operands, tokens = _pack_decode(spread, 1 if split_rows else programs, q, weights, keys,
+                                        key_scale, n_valid)  # fmt: skip
+        keys_out, idx = _call_decode(target, programs, spread, operands, tokens, emulated,
+                                     split_rows)  # fmt: skip
         keys_out = keys_out.reshape(-1, topk)[:T]
         idx = idx.reshape(-1, topk)[:T]
         return idx, scores_from_keys(keys_out, idx)
