@@ -42,7 +42,8 @@ def oracle_topk(scores, positions, topk, ratio=1):
     return out
 
 
-def run_kernel(q, weights, keys, positions, topk, ratio=1, key_scale=None, dtype=BF16, kernel=None):
+def run_kernel(q, weights, keys, positions, topk, ratio=1, key_scale=None, dtype=BF16, kernel=None,
+               emulated=True):
     import jax.numpy as jnp
 
     idx, scores = indexer_topk_neuron(
@@ -50,7 +51,7 @@ def run_kernel(q, weights, keys, positions, topk, ratio=1, key_scale=None, dtype
         jnp.asarray(np.asarray(keys, dtype)),
         None if key_scale is None else jnp.asarray(np.asarray(key_scale, np.float32)),
         jnp.asarray(np.asarray(positions, np.int32)), topk=topk, compress_ratio=ratio,
-        emulated=True, kernel=kernel,
+        emulated=emulated, kernel=kernel,
     )  # fmt: skip
     return np.asarray(idx), np.asarray(scores)
 
@@ -580,3 +581,43 @@ def test_one_token_scored_by_both_programs_then_selected(monkeypatch, case):
     else:  # integer inputs: every score exact
         np.testing.assert_array_equal(scores, picked.astype(np.float32))
     assert [r.grid for r in rec.runs] == [2, 1]
+
+
+class _JitOnEmulator:
+    """A stand-in for ``nki.jit(kernel)`` (``kernel[n](...)`` included) that runs the kernel under
+    the emulator: the Neuron path's own launches, arguments and result handling run as written."""
+
+    def __init__(self, kernel, grid=1):
+        self.kernel, self.grid = kernel, grid
+
+    def __getitem__(self, grid):
+        return _JitOnEmulator(self.kernel, grid)
+
+    def __call__(self, *args, **kwargs):
+        from jax_sparse_attn.nki_emulator import simulate
+
+        run = simulate(self.kernel)[self.grid]
+        return run(*[np.asarray(a) for a in args],
+                   **{k: np.asarray(v) if hasattr(v, "shape") else v for k, v in kwargs.items()})
+
+
+@pytest.mark.parametrize("T, R, kernel", [(1, 20000, "decode"), (5, 3000, "decode"),
+                                          (5, 3000, "tiled")])  # fmt: skip
+def test_neuron_path_launches_equal_the_oracle(monkeypatch, T, R, kernel):
+    """``emulated=False`` (the path that calls ``nki.jit`` on a Trainium host) with nki.jit
+    standing in as the emulator: a decode step's two launches (scoring on both programs, then
+    selecting), the row-spread kernel's one launch, and the tiled kernel with its merge launch
+    all pass their operands as the kernels take them and equal the oracle."""
+    from jax_sparse_attn.attention import neuron as attention_neuron
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.setattr(attention_neuron, "jitted_kernel", _JitOnEmulator)
+    rng = np.random.default_rng(29)
+    q, w, keys = integer_case(rng, T, 4, 8, R)
+    positions = R - 1 - 7 * np.arange(T)
+    K = 24
+    idx, scores = run_kernel(q, w, keys, positions, K, kernel=kernel, emulated=False)
+    s64 = oracle_scores(q, w, keys)
+    want = oracle_topk(s64, positions, K)
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(scores, np.take_along_axis(s64, want, axis=1).astype(np.float32))
