@@ -55,7 +55,10 @@ programs::
     -> keys [G, g, K] f32, idx [G, g, K] int32, path [G, g] int32 (0 all M ranked, 1 and ties
        broken, 2 fallback, 3 the list at the pivot ranked, 4 and ties broken)
 
-The programs of a launch split the groups. Nothing here needs the Neuron SDK to import.
+The programs of a launch split the groups. Where the tokens are fewer than the programs (a decode
+step), two launches instead (``phase``): the programs split each token's chunks to score them,
+then one program selects from the staged scores, so neither core reads every key row alone.
+Nothing here needs the Neuron SDK to import.
 """
 
 from __future__ import annotations
