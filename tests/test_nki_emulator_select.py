@@ -215,6 +215,42 @@ def test_tensor_scalar_reduce_counts_and_folds_like_numpy():
     np.testing.assert_array_equal(got[:, 1], -(2 * x).max(axis=1))
 
 
+def test_tensor_tensor_scan_follows_its_page_like_a_python_loop():
+    """The page's loop written plainly: a running sum (op0 add, op1 multiply by ones), a
+    reversed subtract from a per-partition initial column, in fp32; both inputs in PSUM refused."""
+    rng = np.random.default_rng(4)
+    a = rng.integers(-3, 4, (8, 20)).astype(np.float32)
+    b = rng.integers(1, 3, (8, 20)).astype(np.float32)
+    init = rng.integers(-5, 6, (8, 1)).astype(np.float32)
+
+    def body(nl, nisa, t, o):
+        nisa.tensor_tensor_scan(dst=o[:, 0:20], data0=t[0], data1=t[1], initial=0.0,
+                                op0=nl.add, op1=nl.multiply)  # fmt: skip
+        nisa.tensor_tensor_scan(dst=o[:, 20:40], data0=t[0], data1=t[1], initial=t[2],
+                                op0=nl.subtract, op1=nl.add, reverse0=True)  # fmt: skip
+
+    got = _run(_kernel(body, (8, 40), np.float32), a, b, init)
+    want = np.zeros((8, 40), np.float64)
+    for p in range(8):
+        state = 0.0
+        for i in range(20):
+            state = (a[p, i] + state) * b[p, i]
+            want[p, i] = state
+        state = init[p, 0]
+        for i in range(20):
+            state = (state - a[p, i]) + b[p, i]  # reverse0: the running state is op0's lhs
+            want[p, 20 + i] = state
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+    def both_psum(nl, nisa, t, o):
+        ps = nl.ndarray((8, 20), dtype=np.float32, buffer=nl.psum)
+        nisa.tensor_copy(dst=ps, src=t[0])
+        nisa.tensor_tensor_scan(dst=o, data0=ps, data1=ps, initial=0.0, op0=nl.add, op1=nl.add)
+
+    with pytest.raises(NkiEmulatorError, match="PSUM"):
+        _run(_kernel(both_psum, (8, 20), np.float32), a)
+
+
 def test_tensor_scalar_reduce_refuses_what_it_does_not_emulate():
     def chained(nl, nisa, t, o):
         cmp = nl.ndarray(t[0].shape, dtype=np.float32, buffer=nl.sbuf)

@@ -214,6 +214,8 @@ COSTS: dict[str, Cost] = {
     "nisa.scalar_tensor_tensor": Cost("vector", _scalar_tensor_tensor),
     # [isa] tensor_copy: max(MIN_II, N) cycles of the chosen engine; VectorE assumed by default.
     "nisa.tensor_copy": Cost("vector", _min_ii_n, ("vector", "scalar", "gpsimd")),
+    # [isa] tensor_tensor_scan: max(MIN_II, 2N) Vector Engine cycles.
+    "nisa.tensor_tensor_scan": Cost("vector", lambda o: max(MIN_II, 2 * o.n)),
     # [isa] tensor_reduce: N/2 for bf16 in/out add or max, else N (VectorE).
     "nisa.tensor_reduce": Cost("vector", _tensor_reduce),
     # [isa] reciprocal: max(MIN_II, 8N) VectorE cycles.

@@ -955,6 +955,52 @@ def tensor_tensor(dst: Tensor, data1: Tensor, data2: Tensor, op: Any, engine: An
     _charge(ctx, instr, engine, dst, [data1, data2], ops=(op,))
 
 
+def tensor_tensor_scan(
+    dst: Tensor,
+    data0: Tensor,
+    data1: Tensor,
+    initial: Any,
+    op0: Any,
+    op1: Any,
+    reverse0: bool = False,
+    reverse1: bool = False,
+    **kwargs: Any,
+) -> None:
+    """A scan along the free axis of each partition, on the Vector Engine, in fp32 (the
+    tensor_tensor_scan page, v2.32.0): ``r[:, 0] = op1(op0(data0[:, 0], initial), data1[:, 0])``,
+    ``r[:, i] = op1(op0(data0[:, i], r[:, i-1]), data1[:, i])``; ``reverse0`` / ``reverse1`` swap
+    an operator's operands. ``initial``: a scalar or a ``[P, 1]`` tile. 2-D tiles only."""
+    instr = "nisa.tensor_tensor_scan"
+    no_extra(kwargs, instr)
+    ctx = begin(instr)
+    tensor_arg(data0, instr, "data0", ON_CHIP)
+    tensor_arg(data1, instr, "data1", ON_CHIP)
+    tensor_arg(dst, instr, "dst", ON_CHIP)
+    # The page: "data0 and data1 cannot both reside in PSUM".
+    _not_both_psum(instr, data0, data1, "data0 and data1")
+    if data0.shape != data1.shape or data0.ndim != 2:
+        # The page: "the same partition axis size and the same number of elements per
+        # partition" (equal 2-D shapes here: stricter; coverage).
+        raise NkiShapeError(f"{instr}: 2-D data0 {data0.shape} and data1 {data1.shape} must match")
+    f0 = _op(_BINARY_OPS, op0, instr, "op0")
+    f1 = _op(_BINARY_OPS, op1, instr, "op1")
+    inputs: list = [data0, data1]
+    state = _scalar_or_column(initial, data0, instr, "initial", inputs)
+    check_dst_shape(instr, dst, data0.shape)
+    same_base_partition(instr, *inputs)
+    a = f32_values(data0, instr, "data0")
+    b = f32_values(data1, instr, "data1")
+    result = np.empty(a.shape, F32)
+    state = np.broadcast_to(np.asarray(state, F32).reshape(-1), (a.shape[0],)).astype(F32)
+    with np.errstate(all="ignore"):
+        for i in range(a.shape[1]):  # fp32 after every step (the page: "float32 math")
+            inner = np.asarray(_apply(f0, a[:, i], state, reverse0), F32)
+            state = np.asarray(_apply(f1, inner, b[:, i], reverse1), F32)
+            result[:, i] = state
+    write(dst, result)
+    _charge(ctx, instr, None, dst, [data0, data1], ops=(op0, op1))
+
+
 def tensor_reduce(
     dst: Tensor,
     op: Any,
@@ -1175,5 +1221,5 @@ from ._select import (  # noqa: E402
     topk,
 )
 
-__all__ += ["tensor_scalar_reduce"]
+__all__ += ["tensor_scalar_reduce", "tensor_tensor_scan"]
 __all__ += ["max8", "nc_find_index8", "nc_match_replace8", "nc_n_gather", "select_reduce", "topk"]
