@@ -420,7 +420,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     nan_mask = nl.ndarray((P, group * chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
     nan_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nan_flag = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    chunk_nan_ps = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum)
     keys_tile = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
     work = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
     nv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -478,9 +477,30 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     in_list = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
     chosen_work = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
     listed_chosen = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
+    rank_before = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
+    # Step 3a's row-order places: the [128, F] grid of rows at or above the pivot, in blocks of
+    # up to 512 columns (one matmul each) through HBM, so that a hardware loop takes them.
+    grid_block = min(ROWS_PER_MATMUL, columns)
+    grid_blocks = _ceil_div(columns, grid_block)
+    grid_width = grid_blocks * grid_block
+    grid_hbm = nl.ndarray((P, grid_blocks, grid_block), dtype=nl.bfloat16, buffer=nl.hbm)
+    places_hbm = nl.ndarray((P, grid_blocks, grid_block), dtype=nl.float32, buffer=nl.hbm)
+    grid_mask = nl.ndarray((P, grid_width), dtype=nl.bfloat16, buffer=nl.sbuf)
+    mask_block = nl.ndarray((P, grid_block), dtype=nl.bfloat16, buffer=nl.sbuf)
+    zeros_block = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.sbuf)
+    running_block = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.sbuf)
+    places_block = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.sbuf)
+    carry = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    above_ps = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.psum)
+    column_sums_ps = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.psum)
+    lower_bf = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)  # [k, i] = k < i
+    ones_bf = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
+    earlier = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)  # [p, q] = q < p
+    cand_pos_u32 = nl.ndarray((P, depth), dtype=nl.uint32, buffer=nl.sbuf)
     column_ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
     row_ps = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum)
     totals_ps = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.psum)
+    chunk_nan_ps = totals_ps[:, 0:1]  # the scoring's NaN count (PSUM holds 8 banks)
     fill_keys = nl.ndarray((1, topk), dtype=nl.float32, buffer=nl.sbuf)
     fill_rows = nl.ndarray((1, topk), dtype=nl.int32, buffer=nl.sbuf)
     fb = _fallback_tiles(plan)
@@ -495,6 +515,12 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_scalar(dst=lower, data=lower, op0=nl.greater, operand0=0.0)
         nisa.memset(dst=fill_keys, value=MARKER)
         nisa.memset(dst=fill_rows, value=-1)
+        nisa.tensor_copy(dst=lower_bf, src=lower)
+        nisa.memset(dst=ones_bf, value=1.0)
+        nisa.iota(dst=earlier, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # q - p
+        nisa.tensor_scalar(dst=earlier, data=earlier, op0=nl.less, operand0=0.0)
+        nisa.memset(dst=zeros_block, value=0.0)
+        nisa.memset(dst=grid_mask, value=0.0)  # the columns past F stay 0
     if phase != "select":
         # Chunks past a token's last valid row are never scored: they hold zeros (or an earlier
         # token's scores) in HBM, and select_key turns those rows into MARKER. The scoring
@@ -559,19 +585,23 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_scalar(dst=spare, data=sel.best_keys, op0=nl.greater, operand0=MARKER)
         nisa.tensor_tensor(dst=chosen, data1=chosen, data2=spare, op=nl.multiply)
 
-    def build_list(mask, counts, with_ranks: bool):
+    def build_list(mask, counts, with_ranks: bool, placed: bool = False):
         """Step 4's list: the candidates where ``mask`` (a prefix of each partition's, ``counts``
         per partition) at distinct places, the chosen of the partitions before plus the column
-        (a prefix sum by matmul); keys, rows and (``with_ranks``) ranks, then the broadcasts."""
-        nisa.nc_matmul(dst=column_ps, stationary=lower, moving=counts, accumulate=False)
-        nisa.tensor_copy(dst=before, src=column_ps)
-        nisa.tensor_scalar(dst=spare, data=mask, op0=nl.multiply, operand0=-float(2 * cap),
-                           op1=nl.add, operand1=float(2 * cap))  # fmt: skip
-        nisa.scalar_tensor_tensor(dst=spare, data=column, op0=nl.add, operand0=before,
-                                  op1=nl.add, operand1=spare)  # fmt: skip
-        nisa.tensor_copy(dst=place_u32, src=spare)
+        (a prefix sum by matmul), or (``placed``) at the places already in ``place_u32``; keys,
+        rows and (``with_ranks``) ranks, then the broadcasts. The ``listed`` tiles hold entry
+        ``128 c + p`` at ``[p, c]``, so a column is a block of 128 consecutive entries."""
+        if not placed:
+            nisa.nc_matmul(dst=column_ps, stationary=lower, moving=counts, accumulate=False)
+            nisa.tensor_copy(dst=before, src=column_ps)
+            nisa.tensor_scalar(dst=spare, data=mask, op0=nl.multiply, operand0=-float(2 * cap),
+                               op1=nl.add, operand1=float(2 * cap))  # fmt: skip
+            nisa.scalar_tensor_tensor(dst=spare, data=column, op0=nl.add, operand0=before,
+                                      op1=nl.add, operand1=spare)  # fmt: skip
+            nisa.tensor_copy(dst=place_u32, src=spare)
         # The list starts empty: MARKER keys, row -1, a rank past the topk slots.
-        entries = [[cap_cols, P], [1, cap_cols]]
+        entries = [[cap_cols, P], [1, cap_cols]]  # one value everywhere: any order will do
+        by_column = [[1, P], [P, cap_cols]]
         fields = list(zip(listed, list_hbm, (sel.best_keys, cand_rows, ranks),
                           (MARKER, -1.0, float(2 * cap + topk))))[: 3 if with_ranks else 2]
         for field, hbm, source, empty in fields:
@@ -581,14 +611,92 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                 nisa.dma_copy(dst=hbm.ap(pattern=[[1, P], [1, 1]], offset=0,
                                          vector_offset=place_u32[:, j : j + 1], indirect_dim=0),
                               src=source[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
-            nisa.dma_copy(dst=field, src=hbm.ap(pattern=entries, offset=0))
+            if field is listed[2]:  # the ranks (no broadcast of them to take them from)
+                nisa.dma_copy(dst=field, src=hbm.ap(pattern=by_column, offset=0))
         nisa.dma_copy(dst=list_keys, src=list_hbm[0].ap(pattern=[[0, P], [1, cap]], offset=0))
         nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
+        # Keys and rows by column from the broadcasts, a block of 128 entries to the partitions
+        # per transpose (an element-wise DMA of the list would cost a descriptor per entry).
+        for field, whole in ((listed[0], list_keys), (listed[1], list_rows)):
+            for c in range(cap_cols):
+                nisa.nc_transpose(dst=above_ps[:, c : c + 1], data=whole[0:1, c * P : (c + 1) * P])
+            nisa.tensor_copy(dst=field, src=above_ps[:, 0:cap_cols])
 
-    def rank_in_list():
-        # rank = #(entries with a greater key), list_offload_columns of them on GpSimd + ScalarE.
-        count_greater(listed[2], list_keys, listed[0], list_offload_columns(cap_cols), equal,
-                      list_scratch)
+    def row_order_places():
+        """``place_u32``: each listed candidate's place in row order (the number of rows at or
+        above the pivot before its row), ``2 cap`` (skipped) for the others. Row ``128 j + p``
+        comes after the rows of columns ``< j`` (a running sum of the grid's column counts) and
+        after those of its column on partitions ``< p`` (a matmul with ``lower``)."""
+        nisa.tensor_scalar(dst=grid_mask[:, 0:columns], data=keys_tile, op0=nl.greater_equal,
+                           operand0=mid)  # fmt: skip
+        grid = [[grid_width, P], [1, grid_block]]
+        nisa.dma_copy(dst=grid_hbm.ap(pattern=[[grid_width, P], [1, grid_width]], offset=0),
+                      src=grid_mask)  # fmt: skip
+        nisa.memset(dst=carry, value=0.0)
+
+        def one_block(b):
+            nisa.dma_copy(dst=mask_block, src=grid_hbm.ap(pattern=grid, offset=0, scalar_offset=b,
+                                                          indirect_dim=1))  # fmt: skip
+            nisa.nc_matmul(dst=above_ps, stationary=lower_bf, moving=mask_block, accumulate=False)
+            nisa.nc_matmul(dst=column_sums_ps, stationary=ones_bf, moving=mask_block,
+                           accumulate=False)  # fmt: skip
+            nisa.tensor_tensor_scan(dst=running_block, data0=column_sums_ps, data1=zeros_block,
+                                    initial=carry, op0=nl.add, op1=nl.add)  # fmt: skip
+            nisa.tensor_copy(dst=carry, src=running_block[:, grid_block - 1 : grid_block])
+            nisa.tensor_tensor(dst=places_block, data1=running_block, data2=column_sums_ps,
+                               op=nl.subtract)  # fmt: skip
+            nisa.tensor_tensor(dst=places_block, data1=places_block, data2=above_ps, op=nl.add)
+            nisa.dma_copy(dst=places_hbm.ap(pattern=grid, offset=0, scalar_offset=b,
+                                            indirect_dim=1), src=places_block)  # fmt: skip
+
+        nl.fori_loop(0, grid_blocks, one_block)
+        nisa.dma_copy(dst=work, src=places_hbm.ap(pattern=[[grid_width, P], [1, columns]], offset=0))
+        nisa.nc_n_gather(dst=slot, data=work, indices=cand_pos_u32)
+        nisa.scalar_tensor_tensor(dst=spare, data=slot, op0=nl.subtract, operand0=float(2 * cap),
+                                  op1=nl.multiply, operand1=in_list)  # fmt: skip
+        nisa.tensor_scalar(dst=spare, data=spare, op0=nl.add, operand0=float(2 * cap))
+        nisa.tensor_copy(dst=place_u32, src=spare)
+
+    def rank_in_row_order():
+        """The list in row order: an entry's rank counts the entries before its column's block
+        at or above its key (their rows are lower) and those from the block on above it, so
+        exact ties rank by row in the same pass, except within a block (step 4 then)."""
+        offloaded = list_offload_columns(cap_cols)
+        for c in range(cap_cols):
+            key = listed[0][:, c : c + 1]
+            first = c * P
+            if c < cap_cols - offloaded:
+                nisa.tensor_scalar_reduce(dst=equal[:, first:cap], data=list_keys[:, first:cap],
+                                          op0=nl.greater, operand0=key, reduce_op=nl.add,
+                                          reduce_res=listed[2][:, c : c + 1],
+                                          reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+                if first:
+                    nisa.tensor_scalar_reduce(dst=equal[:, 0:first], data=list_keys[:, 0:first],
+                                              op0=nl.greater_equal, operand0=key, reduce_op=nl.add,
+                                              reduce_res=rank_before[:, c : c + 1],
+                                              reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+                    nisa.tensor_tensor(dst=listed[2][:, c : c + 1], data1=listed[2][:, c : c + 1],
+                                       data2=rank_before[:, c : c + 1], op=nl.add)  # fmt: skip
+                continue
+            nisa.tensor_scalar(dst=list_scratch[:, first:cap], data=list_keys[:, first:cap],
+                               op0=nl.greater, operand0=key, engine=nisa.engine.gpsimd)
+            if first:
+                nisa.tensor_scalar(dst=list_scratch[:, 0:first], data=list_keys[:, 0:first],
+                                   op0=nl.greater_equal, operand0=key, engine=nisa.engine.gpsimd)
+            nisa.activation(dst=list_scratch, op=nl.copy, data=list_scratch, reduce_op=nl.add,
+                            reduce_res=listed[2][:, c : c + 1],
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+
+    def break_block_ties(_):
+        # rank += #(entries of the same block with an equal key and a lower row).
+        for c in range(cap_cols):
+            block = slice(c * P, (c + 1) * P)
+            nisa.scalar_tensor_tensor(dst=equal[:, 0:P], data=list_keys[:, block], op0=nl.equal,
+                                      operand0=listed[0][:, c : c + 1], op1=nl.multiply,
+                                      operand1=earlier)  # fmt: skip
+            nisa.tensor_reduce(dst=listed_gain[:, c : c + 1], op=nl.add, data=equal[:, 0:P],
+                               axis=1, keepdims=True)  # fmt: skip
+        nisa.tensor_tensor(dst=listed[2], data1=listed[2], data2=listed_gain, op=nl.add)
 
     def break_ties(_):
         # rank += #(entries with an equal key and a lower row): the contract's order.
@@ -637,8 +745,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     def list_path(_):
         # Steps 4-5 for the candidates at or above the pivot: ranked within the list alone.
         nisa.tensor_scalar(dst=in_list, data=sel.best_keys, op0=nl.greater_equal, operand0=mid)
-        build_list(in_list, count_col, with_ranks=False)
-        rank_in_list()
+        row_order_places()
+        build_list(in_list, count_col, with_ranks=False, placed=True)
+        rank_in_row_order()
         nisa.tensor_scalar(dst=listed_chosen, data=listed[2], op0=nl.less, operand0=kv_col)
         nisa.tensor_scalar(dst=listed_gain, data=listed[0], op0=nl.greater, operand0=MARKER)
         nisa.tensor_tensor(dst=listed_chosen, data1=listed_chosen, data2=listed_gain, op=nl.multiply)
@@ -646,7 +755,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_scalar(dst=flags[:, 3:4], data=flags[:, 0:1], op0=nl.multiply, operand0=-1.0,
                            op1=nl.add, operand1=1.0)  # fmt: skip
         nisa.tensor_scalar(dst=path_f, data=flags[:, 3:4], op0=nl.add, operand0=3.0)
-        nl.fori_loop(0, load_register(flags[:, 3:4]), break_ties)
+        nl.fori_loop(0, load_register(flags[:, 3:4]), break_block_ties)
         place_list()
 
     def tie_list(_):
@@ -755,6 +864,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         positions = extract_best(work, sel, depth)
         nisa.max8(dst=left8, src=work)
         nisa.tensor_copy(dst=cand_pos, src=positions, engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=cand_pos_u32, src=positions, engine=nisa.engine.gpsimd)
         nisa.tensor_scalar(dst=cand_rows, data=cand_pos, op0=nl.multiply, operand0=float(P),
                            op1=nl.add, operand1=partition, engine=nisa.engine.gpsimd)  # fmt: skip
         nisa.tensor_copy(dst=cand_rows_i32, src=cand_rows, engine=nisa.engine.gpsimd)
@@ -796,6 +906,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         count_above(nl.greater_equal, mid)
         nisa.tensor_tensor(dst=window, data1=total_col, data2=kv_col, op=nl.greater_equal)
         nisa.tensor_scalar(dst=half, data=total_col, op0=nl.less_equal, operand0=float(cap))
+        nisa.tensor_tensor(dst=window, data1=window, data2=half, op=nl.multiply)
+        # A pivot above U*: then the rows at or above it are exactly the listed candidates.
+        nisa.tensor_tensor(dst=half, data1=mid, data2=left_col, op=nl.greater)
         nisa.tensor_tensor(dst=window, data1=window, data2=half, op=nl.multiply)
         # Paths (0 or 1 trips each): the list (window), all M ranked (no window), the fallback
         # (no bound); the path code starts as the fallback's where the bound fails. A token with
