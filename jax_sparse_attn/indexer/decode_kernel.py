@@ -21,19 +21,23 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    nothing valid is left), the top ``Kv`` rows are all candidates.
 3. **A pivot and a list** (step 3a): bisection between ``U*`` and the best key for a pivot ``v``
    with ``Kv <= #(candidates >= v) <= cap`` (``cap = K8 + 128``; one compare-and-count pass over
-   the ``[128, depth]`` candidates and a matmul sum per halving). The candidates ``>= v`` (a
-   prefix of each partition's, so a prefix sum over the partitions gives each a distinct place)
-   are scattered into a compact list, and each entry's rank is how many entries beat it: one
-   compare-and-count pass (``tensor_scalar_reduce``) of ``cap`` per 128 entries. Where no pivot
-   is found in ``steps`` halvings (step 3b), every partition holds all ``M = 128 depth``
-   candidates (broadcast through HBM) and each candidate's rank is counted among all ``M``; the
-   chosen (rank ``< Kv``) then form the list where they need step 4. Ties would share a rank:
-   the ranks of the ``Kv`` chosen are exactly ``0 .. Kv-1`` iff their count is ``Kv`` and their
-   sum ``Kv (Kv - 1) / 2`` (sums of integers, exact in fp32 for ``K <= MAX_TOPK``).
+   the ``[128, depth]`` candidates and a matmul sum per halving) and ``v > U*``, so the rows
+   ``>= v`` are exactly the listed candidates. They are scattered into a compact list in row
+   order (each one's place: the rows ``>= v`` before it, counted on the ``[128, F]`` grid by a
+   running sum over its columns and a matmul over its partitions), and each entry's rank is
+   how many entries beat it, earlier entries (lower rows) at an equal key included: per 128
+   entries a compare-and-count pass (``tensor_scalar_reduce``) with ``>=`` over the entries
+   before their block and ``>`` over the rest. Where no pivot is found in ``steps`` halvings
+   (step 3b), every partition holds all ``M = 128 depth`` candidates (broadcast through HBM)
+   and each candidate's rank is counted among all ``M``; the chosen (rank ``< Kv``) then form
+   the list where they need step 4. Ties would share a rank: the ranks of the ``Kv`` chosen are
+   exactly ``0 .. Kv-1`` iff their count is ``Kv`` and their sum ``Kv (Kv - 1) / 2`` (sums of
+   integers, exact in fp32 for ``K <= MAX_TOPK``).
 4. **Ties** (exact ties among the best are common: thousands of f32 scores in a narrow range):
-   where that check fails, each list entry's rank gains the count of entries with an equal key
-   and a lower row (an equality pass, a compare-and-multiply pass and a sum per 128 entries): the
-   ranks become distinct and follow the contract's order (ties to the lower row).
+   where that check fails, each entry's rank gains the count of entries with an equal key and a
+   lower row: within its own block of 128 on the pivot's list (the rest are counted already),
+   over the whole list without a pivot (an equality pass, a compare-and-multiply pass and a sum
+   per 128 entries): the ranks become distinct and follow the contract's order.
 5. **Placement**: each entry (or candidate) of rank ``< Kv`` is scattered to its slot by DMA
    (``vector_offset`` on the destination).
 6. **Fallback**: where step 2's bound fails (a partition holding more than ``depth`` of the
