@@ -325,7 +325,7 @@ def _row_spread_direct(q, w, keys, positions, topk, target="trn2", steps=None):
                                       None, n_valid)  # fmt: skip
     _, idx, path = simulate(decode_kernel.indexer_decode_kernel, target=target)(
         *[np.asarray(a) for a in operands], topk=topk, depth=plan.depth, split=plan.split,
-        steps=plan.steps if steps is None else steps)
+        offload=plan.offload, steps=plan.steps if steps is None else steps)
     return idx.reshape(-1, topk)[:T], path.reshape(-1)[:T]
 
 

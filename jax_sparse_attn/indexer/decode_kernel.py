@@ -104,15 +104,6 @@ MAX_CHUNK = 16 * ROWS_PER_MATMUL
 FALLBACK_CHUNK = 2048
 # The tie check sums the selected ranks, Kv (Kv - 1) / 2, which fp32 holds exactly below 2**24.
 MAX_TOPK = 4096
-# The share of the list's rank columns (step 3a) counted as GpSimd compares and ScalarE sums, the
-# rest on the VectorE: from the cost model's runs (trn2, Hi=64, Di=128, K=2048), where 10 of 17
-# even the VectorE and the GpSimd at the 128-token prefill tile (docs/indexer-kernel.md).
-LIST_OFFLOAD_SHARE = 0.6
-
-
-def list_offload_columns(columns: int) -> int:
-    """Of ``columns`` rank columns of the list, those counted on GpSimd + ScalarE."""
-    return round(columns * LIST_OFFLOAD_SHARE)
 
 
 # Halvings of [U*, best key] that look for step 3a's pivot (a window of 128 counts); a token
@@ -170,6 +161,7 @@ class DecodePlan:
     depth: int
     split: int = 0
     steps: int = BISECT_STEPS
+    offload: int = 0  # of the pivot list's rank columns, those on GpSimd + ScalarE (step 3a)
 
     @property
     def chunk_columns(self) -> int:
@@ -343,13 +335,16 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, group, member: in
 
 
 def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, staged_scores=None, *,
-                          topk, depth, split=0, steps=None, on_vector=0, phase="all"):  # fmt: skip
+                          topk, depth, split=0, steps=None, on_vector=0, offload=None,
+                          phase="all"):  # fmt: skip
     """The row-spread selection (module docstring) of each of the program's tokens.
 
     Args: as the module docstring's interface; ``topk`` (K), ``depth`` (candidates per
     partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
     compile-time ints, keyword arguments. Launch as ``kernel[n]`` with the groups ``G`` a multiple of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
-    ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE. Returns
+    ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE; ``offload``
+    the pivot list's rank columns counted as GpSimd compares and ScalarE sums (None: half of
+    them; the routing balances them, ``neuron.decode_plan``). Returns
     ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
     valid rows), their rows (-1 there), and each token's path (the interface's codes).
 
@@ -505,8 +500,12 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     row_ps = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum)
     totals_ps = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.psum)
     chunk_nan_ps = totals_ps[:, 0:1]  # the scoring's NaN count (PSUM holds 8 banks)
-    fill_keys = nl.ndarray((1, topk), dtype=nl.float32, buffer=nl.sbuf)
-    fill_rows = nl.ndarray((1, topk), dtype=nl.int32, buffer=nl.sbuf)
+    # The slots' fill, spread over the partitions (a memset costs its elements per partition):
+    # ``fill_rows_n`` rows of ``fill_cols``, then a row of ``fill_tail``.
+    fill_cols = _ceil_div(topk, P)
+    fill_rows_n, fill_tail = divmod(topk, fill_cols)
+    fill_keys = nl.ndarray((P, fill_cols), dtype=nl.float32, buffer=nl.sbuf)
+    fill_rows = nl.ndarray((P, fill_cols), dtype=nl.int32, buffer=nl.sbuf)
     fb = _fallback_tiles(plan)
 
     nisa.memset(dst=ones_col, value=1.0)
@@ -524,7 +523,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.iota(dst=earlier, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # q - p
         nisa.tensor_scalar(dst=earlier, data=earlier, op0=nl.less, operand0=0.0)
         nisa.memset(dst=zeros_block, value=0.0)
-        nisa.memset(dst=grid_mask, value=0.0)  # the columns past F stay 0
+        if grid_width > columns:  # the columns past F stay 0
+            nisa.memset(dst=grid_mask[:, columns:grid_width], value=0.0)
     if phase != "select":
         # Chunks past a token's last valid row are never scored: they hold zeros (or an earlier
         # token's scores) in HBM, and select_key turns those rows into MARKER. The scoring
@@ -665,7 +665,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         """The list in row order: an entry's rank counts the entries before its column's block
         at or above its key (their rows are lower) and those from the block on above it, so
         exact ties rank by row in the same pass, except within a block (step 4 then)."""
-        offloaded = list_offload_columns(cap_cols)
+        offloaded = cap_cols // 2 if offload is None else min(offload, cap_cols)
         for c in range(cap_cols):
             key = listed[0][:, c : c + 1]
             first = c * P
@@ -927,7 +927,12 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_scalar(dst=path_f, data=fb_f, op0=nl.multiply, operand0=2.0)
         # Step 5's slots start as MARKER / -1 past Kv.
         for ranked, fill in ((ranked_keys, fill_keys), (ranked_rows, fill_rows)):
-            nisa.dma_copy(dst=ranked.ap(pattern=[[topk, 1], [1, topk]], offset=0), src=fill)
+            nisa.dma_copy(dst=ranked.ap(pattern=[[fill_cols, fill_rows_n], [1, fill_cols]], offset=0),
+                          src=fill[0:fill_rows_n, :])  # fmt: skip
+            if fill_tail:
+                nisa.dma_copy(dst=ranked.ap(pattern=[[fill_tail, 1], [1, fill_tail]],
+                                            offset=fill_rows_n * fill_cols),
+                              src=fill[fill_rows_n : fill_rows_n + 1, 0:fill_tail])  # fmt: skip
         nl.fori_loop(0, load_register(window[0:1, :]), list_path)
         nl.fori_loop(0, load_register(half[0:1, :]), full_path)
         nisa.dma_copy(dst=_tile_block(keys_out, t, 1, topk, member * topk),

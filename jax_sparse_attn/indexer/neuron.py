@@ -192,7 +192,7 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     g = operands[4].shape[1]
     # The kernel's compile-time arguments.
     statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
-                   on_vector=head_sums_on_vector(target, plan, g))  # fmt: skip
+                   on_vector=head_sums_on_vector(target, plan, g), offload=plan.offload)  # fmt: skip
     score_programs = programs if split_rows else 0
     select_programs = 1 if split_rows else programs
     score_on_vector = scoring_on_vector(target, plan, g) if split_rows else 0
@@ -235,7 +235,36 @@ def decode_plan(target: str, Hi: int, Di: int, R: int, topk: int):
     relu_us = plan.rows_padded / hw.scalar_ghz
     split = ((plan.depth * column / hw.vector_ghz - relu_us)
              / (column / hw.vector_ghz + column / hw.scalar_ghz))  # fmt: skip
-    return dataclasses.replace(plan, split=int(min(max(round(split), 0), plan.depth)))
+    plan = dataclasses.replace(plan, split=int(min(max(round(split), 0), plan.depth)))
+    return dataclasses.replace(plan, offload=list_offload_columns(target, plan))
+
+
+def list_offload_columns(target: str, plan) -> int:
+    """Of the pivot list's rank columns (``decode_kernel`` step 3a), those counted as GpSimd
+    compares and ScalarE sums: the count that evens one token's selection on the VectorE and the
+    GpSimd by the cost formulas (:mod:`..nki_emulator.cost`). Per token, over ``F`` columns:
+
+    - VectorE: ``(2 rounds + 10) F`` (the rounds' max8 ``F`` and match_replace8 ``F + 144``,
+      the best left ``F``, select_key's key-scale product ``2F`` and two selects, the row-order
+      grid's mask, running sum ``2F`` and two sums), the pivot's halvings, about 75 small
+      instructions at ``MIN_II`` (an estimate from the kernel's code), and per rank column two
+      counting passes over ``cap`` and a sum;
+    - GpSimd: ``6 F`` (the keys' copy, select_key's halving, NaN test ``2F`` and validity, the
+      rows' iota), the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the cost model's
+      assumption: ``2 depth`` for the list, ``2 cap / 128`` for the placement), and per
+      offloaded column two compares over ``cap``."""
+    from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MATCH_REPLACE8_OVERHEAD, MIN_II
+
+    hw = HARDWARE[target]
+    F, cap = plan.columns, plan.compact
+    columns = cap // _decode.P
+    rounds = plan.depth // _kernel.SELECTED_PER_ROUND
+    vector = ((2 * rounds + 10) * F + rounds * MATCH_REPLACE8_OVERHEAD
+              + (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth)) + 75 * MIN_II)  # fmt: skip
+    gpsimd = 6 * F + 2 * (plan.depth + columns) * (GPSIMD_START + _decode.P) + 25 * MIN_II
+    return min(range(columns + 1), key=lambda x: max(
+        (vector + (columns - x) * (cap + 3 * MIN_II)) / hw.vector_ghz,
+        (gpsimd + x * (cap + 2 * MIN_II)) / hw.gpsimd_ghz))
 
 
 def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
@@ -262,8 +291,8 @@ def _decode_vector_cycles(plan, group: int, on_vector: int, ties: float) -> floa
     head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor ``2 N`` and a
     reduce ``N`` per 128 rows) and the selection on the pivot's path: max8 ``N`` and
     match_replace8 ``N + 144`` rounds, the bisection's small instructions (``MIN_II`` each), the
-    list's rank columns that stay on the VectorE (``decode_kernel.list_offload_columns`` go to
-    the GpSimd; tensor_scalar_reduce ``N + MIN_II``), in a ``ties`` share of the tokens the
+    list's rank columns that stay on the VectorE (``plan.offload`` go to the GpSimd;
+    tensor_scalar_reduce ``N + MIN_II``), in a ``ties`` share of the tokens the
     tie break (``2 N`` per column), and for a pair of tokens its share of each chunk's NaN check
     (a count over the pair's scores and two small instructions)."""
     from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
@@ -271,7 +300,7 @@ def _decode_vector_cycles(plan, group: int, on_vector: int, ties: float) -> floa
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
     bisection = (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth))
     cap_cols = plan.compact // _decode.P
-    ranks = (cap_cols - _decode.list_offload_columns(cap_cols)) * (plan.compact + MIN_II)
+    ranks = (cap_cols - plan.offload) * (plan.compact + MIN_II)
     heads = plan.heads
     head_sums = plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * heads
     nan_check = 0.0 if group == 1 else plan.chunks * (
