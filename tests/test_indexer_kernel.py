@@ -487,8 +487,9 @@ def test_row_spread_kernel_keeps_the_contract(monkeypatch, case, group):
 @pytest.mark.slow
 def test_row_spread_program_does_not_grow_with_tokens_or_rows(monkeypatch):
     """The row-spread kernel's compiled program (hardware loops over the tokens and the chunks)
-    is the same for 4 tokens over 20000 rows and 8 over 50000, and both equal the oracle. (The
-    head sums' split is a compile-time count, at most a chunk's 16 blocks: fixed here.)"""
+    is the same for 8 tokens over 20000 rows and 16 over 50000, and both equal the oracle. (The
+    head sums' split is a compile-time count, at most a chunk's 16 blocks: fixed here; so are
+    the tokens per group and the groups per span, 2 and 2 from 8 tokens on two programs.)"""
     from jax_sparse_attn import nki_emulator
     from jax_sparse_attn.indexer import neuron
 
@@ -496,7 +497,7 @@ def test_row_spread_program_does_not_grow_with_tokens_or_rows(monkeypatch):
     monkeypatch.setattr(neuron, "head_sums_on_vector", lambda target, plan, g: 2)
     rng = np.random.default_rng(13)
     counts = []
-    for T, R in ((4, 20000), (8, 50000)):
+    for T, R in ((8, 20000), (16, 50000)):
         q = rng.standard_normal((T, 8, 32)).astype(np.float32)
         keys = rng.standard_normal((R, 32)).astype(np.float32)
         w = np.abs(rng.standard_normal((T, 8))).astype(np.float32)
@@ -627,3 +628,28 @@ def test_neuron_path_launches_equal_the_oracle(monkeypatch, T, R, kernel):
     want = oracle_topk(s64, positions, K)
     np.testing.assert_array_equal(idx, want)
     np.testing.assert_array_equal(scores, np.take_along_axis(s64, want, axis=1).astype(np.float32))
+
+
+def test_two_pairs_share_each_read_of_keys(monkeypatch):
+    """Eight tokens on two programs: each program's two pairs share every chunk of keys it
+    reads (a span of two groups). Integer inputs with ties, garbage past some tokens' rows, a
+    token with no valid row and one token's overflow next to its partner's finite scores all
+    equal the oracle."""
+    from jax_sparse_attn.indexer import neuron
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    rng = np.random.default_rng(31)
+    T, Hi, Di, R, K = 8, 4, 8, 20000, 24
+    assert neuron.decode_span(T, neuron.decode_group(T, Hi, 2), 2) == 2
+    q, w, keys = integer_case(rng, T, Hi, Di, R)
+    w = np.abs(w)
+    q[:, :, 0] = 0.0
+    keys[:, 0] = 0.0
+    keys[9000, 0] = 2.0**126  # token 5's d overflows there (its q too), not its partner's
+    q[5, 0, 0] = 2.0**126
+    positions = np.array([19999, 18000, 9500, -1, 0, 12000, 19999, 3000])
+    keys[19000:, 1:] = np.nan  # garbage for every token but 0 and 6, which see it as NaN rows
+    s64 = oracle_scores(q, w, keys)
+    want = oracle_topk(s64, positions, K)
+    idx, _ = run_kernel(q, w, keys, positions, K, kernel="decode")
+    np.testing.assert_array_equal(idx, want)

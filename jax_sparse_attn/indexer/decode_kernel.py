@@ -46,20 +46,21 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    to HBM in row order and the tiled kernel's exact merge runs over them (``path`` records it).
    Steps 3 to 6 run as hardware loops of 0 or 1 trips; a token with no valid row takes none.
 
-Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`): the tokens in ``G`` groups of
-``g`` (1 or 2; token ``g i + m`` is member ``m`` of group ``i``), ``G`` a multiple of the
-programs::
+Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`): the tokens in groups of ``g`` (1
+or 2, sharing each ``d`` matmul), the groups in ``S`` spans of ``s`` (1 or 2, sharing each read
+of a chunk of keys); slot ``g i + m`` of a span is member ``m`` of its group ``i``; ``S`` a
+multiple of the programs::
 
-    q_t          [G, Di, g Hi]        16-bit  q transposed, a group's tokens side by side
-    w_t          [G, g Hi, 1]         f32     the weights w' (scale folded in), likewise
+    q_t          [S, s, Di, g Hi]     16-bit  q transposed, a group's tokens side by side
+    w_t          [S, s, g Hi, 1]      f32     the weights w' (scale folded in), likewise
     keys_t       [Di, n_chunks, C]    16-bit  the keys transposed, C rows per chunk
     key_scale_t  [128, F]             f32     key_scale[128 j + p] at [p, j] (F = n_chunks C / 128)
-    n_valid      [G, g, 1]            f32     valid rows of each token
-    chunk_ends   [1, G, g]            int32   chunks holding a valid row of the token
-    -> keys [G, g, K] f32, idx [G, g, K] int32, path [G, g] int32 (0 all M ranked, 1 and ties
-       broken, 2 fallback, 3 the list at the pivot ranked, 4 and ties broken)
+    n_valid      [S, s g, 1]          f32     valid rows of each token
+    chunk_ends   [1, S, s g]          int32   chunks holding a valid row of the token
+    -> keys [S, s g, K] f32, idx [S, s g, K] int32, path [S, s g] int32 (0 all M ranked, 1 and
+       ties broken, 2 fallback, 3 the list at the pivot ranked, 4 and ties broken)
 
-The programs of a launch split the groups. Where the tokens are fewer than the programs (a decode
+The programs of a launch split the spans. Where the tokens are fewer than the programs (a decode
 step), two launches instead (``phase``): the programs split each token's chunks to score them,
 then one program selects from the staged scores, so neither core reads every key row alone.
 Nothing here needs the Neuron SDK to import.
@@ -341,31 +342,34 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
     Args: as the module docstring's interface; ``topk`` (K), ``depth`` (candidates per
     partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
-    compile-time ints, keyword arguments. Launch as ``kernel[n]`` with the groups ``G`` a multiple of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
+    compile-time ints, keyword arguments. Launch as ``kernel[n]`` with the spans ``S`` a multiple of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
     ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE; ``offload``
     the pivot list's rank columns counted as GpSimd compares and ScalarE sums (None: half of
-    them; the routing balances them, ``neuron.decode_plan``). Returns
+    them; the routing balances them, ``neuron.decode_plan``). A span's groups share each read of
+    a chunk of keys (one DMA, scored by each group in turn). Returns
     ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
     valid rows), their rows (-1 there), and each token's path (the interface's codes).
 
     ``phase`` splits the work over two launches where the tokens are fewer than the programs
     (a decode step): ``"score"`` has the programs split each group's chunks (not the groups) and
-    returns only the scores, ``staged [G, g, 128, F]`` f32 (row ``128 j + p`` at ``[p, j]``, no
+    returns only the scores, ``staged [S, g, 128, F]`` f32 (spans of one group; row ``128 j + p`` at ``[p, j]``, no
     key_scale yet); ``"select"`` takes them as ``staged_scores`` and runs steps 2 to 6 (q, w and
     the keys are then read for their shapes only). ``"all"`` does both in one launch.
     """
     assert phase in ("all", "score", "select"), f"phase {phase!r}"
     assert (staged_scores is not None) == (phase == "select"), "staged_scores is the select phase's input"
-    groups, dim, group_heads = q_t.shape
-    group = n_valid.shape[1]  # tokens per group: 1, or 2 sharing the d matmuls
+    spans, span, dim, group_heads = q_t.shape
+    slots = n_valid.shape[1]  # tokens per span: slot i g + m is member m of its group i
+    group = slots // span  # tokens per group: 1, or 2 sharing the d matmuls
     heads = group_heads // group
     _, n_chunks, chunk = keys_t.shape
     chunk_columns = chunk // P
     assert tuple(key_scale_t.shape) == (P, n_chunks * chunk_columns), f"key_scale_t {key_scale_t.shape}"
     assert chunk % CHUNK_ALIGN == 0 and chunk % FALLBACK_CHUNK == 0, f"keys_t {keys_t.shape}"
     assert group_heads <= KERNEL_TILE and group_heads == group * heads, f"q_t {q_t.shape}"
-    assert tuple(w_t.shape) == (groups, group_heads, 1) and tuple(n_valid.shape) == (groups, group, 1)
-    assert tuple(chunk_ends.shape) == (1, groups, group), f"chunk_ends {chunk_ends.shape}"
+    assert tuple(w_t.shape) == (spans, span, group_heads, 1), f"w_t {w_t.shape}"
+    assert tuple(n_valid.shape) == (spans, slots, 1) and slots == span * group, f"n_valid {n_valid.shape}"
+    assert tuple(chunk_ends.shape) == (1, spans, slots), f"chunk_ends {chunk_ends.shape}"
     assert 0 < topk <= MAX_TOPK and depth % SELECTED_PER_ROUND == 0 and 0 <= split <= depth
     topk8 = _round_up(topk, SELECTED_PER_ROUND)
     steps = BISECT_STEPS if steps is None else steps
@@ -373,29 +377,30 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     columns, m = plan.columns, plan.candidates
     assert depth <= columns <= MAX8_ELEMENTS
     programs, program = nl.num_programs(), nl.program_id(0)
-    assert phase == "score" or groups % programs == 0, (
-        f"{groups} token groups must be a multiple of the {programs} programs")  # fmt: skip
-    per_program = groups // programs
-    if phase == "score":  # every program takes every group, and its share of their chunks
+    assert span == 1 or phase == "all", f"a span of {span} groups in phase {phase!r}"
+    assert phase == "score" or spans % programs == 0, (
+        f"{spans} spans of token groups must be a multiple of the {programs} programs")  # fmt: skip
+    per_program = spans // programs
+    if phase == "score":  # every program takes every span, and its share of their chunks
         assert n_chunks >= programs, f"{n_chunks} chunks for {programs} programs"
-        per_program, program_groups = groups, 0
+        per_program, program_spans = spans, 0
         chunk_lo, chunk_hi = program * n_chunks // programs, (program + 1) * n_chunks // programs
     else:
-        program_groups = program * per_program
+        program_spans = program * per_program
 
-    keys_out = nl.ndarray((groups, group, topk), dtype=nl.float32, buffer=nl.shared_hbm)
-    idx_out = nl.ndarray((groups, group, topk), dtype=nl.int32, buffer=nl.shared_hbm)
-    path_out = nl.ndarray((groups, group), dtype=nl.int32, buffer=nl.shared_hbm)
+    keys_out = nl.ndarray((spans, slots, topk), dtype=nl.float32, buffer=nl.shared_hbm)
+    idx_out = nl.ndarray((spans, slots, topk), dtype=nl.int32, buffer=nl.shared_hbm)
+    path_out = nl.ndarray((spans, slots), dtype=nl.int32, buffer=nl.shared_hbm)
     if phase == "score":
-        staged_out = nl.ndarray((groups, group, P, n_chunks * chunk_columns), dtype=nl.float32,
+        staged_out = nl.ndarray((spans, slots, P, n_chunks * chunk_columns), dtype=nl.float32,
                                 buffer=nl.shared_hbm)  # fmt: skip
     elif phase == "select":
-        assert tuple(staged_scores.shape) == (groups, group, P, n_chunks * chunk_columns), (
+        assert tuple(staged_scores.shape) == (spans, slots, P, n_chunks * chunk_columns), (
             f"staged_scores {staged_scores.shape}")  # fmt: skip
     # HBM staging: each token's scores by chunk, its candidates (the broadcast's source), and the
     # ranked selection before it goes to keys_out/idx_out.
     scores_hbm = [nl.ndarray((P, n_chunks, chunk_columns), dtype=nl.float32, buffer=nl.hbm)
-                  for _ in range(group)]  # fmt: skip
+                  for _ in range(slots)]  # fmt: skip
     cand_hbm = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.hbm)
     cap = plan.compact
     cap_cols = cap // P
@@ -406,11 +411,16 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
     d_tiles = _ceil_div(dim, KERNEL_TILE)
     # Loop-carried state, allocated outside the loops (nki.language.fori_loop page).
-    q_sb = nl.ndarray((KERNEL_TILE, d_tiles, group_heads), dtype=q_t.dtype, buffer=nl.sbuf)
-    w_sb = nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf)
+    # Per group of the span: q, the weights, block-diagonal (a pair's head sums), on every
+    # partition (the VectorE's head sums).
+    q_sbs = [nl.ndarray((KERNEL_TILE, d_tiles, group_heads), dtype=q_t.dtype, buffer=nl.sbuf)
+             for _ in range(span)]  # fmt: skip
+    w_sbs = [nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(span)]
     paired = group == 2
-    w_pair = nl.ndarray((group_heads, group), dtype=nl.float32, buffer=nl.sbuf)  # block-diagonal
-    w_rows = nl.ndarray((P, group_heads), dtype=nl.float32, buffer=nl.sbuf)
+    w_pairs = [nl.ndarray((group_heads, group), dtype=nl.float32, buffer=nl.sbuf)
+               for _ in range(span)]  # fmt: skip
+    w_rows_all = [nl.ndarray((P, group_heads), dtype=nl.float32, buffer=nl.sbuf)
+                  for _ in range(span)]  # fmt: skip
     assert 0 <= on_vector <= chunk // ROWS_PER_MATMUL, f"on_vector {on_vector}"
     keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=keys_t.dtype, buffer=nl.sbuf)
     chunk_sbs = [nl.ndarray((P, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
@@ -424,8 +434,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     nv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     kv_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     end = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
-    ends = nl.ndarray((1, group), dtype=nl.int32, buffer=nl.sbuf)
-    ends_f = nl.ndarray((1, group), dtype=nl.float32, buffer=nl.sbuf)
+    ends = nl.ndarray((1, slots), dtype=nl.int32, buffer=nl.sbuf)
+    ends_f = nl.ndarray((1, slots), dtype=nl.float32, buffer=nl.sbuf)
     end_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     sel = _selection_tiles(P, depth, True)
     left8 = nl.ndarray((P, SELECTED_PER_ROUND), dtype=nl.float32, buffer=nl.sbuf)
@@ -541,7 +551,12 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.dma_copy(dst=keys_sb[0:dw, dc, :], src=keys_t.ap(
                 pattern=[[n_chunks * chunk, dw], [1, chunk]], offset=d0 * n_chunks * chunk,
                 scalar_offset=c, indirect_dim=1))  # fmt: skip
-        _score_chunk(plan, q_sb, w_sb, w_pair, w_rows, keys_sb, chunk_ps, on_vector, paired)
+        for i in range(span):
+            score_chunk_of_group(i, c)
+
+    def score_chunk_of_group(i, c):
+        tiles = (q_sbs[i], w_sbs[i], w_pairs[i], w_rows_all[i], keys_sb, chunk_ps, on_vector)
+        _score_chunk(plan, *tiles, paired)
         if paired:
             # A NaN anywhere in the chunk (a 0 * inf of the paired head sums among them): the
             # chunk again, unpaired (0 or 1 trips), which gives the contract's scores.
@@ -552,11 +567,11 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.nc_matmul(dst=chunk_nan_ps, stationary=ones_col, moving=nan_col, accumulate=False)
             nisa.tensor_scalar(dst=nan_flag, data=chunk_nan_ps, op0=nl.less,
                                operand0=float(P * group * chunk_columns))  # fmt: skip
-            nl.fori_loop(0, load_register(nan_flag), lambda _: _score_chunk(
-                plan, q_sb, w_sb, w_pair, w_rows, keys_sb, chunk_ps, on_vector, False))  # fmt: skip
+            nl.fori_loop(0, load_register(nan_flag),
+                         lambda _: _score_chunk(plan, *tiles, False))  # fmt: skip
         for g, chunk_sb in enumerate(chunk_sbs):
             nisa.tensor_copy(dst=chunk_sb, src=chunk_ps[:, g::group])
-        for staged, chunk_sb in zip(scores_hbm, chunk_sbs):
+        for staged, chunk_sb in zip(scores_hbm[i * group : (i + 1) * group], chunk_sbs):
             nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
                                         scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
 
@@ -805,9 +820,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.nc_matmul(dst=column_ps, stationary=ones_pp, moving=count_col, accumulate=False)
         nisa.tensor_copy(dst=total_col, src=column_ps)
 
-    def one_group(t):
+    def one_span(t):
         if phase != "select":
-            score_group(t)
+            score_span(t)
         if phase == "score":
             # The program's chunks of each token (scored, or zeros / an earlier group's scores
             # past the group's last valid row, which select_key turns into MARKER).
@@ -820,23 +835,26 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                     src=scores_hbm[member].ap(pattern=[[columns, P], [1, width]],
                                               offset=chunk_lo * chunk_columns))  # fmt: skip
             return
-        for member in range(group):
-            select_token(t, member)
+        for slot in range(slots):
+            select_token(t, slot)
 
-    def score_group(t):
-        # Step 1 for the group's tokens together, up to the last chunk any of them needs.
-        for dc, d0, dw in _d_chunks(dim):
-            nisa.dma_copy(dst=q_sb[0:dw, dc, :],
-                          src=_tile_block(q_t, t, dw, group_heads, d0 * group_heads))  # fmt: skip
-        nisa.dma_copy(dst=w_sb, src=_tile_block(w_t, t, group_heads, 1))
-        if paired:
-            nisa.memset(dst=w_pair, value=0.0)
-            for m in range(group):
-                heads_m = slice(m * heads, (m + 1) * heads)
-                nisa.tensor_copy(dst=w_pair[heads_m, m : m + 1], src=w_sb[heads_m, :])
-        nisa.dma_copy(dst=w_rows, src=_tile_block(w_t, t, P, group_heads, row_stride=0))
-        nisa.dma_copy(dst=ends, src=chunk_ends.ap(pattern=[[group, 1], [1, group]], offset=0,
-                                                  scalar_offset=t, indirect_dim=1))  # fmt: skip
+    def score_span(t):
+        # Step 1 for the span's tokens together, up to the last chunk any of them needs.
+        for i in range(span):
+            first = i * dim * group_heads
+            for dc, d0, dw in _d_chunks(dim):
+                nisa.dma_copy(dst=q_sbs[i][0:dw, dc, :], src=_tile_block(
+                    q_t, t, dw, group_heads, first + d0 * group_heads))  # fmt: skip
+            nisa.dma_copy(dst=w_sbs[i], src=_tile_block(w_t, t, group_heads, 1, i * group_heads))
+            if paired:
+                nisa.memset(dst=w_pairs[i], value=0.0)
+                for m in range(group):
+                    heads_m = slice(m * heads, (m + 1) * heads)
+                    nisa.tensor_copy(dst=w_pairs[i][heads_m, m : m + 1], src=w_sbs[i][heads_m, :])
+            nisa.dma_copy(dst=w_rows_all[i], src=_tile_block(w_t, t, P, group_heads, i * group_heads,
+                                                             row_stride=0))  # fmt: skip
+        nisa.dma_copy(dst=ends, src=chunk_ends.ap(pattern=[[slots, 1], [1, slots]], offset=0,
+                                              scalar_offset=t, indirect_dim=1))  # fmt: skip
         nisa.tensor_copy(dst=ends_f, src=ends)
         nisa.tensor_reduce(dst=end_f, op=nl.max, data=ends_f, axis=1, keepdims=True)
         nisa.tensor_copy(dst=end, src=end_f)
@@ -848,9 +866,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.register_load(chunks_end, end)
         nl.fori_loop(chunk_lo if phase == "score" else 0, chunks_end, one_chunk)
 
-    def select_token(t, member):
+    def select_token(t, member):  # member: the token's slot in its span
         nisa.dma_copy(dst=nv_col, src=n_valid.ap(pattern=[[0, P], [1, 1]], offset=member,
-                                                 scalar_offset=t, indirect_dim=0))  # fmt: skip
+                                              scalar_offset=t, indirect_dim=0))  # fmt: skip
         if phase == "select":
             nisa.dma_copy(dst=keys_tile, src=_tile_block(staged_scores, t, P, columns,
                                                          member * P * columns))  # fmt: skip
@@ -945,7 +963,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_copy(dst=reg_i32, src=path_f)
         nisa.dma_copy(dst=_tile_block(path_out, t, 1, 1, member), src=reg_i32)
 
-    nl.fori_loop(program_groups, program_groups + per_program, one_group)
+    nl.fori_loop(program_spans, program_spans + per_program, one_span)
     if phase == "score":
         return staged_out
     return keys_out, idx_out, path_out

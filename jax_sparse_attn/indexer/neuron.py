@@ -146,16 +146,25 @@ def decode_splits_rows(T: int, programs: int, chunks: int) -> bool:
     return 1 < programs <= chunks and T < programs
 
 
+def decode_span(T: int, group: int, programs: int) -> int:
+    """Groups per span of the row-spread kernel: 2 (sharing each read of a chunk of keys, which
+    a pair of tokens would otherwise repeat) where every program has two pairs or more, else 1."""
+    return 2 if group == 2 and T >= 2 * group * programs else 1
+
+
 def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
     """The row-spread kernel's operands (:mod:`.decode_kernel`, "Interface"), the tokens in
-    groups (:func:`decode_group`) padded to a multiple of the programs."""
+    groups (:func:`decode_group`) and spans (:func:`decode_span`) padded to a multiple of the
+    programs."""
     T, Hi, Di = q.shape
     g = decode_group(T, Hi, programs)
-    tokens = _round_up(T, programs * g)
+    s = decode_span(T, g, programs)
+    tokens = _round_up(T, programs * g * s)
     pad_t = tokens - T
-    # [groups, Di, g Hi]: a group's tokens side by side on the stationary columns.
-    q_t = jnp.pad(q, ((0, pad_t), (0, 0), (0, 0))).reshape(tokens // g, g * Hi, Di).transpose(0, 2, 1)
-    w_t = jnp.pad(weights.astype(jnp.float32), ((0, pad_t), (0, 0))).reshape(tokens // g, g * Hi, 1)
+    spans = tokens // (g * s)
+    # [spans, s, Di, g Hi]: a group's tokens side by side on the stationary columns.
+    q_t = jnp.pad(q, ((0, pad_t), (0, 0), (0, 0))).reshape(spans, s, g * Hi, Di).transpose(0, 1, 3, 2)
+    w_t = jnp.pad(weights.astype(jnp.float32), ((0, pad_t), (0, 0))).reshape(spans, s, g * Hi, 1)
     R = keys.shape[0]
     n, c = plan.chunks, plan.chunk
     pad_r = plan.rows_padded - R
@@ -165,8 +174,8 @@ def _pack_decode(plan, programs: int, q, weights, keys, key_scale, n_valid):
     scale_t = jnp.pad(scale, (0, pad_r), constant_values=1.0).reshape(plan.columns, _decode.P).T
     nv = jnp.pad(n_valid, (0, pad_t))
     ends = (-(-nv // c)).astype(jnp.int32)
-    operands = (q_t, w_t, keys_t, scale_t, nv.astype(jnp.float32).reshape(tokens // g, g, 1),
-                ends.reshape(1, tokens // g, g))  # fmt: skip
+    operands = (q_t, w_t, keys_t, scale_t, nv.astype(jnp.float32).reshape(spans, s * g, 1),
+                ends.reshape(1, spans, s * g))  # fmt: skip
     return operands, tokens
 
 
@@ -189,7 +198,8 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     ``split_rows`` (:func:`decode_splits_rows`; operands packed for one program) a scoring
     launch of ``programs`` and a selecting launch of one."""
     k = plan.topk
-    g = operands[4].shape[1]
+    spans, slots = operands[4].shape[:2]
+    g = slots // operands[0].shape[1]  # tokens per group: slots over the groups of a span
     # The kernel's compile-time arguments.
     statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
                    on_vector=head_sums_on_vector(target, plan, g), offload=plan.offload)  # fmt: skip
@@ -197,7 +207,7 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     select_programs = 1 if split_rows else programs
     score_on_vector = scoring_on_vector(target, plan, g) if split_rows else 0
     if emulated:
-        result = jax.ShapeDtypeStruct((tokens // g, g, 2 * k), jnp.float32)
+        result = jax.ShapeDtypeStruct((spans, slots, 2 * k), jnp.float32)
         packed = jax.pure_callback(
             functools.partial(_run_decode_on_host, target, select_programs, score_programs,
                               score_on_vector, **statics),
@@ -290,27 +300,29 @@ def _decode_vector_cycles(plan, group: int, on_vector: int, ties: float) -> floa
     """The VectorE's cycles for one token in the row-spread kernel, by the cost formulas: the
     head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor ``2 N`` and a
     reduce ``N`` per 128 rows) and the selection on the pivot's path: max8 ``N`` and
-    match_replace8 ``N + 144`` rounds, the bisection's small instructions (``MIN_II`` each), the
-    list's rank columns that stay on the VectorE (``plan.offload`` go to the GpSimd;
-    tensor_scalar_reduce ``N + MIN_II``), in a ``ties`` share of the tokens the
-    tie break (``2 N`` per column), and for a pair of tokens its share of each chunk's NaN check
-    (a count over the pair's scores and two small instructions)."""
+    match_replace8 ``N + 144`` rounds, select_key's and the row-order grid's passes over the
+    ``F`` columns (about ``10 F``), the bisection's small instructions (``MIN_II`` each), the
+    list's rank columns that stay on the VectorE (``plan.offload`` go to the GpSimd; two
+    tensor_scalar_reduce over ``cap`` and a sum), in a ``ties`` share of the tokens the tie
+    break within the list's blocks (``3 x 128`` per column), and for a pair of tokens its share
+    of each chunk's NaN check (a count over the pair's scores and two small instructions)."""
     from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
 
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
     bisection = (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth))
     cap_cols = plan.compact // _decode.P
-    ranks = (cap_cols - plan.offload) * (plan.compact + MIN_II)
+    ranks = (cap_cols - plan.offload) * (plan.compact + 3 * MIN_II)
     heads = plan.heads
     head_sums = plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * heads
     nan_check = 0.0 if group == 1 else plan.chunks * (
         max(MIN_II, 2 * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
-    return (rounds * (2 * plan.columns + MATCH_REPLACE8_OVERHEAD) + bisection + ranks
-            + ties * cap_cols * 2 * plan.compact + head_sums + nan_check)  # fmt: skip
+    return (rounds * (2 * plan.columns + MATCH_REPLACE8_OVERHEAD) + 10 * plan.columns + bisection
+            + ranks + ties * cap_cols * 3 * _decode.P + head_sums + nan_check)  # fmt: skip
 
 
 # The share of tokens whose ties the row-spread kernel breaks (step 4), for sizing its head-sum
-# split: about half in the model's runs (7 of 16, 50 of 128 tokens at K=2048; inferred).
+# split: at most about half (7 of 16, 50 of 128 tokens at K=2048 hold an exact tie among their
+# best in the model's runs; inferred), fewer within one block of the row-ordered list.
 EXPECTED_TIES = 0.5
 
 
