@@ -406,6 +406,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     cap_cols = cap // P
     # Step 4's list: keys, rows and ranks, one array each (contiguous for the broadcasts).
     list_hbm = [nl.ndarray((cap, 1), dtype=nl.float32, buffer=nl.hbm) for _ in range(3)]
+    # The pivot list's (key, row) pairs: one scatter DMA per candidate column for both.
+    list_pairs_hbm = nl.ndarray((cap, 2), dtype=nl.float32, buffer=nl.hbm)
     ranked_keys = nl.ndarray((topk, 1), dtype=nl.float32, buffer=nl.hbm)
     ranked_rows = nl.ndarray((topk, 1), dtype=nl.int32, buffer=nl.hbm)
 
@@ -506,6 +508,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     ones_bf = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
     earlier = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)  # [p, q] = q < p
     cand_pos_u32 = nl.ndarray((P, depth), dtype=nl.uint32, buffer=nl.sbuf)
+    cand_pairs = nl.ndarray((P, depth, 2), dtype=nl.float32, buffer=nl.sbuf)
+    empty_pairs = nl.ndarray((P, 2 * cap_cols), dtype=nl.float32, buffer=nl.sbuf)
     column_ps = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum)
     row_ps = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum)
     totals_ps = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.psum)
@@ -533,6 +537,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.iota(dst=earlier, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # q - p
         nisa.tensor_scalar(dst=earlier, data=earlier, op0=nl.less, operand0=0.0)
         nisa.memset(dst=zeros_block, value=0.0)
+        nisa.memset(dst=empty_pairs[:, 0::2], value=MARKER)
+        nisa.memset(dst=empty_pairs[:, 1::2], value=-1.0)
         if grid_width > columns:  # the columns past F stay 0
             nisa.memset(dst=grid_mask[:, columns:grid_width], value=0.0)
     if phase != "select":
@@ -623,6 +629,22 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         by_column = [[1, P], [P, cap_cols]]
         fields = list(zip(listed, list_hbm, (sel.best_keys, cand_rows, ranks),
                           (MARKER, -1.0, float(2 * cap + topk))))[: 3 if with_ranks else 2]
+        if not with_ranks:
+            # Keys and rows as pairs: one scatter per candidate column (each scatter DMA pays
+            # its descriptors on the GpSimd), then each field's contiguous copy in HBM.
+            nisa.tensor_copy(dst=cand_pairs[:, :, 0], src=sel.best_keys)
+            nisa.tensor_copy(dst=cand_pairs[:, :, 1], src=cand_rows)
+            nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2 * cap_cols, P], [1, 2 * cap_cols]],
+                                                offset=0), src=empty_pairs)  # fmt: skip
+            for j in range(depth):
+                nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2, P], [1, 2]], offset=0,
+                                                    vector_offset=place_u32[:, j : j + 1],
+                                                    indirect_dim=0),
+                              src=cand_pairs[:, j, :], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+            for f, hbm in enumerate(list_hbm[0:2]):
+                nisa.dma_copy(dst=hbm.ap(pattern=[[cap, 1], [1, cap]], offset=0),
+                              src=list_pairs_hbm.ap(pattern=[[2 * cap, 1], [2, cap]], offset=f))
+            fields = []
         for field, hbm, source, empty in fields:
             nisa.memset(dst=field, value=empty)
             nisa.dma_copy(dst=hbm.ap(pattern=entries, offset=0), src=field)
