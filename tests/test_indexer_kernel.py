@@ -653,3 +653,22 @@ def test_two_pairs_share_each_read_of_keys(monkeypatch):
     want = oracle_topk(s64, positions, K)
     idx, _ = run_kernel(q, w, keys, positions, K, kernel="decode")
     np.testing.assert_array_equal(idx, want)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_row_spread_sbuf_estimate_bounds_the_emulated_peak(monkeypatch, T):
+    """The routing keeps a shape off the row-spread kernel by ``sbuf_bytes_per_partition``: it
+    must not be below what the emulator measures on any program, in a decode step's two launches
+    (one token) and in spans of two pairs (eight tokens)."""
+    from jax_sparse_attn import nki_emulator
+    from jax_sparse_attn.indexer import decode_kernel, neuron
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    rng = np.random.default_rng(37)
+    Hi, Di, R, K = 16, 64, 40000, 256
+    q, w, keys = integer_case(rng, T, Hi, Di, R)
+    with nki_emulator.recording() as rec:
+        run_kernel(q, w, keys, R - 1 - np.arange(T), K, kernel="decode")
+    peak = max(p.sbuf_peak_bytes_per_partition for r in rec.runs for p in r.programs)
+    plan = neuron.decode_plan("trn2", Hi, Di, R, K)
+    assert peak <= decode_kernel.sbuf_bytes_per_partition(plan)

@@ -186,23 +186,26 @@ class DecodePlan:
 
 
 def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
-    """SBUF bytes per partition of the kernel's tiles (an upper estimate): two tokens' q and
-    weights and a chunk of keys (16-bit), the relu block, the ``[128, F]`` scores, their working
-    copy, row numbers and predicate, the candidates' tiles (about 18 ``depth``-wide rows), the
-    broadcast candidates and the count passes' outputs (``3 M``; step 4 reuses them), step 4's
-    columns (about 9 per 128 of ``cap``) and a ``cap``-wide scratch, two ``[128, 128]``
-    matrices, and the fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK``
-    candidates on one partition)."""
+    """SBUF bytes per partition of the kernel's tiles (an upper estimate): a span's four tokens'
+    q and weights and a chunk of keys (16-bit), the relu block, the ``[128, F]`` scores, their
+    working copy, row numbers and predicate, the row-order grid (16-bit, padded to whole blocks
+    of 512) and a block of it, the candidates' tiles (about 20 ``depth``-wide rows), the broadcast
+    candidates and the count passes' outputs (``3 M``; step 4 reuses them), step 4's columns
+    (about 11 per 128 of ``cap``) and a ``cap``-wide scratch, five ``[128, 128]`` matrices, and
+    the fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK`` candidates on one
+    partition) and the slots' fill."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
-    # Two tokens' q, weights on every partition and chunk scores, the chunk's NaN check.
-    scoring = (d_tiles * 2 * plan.heads * 2 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL
-               + 4 * 2 * plan.heads + 3 * 4 * 2 * plan.chunk_columns + 64)  # fmt: skip
+    # Four tokens' q, weights on every partition and chunk scores, the chunk's NaN check.
+    scoring = (d_tiles * 2 * plan.heads * 4 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL
+               + 4 * 4 * plan.heads + 3 * 4 * 2 * plan.chunk_columns + 64)  # fmt: skip
     scores = 2 * 4 * plan.columns + plan.columns
-    candidates = (18 * 4 * plan.depth + 3 * 4 * plan.candidates + 9 * 4 * plan.compact // P
-                  + 4 * plan.compact + 2 * 4 * P)  # fmt: skip
+    grid = 2 * _round_up(plan.columns, ROWS_PER_MATMUL) + 2 * ROWS_PER_MATMUL
+    candidates = (20 * 4 * plan.depth + 3 * 4 * plan.candidates + 11 * 4 * plan.compact // P
+                  + 4 * plan.compact + 5 * 4 * P)  # fmt: skip
     k8 = plan.topk8
-    fallback = 2 * 4 * (k8 + FALLBACK_CHUNK) + 5 * 4 * k8 + 9 * k8 + 2 * 4 * plan.topk
-    return scoring + scores + candidates + fallback + 256
+    fallback = 2 * 4 * (k8 + FALLBACK_CHUNK) + 5 * 4 * k8 + 9 * k8
+    fill = 2 * 4 * _ceil_div(plan.topk, P)  # the slots' fill, spread over the partitions
+    return scoring + scores + grid + candidates + fallback + fill + 256
 
 
 def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int) -> DecodePlan | None:
@@ -494,13 +497,12 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     grid_block = min(ROWS_PER_MATMUL, columns)
     grid_blocks = _ceil_div(columns, grid_block)
     grid_width = grid_blocks * grid_block
+    # The grid's work blocks, in step 3b's broadcast (free before the list is built; M >= 1024).
+    running_block, places_block = all_keys[:, 0:grid_block], all_keys[:, grid_block : 2 * grid_block]
     grid_hbm = nl.ndarray((P, grid_blocks, grid_block), dtype=nl.bfloat16, buffer=nl.hbm)
     places_hbm = nl.ndarray((P, grid_blocks, grid_block), dtype=nl.float32, buffer=nl.hbm)
     grid_mask = nl.ndarray((P, grid_width), dtype=nl.bfloat16, buffer=nl.sbuf)
     mask_block = nl.ndarray((P, grid_block), dtype=nl.bfloat16, buffer=nl.sbuf)
-    zeros_block = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.sbuf)
-    running_block = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.sbuf)
-    places_block = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.sbuf)
     carry = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     above_ps = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.psum)
     column_sums_ps = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.psum)
@@ -536,7 +538,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.memset(dst=ones_bf, value=1.0)
         nisa.iota(dst=earlier, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # q - p
         nisa.tensor_scalar(dst=earlier, data=earlier, op0=nl.less, operand0=0.0)
-        nisa.memset(dst=zeros_block, value=0.0)
         nisa.memset(dst=empty_pairs[:, 0::2], value=MARKER)
         nisa.memset(dst=empty_pairs[:, 1::2], value=-1.0)
         if grid_width > columns:  # the columns past F stay 0
@@ -681,8 +682,10 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.nc_matmul(dst=above_ps, stationary=lower_bf, moving=mask_block, accumulate=False)
             nisa.nc_matmul(dst=column_sums_ps, stationary=ones_bf, moving=mask_block,
                            accumulate=False)  # fmt: skip
-            nisa.tensor_tensor_scan(dst=running_block, data0=column_sums_ps, data1=zeros_block,
-                                    initial=carry, op0=nl.add, op1=nl.add)  # fmt: skip
+            # A running sum of the column counts: max(count + sum so far, mask) is the sum, since
+            # a marked cell's column counts at least 1 (a [128, 512] zero tile, spared).
+            nisa.tensor_tensor_scan(dst=running_block, data0=column_sums_ps, data1=mask_block,
+                                    initial=carry, op0=nl.add, op1=nl.maximum)  # fmt: skip
             nisa.tensor_copy(dst=carry, src=running_block[:, grid_block - 1 : grid_block])
             nisa.tensor_tensor(dst=places_block, data1=running_block, data2=column_sums_ps,
                                op=nl.subtract)  # fmt: skip
