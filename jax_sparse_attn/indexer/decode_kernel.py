@@ -411,8 +411,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     list_hbm = [nl.ndarray((cap, 1), dtype=nl.float32, buffer=nl.hbm) for _ in range(3)]
     # The pivot list's (key, row) pairs: one scatter DMA per candidate column for both.
     list_pairs_hbm = nl.ndarray((cap, 2), dtype=nl.float32, buffer=nl.hbm)
-    ranked_keys = nl.ndarray((topk, 1), dtype=nl.float32, buffer=nl.hbm)
-    ranked_rows = nl.ndarray((topk, 1), dtype=nl.int32, buffer=nl.hbm)
+    # The ranked selection as (key, row) pairs: one scatter DMA per column for both.
+    ranked_pairs = nl.ndarray((topk, 2), dtype=nl.float32, buffer=nl.hbm)
 
     d_tiles = _ceil_div(dim, KERNEL_TILE)
     # Loop-carried state, allocated outside the loops (nki.language.fori_loop page).
@@ -447,7 +447,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     partition = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     cand_pos = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
     cand_rows = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
-    cand_rows_i32 = nl.ndarray((P, depth), dtype=nl.int32, buffer=nl.sbuf)
     ranks = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
     chosen = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
     spare = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
@@ -462,7 +461,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     listed = [nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf) for _ in range(3)]
     listed_gain = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
     listed_slot = nl.ndarray((P, cap_cols), dtype=nl.uint32, buffer=nl.sbuf)
-    listed_rows = nl.ndarray((P, cap_cols), dtype=nl.int32, buffer=nl.sbuf)
+    listed_pairs = nl.ndarray((P, cap_cols, 2), dtype=nl.float32, buffer=nl.sbuf)
     all_keys = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
     beaten = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
     beaten_alt = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
@@ -520,8 +519,10 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     # ``fill_rows_n`` rows of ``fill_cols``, then a row of ``fill_tail``.
     fill_cols = _ceil_div(topk, P)
     fill_rows_n, fill_tail = divmod(topk, fill_cols)
-    fill_keys = nl.ndarray((P, fill_cols), dtype=nl.float32, buffer=nl.sbuf)
-    fill_rows = nl.ndarray((P, fill_cols), dtype=nl.int32, buffer=nl.sbuf)
+    fill_pairs = nl.ndarray((P, 2 * fill_cols), dtype=nl.float32, buffer=nl.sbuf)
+    out_pairs = nl.ndarray((P, 2 * fill_cols), dtype=nl.float32, buffer=nl.sbuf)
+    out_keys = nl.ndarray((P, fill_cols), dtype=nl.float32, buffer=nl.sbuf)
+    out_rows = nl.ndarray((P, fill_cols), dtype=nl.int32, buffer=nl.sbuf)
     fb = _fallback_tiles(plan)
 
     nisa.memset(dst=ones_col, value=1.0)
@@ -532,8 +533,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.iota(dst=column, pattern=[[1, depth]], offset=0)
         nisa.iota(dst=lower, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # i - k
         nisa.tensor_scalar(dst=lower, data=lower, op0=nl.greater, operand0=0.0)
-        nisa.memset(dst=fill_keys, value=MARKER)
-        nisa.memset(dst=fill_rows, value=-1)
+        nisa.memset(dst=fill_pairs[:, 0::2], value=MARKER)
+        nisa.memset(dst=fill_pairs[:, 1::2], value=-1.0)
+        nisa.memset(dst=out_pairs, value=0.0)  # past the slots' blocks: read, never written out
         nisa.tensor_copy(dst=lower_bf, src=lower)
         nisa.memset(dst=ones_bf, value=1.0)
         nisa.iota(dst=earlier, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # q - p
@@ -597,13 +599,12 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.activation(dst=scratch_gpsimd, op=nl.copy, data=scratch_gpsimd, reduce_op=nl.add,
                             reduce_res=out[:, c : c + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
 
-    def scatter_to_slots(slots_u32, keys_src, rows_src):
-        # Column c's partitions to ranked_keys / ranked_rows rows slots_u32[:, c] (past: skipped).
+    def scatter_to_slots(slots_u32, pairs_src):
+        # Column c's (key, row) pairs to ranked_pairs rows slots_u32[:, c] (past: skipped).
         for c in range(slots_u32.shape[1]):
-            for ranked, src in ((ranked_keys, keys_src), (ranked_rows, rows_src)):
-                nisa.dma_copy(dst=ranked.ap(pattern=[[1, P], [1, 1]], offset=0,
-                                            vector_offset=slots_u32[:, c : c + 1], indirect_dim=0),
-                              src=src[:, c : c + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+            nisa.dma_copy(dst=ranked_pairs.ap(pattern=[[2, P], [1, 2]], offset=0,
+                                              vector_offset=slots_u32[:, c : c + 1], indirect_dim=0),
+                          src=pairs_src[:, c, :], oob_mode=nisa.oob_mode.skip)  # fmt: skip
 
     def choose():
         # chosen = (rank < Kv) * (a real row's key).
@@ -633,8 +634,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         if not with_ranks:
             # Keys and rows as pairs: one scatter per candidate column (each scatter DMA pays
             # its descriptors on the GpSimd), then each field's contiguous copy in HBM.
-            nisa.tensor_copy(dst=cand_pairs[:, :, 0], src=sel.best_keys)
-            nisa.tensor_copy(dst=cand_pairs[:, :, 1], src=cand_rows)
             nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2 * cap_cols, P], [1, 2 * cap_cols]],
                                                 offset=0), src=empty_pairs)  # fmt: skip
             for j in range(depth):
@@ -763,8 +762,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                            operand1=float(2 * cap + topk))  # fmt: skip
         nisa.tensor_tensor(dst=listed_gain, data1=listed_gain, data2=listed[2], op=nl.add)
         nisa.tensor_copy(dst=listed_slot, src=listed_gain)
-        nisa.tensor_copy(dst=listed_rows, src=listed[1])
-        scatter_to_slots(listed_slot, listed[0], listed_rows)
+        nisa.tensor_copy(dst=listed_pairs[:, :, 0], src=listed[0])
+        nisa.tensor_copy(dst=listed_pairs[:, :, 1], src=listed[1])
+        scatter_to_slots(listed_slot, listed_pairs)
 
     def tie_free(chosen_tile, ranks_tile):
         """1.0 in ``flags[:, 0:1]`` where the chosen ranks are exactly 0 .. Kv-1 (count Kv, sum
@@ -835,7 +835,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                            op1=nl.add, operand1=float(topk))  # fmt: skip
         nisa.tensor_tensor(dst=slot, data1=slot, data2=ranks, op=nl.add)
         nisa.tensor_copy(dst=slot_u32, src=slot)
-        scatter_to_slots(slot_u32, sel.best_keys, cand_rows_i32)
+        scatter_to_slots(slot_u32, cand_pairs)
 
     def count_above(op, value):
         # count_col: each partition's candidates ``op`` value; total_col: all of them, everywhere.
@@ -914,7 +914,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_copy(dst=cand_pos_u32, src=positions, engine=nisa.engine.gpsimd)
         nisa.tensor_scalar(dst=cand_rows, data=cand_pos, op0=nl.multiply, operand0=float(P),
                            op1=nl.add, operand1=partition, engine=nisa.engine.gpsimd)  # fmt: skip
-        nisa.tensor_copy(dst=cand_rows_i32, src=cand_rows, engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=cand_pairs[:, :, 0], src=sel.best_keys)
+        nisa.tensor_copy(dst=cand_pairs[:, :, 1], src=cand_rows)
         nisa.tensor_copy(dst=left_col, src=left8[:, 0:1])
         nisa.nc_transpose(dst=row_ps, data=left_col)
         nisa.tensor_reduce(dst=best_left, op=nl.max, data=row_ps, axis=1, keepdims=True)
@@ -969,19 +970,27 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                            op1=nl.add, operand1=1.0)  # fmt: skip
         nisa.tensor_scalar(dst=path_f, data=fb_f, op0=nl.multiply, operand0=2.0)
         # Step 5's slots start as MARKER / -1 past Kv.
-        for ranked, fill in ((ranked_keys, fill_keys), (ranked_rows, fill_rows)):
-            nisa.dma_copy(dst=ranked.ap(pattern=[[fill_cols, fill_rows_n], [1, fill_cols]], offset=0),
-                          src=fill[0:fill_rows_n, :])  # fmt: skip
-            if fill_tail:
-                nisa.dma_copy(dst=ranked.ap(pattern=[[fill_tail, 1], [1, fill_tail]],
-                                            offset=fill_rows_n * fill_cols),
-                              src=fill[fill_rows_n : fill_rows_n + 1, 0:fill_tail])  # fmt: skip
+        # ranked_pairs as blocks of SBUF rows: rows 0 .. n-1 hold cols slots each, row n the tail.
+        blocks = [(slice(0, fill_rows_n), 2 * fill_cols, 0)] + (
+            [(slice(fill_rows_n, fill_rows_n + 1), 2 * fill_tail, 2 * fill_rows_n * fill_cols)]
+            if fill_tail else [])  # fmt: skip
+        for rows, width, first in blocks:
+            nisa.dma_copy(dst=ranked_pairs.ap(pattern=[[width, rows.stop - rows.start], [1, width]],
+                                              offset=first),
+                          src=fill_pairs[rows, 0:width])  # fmt: skip
         nl.fori_loop(0, load_register(window[0:1, :]), list_path)
         nl.fori_loop(0, load_register(half[0:1, :]), full_path)
-        nisa.dma_copy(dst=_tile_block(keys_out, t, 1, topk, member * topk),
-                      src=ranked_keys.ap(pattern=[[topk, 1], [1, topk]], offset=0))  # fmt: skip
-        nisa.dma_copy(dst=_tile_block(idx_out, t, 1, topk, member * topk),
-                      src=ranked_rows.ap(pattern=[[topk, 1], [1, topk]], offset=0))  # fmt: skip
+        # The pairs apart on chip (rows to int32 on the copy), then each output in blocks.
+        for rows, width, first in blocks:
+            nisa.dma_copy(dst=out_pairs[rows, 0:width], src=ranked_pairs.ap(
+                pattern=[[width, rows.stop - rows.start], [1, width]], offset=first))  # fmt: skip
+        nisa.tensor_copy(dst=out_keys, src=out_pairs[:, 0::2])
+        nisa.tensor_copy(dst=out_rows, src=out_pairs[:, 1::2])
+        for rows, width, first in blocks:
+            for out, tile in ((keys_out, out_keys), (idx_out, out_rows)):
+                nisa.dma_copy(dst=_tile_block(out, t, rows.stop - rows.start, width // 2,
+                                              member * topk + first // 2),
+                              src=tile[rows, 0 : width // 2])  # fmt: skip
         # Step 6 (0 or 1 trips): the exact merge overwrites the token's result.
         nl.fori_loop(0, load_register(fb_f), lambda _: _run_fallback(
             fb, keys_tile, keys_out, idx_out, t, member, topk))  # fmt: skip

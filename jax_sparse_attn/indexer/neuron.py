@@ -261,7 +261,7 @@ def list_offload_columns(target: str, plan) -> int:
       counting passes over ``cap`` and a sum;
     - GpSimd: ``6 F`` (the keys' copy, select_key's halving, NaN test ``2F`` and validity, the
       rows' iota), the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the cost model's
-      assumption: ``depth`` for the list's pairs, ``2 cap / 128`` for the placement), and per
+      assumption: ``depth`` for the list's pairs, ``cap / 128`` for the placement's), and per
       offloaded column two compares over ``cap``."""
     from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MATCH_REPLACE8_OVERHEAD, MIN_II
 
@@ -271,7 +271,7 @@ def list_offload_columns(target: str, plan) -> int:
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
     vector = ((2 * rounds + 10) * F + rounds * MATCH_REPLACE8_OVERHEAD
               + (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth)) + 75 * MIN_II)  # fmt: skip
-    gpsimd = 6 * F + (plan.depth + 2 * columns) * (GPSIMD_START + _decode.P) + 25 * MIN_II
+    gpsimd = 6 * F + (plan.depth + columns) * (GPSIMD_START + _decode.P) + 25 * MIN_II
     return min(range(columns + 1), key=lambda x: max(
         (vector + (columns - x) * (cap + 3 * MIN_II)) / hw.vector_ghz,
         (gpsimd + x * (cap + 2 * MIN_II)) / hw.gpsimd_ghz))
