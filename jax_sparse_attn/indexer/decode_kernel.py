@@ -345,7 +345,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
     Args: as the module docstring's interface; ``topk`` (K), ``depth`` (candidates per
     partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
-    compile-time ints, keyword arguments. Launch as ``kernel[n]`` with the spans ``S`` a multiple of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
+    compile-time ints, keyword arguments. Launch as ``kernel[n]`` with the spans ``S`` a multiple
+    of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
     ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE; ``offload``
     the pivot list's rank columns counted as GpSimd compares and ScalarE sums (None: half of
     them; the routing balances them, ``neuron.decode_plan``). A span's groups share each read of
@@ -355,8 +356,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
     ``phase`` splits the work over two launches where the tokens are fewer than the programs
     (a decode step): ``"score"`` has the programs split each group's chunks (not the groups) and
-    returns only the scores, ``staged [S, g, 128, F]`` f32 (spans of one group; row ``128 j + p`` at ``[p, j]``, no
-    key_scale yet); ``"select"`` takes them as ``staged_scores`` and runs steps 2 to 6 (q, w and
+    returns only the scores, ``staged [S, g, 128, F]`` f32 (spans of one group; row ``128 j +
+    p`` at ``[p, j]``, no key_scale yet); ``"select"`` takes them as ``staged_scores`` and runs steps 2 to 6 (q, w and
     the keys are then read for their shapes only). ``"all"`` does both in one launch.
     """
     assert phase in ("all", "score", "select"), f"phase {phase!r}"
@@ -584,18 +585,31 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
                                         scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
 
-    def count_greater(out, data, keys, on_gpsimd: int, scratch, scratch_gpsimd):
+    def count_ranks(out, data, keys, on_gpsimd: int, scratch, scratch_gpsimd, by_block: bool):
         # out[:, c] = #(data > keys[:, c]): a VectorE compare-and-count pass per column, the last
         # ``on_gpsimd`` columns as a GpSimd compare and a ScalarE sum (the engines share passes).
-        cols = keys.shape[1]
-        for c in range(cols - on_gpsimd):
-            nisa.tensor_scalar_reduce(dst=scratch, data=data, op0=nl.greater,
-                                      operand0=keys[:, c : c + 1], reduce_op=nl.add,
-                                      reduce_res=out[:, c : c + 1],
-                                      reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
-        for c in range(cols - on_gpsimd, cols):
-            nisa.tensor_scalar(dst=scratch_gpsimd, data=data, op0=nl.greater,
-                               operand0=keys[:, c : c + 1], engine=nisa.engine.gpsimd)
+        # ``by_block`` (data in row order, column c its entries 128 c ..): data before column c's
+        # block counts at ``>=`` (lower rows win ties), so exact ties rank by row but within a
+        # block; the two counts of a VectorE column are summed after.
+        cols, width = keys.shape[1], data.shape[1]
+        for c in range(cols):
+            key = keys[:, c : c + 1]
+            first = c * P if by_block else 0
+            parts = [(slice(first, width), nl.greater)] + (
+                [(slice(0, first), nl.greater_equal)] if first else [])  # fmt: skip
+            if c < cols - on_gpsimd:
+                for n, (part, op) in enumerate(parts):
+                    nisa.tensor_scalar_reduce(dst=scratch[:, part], data=data[:, part], op0=op,
+                                              operand0=key, reduce_op=nl.add,
+                                              reduce_res=(out if n == 0 else rank_before)[:, c : c + 1],
+                                              reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+                if first:
+                    nisa.tensor_tensor(dst=out[:, c : c + 1], data1=out[:, c : c + 1],
+                                       data2=rank_before[:, c : c + 1], op=nl.add)  # fmt: skip
+                continue
+            for part, op in parts:
+                nisa.tensor_scalar(dst=scratch_gpsimd[:, part], data=data[:, part], op0=op,
+                                   operand0=key, engine=nisa.engine.gpsimd)
             nisa.activation(dst=scratch_gpsimd, op=nl.copy, data=scratch_gpsimd, reduce_op=nl.add,
                             reduce_res=out[:, c : c + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
 
@@ -626,34 +640,29 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.scalar_tensor_tensor(dst=spare, data=column, op0=nl.add, operand0=before,
                                       op1=nl.add, operand1=spare)  # fmt: skip
             nisa.tensor_copy(dst=place_u32, src=spare)
-        # The list starts empty: MARKER keys, row -1, a rank past the topk slots.
-        entries = [[cap_cols, P], [1, cap_cols]]  # one value everywhere: any order will do
-        by_column = [[1, P], [P, cap_cols]]
-        fields = list(zip(listed, list_hbm, (sel.best_keys, cand_rows, ranks),
-                          (MARKER, -1.0, float(2 * cap + topk))))[: 3 if with_ranks else 2]
-        if not with_ranks:
-            # Keys and rows as pairs: one scatter per candidate column (each scatter DMA pays
-            # its descriptors on the GpSimd), then each field's contiguous copy in HBM.
-            nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2 * cap_cols, P], [1, 2 * cap_cols]],
-                                                offset=0), src=empty_pairs)  # fmt: skip
+        # The list starts empty: MARKER keys, row -1 (the pairs' fill), a rank past the slots.
+        # Keys and rows go as pairs, one scatter per candidate column (each scatter DMA pays its
+        # descriptors on the GpSimd), then each field's contiguous copy in HBM.
+        nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2 * cap_cols, P], [1, 2 * cap_cols]],
+                                            offset=0), src=empty_pairs)  # fmt: skip
+        for j in range(depth):
+            nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2, P], [1, 2]], offset=0,
+                                                vector_offset=place_u32[:, j : j + 1],
+                                                indirect_dim=0),
+                          src=cand_pairs[:, j, :], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+        for f, hbm in enumerate(list_hbm[0:2]):
+            nisa.dma_copy(dst=hbm.ap(pattern=[[cap, 1], [1, cap]], offset=0),
+                          src=list_pairs_hbm.ap(pattern=[[2 * cap, 1], [2, cap]], offset=f))
+        if with_ranks:  # no broadcast to take them from: scattered, then read by column
+            rank_hbm = list_hbm[2]
+            nisa.memset(dst=listed[2], value=float(2 * cap + topk))
+            nisa.dma_copy(dst=rank_hbm.ap(pattern=[[cap_cols, P], [1, cap_cols]], offset=0),
+                          src=listed[2])  # fmt: skip
             for j in range(depth):
-                nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2, P], [1, 2]], offset=0,
-                                                    vector_offset=place_u32[:, j : j + 1],
-                                                    indirect_dim=0),
-                              src=cand_pairs[:, j, :], oob_mode=nisa.oob_mode.skip)  # fmt: skip
-            for f, hbm in enumerate(list_hbm[0:2]):
-                nisa.dma_copy(dst=hbm.ap(pattern=[[cap, 1], [1, cap]], offset=0),
-                              src=list_pairs_hbm.ap(pattern=[[2 * cap, 1], [2, cap]], offset=f))
-            fields = []
-        for field, hbm, source, empty in fields:
-            nisa.memset(dst=field, value=empty)
-            nisa.dma_copy(dst=hbm.ap(pattern=entries, offset=0), src=field)
-            for j in range(depth):
-                nisa.dma_copy(dst=hbm.ap(pattern=[[1, P], [1, 1]], offset=0,
-                                         vector_offset=place_u32[:, j : j + 1], indirect_dim=0),
-                              src=source[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
-            if field is listed[2]:  # the ranks (no broadcast of them to take them from)
-                nisa.dma_copy(dst=field, src=hbm.ap(pattern=by_column, offset=0))
+                nisa.dma_copy(dst=rank_hbm.ap(pattern=[[1, P], [1, 1]], offset=0,
+                                              vector_offset=place_u32[:, j : j + 1], indirect_dim=0),
+                              src=ranks[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+            nisa.dma_copy(dst=listed[2], src=rank_hbm.ap(pattern=[[1, P], [P, cap_cols]], offset=0))
         nisa.dma_copy(dst=list_keys, src=list_hbm[0].ap(pattern=[[0, P], [1, cap]], offset=0))
         nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
         # Keys and rows by column from the broadcasts, a block of 128 entries to the partitions
@@ -699,36 +708,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                                   op1=nl.multiply, operand1=in_list)  # fmt: skip
         nisa.tensor_scalar(dst=spare, data=spare, op0=nl.add, operand0=float(2 * cap))
         nisa.tensor_copy(dst=place_u32, src=spare)
-
-    def rank_in_row_order():
-        """The list in row order: an entry's rank counts the entries before its column's block
-        at or above its key (their rows are lower) and those from the block on above it, so
-        exact ties rank by row in the same pass, except within a block (step 4 then)."""
-        offloaded = cap_cols // 2 if offload is None else min(offload, cap_cols)
-        for c in range(cap_cols):
-            key = listed[0][:, c : c + 1]
-            first = c * P
-            if c < cap_cols - offloaded:
-                nisa.tensor_scalar_reduce(dst=equal[:, first:cap], data=list_keys[:, first:cap],
-                                          op0=nl.greater, operand0=key, reduce_op=nl.add,
-                                          reduce_res=listed[2][:, c : c + 1],
-                                          reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
-                if first:
-                    nisa.tensor_scalar_reduce(dst=equal[:, 0:first], data=list_keys[:, 0:first],
-                                              op0=nl.greater_equal, operand0=key, reduce_op=nl.add,
-                                              reduce_res=rank_before[:, c : c + 1],
-                                              reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
-                    nisa.tensor_tensor(dst=listed[2][:, c : c + 1], data1=listed[2][:, c : c + 1],
-                                       data2=rank_before[:, c : c + 1], op=nl.add)  # fmt: skip
-                continue
-            nisa.tensor_scalar(dst=list_scratch[:, first:cap], data=list_keys[:, first:cap],
-                               op0=nl.greater, operand0=key, engine=nisa.engine.gpsimd)
-            if first:
-                nisa.tensor_scalar(dst=list_scratch[:, 0:first], data=list_keys[:, 0:first],
-                                   op0=nl.greater_equal, operand0=key, engine=nisa.engine.gpsimd)
-            nisa.activation(dst=list_scratch, op=nl.copy, data=list_scratch, reduce_op=nl.add,
-                            reduce_res=listed[2][:, c : c + 1],
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
 
     def break_block_ties(_):
         # rank += #(entries of the same block with an equal key and a lower row).
@@ -791,7 +770,10 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_scalar(dst=in_list, data=sel.best_keys, op0=nl.greater_equal, operand0=mid)
         row_order_places()
         build_list(in_list, count_col, with_ranks=False, placed=True)
-        rank_in_row_order()
+        # Ranks in the row-ordered list: exact ties by row but within a block (step 4 then).
+        count_ranks(listed[2], list_keys, listed[0],
+                    cap_cols // 2 if offload is None else min(offload, cap_cols), equal,
+                    list_scratch, by_block=True)  # fmt: skip
         nisa.tensor_scalar(dst=listed_chosen, data=listed[2], op0=nl.less, operand0=kv_col)
         nisa.tensor_scalar(dst=listed_gain, data=listed[0], op0=nl.greater, operand0=MARKER)
         nisa.tensor_tensor(dst=listed_chosen, data1=listed_chosen, data2=listed_gain, op=nl.multiply)
@@ -811,7 +793,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         # Step 3: every candidate's rank among all M (strictly greater keys).
         nisa.dma_copy(dst=cand_hbm, src=sel.best_keys)
         nisa.dma_copy(dst=all_keys, src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
-        count_greater(ranks, all_keys, sel.best_keys, split, beaten, beaten_alt)
+        count_ranks(ranks, all_keys, sel.best_keys, split, beaten, beaten_alt, by_block=False)
         choose()
         nisa.tensor_copy(dst=chosen_work, src=chosen)
         tie_free(chosen_work, ranks)

@@ -296,6 +296,12 @@ def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
     return plan.chunks * ((blocks - on_vector) * (dots + head_sums) + on_vector * rows_first)
 
 
+def _decode_head_sum_cycles(plan, on_vector: int) -> float:
+    """VectorE cycles of one token's head sums on ``on_vector`` blocks per chunk: per 128 rows
+    an fp32 scalar_tensor_tensor ``2 Hi`` and a reduce ``Hi``."""
+    return plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * plan.heads
+
+
 def _decode_vector_cycles(plan, group: int, on_vector: int, ties: float) -> float:
     """The VectorE's cycles for one token in the row-spread kernel, by the cost formulas: the
     head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor ``2 N`` and a
@@ -312,8 +318,7 @@ def _decode_vector_cycles(plan, group: int, on_vector: int, ties: float) -> floa
     bisection = (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth))
     cap_cols = plan.compact // _decode.P
     ranks = (cap_cols - plan.offload) * (plan.compact + 3 * MIN_II)
-    heads = plan.heads
-    head_sums = plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * heads
+    head_sums = _decode_head_sum_cycles(plan, on_vector)
     nan_check = 0.0 if group == 1 else plan.chunks * (
         max(MIN_II, 2 * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
     return (rounds * (2 * plan.columns + MATCH_REPLACE8_OVERHEAD) + 10 * plan.columns + bisection
@@ -344,9 +349,9 @@ def scoring_on_vector(target: str, plan, group: int) -> int:
 
     hw = HARDWARE[target]
     blocks = plan.chunk // _decode.ROWS_PER_MATMUL
-    head_sums = lambda v: plan.chunks * v * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * plan.heads
     return min(range(blocks + 1), key=lambda v: max(
-        _decode_tensor_cycles(plan, group, v) / hw.tensor_ghz, head_sums(v) / hw.vector_ghz))
+        _decode_tensor_cycles(plan, group, v) / hw.tensor_ghz,
+        _decode_head_sum_cycles(plan, v) / hw.vector_ghz))
 
 
 def head_sums_on_vector(target: str, plan, group: int) -> int:
