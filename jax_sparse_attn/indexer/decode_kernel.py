@@ -25,19 +25,22 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    ``>= v`` are exactly the listed candidates. They are scattered into a compact list in row
    order (each one's place: the rows ``>= v`` before it, counted on the ``[128, F]`` grid by a
    running sum over its columns and a matmul over its partitions), and each entry's rank is
-   how many entries beat it, earlier entries (lower rows) at an equal key included: per 128
-   entries a compare-and-count pass (``tensor_scalar_reduce``) with ``>=`` over the entries
-   before their block and ``>`` over the rest. Where no pivot is found in ``steps`` halvings
-   (step 3b), every partition holds all ``M = 128 depth`` candidates (broadcast through HBM)
-   and each candidate's rank is counted among all ``M``; the chosen (rank ``< Kv``) then form
-   the list where they need step 4. Ties would share a rank: the ranks of the ``Kv`` chosen are
-   exactly ``0 .. Kv-1`` iff their count is ``Kv`` and their sum ``Kv (Kv - 1) / 2`` (sums of
-   integers, exact in fp32 for ``K <= MAX_TOPK``).
+   how many entries beat it, earlier entries (lower rows) at an equal key included. Partition
+   ``p`` reads the list shifted, from entry ``p - 128`` on (``LIST_PAD`` MARKER keys before and
+   after it in HBM), so the entries of a block of 128 (entry ``128 c + p`` on partition ``p``)
+   all sit at column ``128 c + 128`` of their partitions: one compare-and-count pass
+   (``tensor_scalar_reduce``) with ``>=`` before that column and one with ``>`` from it on rank
+   the block exactly in the contract's order, exact ties by row included. Where no pivot is
+   found in ``steps`` halvings (step 3b), every partition holds all ``M = 128 depth``
+   candidates (broadcast through HBM) and each candidate's rank is counted among all ``M``
+   (strictly greater keys); the chosen (rank ``< Kv``) then form the list where they need step
+   4. Ties would share a rank there: the ranks of the ``Kv`` chosen are exactly ``0 .. Kv-1``
+   iff their count is ``Kv`` and their sum ``Kv (Kv - 1) / 2`` (sums of integers, exact in fp32
+   for ``K <= MAX_TOPK``).
 4. **Ties** (exact ties among the best are common: thousands of f32 scores in a narrow range):
-   where that check fails, each entry's rank gains the count of entries with an equal key and a
-   lower row: within its own block of 128 on the pivot's list (the rest are counted already),
-   over the whole list without a pivot (an equality pass, a compare-and-multiply pass and a sum
-   per 128 entries): the ranks become distinct and follow the contract's order.
+   without a pivot, where that check fails, each entry's rank gains the count of entries with an
+   equal key and a lower row over the whole list (an equality pass, a compare-and-multiply pass
+   and a sum per 128 entries): the ranks become distinct and follow the contract's order.
 5. **Placement**: each entry (or candidate) of rank ``< Kv`` is scattered to its slot by DMA
    (``vector_offset`` on the destination).
 6. **Fallback**: where step 2's bound fails (a partition holding more than ``depth`` of the
@@ -58,11 +61,13 @@ multiple of the programs::
     n_valid      [S, s g, 1]          f32     valid rows of each token
     chunk_ends   [1, S, s g]          int32   chunks holding a valid row of the token
     -> keys [S, s g, K] f32, idx [S, s g, K] int32, path [S, s g] int32 (0 all M ranked, 1 and
-       ties broken, 2 fallback, 3 the list at the pivot ranked, 4 and ties broken)
+       ties broken, 2 fallback, 3 the list at the pivot ranked)
 
 The programs of a launch split the spans. Where the tokens are fewer than the programs (a decode
-step), two launches instead (``phase``): the programs split each token's chunks to score them,
-then one program selects from the staged scores, so neither core reads every key row alone.
+step), two launches instead (``phase``): the programs split each token's chunks to score them and
+find each share's candidates, then every program builds the same list from the staged keys and
+candidates and ranks and places its share of the list's columns, so neither core reads every key
+row or ranks every entry alone.
 Nothing here needs the Neuron SDK to import.
 """
 
@@ -100,12 +105,16 @@ ROWS_PER_MATMUL = PSUM_BANK_FP32
 # Rows scored per chunk (a hardware loop step): a multiple of CHUNK_ALIGN, at most MAX_CHUNK (a
 # chunk's keys are one DMA, and each DMA with a runtime address pays the DGE's fixed cost).
 CHUNK_ALIGN = 4 * ROWS_PER_MATMUL
-MAX_CHUNK = 16 * ROWS_PER_MATMUL
+MAX_CHUNK = 32 * ROWS_PER_MATMUL
 # Rows per merge of the fallback (the tiled kernel's merge over [1, K8 + FALLBACK_CHUNK]).
 FALLBACK_CHUNK = 2048
 # The tie check sums the selected ranks, Kv (Kv - 1) / 2, which fp32 holds exactly below 2**24.
 MAX_TOPK = 4096
 
+
+# MARKER keys before and after the list in HBM: partition p reads it from entry p - LIST_PAD on
+# (step 3a's ranks), so every partition's own entry sits at the same column.
+LIST_PAD = P
 
 # Halvings of [U*, best key] that look for step 3a's pivot (a window of 128 counts); a token
 # that finds none ranks all M candidates (step 3).
@@ -136,12 +145,13 @@ def _poisson_tail(mean: float, n: int) -> float:
     return max(0.0, 1.0 - below)
 
 
-def candidate_depth(topk: int, columns: int) -> int:
-    """Candidates per partition: the least multiple of 8 with ``128 P(share > depth) <=
-    FALLBACK_RATE`` for a share ~ Poisson(topk / 128) (the count of the best rows one partition
-    holds), at most the partition's columns (then every row is a candidate)."""
-    depth = SELECTED_PER_ROUND
-    while depth < columns and P * _poisson_tail(topk / P, depth) > FALLBACK_RATE:
+def candidate_depth(topk: int, columns: int, shares: int = 1) -> int:
+    """Candidates per partition (per share of its columns where ``shares`` programs each take
+    one): the least multiple of 8 with ``128 shares P(share > depth) <= FALLBACK_RATE`` for a
+    share ~ Poisson(topk / (128 shares)) (the count of the best rows one partition, or one share
+    of it, holds), at most the columns (then every row is a candidate)."""
+    depth, parts = SELECTED_PER_ROUND, P * shares
+    while depth < columns and parts * _poisson_tail(topk / parts, depth) > FALLBACK_RATE:
         depth += SELECTED_PER_ROUND
     return min(depth, columns)
 
@@ -185,14 +195,27 @@ class DecodePlan:
         return min(_round_up(self.topk8, P) + P, self.candidates)
 
 
+def share_depth(plan: DecodePlan, shares: int) -> int:
+    """Candidates per partition of each program's share of the columns in the two-launch form
+    (the scoring launch's step 2): the fallback rate's depth for a share (:func:`candidate_depth`),
+    at most a share's columns, and enough that the shares together hold ``depth``."""
+    if shares == 1:
+        return plan.depth
+    own = (plan.chunks // shares) * plan.chunk_columns
+    return max(min(candidate_depth(plan.topk, plan.columns, shares), own),
+               _round_up(_ceil_div(plan.depth, shares), SELECTED_PER_ROUND))  # fmt: skip
+
+
 def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     """SBUF bytes per partition of the kernel's tiles (an upper estimate): a span's four tokens'
     q and weights and a chunk of keys (16-bit), the relu block, the ``[128, F]`` scores, their
     working copy, row numbers and predicate, the row-order grid (16-bit, padded to whole blocks
-    of 512) and a block of it, the candidates' tiles (about 20 ``depth``-wide rows), the broadcast
-    candidates and the count passes' outputs (``3 M``; step 4 reuses them), step 4's columns
-    (about 11 per 128 of ``cap``) and a ``cap``-wide scratch, five ``[128, 128]`` matrices, and
-    the fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK`` candidates on one
+    of 512) and a block of it, the candidates' tiles (about 20 ``depth``-wide rows), two
+    programs' shares of them as staged and side by side (the two-launch form), the broadcast
+    candidates and the count passes' outputs (``3 M``, or the shifted list's ``cap + 128`` if
+    wider; step 4 reuses them), step 4's columns (about 11 per 128 of ``cap``), its blocks (three
+    rows of 128) and a ``cap + 128``-wide scratch, five ``[128, 128]`` matrices, and the
+    fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK`` candidates on one
     partition) and the slots' fill."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
     # Four tokens' q, weights on every partition and chunk scores, the chunk's NaN check.
@@ -200,8 +223,11 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
                + 4 * 4 * plan.heads + 3 * 4 * 2 * plan.chunk_columns + 64)  # fmt: skip
     scores = 2 * 4 * plan.columns + plan.columns
     grid = 2 * _round_up(plan.columns, ROWS_PER_MATMUL) + 2 * ROWS_PER_MATMUL
-    candidates = (20 * 4 * plan.depth + 3 * 4 * plan.candidates + 11 * 4 * plan.compact // P
-                  + 4 * plan.compact + 5 * 4 * P)  # fmt: skip
+    two_shares = 2 * share_depth(plan, 2)
+    shares = 4 * (2 * (two_shares + 1) + 2 * two_shares)
+    list_width = plan.compact + LIST_PAD
+    candidates = (20 * 4 * plan.depth + shares + 3 * 4 * max(plan.candidates, list_width)
+                  + 11 * 4 * plan.compact // P + 4 * 3 * P + 4 * list_width + 5 * 4 * P)  # fmt: skip
     k8 = plan.topk8
     fallback = 2 * 4 * (k8 + FALLBACK_CHUNK) + 5 * 4 * k8 + 9 * k8
     fill = 2 * 4 * _ceil_div(plan.topk, P)  # the slots' fill, spread over the partitions
@@ -215,17 +241,18 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int) -> Deco
     (:mod:`.neuron`) sets it from the target's cost formulas."""
     if not 0 < heads <= KERNEL_TILE or not 0 < topk <= MAX_TOPK:
         return None
-    chunk = min(MAX_CHUNK, _round_up(max(rows, 1), CHUNK_ALIGN))
-    chunks = _ceil_div(max(rows, 1), chunk)
-    topk8 = _round_up(topk, SELECTED_PER_ROUND)
-    columns = chunks * chunk // P
-    depth = candidate_depth(topk, columns)
-    plan = DecodePlan(heads, dim, topk, topk8, chunk, chunks, depth)
-    if columns > MAX8_ELEMENTS or topk8 + FALLBACK_CHUNK > MAX8_ELEMENTS:
-        return None
-    if sbuf_bytes_per_partition(plan) > budget:
-        return None
-    return plan
+    for largest in (MAX_CHUNK, MAX_CHUNK // 2):  # the larger chunk where SBUF holds it
+        chunk = min(largest, _round_up(max(rows, 1), CHUNK_ALIGN))
+        chunks = _ceil_div(max(rows, 1), chunk)
+        topk8 = _round_up(topk, SELECTED_PER_ROUND)
+        columns = chunks * chunk // P
+        depth = candidate_depth(topk, columns)
+        plan = DecodePlan(heads, dim, topk, topk8, chunk, chunks, depth)
+        if columns > MAX8_ELEMENTS or topk8 + FALLBACK_CHUNK > MAX8_ELEMENTS:
+            return None
+        if sbuf_bytes_per_partition(plan) <= budget:
+            return plan
+    return None
 
 
 def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_pair, w_rows, keys_sb, scores, on_vector: int,
@@ -338,7 +365,8 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, group, member: in
     _emit(fb.cand, fb.cand_rows, keys_out, idx_out, group, 1, topk, k8, member * topk)
 
 
-def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, staged_scores=None, *,
+def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, staged_scores=None,
+                          staged_candidates=None, *,
                           topk, depth, split=0, steps=None, on_vector=0, offload=None,
                           phase="all"):  # fmt: skip
     """The row-spread selection (module docstring) of each of the program's tokens.
@@ -355,13 +383,22 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     valid rows), their rows (-1 there), and each token's path (the interface's codes).
 
     ``phase`` splits the work over two launches where the tokens are fewer than the programs
-    (a decode step): ``"score"`` has the programs split each group's chunks (not the groups) and
-    returns only the scores, ``staged [S, g, 128, F]`` f32 (spans of one group; row ``128 j +
-    p`` at ``[p, j]``, no key_scale yet); ``"select"`` takes them as ``staged_scores`` and runs steps 2 to 6 (q, w and
-    the keys are then read for their shapes only). ``"all"`` does both in one launch.
+    (a decode step). ``"score"``: the programs split each group's chunks (not the groups) and
+    return ``(staged [S, g, 128, F], candidates [S, g, 128, n W])`` f32 (spans of one group; n
+    programs): the selection keys (times key_scale, select_key applied; row ``128 j + p`` at
+    ``[p, j]``) and step 2 on each program's share of the columns, ``W = 2 d + 1`` per program
+    and partition: its ``d`` best keys, their rows and the best key left (``d``:
+    :func:`share_depth`). ``"select"`` takes them as ``staged_scores`` and ``staged_candidates``
+    (q, w and the keys are then read for their shapes only): every program takes the ``depth``
+    best of the shares' candidates and runs steps 2 to 4 alike, ranks and places its share of
+    the list's columns, and returns its own copy of the slots, ``keys [n S, s g, K]`` (copy ``i``
+    at ``[i S, (i + 1) S)``; MARKER / -1 where another program placed the entry, so the result
+    is their maximum, ``neuron.merge_copies``); program 0 alone takes step 3b and the fallback
+    and writes ``path``. ``"all"`` does everything in one launch.
     """
     assert phase in ("all", "score", "select"), f"phase {phase!r}"
-    assert (staged_scores is not None) == (phase == "select"), "staged_scores is the select phase's input"
+    assert (staged_scores is not None) == (staged_candidates is not None) == (phase == "select"), (
+        "staged_scores and staged_candidates are the select phase's inputs")  # fmt: skip
     spans, span, dim, group_heads = q_t.shape
     slots = n_valid.shape[1]  # tokens per span: slot i g + m is member m of its group i
     group = slots // span  # tokens per group: 1, or 2 sharing the d matmuls
@@ -382,25 +419,39 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     assert depth <= columns <= MAX8_ELEMENTS
     programs, program = nl.num_programs(), nl.program_id(0)
     assert span == 1 or phase == "all", f"a span of {span} groups in phase {phase!r}"
-    assert phase == "score" or spans % programs == 0, (
+    assert phase != "all" or spans % programs == 0, (
         f"{spans} spans of token groups must be a multiple of the {programs} programs")  # fmt: skip
     per_program = spans // programs
-    if phase == "score":  # every program takes every span, and its share of their chunks
-        assert n_chunks >= programs, f"{n_chunks} chunks for {programs} programs"
-        per_program, program_spans = spans, 0
-        chunk_lo, chunk_hi = program * n_chunks // programs, (program + 1) * n_chunks // programs
-    else:
+    if phase == "all":
         program_spans = program * per_program
-
-    keys_out = nl.ndarray((spans, slots, topk), dtype=nl.float32, buffer=nl.shared_hbm)
-    idx_out = nl.ndarray((spans, slots, topk), dtype=nl.int32, buffer=nl.shared_hbm)
-    path_out = nl.ndarray((spans, slots), dtype=nl.int32, buffer=nl.shared_hbm)
+    else:  # every program takes every span: its share of their chunks, or of their list's ranks
+        per_program, program_spans = spans, 0
     if phase == "score":
-        staged_out = nl.ndarray((spans, slots, P, n_chunks * chunk_columns), dtype=nl.float32,
-                                buffer=nl.shared_hbm)  # fmt: skip
+        assert n_chunks >= programs, f"{n_chunks} chunks for {programs} programs"
+        chunk_lo, chunk_hi = program * n_chunks // programs, (program + 1) * n_chunks // programs
+
+    # The selecting launch: one copy per program, each holding the slots it placed (MARKER / -1
+    # elsewhere), so the caller takes their maximum: copy i's spans at [i S, (i + 1) S).
+    copies = programs if phase == "select" else 1
+    keys_out = nl.ndarray((copies * spans, slots, topk), dtype=nl.float32, buffer=nl.shared_hbm)
+    idx_out = nl.ndarray((copies * spans, slots, topk), dtype=nl.int32, buffer=nl.shared_hbm)
+    out_offset = program * spans * slots * topk if copies > 1 else 0  # this program's copy
+    path_out = nl.ndarray((spans, slots), dtype=nl.int32, buffer=nl.shared_hbm)
+    # The two-launch form's staging: each token's selection keys, and each program's share of
+    # its candidates ([keys | rows | the best key left], depth_of_share of each per partition).
+    shares = programs if phase != "all" else 1
+    depth_of_share = share_depth(plan, shares)
+    share_width = 2 * depth_of_share + 1
+    staged_shape = (spans, slots, P, n_chunks * chunk_columns)
+    candidates_shape = (spans, slots, P, shares * share_width)
+    if phase == "score":
+        staged_out = nl.ndarray(staged_shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        candidates_out = nl.ndarray(candidates_shape, dtype=nl.float32, buffer=nl.shared_hbm)
     elif phase == "select":
-        assert tuple(staged_scores.shape) == (spans, slots, P, n_chunks * chunk_columns), (
-            f"staged_scores {staged_scores.shape}")  # fmt: skip
+        assert tuple(staged_scores.shape) == staged_shape, f"staged_scores {staged_scores.shape}"
+        assert tuple(staged_candidates.shape) == candidates_shape, (
+            f"staged_candidates {staged_candidates.shape}")  # fmt: skip
+        assert shares * depth_of_share >= depth
     # HBM staging: each token's scores by chunk, its candidates (the broadcast's source), and the
     # ranked selection before it goes to keys_out/idx_out.
     scores_hbm = [nl.ndarray((P, n_chunks, chunk_columns), dtype=nl.float32, buffer=nl.hbm)
@@ -408,8 +459,15 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     cand_hbm = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.hbm)
     cap = plan.compact
     cap_cols = cap // P
-    # Step 4's list: keys, rows and ranks, one array each (contiguous for the broadcasts).
-    list_hbm = [nl.ndarray((cap, 1), dtype=nl.float32, buffer=nl.hbm) for _ in range(3)]
+    # The list's columns this program ranks and places (the selecting launch's share); only
+    # program 0 of that launch takes the rare paths (all M ranked, the fallback) and the codes.
+    ranked_cols = (range(program * cap_cols // programs, (program + 1) * cap_cols // programs)
+                   if phase == "select" else range(cap_cols))  # fmt: skip
+    lead = phase != "select" or program == 0
+    # Step 4's list: keys, rows and ranks, one array each (contiguous for the broadcasts); the
+    # keys between two runs of 128 MARKER (LIST_PAD), read shifted by partition for the ranks.
+    list_hbm = [nl.ndarray((cap + 2 * LIST_PAD * (f == 0), 1), dtype=nl.float32, buffer=nl.hbm)
+                for f in range(3)]  # fmt: skip
     # The pivot list's (key, row) pairs: one scatter DMA per candidate column for both.
     list_pairs_hbm = nl.ndarray((cap, 2), dtype=nl.float32, buffer=nl.hbm)
     # The ranked selection as (key, row) pairs: one scatter DMA per column for both.
@@ -443,7 +501,11 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     ends = nl.ndarray((1, slots), dtype=nl.int32, buffer=nl.sbuf)
     ends_f = nl.ndarray((1, slots), dtype=nl.float32, buffer=nl.sbuf)
     end_f = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    sel = _selection_tiles(P, depth, True)
+    sel = _selection_tiles(P, depth_of_share if phase == "score" else depth, True)
+    # The shares' candidates: as staged (keys | rows | best left per share), then side by side.
+    union = nl.ndarray((P, shares * share_width), dtype=nl.float32, buffer=nl.sbuf)
+    union_keys = nl.ndarray((P, shares * depth_of_share), dtype=nl.float32, buffer=nl.sbuf)
+    union_rows = nl.ndarray((P, shares * depth_of_share), dtype=nl.float32, buffer=nl.sbuf)
     left8 = nl.ndarray((P, SELECTED_PER_ROUND), dtype=nl.float32, buffer=nl.sbuf)
     partition = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     cand_pos = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
@@ -463,12 +525,20 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     listed_gain = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
     listed_slot = nl.ndarray((P, cap_cols), dtype=nl.uint32, buffer=nl.sbuf)
     listed_pairs = nl.ndarray((P, cap_cols, 2), dtype=nl.float32, buffer=nl.sbuf)
-    all_keys = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
-    beaten = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
-    beaten_alt = nl.ndarray((P, m), dtype=nl.float32, buffer=nl.sbuf)
+    # The list's blocks of 128 entries, one per partition: as pairs, then one field.
+    blocks_pairs = nl.ndarray((cap_cols, 2 * P), dtype=nl.float32, buffer=nl.sbuf)
+    blocks_field = nl.ndarray((cap_cols, P), dtype=nl.float32, buffer=nl.sbuf)
+    # Wide enough for step 3b's M candidates and for step 3a's shifted list (cap + LIST_PAD).
+    wide = max(m, cap + LIST_PAD)
+    all_keys = nl.ndarray((P, wide), dtype=nl.float32, buffer=nl.sbuf)
+    beaten = nl.ndarray((P, wide), dtype=nl.float32, buffer=nl.sbuf)
+    beaten_alt = nl.ndarray((P, wide), dtype=nl.float32, buffer=nl.sbuf)
     # Step 4's broadcast list and its passes reuse step 3's tiles (cap <= M).
     list_keys, list_rows, equal = all_keys[:, 0:cap], beaten[:, 0:cap], beaten_alt[:, 0:cap]
-    list_scratch = nl.ndarray((P, cap), dtype=nl.float32, buffer=nl.sbuf)
+    # Step 3a's shifted list (after build_list, which reads the broadcast) and its passes.
+    shifted, shifted_scratch = all_keys[:, 0 : cap + LIST_PAD], beaten_alt[:, 0 : cap + LIST_PAD]
+    list_scratch = nl.ndarray((P, cap + LIST_PAD), dtype=nl.float32, buffer=nl.sbuf)
+    list_pads = nl.ndarray((2, LIST_PAD), dtype=nl.float32, buffer=nl.sbuf)
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     left_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -490,7 +560,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     ones_pp = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
     in_list = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
     chosen_work = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.sbuf)
-    listed_chosen = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
     rank_before = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
     # Step 3a's row-order places: the [128, F] grid of rows at or above the pivot, in blocks of
     # up to 512 columns (one matmul each) through HBM, so that a hardware loop takes them.
@@ -508,7 +577,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     column_sums_ps = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.psum)
     lower_bf = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)  # [k, i] = k < i
     ones_bf = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
-    earlier = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)  # [p, q] = q < p
     cand_pos_u32 = nl.ndarray((P, depth), dtype=nl.uint32, buffer=nl.sbuf)
     cand_pairs = nl.ndarray((P, depth, 2), dtype=nl.float32, buffer=nl.sbuf)
     empty_pairs = nl.ndarray((P, 2 * cap_cols), dtype=nl.float32, buffer=nl.sbuf)
@@ -527,8 +595,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     fb = _fallback_tiles(plan)
 
     nisa.memset(dst=ones_col, value=1.0)
+    nisa.iota(dst=partition, pattern=[[0, 1]], offset=0, channel_multiplier=1)
     if phase != "score":  # the selection's constants
-        nisa.iota(dst=partition, pattern=[[0, 1]], offset=0, channel_multiplier=1)
         nisa.memset(dst=ones_row, value=1.0)
         nisa.memset(dst=ones_pp, value=1.0)
         nisa.iota(dst=column, pattern=[[1, depth]], offset=0)
@@ -539,10 +607,11 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.memset(dst=out_pairs, value=0.0)  # past the slots' blocks: read, never written out
         nisa.tensor_copy(dst=lower_bf, src=lower)
         nisa.memset(dst=ones_bf, value=1.0)
-        nisa.iota(dst=earlier, pattern=[[1, P]], offset=0, channel_multiplier=-1)  # q - p
-        nisa.tensor_scalar(dst=earlier, data=earlier, op0=nl.less, operand0=0.0)
         nisa.memset(dst=empty_pairs[:, 0::2], value=MARKER)
         nisa.memset(dst=empty_pairs[:, 1::2], value=-1.0)
+        nisa.memset(dst=list_pads, value=MARKER)
+        nisa.dma_copy(dst=list_hbm[0].ap(pattern=[[LIST_PAD + cap, 2], [1, LIST_PAD]], offset=0),
+                      src=list_pads)  # fmt: skip
         if grid_width > columns:  # the columns past F stay 0
             nisa.memset(dst=grid_mask[:, columns:grid_width], value=0.0)
     if phase != "select":
@@ -585,19 +654,24 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
                                         scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
 
-    def count_ranks(out, data, keys, on_gpsimd: int, scratch, scratch_gpsimd, by_block: bool):
+    def count_ranks(out, data, keys, on_gpsimd: int, scratch, scratch_gpsimd, shifted_by=None,
+                    columns=None):
         # out[:, c] = #(data > keys[:, c]): a VectorE compare-and-count pass per column, the last
         # ``on_gpsimd`` columns as a GpSimd compare and a ScalarE sum (the engines share passes).
-        # ``by_block`` (data in row order, column c its entries 128 c ..): data before column c's
-        # block counts at ``>=`` (lower rows win ties), so exact ties rank by row but within a
-        # block; the two counts of a VectorE column are summed after.
-        cols, width = keys.shape[1], data.shape[1]
-        for c in range(cols):
+        # ``shifted_by`` (step 3a: partition p's data is the list from entry p - shifted_by on,
+        # column c its entries 128 c + p): the columns before the entry's own count at ``>=``
+        # (lower rows win ties), so the ranks follow the contract's order, exact ties included;
+        # the two counts of a VectorE column are summed after.
+        # ``columns``: those of keys / out counted (all where None).
+        width = data.shape[1]
+        columns = range(keys.shape[1]) if columns is None else columns
+        cols = len(columns)
+        for n_col, c in enumerate(columns):
             key = keys[:, c : c + 1]
-            first = c * P if by_block else 0
+            first = 0 if shifted_by is None else c * P + shifted_by
             parts = [(slice(first, width), nl.greater)] + (
                 [(slice(0, first), nl.greater_equal)] if first else [])  # fmt: skip
-            if c < cols - on_gpsimd:
+            if n_col < cols - on_gpsimd:
                 for n, (part, op) in enumerate(parts):
                     nisa.tensor_scalar_reduce(dst=scratch[:, part], data=data[:, part], op0=op,
                                               operand0=key, reduce_op=nl.add,
@@ -642,7 +716,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.tensor_copy(dst=place_u32, src=spare)
         # The list starts empty: MARKER keys, row -1 (the pairs' fill), a rank past the slots.
         # Keys and rows go as pairs, one scatter per candidate column (each scatter DMA pays its
-        # descriptors on the GpSimd), then each field's contiguous copy in HBM.
+        # descriptors on the GpSimd).
         nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2 * cap_cols, P], [1, 2 * cap_cols]],
                                             offset=0), src=empty_pairs)  # fmt: skip
         for j in range(depth):
@@ -650,9 +724,17 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                                                 vector_offset=place_u32[:, j : j + 1],
                                                 indirect_dim=0),
                           src=cand_pairs[:, j, :], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+        # The pairs of each block of 128 entries on a partition (a run each), apart on chip, the
+        # keys contiguous in HBM (the broadcasts' source), and each field by column (a transpose
+        # of its blocks: entry 128 c + p at [p, c]).
+        nisa.dma_copy(dst=blocks_pairs, src=list_pairs_hbm.ap(pattern=[[2 * P, cap_cols], [1, 2 * P]],
+                                                               offset=0))  # fmt: skip
         for f, hbm in enumerate(list_hbm[0:2]):
-            nisa.dma_copy(dst=hbm.ap(pattern=[[cap, 1], [1, cap]], offset=0),
-                          src=list_pairs_hbm.ap(pattern=[[2 * cap, 1], [2, cap]], offset=f))
+            nisa.activation(dst=blocks_field, op=nl.copy, data=blocks_pairs[:, f::2])
+            nisa.dma_copy(dst=hbm.ap(pattern=[[P, cap_cols], [1, P]], offset=LIST_PAD * (f == 0)),
+                          src=blocks_field)  # fmt: skip
+            nisa.nc_transpose(dst=above_ps[:, 0:cap_cols], data=blocks_field)
+            nisa.tensor_copy(dst=listed[f], src=above_ps[:, 0:cap_cols])
         if with_ranks:  # no broadcast to take them from: scattered, then read by column
             rank_hbm = list_hbm[2]
             nisa.memset(dst=listed[2], value=float(2 * cap + topk))
@@ -663,14 +745,10 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                                               vector_offset=place_u32[:, j : j + 1], indirect_dim=0),
                               src=ranks[:, j : j + 1], oob_mode=nisa.oob_mode.skip)  # fmt: skip
             nisa.dma_copy(dst=listed[2], src=rank_hbm.ap(pattern=[[1, P], [P, cap_cols]], offset=0))
-        nisa.dma_copy(dst=list_keys, src=list_hbm[0].ap(pattern=[[0, P], [1, cap]], offset=0))
-        nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
-        # Keys and rows by column from the broadcasts, a block of 128 entries to the partitions
-        # per transpose (an element-wise DMA of the list would cost a descriptor per entry).
-        for field, whole in ((listed[0], list_keys), (listed[1], list_rows)):
-            for c in range(cap_cols):
-                nisa.nc_transpose(dst=above_ps[:, c : c + 1], data=whole[0:1, c * P : (c + 1) * P])
-            nisa.tensor_copy(dst=field, src=above_ps[:, 0:cap_cols])
+            # Step 4's tie break compares every entry with all of them: the broadcasts.
+            nisa.dma_copy(dst=list_keys, src=list_hbm[0].ap(pattern=[[0, P], [1, cap]],
+                                                            offset=LIST_PAD))  # fmt: skip
+            nisa.dma_copy(dst=list_rows, src=list_hbm[1].ap(pattern=[[0, P], [1, cap]], offset=0))
 
     def row_order_places():
         """``place_u32``: each listed candidate's place in row order (the number of rows at or
@@ -709,17 +787,6 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_scalar(dst=spare, data=spare, op0=nl.add, operand0=float(2 * cap))
         nisa.tensor_copy(dst=place_u32, src=spare)
 
-    def break_block_ties(_):
-        # rank += #(entries of the same block with an equal key and a lower row).
-        for c in range(cap_cols):
-            block = slice(c * P, (c + 1) * P)
-            nisa.scalar_tensor_tensor(dst=equal[:, 0:P], data=list_keys[:, block], op0=nl.equal,
-                                      operand0=listed[0][:, c : c + 1], op1=nl.multiply,
-                                      operand1=earlier)  # fmt: skip
-            nisa.tensor_reduce(dst=listed_gain[:, c : c + 1], op=nl.add, data=equal[:, 0:P],
-                               axis=1, keepdims=True)  # fmt: skip
-        nisa.tensor_tensor(dst=listed[2], data1=listed[2], data2=listed_gain, op=nl.add)
-
     def break_ties(_):
         # rank += #(entries with an equal key and a lower row): the contract's order.
         for c in range(cap_cols):
@@ -733,17 +800,19 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                             reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
         nisa.tensor_tensor(dst=listed[2], data1=listed[2], data2=listed_gain, op=nl.add)
 
-    def place_list():
-        # Step 5 from the list: slot = rank (an empty entry past every slot; past topk: skipped).
-        nisa.tensor_scalar(dst=listed_gain, data=listed[0], op0=nl.greater, operand0=MARKER)
-        nisa.tensor_scalar(dst=listed_gain, data=listed_gain, op0=nl.multiply,
-                           operand0=-float(2 * cap + topk), op1=nl.add,
-                           operand1=float(2 * cap + topk))  # fmt: skip
-        nisa.tensor_tensor(dst=listed_gain, data1=listed_gain, data2=listed[2], op=nl.add)
-        nisa.tensor_copy(dst=listed_slot, src=listed_gain)
-        nisa.tensor_copy(dst=listed_pairs[:, :, 0], src=listed[0])
-        nisa.tensor_copy(dst=listed_pairs[:, :, 1], src=listed[1])
-        scatter_to_slots(listed_slot, listed_pairs)
+    def place_list(cols=range(cap_cols)):
+        # Step 5 from the list's ``cols``: slot = rank (an empty entry past every slot; past topk:
+        # skipped).
+        cols = slice(cols.start, cols.stop)
+        gain, slot_u32, pairs = listed_gain[:, cols], listed_slot[:, cols], listed_pairs[:, cols, :]
+        nisa.tensor_scalar(dst=gain, data=listed[0][:, cols], op0=nl.greater, operand0=MARKER)
+        nisa.tensor_scalar(dst=gain, data=gain, op0=nl.multiply, operand0=-float(2 * cap + topk),
+                           op1=nl.add, operand1=float(2 * cap + topk))  # fmt: skip
+        nisa.tensor_tensor(dst=gain, data1=gain, data2=listed[2][:, cols], op=nl.add)
+        nisa.tensor_copy(dst=slot_u32, src=gain)
+        nisa.tensor_copy(dst=pairs[:, :, 0], src=listed[0][:, cols])
+        nisa.tensor_copy(dst=pairs[:, :, 1], src=listed[1][:, cols])
+        scatter_to_slots(slot_u32, pairs)
 
     def tie_free(chosen_tile, ranks_tile):
         """1.0 in ``flags[:, 0:1]`` where the chosen ranks are exactly 0 .. Kv-1 (count Kv, sum
@@ -770,19 +839,16 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_scalar(dst=in_list, data=sel.best_keys, op0=nl.greater_equal, operand0=mid)
         row_order_places()
         build_list(in_list, count_col, with_ranks=False, placed=True)
-        # Ranks in the row-ordered list: exact ties by row but within a block (step 4 then).
-        count_ranks(listed[2], list_keys, listed[0],
-                    cap_cols // 2 if offload is None else min(offload, cap_cols), equal,
-                    list_scratch, by_block=True)  # fmt: skip
-        nisa.tensor_scalar(dst=listed_chosen, data=listed[2], op0=nl.less, operand0=kv_col)
-        nisa.tensor_scalar(dst=listed_gain, data=listed[0], op0=nl.greater, operand0=MARKER)
-        nisa.tensor_tensor(dst=listed_chosen, data1=listed_chosen, data2=listed_gain, op=nl.multiply)
-        tie_free(listed_chosen, listed[2])
-        nisa.tensor_scalar(dst=flags[:, 3:4], data=flags[:, 0:1], op0=nl.multiply, operand0=-1.0,
-                           op1=nl.add, operand1=1.0)  # fmt: skip
-        nisa.tensor_scalar(dst=path_f, data=flags[:, 3:4], op0=nl.add, operand0=3.0)
-        nl.fori_loop(0, load_register(flags[:, 3:4]), break_block_ties)
-        place_list()
+        # The list shifted by partition (partition p from entry p - LIST_PAD on): a column's
+        # entries all sit at one column of it, so >= before and > from there ranks them in the
+        # contract's order, exact ties by row, with no tie pass.
+        nisa.dma_copy(dst=shifted, src=list_hbm[0].ap(pattern=[[1, P], [1, cap + LIST_PAD]],
+                                                      offset=0))  # fmt: skip
+        on_gpsimd = len(ranked_cols) // 2 if offload is None else min(offload, len(ranked_cols))
+        count_ranks(listed[2], shifted, listed[0], on_gpsimd, shifted_scratch, list_scratch,
+                    shifted_by=LIST_PAD, columns=ranked_cols)  # fmt: skip
+        nisa.memset(dst=path_f, value=3.0)
+        place_list(ranked_cols)
 
     def tie_list(_):
         build_list(chosen, stats[:, 0:1], with_ranks=True)
@@ -793,7 +859,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         # Step 3: every candidate's rank among all M (strictly greater keys).
         nisa.dma_copy(dst=cand_hbm, src=sel.best_keys)
         nisa.dma_copy(dst=all_keys, src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
-        count_ranks(ranks, all_keys, sel.best_keys, split, beaten, beaten_alt, by_block=False)
+        count_ranks(ranks, all_keys[:, 0:m], sel.best_keys, split, beaten[:, 0:m], beaten_alt[:, 0:m])
         choose()
         nisa.tensor_copy(dst=chosen_work, src=chosen)
         tie_free(chosen_work, ranks)
@@ -831,16 +897,37 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         if phase != "select":
             score_span(t)
         if phase == "score":
-            # The program's chunks of each token (scored, or zeros / an earlier group's scores
-            # past the group's last valid row, which select_key turns into MARKER).
-            width = (chunk_hi - chunk_lo) * chunk_columns
+            # The program's chunks of each token as selection keys (scored, or zeros / an
+            # earlier group's scores past the group's last valid row, which select_key turns
+            # into MARKER), so that the selecting launch's programs need not each redo them.
+            first, width = chunk_lo * chunk_columns, (chunk_hi - chunk_lo) * chunk_columns
+            region = [[columns, P], [1, width]]
             for member in range(group):
-                nisa.dma_copy(
-                    dst=staged_out.ap(pattern=[[columns, P], [1, width]],
-                                      offset=member * P * columns + chunk_lo * chunk_columns,
-                                      scalar_offset=t, indirect_dim=0),
-                    src=scores_hbm[member].ap(pattern=[[columns, P], [1, width]],
-                                              offset=chunk_lo * chunk_columns))  # fmt: skip
+                own_keys, own_work = keys_tile[:, 0:width], work[:, 0:width]
+                load_valid_rows(t, member)
+                nisa.dma_copy(dst=own_keys, src=scores_hbm[member].ap(pattern=region, offset=first))
+                selection_keys(own_keys, own_work, first)
+                nisa.dma_copy(dst=staged_out.ap(pattern=region, offset=member * P * columns + first,
+                                                scalar_offset=t, indirect_dim=0),
+                              src=own_keys)  # fmt: skip
+                # Step 2 on the program's share: its best depth_of_share per partition (rows
+                # 128 (first + pos) + p) and the best key left in it.
+                positions = extract_best(own_keys, sel, depth_of_share)
+                keys_part = union[:, 0:depth_of_share]
+                rows_part = union[:, depth_of_share : 2 * depth_of_share]
+                nisa.tensor_copy(dst=keys_part, src=sel.best_keys)
+                nisa.tensor_copy(dst=rows_part, src=positions, engine=nisa.engine.gpsimd)
+                nisa.tensor_scalar(dst=rows_part, data=rows_part, op0=nl.add, operand0=float(first),
+                                   op1=nl.multiply, operand1=float(P),
+                                   engine=nisa.engine.gpsimd)  # fmt: skip
+                nisa.tensor_scalar(dst=rows_part, data=rows_part, op0=nl.add, operand0=partition,
+                                   engine=nisa.engine.gpsimd)  # fmt: skip
+                nisa.max8(dst=left8, src=own_keys)
+                nisa.tensor_copy(dst=union[:, 2 * depth_of_share : share_width], src=left8[:, 0:1])
+                nisa.dma_copy(dst=candidates_out.ap(
+                    pattern=[[shares * share_width, P], [1, share_width]],
+                    offset=member * P * shares * share_width + program * share_width,
+                    scalar_offset=t, indirect_dim=0), src=union[:, 0:share_width])  # fmt: skip
             return
         for slot in range(slots):
             select_token(t, slot)
@@ -873,29 +960,60 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.register_load(chunks_end, end)
         nl.fori_loop(chunk_lo if phase == "score" else 0, chunks_end, one_chunk)
 
-    def select_token(t, member):  # member: the token's slot in its span
+    def load_valid_rows(t, member):
         nisa.dma_copy(dst=nv_col, src=n_valid.ap(pattern=[[0, P], [1, 1]], offset=member,
                                               scalar_offset=t, indirect_dim=0))  # fmt: skip
-        if phase == "select":
+
+    def selection_keys(scores, scratch, first: int):
+        # Scores of columns first .. (``[128, w]``) -> selection keys in place: times key_scale,
+        # then select_key with the rows 128 j + p (``scratch`` holds the scales, then the rows).
+        width = scores.shape[1]
+        nisa.dma_copy(dst=scratch, src=key_scale_t.ap(pattern=[[columns, P], [1, width]],
+                                                      offset=first))  # fmt: skip
+        nisa.tensor_tensor(dst=scores, data1=scores, data2=scratch, op=nl.multiply)
+        nisa.iota(dst=scratch, pattern=[[P, width]], offset=P * first, channel_multiplier=1)
+        select_key(scores, scratch, nv_col)
+
+    def select_token(t, member):  # member: the token's slot in its span
+        load_valid_rows(t, member)
+        if phase == "select":  # the scoring launch's selection keys
             nisa.dma_copy(dst=keys_tile, src=_tile_block(staged_scores, t, P, columns,
                                                          member * P * columns))  # fmt: skip
         else:
             nisa.dma_copy(dst=keys_tile,
                           src=scores_hbm[member].ap(pattern=[[columns, P], [1, columns]], offset=0))
-        # work holds the key scales, then the row numbers 128 j + p (SBUF for one [128, F] tile).
-        nisa.dma_copy(dst=work, src=key_scale_t)
-        nisa.tensor_tensor(dst=keys_tile, data1=keys_tile, data2=work, op=nl.multiply)
-        nisa.iota(dst=work, pattern=[[P, columns]], offset=0, channel_multiplier=1)
-        select_key(keys_tile, work, nv_col)
+            selection_keys(keys_tile, work, 0)
 
         # Step 2: each partition's depth best (positions -> rows 128 pos + p), and the best left.
-        nisa.tensor_copy(dst=work, src=keys_tile, engine=nisa.engine.gpsimd)
-        positions = extract_best(work, sel, depth)
-        nisa.max8(dst=left8, src=work)
-        nisa.tensor_copy(dst=cand_pos, src=positions, engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=cand_pos_u32, src=positions, engine=nisa.engine.gpsimd)
-        nisa.tensor_scalar(dst=cand_rows, data=cand_pos, op0=nl.multiply, operand0=float(P),
-                           op1=nl.add, operand1=partition, engine=nisa.engine.gpsimd)  # fmt: skip
+        if phase == "select":  # the best depth of the shares' candidates (the scoring launch's)
+            nisa.dma_copy(dst=union, src=_tile_block(staged_candidates, t, P, shares * share_width,
+                                                     member * P * shares * share_width))  # fmt: skip
+            for i in range(shares):
+                first = i * share_width
+                cols = slice(i * depth_of_share, (i + 1) * depth_of_share)
+                nisa.tensor_copy(dst=union_keys[:, cols], src=union[:, first : first + depth_of_share])
+                nisa.tensor_copy(dst=union_rows[:, cols], engine=nisa.engine.gpsimd,
+                                 src=union[:, first + depth_of_share : first + 2 * depth_of_share])
+            positions = extract_best(union_keys, sel, depth)
+            nisa.nc_n_gather(dst=cand_rows, data=union_rows, indices=positions)
+            # The best left: among the shares' candidates not taken, or in a share's rest.
+            nisa.max8(dst=left8, src=union_keys)
+            for i in range(shares):
+                best_of_share = union[:, (i + 1) * share_width - 1 : (i + 1) * share_width]
+                nisa.tensor_tensor(dst=left8[:, 0:1], data1=left8[:, 0:1], data2=best_of_share,
+                                   op=nl.maximum)  # fmt: skip
+            nisa.tensor_scalar(dst=cand_pos, data=cand_rows, op0=nl.subtract, operand0=partition,
+                               op1=nl.multiply, operand1=1.0 / P,
+                               engine=nisa.engine.gpsimd)  # fmt: skip
+            nisa.tensor_copy(dst=cand_pos_u32, src=cand_pos, engine=nisa.engine.gpsimd)
+        else:
+            nisa.tensor_copy(dst=work, src=keys_tile, engine=nisa.engine.gpsimd)
+            positions = extract_best(work, sel, depth)
+            nisa.max8(dst=left8, src=work)
+            nisa.tensor_copy(dst=cand_pos, src=positions, engine=nisa.engine.gpsimd)
+            nisa.tensor_copy(dst=cand_pos_u32, src=positions, engine=nisa.engine.gpsimd)
+            nisa.tensor_scalar(dst=cand_rows, data=cand_pos, op0=nl.multiply, operand0=float(P),
+                               op1=nl.add, operand1=partition, engine=nisa.engine.gpsimd)  # fmt: skip
         nisa.tensor_copy(dst=cand_pairs[:, :, 0], src=sel.best_keys)
         nisa.tensor_copy(dst=cand_pairs[:, :, 1], src=cand_rows)
         nisa.tensor_copy(dst=left_col, src=left8[:, 0:1])
@@ -961,7 +1079,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                                               offset=first),
                           src=fill_pairs[rows, 0:width])  # fmt: skip
         nl.fori_loop(0, load_register(window[0:1, :]), list_path)
-        nl.fori_loop(0, load_register(half[0:1, :]), full_path)
+        if lead:
+            nl.fori_loop(0, load_register(half[0:1, :]), full_path)
         # The pairs apart on chip (rows to int32 on the copy), then each output in blocks.
         for rows, width, first in blocks:
             nisa.dma_copy(dst=out_pairs[rows, 0:width], src=ranked_pairs.ap(
@@ -971,8 +1090,10 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         for rows, width, first in blocks:
             for out, tile in ((keys_out, out_keys), (idx_out, out_rows)):
                 nisa.dma_copy(dst=_tile_block(out, t, rows.stop - rows.start, width // 2,
-                                              member * topk + first // 2),
+                                              out_offset + member * topk + first // 2),
                               src=tile[rows, 0 : width // 2])  # fmt: skip
+        if not lead:
+            return
         # Step 6 (0 or 1 trips): the exact merge overwrites the token's result.
         nl.fori_loop(0, load_register(fb_f), lambda _: _run_fallback(
             fb, keys_tile, keys_out, idx_out, t, member, topk))  # fmt: skip
@@ -981,5 +1102,5 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
     nl.fori_loop(program_spans, program_spans + per_program, one_span)
     if phase == "score":
-        return staged_out
+        return staged_out, candidates_out
     return keys_out, idx_out, path_out

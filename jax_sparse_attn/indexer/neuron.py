@@ -185,27 +185,45 @@ def _run_decode_on_host(target: str, programs: int, score_programs: int, score_o
 
     kernel = _decode.indexer_decode_kernel
     arrays = [np.asarray(a) for a in arrays]
-    if score_programs:  # two launches: the programs split the rows to score them, one selects
+    if score_programs:  # two launches: the programs split the rows to score them, then the list
         staged = simulate(kernel, target=target)[score_programs](
             *arrays, **{**statics, "on_vector": score_on_vector}, phase="score")
-        arrays, statics = arrays + [staged], {**statics, "phase": "select"}
+        arrays, statics = arrays + list(staged), {**statics, "phase": "select"}
     keys_out, idx, _ = simulate(kernel, target=target)[programs](*arrays, **statics)
+    if score_programs:
+        keys_out, idx = merge_copies(keys_out, idx, programs)
     return np.concatenate([keys_out, idx.astype(np.float32)], axis=-1)
+
+
+def merge_copies(keys_out, idx, copies: int):
+    """The selecting launch's result from its programs' copies (``[copies S, slots, K]``): each
+    slot is placed by one program and holds ``MARKER`` / -1 in the others (below every placed
+    key and row), so the result is their maximum."""
+    xp = np if isinstance(keys_out, np.ndarray) else jnp
+    keys_out = keys_out.reshape((copies, -1) + tuple(keys_out.shape[1:])).max(axis=0)
+    idx = idx.reshape((copies, -1) + tuple(idx.shape[1:])).max(axis=0)
+    return xp.asarray(keys_out), xp.asarray(idx)
 
 
 def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=False):
     """The row-spread kernel on the packed ``operands``: one launch of ``programs``, or with
-    ``split_rows`` (:func:`decode_splits_rows`; operands packed for one program) a scoring
-    launch of ``programs`` and a selecting launch of one."""
+    ``split_rows`` (:func:`decode_splits_rows`; operands packed for one program) two launches
+    of ``programs``: the scoring, then the selecting (each program builds the same list and
+    ranks and places its share of it; :func:`merge_copies`)."""
     k = plan.topk
     spans, slots = operands[4].shape[:2]
     g = slots // operands[0].shape[1]  # tokens per group: slots over the groups of a span
     # The kernel's compile-time arguments.
+    on_vector = head_sums_on_vector(target, plan, g)
+    offload = list_offload_columns(target, plan, relu_cycles=_decode_relu_cycles(plan, g, on_vector),
+                                   head_sum_cycles=_decode_head_sum_cycles(plan, on_vector))  # fmt: skip
     statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
-                   on_vector=head_sums_on_vector(target, plan, g), offload=plan.offload)  # fmt: skip
+                   on_vector=on_vector, offload=offload)  # fmt: skip
     score_programs = programs if split_rows else 0
-    select_programs = 1 if split_rows else programs
-    score_on_vector = scoring_on_vector(target, plan, g) if split_rows else 0
+    select_programs = programs
+    score_on_vector = scoring_on_vector(target, plan, g, programs) if split_rows else 0
+    if split_rows:  # the selecting launch's programs each rank a share of the list's columns
+        statics["offload"] = list_offload_columns(target, plan, programs)
     if emulated:
         result = jax.ShapeDtypeStruct((spans, slots, 2 * k), jnp.float32)
         packed = jax.pure_callback(
@@ -221,8 +239,8 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     if split_rows:
         staged = run[score_programs](*operands, **{**statics, "on_vector": score_on_vector},
                                      phase="score")  # fmt: skip
-        keys_out, idx, _ = run(*operands, staged, **statics, phase="select")
-        return keys_out, idx
+        keys_out, idx, _ = run[select_programs](*operands, *staged, **statics, phase="select")
+        return merge_copies(keys_out, idx, select_programs)
     if programs > 1:
         run = run[programs]
     keys_out, idx, _ = run(*operands, **statics)
@@ -249,32 +267,43 @@ def decode_plan(target: str, Hi: int, Di: int, R: int, topk: int):
     return dataclasses.replace(plan, offload=list_offload_columns(target, plan))
 
 
-def list_offload_columns(target: str, plan) -> int:
-    """Of the pivot list's rank columns (``decode_kernel`` step 3a), those counted as GpSimd
-    compares and ScalarE sums: the count that evens one token's selection on the VectorE and the
-    GpSimd by the cost formulas (:mod:`..nki_emulator.cost`). Per token, over ``F`` columns:
+def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: float = 0.0,
+                         head_sum_cycles: float = 0.0) -> int:
+    """Of the pivot list's rank columns (``decode_kernel`` step 3a) that one program ranks, those
+    counted as GpSimd compares and ScalarE sums: the count that evens one token's work on the
+    VectorE (its ``head_sum_cycles`` besides the selection), the GpSimd and the ScalarE (its
+    ``relu_cycles`` besides the sums) by the cost formulas (:mod:`..nki_emulator.cost`). ``programs > 1``:
+    the selecting launch of the two-launch form, where each program ranks and places its share
+    of the list's columns (the larger share here) and the scoring launch did select_key and each
+    share's candidates. Per token, over ``F`` columns:
 
-    - VectorE: ``(2 rounds + 10) F`` (the rounds' max8 ``F`` and match_replace8 ``F + 144``,
-      the best left ``F``, select_key's key-scale product ``2F`` and two selects, the row-order
-      grid's mask, running sum ``2F`` and two sums), the pivot's halvings, about 75 small
-      instructions at ``MIN_II`` (an estimate from the kernel's code), and per rank column two
-      counting passes over ``cap`` and a sum;
-    - GpSimd: ``6 F`` (the keys' copy, select_key's halving, NaN test ``2F`` and validity, the
-      rows' iota), the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the cost model's
-      assumption: ``depth`` for the list's pairs, ``cap / 128`` for the placement's), and per
-      offloaded column two compares over ``cap``."""
+    - VectorE: the max8 ``N`` and match_replace8 ``N + 144`` rounds over the row (the shares'
+      candidates, ``programs > 1``) and the best left ``N``; in one launch select_key's key-scale
+      product and two selects (``3F``); the row-order grid's mask, running sum ``2F`` and two
+      sums (``5F``); the pivot's halvings, about 75 small instructions at ``MIN_II`` (an estimate
+      from the kernel's code); and per rank column two counting passes over ``cap + 128`` (the
+      shifted list) and a sum;
+    - GpSimd: in one launch ``6 F`` (the keys' copy, select_key's halving, NaN test ``2F`` and
+      validity, the rows' iota); the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the
+      cost model's assumption: ``depth`` for the list's pairs, one per placed column); and per
+      offloaded column two compares over ``cap + 128``."""
     from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MATCH_REPLACE8_OVERHEAD, MIN_II
 
     hw = HARDWARE[target]
     F, cap = plan.columns, plan.compact
-    columns = cap // _decode.P
+    width = cap + _decode.LIST_PAD
+    columns = -(-(cap // _decode.P) // programs)
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
-    vector = ((2 * rounds + 10) * F + rounds * MATCH_REPLACE8_OVERHEAD
-              + (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth)) + 75 * MIN_II)  # fmt: skip
-    gpsimd = 6 * F + (plan.depth + columns) * (GPSIMD_START + _decode.P) + 25 * MIN_II
+    row = F if programs == 1 else programs * _decode.share_depth(plan, programs)
+    vector = (rounds * (2 * row + MATCH_REPLACE8_OVERHEAD) + row + (3 * F if programs == 1 else 0)
+              + 5 * F + (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth)) + 75 * MIN_II
+              + head_sum_cycles)  # fmt: skip
+    gpsimd = ((6 * F if programs == 1 else 0) + (plan.depth + columns) * (GPSIMD_START + _decode.P)
+              + 25 * MIN_II)  # fmt: skip
     return min(range(columns + 1), key=lambda x: max(
-        (vector + (columns - x) * (cap + 3 * MIN_II)) / hw.vector_ghz,
-        (gpsimd + x * (cap + 2 * MIN_II)) / hw.gpsimd_ghz))
+        (vector + (columns - x) * (width + 3 * MIN_II)) / hw.vector_ghz,
+        (gpsimd + x * (width + 2 * MIN_II)) / hw.gpsimd_ghz,
+        (relu_cycles + x * (width + MIN_II)) / hw.scalar_ghz))
 
 
 def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
@@ -296,62 +325,68 @@ def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
     return plan.chunks * ((blocks - on_vector) * (dots + head_sums) + on_vector * rows_first)
 
 
+def _decode_relu_cycles(plan, group: int, on_vector: int) -> float:
+    """ScalarE cycles of one token's relu in the row-spread kernel: ``[group Hi, 512]`` per 512
+    rows of the TensorE's blocks, shared by the group's tokens."""
+    blocks = plan.chunk // _decode.ROWS_PER_MATMUL
+    return plan.chunks * (blocks - on_vector) * _decode.ROWS_PER_MATMUL / group
+
+
 def _decode_head_sum_cycles(plan, on_vector: int) -> float:
     """VectorE cycles of one token's head sums on ``on_vector`` blocks per chunk: per 128 rows
     an fp32 scalar_tensor_tensor ``2 Hi`` and a reduce ``Hi``."""
     return plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * plan.heads
 
 
-def _decode_vector_cycles(plan, group: int, on_vector: int, ties: float) -> float:
+def _decode_vector_cycles(plan, group: int, on_vector: int) -> float:
     """The VectorE's cycles for one token in the row-spread kernel, by the cost formulas: the
     head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor ``2 N`` and a
     reduce ``N`` per 128 rows) and the selection on the pivot's path: max8 ``N`` and
     match_replace8 ``N + 144`` rounds, select_key's and the row-order grid's passes over the
     ``F`` columns (about ``10 F``), the bisection's small instructions (``MIN_II`` each), the
     list's rank columns that stay on the VectorE (``plan.offload`` go to the GpSimd; two
-    tensor_scalar_reduce over ``cap`` and a sum), in a ``ties`` share of the tokens the tie
-    break within the list's blocks (``3 x 128`` per column), and for a pair of tokens its share
-    of each chunk's NaN check (a count over the pair's scores and two small instructions)."""
+    tensor_scalar_reduce over the shifted list's ``cap + 128`` and a sum), and for a pair of
+    tokens its share of each chunk's NaN check (a count over the pair's scores and two small
+    instructions)."""
     from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
 
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
     bisection = (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth))
     cap_cols = plan.compact // _decode.P
-    ranks = (cap_cols - plan.offload) * (plan.compact + 3 * MIN_II)
+    ranks = (cap_cols - plan.offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
     head_sums = _decode_head_sum_cycles(plan, on_vector)
     nan_check = 0.0 if group == 1 else plan.chunks * (
         max(MIN_II, 2 * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
     return (rounds * (2 * plan.columns + MATCH_REPLACE8_OVERHEAD) + 10 * plan.columns + bisection
-            + ranks + ties * cap_cols * 3 * _decode.P + head_sums + nan_check)  # fmt: skip
+            + ranks + head_sums + nan_check)  # fmt: skip
 
 
-# The share of tokens whose ties the row-spread kernel breaks (step 4), for sizing its head-sum
-# split: at most about half (7 of 16, 50 of 128 tokens at K=2048 hold an exact tie among their
-# best in the model's runs; inferred), fewer within one block of the row-ordered list.
-EXPECTED_TIES = 0.5
-
-
-def decode_token_us(target: str, plan, group: int, on_vector: int, ties: float) -> float:
+def decode_token_us(target: str, plan, group: int, on_vector: int) -> float:
     """One token's modelled time in the row-spread kernel by the cost formulas: its busier of
     TensorE and VectorE."""
     from ..nki_emulator.cost import HARDWARE
 
     hw = HARDWARE[target]
     return max(_decode_tensor_cycles(plan, group, on_vector) / hw.tensor_ghz,
-               _decode_vector_cycles(plan, group, on_vector, ties) / hw.vector_ghz) / 1e3  # fmt: skip
+               _decode_vector_cycles(plan, group, on_vector) / hw.vector_ghz) / 1e3  # fmt: skip
 
 
-def scoring_on_vector(target: str, plan, group: int) -> int:
+def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
     """:func:`head_sums_on_vector` for the scoring launch of the two-launch form, where the
-    VectorE has no selection to do: the count that evens the TensorE and the VectorE's head sums
-    by the cost formulas."""
-    from ..nki_emulator.cost import HARDWARE
+    VectorE's other work is each program's share of step 2 (over ``Fs = F / programs`` columns:
+    the key-scale product and select_key's two selects ``3 Fs``, max8 ``Fs`` and match_replace8
+    ``Fs + 144`` rounds for the share's depth, the best left ``Fs``): the count that evens the
+    TensorE and the VectorE by the cost formulas."""
+    from ..nki_emulator.cost import HARDWARE, MATCH_REPLACE8_OVERHEAD
 
     hw = HARDWARE[target]
     blocks = plan.chunk // _decode.ROWS_PER_MATMUL
+    share = plan.columns // programs
+    rounds = _decode.share_depth(plan, programs) // _kernel.SELECTED_PER_ROUND
+    selection = 4 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
     return min(range(blocks + 1), key=lambda v: max(
         _decode_tensor_cycles(plan, group, v) / hw.tensor_ghz,
-        _decode_head_sum_cycles(plan, v) / hw.vector_ghz))
+        (_decode_head_sum_cycles(plan, v) + selection) / hw.vector_ghz))
 
 
 def head_sums_on_vector(target: str, plan, group: int) -> int:
@@ -359,7 +394,7 @@ def head_sums_on_vector(target: str, plan, group: int) -> int:
     least time per token by the cost formulas (ties at their expected share)."""
     blocks = plan.chunk // _decode.ROWS_PER_MATMUL
     return min(range(blocks + 1),
-               key=lambda v: decode_token_us(target, plan, group, v, EXPECTED_TIES))  # fmt: skip
+               key=lambda v: decode_token_us(target, plan, group, v))  # fmt: skip
 
 
 def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, topk: int):
@@ -385,7 +420,7 @@ def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, 
     hw = HARDWARE[target]
     group = decode_group(T, Hi, programs)
     on_vector = head_sums_on_vector(target, plan, group)
-    decode_us = -(-T // programs) * decode_token_us(target, plan, group, on_vector, ties=1.0)
+    decode_us = -(-T // programs) * decode_token_us(target, plan, group, on_vector)
     tiled_us = tiled_cycles / hw.vector_ghz / 1e3
     return ("decode", plan) if decode_us < tiled_us else ("tiled", None)
 
