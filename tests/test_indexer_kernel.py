@@ -381,6 +381,32 @@ def test_row_spread_kernel_matches_the_oracle(monkeypatch, case, steps):
     np.testing.assert_array_equal(path, want_path)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_row_spread_list_takes_a_partition_with_more_listed_than_usual(monkeypatch, T):
+    """At K=512 a partition lists about 5 candidates, so the list's scatters past its first 16
+    candidate columns run only where some partition lists more (a 0-or-1-trip loop): 20 of the
+    best rows in partition 3 take them. One token (two launches) and three (one launch) equal
+    the oracle, on the pivot's list (path 3)."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    rng = np.random.default_rng(41)
+    Hi, Di, R, K = 8, 32, 8000, 512
+    q = rng.standard_normal((T, Hi, Di)).astype(np.float32)
+    keys = rng.standard_normal((R, Di)).astype(np.float32)
+    w = np.abs(rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
+    toward = np.sign(q.sum(axis=(0, 1)))[None, :]
+    keys[128 * np.arange(20) + 3] = toward * (4.0 + np.arange(20)[:, None] / 8)
+    q, keys = np.asarray(q, BF16), np.asarray(keys, BF16)
+    positions = R - 1 - np.arange(T) * 7
+    s64 = oracle_scores(np.asarray(q, np.float32), w, np.asarray(keys, np.float32))
+    want = oracle_topk(s64, positions, K)
+    idx, _ = run_kernel(q, w, keys, positions, K, kernel="decode")
+    np.testing.assert_array_equal(idx, want)
+    if T > 1:
+        direct, path = _row_spread_direct(q, w, keys, positions, K)
+        np.testing.assert_array_equal(direct, want)
+        np.testing.assert_array_equal(path, [3] * T)
+
+
 def _poisson_above(mean, n):
     """P(X > n), X ~ Poisson(mean), summed in log space (math.lgamma)."""
     import math

@@ -206,6 +206,13 @@ def share_depth(plan: DecodePlan, shares: int) -> int:
                _round_up(_ceil_div(plan.depth, shares), SELECTED_PER_ROUND))  # fmt: skip
 
 
+def scattered_columns(plan: DecodePlan) -> int:
+    """The candidate columns whose scatters build the pivot's list on every token (step 3a): a
+    partition lists about ``cap / 128`` of its best, so beyond that and 8 more the scatters run
+    only where some partition lists more."""
+    return min(plan.depth, _round_up(plan.compact // P + SELECTED_PER_ROUND, SELECTED_PER_ROUND))
+
+
 def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     """SBUF bytes per partition of the kernel's tiles (an upper estimate): a span's four tokens'
     q and weights and a chunk of keys (16-bit), the relu block, the ``[128, F]`` scores, their
@@ -543,6 +550,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     left_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     best_left = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    longest = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)  # the most listed on a partition
     best_key = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     stats = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
     totals = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
@@ -719,11 +727,24 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         # descriptors on the GpSimd).
         nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2 * cap_cols, P], [1, 2 * cap_cols]],
                                             offset=0), src=empty_pairs)  # fmt: skip
-        for j in range(depth):
-            nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2, P], [1, 2]], offset=0,
-                                                vector_offset=place_u32[:, j : j + 1],
-                                                indirect_dim=0),
-                          src=cand_pairs[:, j, :], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+
+        def scatter_columns(first, stop):
+            for j in range(first, stop):
+                nisa.dma_copy(dst=list_pairs_hbm.ap(pattern=[[2, P], [1, 2]], offset=0,
+                                                    vector_offset=place_u32[:, j : j + 1],
+                                                    indirect_dim=0),
+                              src=cand_pairs[:, j, :], oob_mode=nisa.oob_mode.skip)  # fmt: skip
+
+        # A partition's listed candidates are a prefix of its best (descending), ``counts`` long:
+        # columns from ``scattered`` on hold one only where some partition lists more (a 0-or-1
+        # trip loop), so most tokens skip their scatters' descriptors.
+        scattered = scattered_columns(plan)
+        scatter_columns(0, scattered)
+        if scattered < depth:
+            nisa.nc_transpose(dst=row_ps, data=counts)
+            nisa.tensor_reduce(dst=longest, op=nl.max, data=row_ps, axis=1, keepdims=True)
+            nisa.tensor_scalar(dst=longest, data=longest, op0=nl.greater, operand0=float(scattered))
+            nl.fori_loop(0, load_register(longest), lambda _: scatter_columns(scattered, depth))
         # The pairs of each block of 128 entries on a partition (a run each), apart on chip, the
         # keys contiguous in HBM (the broadcasts' source), and each field by column (a transpose
         # of its blocks: entry 128 c + p at [p, c]).

@@ -285,8 +285,8 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
       shifted list) and a sum;
     - GpSimd: in one launch ``6 F`` (the keys' copy, select_key's halving, NaN test ``2F`` and
       validity, the rows' iota); the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the
-      cost model's assumption: ``depth`` for the list's pairs, one per placed column); and per
-      offloaded column two compares over ``cap + 128``."""
+      cost model's assumption: ``decode_kernel.scattered_columns`` for the list's pairs, one per
+      placed column); and per offloaded column two compares over ``cap + 128``."""
     from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MATCH_REPLACE8_OVERHEAD, MIN_II
 
     hw = HARDWARE[target]
@@ -298,8 +298,8 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
     vector = (rounds * (2 * row + MATCH_REPLACE8_OVERHEAD) + row + (3 * F if programs == 1 else 0)
               + 5 * F + (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth)) + 75 * MIN_II
               + head_sum_cycles)  # fmt: skip
-    gpsimd = ((6 * F if programs == 1 else 0) + (plan.depth + columns) * (GPSIMD_START + _decode.P)
-              + 25 * MIN_II)  # fmt: skip
+    scatters = _decode.scattered_columns(plan) + columns
+    gpsimd = (6 * F if programs == 1 else 0) + scatters * (GPSIMD_START + _decode.P) + 25 * MIN_II
     return min(range(columns + 1), key=lambda x: max(
         (vector + (columns - x) * (width + 3 * MIN_II)) / hw.vector_ghz,
         (gpsimd + x * (width + 2 * MIN_II)) / hw.gpsimd_ghz,
@@ -375,18 +375,20 @@ def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
     """:func:`head_sums_on_vector` for the scoring launch of the two-launch form, where the
     VectorE's other work is each program's share of step 2 (over ``Fs = F / programs`` columns:
     the key-scale product and select_key's two selects ``3 Fs``, max8 ``Fs`` and match_replace8
-    ``Fs + 144`` rounds for the share's depth, the best left ``Fs``): the count that evens the
-    TensorE and the VectorE by the cost formulas."""
+    ``Fs + 144`` rounds for the share's depth, the best left ``Fs``): the count that evens one
+    program's TensorE and VectorE by the cost formulas."""
     from ..nki_emulator.cost import HARDWARE, MATCH_REPLACE8_OVERHEAD
 
     hw = HARDWARE[target]
     blocks = plan.chunk // _decode.ROWS_PER_MATMUL
     share = plan.columns // programs
     rounds = _decode.share_depth(plan, programs) // _kernel.SELECTED_PER_ROUND
-    selection = 4 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
+    # Per program: its share of the scores, and of step 2 (with the share's zero fill and the
+    # chunks' copies out of PSUM, 2 Fs).
+    selection = 6 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
     return min(range(blocks + 1), key=lambda v: max(
-        _decode_tensor_cycles(plan, group, v) / hw.tensor_ghz,
-        (_decode_head_sum_cycles(plan, v) + selection) / hw.vector_ghz))
+        _decode_tensor_cycles(plan, group, v) / programs / hw.tensor_ghz,
+        (_decode_head_sum_cycles(plan, v) / programs + selection) / hw.vector_ghz))
 
 
 def head_sums_on_vector(target: str, plan, group: int) -> int:
