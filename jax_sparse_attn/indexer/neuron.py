@@ -140,7 +140,8 @@ def decode_group(T: int, Hi: int, programs: int) -> int:
 
 def decode_splits_rows(T: int, programs: int, chunks: int) -> bool:
     """Whether the row-spread kernel runs in two launches (``decode_kernel``'s phases): the
-    programs split each token's ``chunks`` to score them, then one program selects. Where the
+    programs split each token's ``chunks`` to score them, then each ranks and places a share of
+    the token's list. Where the
     tokens are fewer than the programs (a decode step), a program would otherwise sit idle while
     the other reads every key row alone; it needs a chunk for each program."""
     return 1 < programs <= chunks and T < programs
