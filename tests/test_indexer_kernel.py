@@ -407,6 +407,30 @@ def test_row_spread_list_takes_a_partition_with_more_listed_than_usual(monkeypat
         np.testing.assert_array_equal(path, [3] * T)
 
 
+def test_row_spread_pivot_far_below_an_outlier_takes_the_later_halvings(monkeypatch):
+    """One row scores hundreds of times above the rest, so the pivot's bracket [U*, best] is so
+    wide that the first 8 halvings leave every token's count out of the window; the later ones
+    (a 0-or-1-trip loop) find the pivot's list (path 3, not 0), equal to the oracle."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    from jax_sparse_attn.indexer import decode_kernel
+
+    rng = np.random.default_rng(43)
+    T, Hi, Di, R, K = 3, 8, 32, 5000, 64
+    q = rng.standard_normal((T, Hi, Di)).astype(np.float32)
+    keys = rng.standard_normal((R, Di)).astype(np.float32)
+    w = np.abs(rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
+    keys[17] = np.sign(q.sum(axis=(0, 1))) * 300.0
+    q, keys = np.asarray(q, BF16), np.asarray(keys, BF16)
+    positions = np.array([4999, 4000, 3000])
+    want = oracle_topk(oracle_scores(np.asarray(q, np.float32), w, np.asarray(keys, np.float32)),
+                       positions, K)  # fmt: skip
+    early = decode_kernel.EARLY_BISECT_STEPS
+    for steps, want_path in ((early, [0] * T), (None, [3] * T)):
+        direct, path = _row_spread_direct(q, w, keys, positions, K, steps=steps)
+        np.testing.assert_array_equal(direct, want)
+        np.testing.assert_array_equal(path, want_path)
+
+
 def _poisson_above(mean, n):
     """P(X > n), X ~ Poisson(mean), summed in log space (math.lgamma)."""
     import math

@@ -117,8 +117,10 @@ MAX_TOPK = 4096
 LIST_PAD = P
 
 # Halvings of [U*, best key] that look for step 3a's pivot (a window of 128 counts); a token
-# that finds none ranks all M candidates (step 3).
+# that finds none ranks all M candidates (step 3). Past the first EARLY_BISECT_STEPS they run
+# only for a token whose count is still out of the window.
 BISECT_STEPS = 16
+EARLY_BISECT_STEPS = 8
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -234,7 +236,8 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     shares = 4 * (2 * (two_shares + 1) + 2 * two_shares)
     list_width = plan.compact + LIST_PAD
     candidates = (20 * 4 * plan.depth + shares + 3 * 4 * max(plan.candidates, list_width)
-                  + 11 * 4 * plan.compact // P + 4 * 3 * P + 4 * list_width + 5 * 4 * P)  # fmt: skip
+                  + 11 * 4 * plan.compact // P + 4 * 3 * P + 4 * list_width
+                  + 5 * 4 * P)  # fmt: skip
     k8 = plan.topk8
     fallback = 2 * 4 * (k8 + FALLBACK_CHUNK) + 5 * 4 * k8 + 9 * k8
     fill = 2 * 4 * _ceil_div(plan.topk, P)  # the slots' fill, spread over the partitions
@@ -383,10 +386,10 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     compile-time ints, keyword arguments. Launch as ``kernel[n]`` with the spans ``S`` a multiple
     of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
     ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE; ``offload``
-    the pivot list's rank columns counted as GpSimd compares and ScalarE sums (None: half of
-    them; the routing balances them, ``neuron.decode_plan``). A span's groups share each read of
-    a chunk of keys (one DMA, scored by each group in turn). Returns
-    ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
+    the pivot list's rank columns (of the program's share) counted as GpSimd compares and
+    ScalarE sums (None: half of them; the caller balances them, ``neuron.list_offload_columns``).
+    A span's groups share each read of a chunk of keys (one DMA, scored by each group in turn).
+    Returns ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
     valid rows), their rows (-1 there), and each token's path (the interface's codes).
 
     ``phase`` splits the work over two launches where the tokens are fewer than the programs
@@ -748,8 +751,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         # The pairs of each block of 128 entries on a partition (a run each), apart on chip, the
         # keys contiguous in HBM (the broadcasts' source), and each field by column (a transpose
         # of its blocks: entry 128 c + p at [p, c]).
-        nisa.dma_copy(dst=blocks_pairs, src=list_pairs_hbm.ap(pattern=[[2 * P, cap_cols], [1, 2 * P]],
-                                                               offset=0))  # fmt: skip
+        by_block = [[2 * P, cap_cols], [1, 2 * P]]
+        nisa.dma_copy(dst=blocks_pairs, src=list_pairs_hbm.ap(pattern=by_block, offset=0))
         for f, hbm in enumerate(list_hbm[0:2]):
             nisa.activation(dst=blocks_field, op=nl.copy, data=blocks_pairs[:, f::2])
             nisa.dma_copy(dst=hbm.ap(pattern=[[P, cap_cols], [1, P]], offset=LIST_PAD * (f == 0)),
@@ -880,7 +883,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         # Step 3: every candidate's rank among all M (strictly greater keys).
         nisa.dma_copy(dst=cand_hbm, src=sel.best_keys)
         nisa.dma_copy(dst=all_keys, src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
-        count_ranks(ranks, all_keys[:, 0:m], sel.best_keys, split, beaten[:, 0:m], beaten_alt[:, 0:m])
+        count_ranks(ranks, all_keys[:, 0:m], sel.best_keys, split, beaten[:, 0:m],
+                    beaten_alt[:, 0:m])  # fmt: skip
         choose()
         nisa.tensor_copy(dst=chosen_work, src=chosen)
         tie_free(chosen_work, ranks)
@@ -1012,7 +1016,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             for i in range(shares):
                 first = i * share_width
                 cols = slice(i * depth_of_share, (i + 1) * depth_of_share)
-                nisa.tensor_copy(dst=union_keys[:, cols], src=union[:, first : first + depth_of_share])
+                nisa.tensor_copy(dst=union_keys[:, cols],
+                                 src=union[:, first : first + depth_of_share])  # fmt: skip
                 nisa.tensor_copy(dst=union_rows[:, cols], engine=nisa.engine.gpsimd,
                                  src=union[:, first + depth_of_share : first + 2 * depth_of_share])
             positions = extract_best(union_keys, sel, depth)
@@ -1063,19 +1068,39 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_copy(dst=hi, src=column_ps)
         nisa.tensor_copy(dst=lo, src=left_col)
         nisa.tensor_copy(dst=mid, src=lo)
-        for _ in range(steps):
-            nisa.tensor_scalar(dst=half, data=hi, op0=nl.multiply, operand0=0.5)
-            nisa.scalar_tensor_tensor(dst=mid, data=lo, op0=nl.multiply, operand0=0.5,
-                                      op1=nl.add, operand1=half)  # fmt: skip
+
+        def halvings(n):
+            # Each keeps the bracket's end whose count is out of the window; inside it (Kv <=
+            # count <= cap) neither moves, so mid, count_col and total_col stay the pivot's.
+            for _ in range(n):
+                nisa.tensor_scalar(dst=half, data=hi, op0=nl.multiply, operand0=0.5)
+                nisa.scalar_tensor_tensor(dst=mid, data=lo, op0=nl.multiply, operand0=0.5,
+                                          op1=nl.add, operand1=half)  # fmt: skip
+                count_above(nl.greater_equal, mid)
+                nisa.tensor_tensor(dst=below_u8, data1=total_col, data2=kv_col, op=nl.less)
+                nisa.tensor_scalar(dst=above_u8, data=total_col, op0=nl.greater,
+                                   operand0=float(cap))  # fmt: skip
+                nisa.select_reduce(dst=hi, predicate=below_u8, on_true=mid, on_false=hi)
+                nisa.select_reduce(dst=lo, predicate=above_u8, on_true=mid, on_false=lo)
+
+        def in_window():
+            nisa.tensor_tensor(dst=window, data1=total_col, data2=kv_col, op=nl.greater_equal)
+            nisa.tensor_scalar(dst=half, data=total_col, op0=nl.less_equal, operand0=float(cap))
+            nisa.tensor_tensor(dst=window, data1=window, data2=half, op=nl.multiply)
+
+        # The first halvings always; the rest (a 0-or-1-trip loop) only where the count is still
+        # out of the window, which the first leave to few tokens.
+        first = min(steps, EARLY_BISECT_STEPS)
+        if first:
+            halvings(first)
+        else:
             count_above(nl.greater_equal, mid)
-            nisa.tensor_tensor(dst=below_u8, data1=total_col, data2=kv_col, op=nl.less)
-            nisa.tensor_scalar(dst=above_u8, data=total_col, op0=nl.greater, operand0=float(cap))
-            nisa.select_reduce(dst=hi, predicate=below_u8, on_true=mid, on_false=hi)
-            nisa.select_reduce(dst=lo, predicate=above_u8, on_true=mid, on_false=lo)
-        count_above(nl.greater_equal, mid)
-        nisa.tensor_tensor(dst=window, data1=total_col, data2=kv_col, op=nl.greater_equal)
-        nisa.tensor_scalar(dst=half, data=total_col, op0=nl.less_equal, operand0=float(cap))
-        nisa.tensor_tensor(dst=window, data1=window, data2=half, op=nl.multiply)
+        if steps > first:
+            in_window()
+            nisa.tensor_scalar(dst=half, data=window, op0=nl.multiply, operand0=-1.0,
+                               op1=nl.add, operand1=1.0)  # fmt: skip
+            nl.fori_loop(0, load_register(half[0:1, :]), lambda _: halvings(steps - first))
+        in_window()
         # A pivot above U*: then the rows at or above it are exactly the listed candidates.
         nisa.tensor_tensor(dst=half, data1=mid, data2=left_col, op=nl.greater)
         nisa.tensor_tensor(dst=window, data1=window, data2=half, op=nl.multiply)

@@ -216,15 +216,17 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     g = slots // operands[0].shape[1]  # tokens per group: slots over the groups of a span
     # The kernel's compile-time arguments.
     on_vector = head_sums_on_vector(target, plan, g)
-    offload = list_offload_columns(target, plan, relu_cycles=_decode_relu_cycles(plan, g, on_vector),
-                                   head_sum_cycles=_decode_head_sum_cycles(plan, on_vector))  # fmt: skip
+    if split_rows:  # the selecting launch's programs each rank a share of the list's columns
+        offload = list_offload_columns(target, plan, programs)
+    else:
+        offload = list_offload_columns(target, plan,
+                                       relu_cycles=_decode_relu_cycles(plan, g, on_vector),
+                                       head_sum_cycles=_decode_head_sum_cycles(plan, on_vector))
     statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
                    on_vector=on_vector, offload=offload)  # fmt: skip
     score_programs = programs if split_rows else 0
     select_programs = programs
     score_on_vector = scoring_on_vector(target, plan, g, programs) if split_rows else 0
-    if split_rows:  # the selecting launch's programs each rank a share of the list's columns
-        statics["offload"] = list_offload_columns(target, plan, programs)
     if emulated:
         result = jax.ShapeDtypeStruct((spans, slots, 2 * k), jnp.float32)
         packed = jax.pure_callback(
@@ -273,10 +275,10 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
     """Of the pivot list's rank columns (``decode_kernel`` step 3a) that one program ranks, those
     counted as GpSimd compares and ScalarE sums: the count that evens one token's work on the
     VectorE (its ``head_sum_cycles`` besides the selection), the GpSimd and the ScalarE (its
-    ``relu_cycles`` besides the sums) by the cost formulas (:mod:`..nki_emulator.cost`). ``programs > 1``:
-    the selecting launch of the two-launch form, where each program ranks and places its share
-    of the list's columns (the larger share here) and the scoring launch did select_key and each
-    share's candidates. Per token, over ``F`` columns:
+    ``relu_cycles`` besides the sums) by the cost formulas (:mod:`..nki_emulator.cost`).
+    ``programs > 1``: the selecting launch of the two-launch form, where each program ranks and
+    places its share of the list's columns (the larger share here) and the scoring launch did
+    select_key and each share's candidates. Per token, over ``F`` columns:
 
     - VectorE: the max8 ``N`` and match_replace8 ``N + 144`` rounds over the row (the shares'
       candidates, ``programs > 1``) and the best left ``N``; in one launch select_key's key-scale
@@ -297,7 +299,7 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
     row = F if programs == 1 else programs * _decode.share_depth(plan, programs)
     vector = (rounds * (2 * row + MATCH_REPLACE8_OVERHEAD) + row + (3 * F if programs == 1 else 0)
-              + 5 * F + (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth)) + 75 * MIN_II
+              + 5 * F + _bisection_cycles(plan) + 75 * MIN_II
               + head_sum_cycles)  # fmt: skip
     scatters = _decode.scattered_columns(plan) + columns
     gpsimd = (6 * F if programs == 1 else 0) + scatters * (GPSIMD_START + _decode.P) + 25 * MIN_II
@@ -305,6 +307,17 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
         (vector + (columns - x) * (width + 3 * MIN_II)) / hw.vector_ghz,
         (gpsimd + x * (width + 2 * MIN_II)) / hw.gpsimd_ghz,
         (relu_cycles + x * (width + MIN_II)) / hw.scalar_ghz))
+
+
+def _bisection_cycles(plan) -> float:
+    """VectorE cycles of the pivot's halvings for a token that finds its window in the first
+    ``decode_kernel.EARLY_BISECT_STEPS`` (most tokens; the rest run the others too): per
+    halving about 7 small instructions at ``MIN_II`` and a count over the ``depth`` candidates,
+    and two more for the bound and the window."""
+    from ..nki_emulator.cost import MIN_II
+
+    halvings = min(plan.steps, _decode.EARLY_BISECT_STEPS) + 2
+    return halvings * (7 * MIN_II + max(MIN_II, plan.depth))
 
 
 def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
@@ -352,7 +365,7 @@ def _decode_vector_cycles(plan, group: int, on_vector: int) -> float:
     from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
 
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
-    bisection = (plan.steps + 2) * (7 * MIN_II + max(MIN_II, plan.depth))
+    bisection = _bisection_cycles(plan)
     cap_cols = plan.compact // _decode.P
     ranks = (cap_cols - plan.offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
     head_sums = _decode_head_sum_cycles(plan, on_vector)
