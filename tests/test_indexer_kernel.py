@@ -5,6 +5,8 @@ must equal the oracle's exactly, ties (to the lower row) and order included; ran
 compared wherever the scores are farther apart than f32 rounding can explain.
 """
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -593,22 +595,23 @@ def test_paired_head_sums_keep_one_tokens_overflow_from_its_partner(monkeypatch,
     assert not np.isnan(scores).any()
 
 
-@pytest.mark.parametrize("case", ["distinct", "ties", "clustered", "garbage", "nan_and_inf",
-                                  "compressed"])  # fmt: skip
+@pytest.mark.parametrize("case", ["distinct", "ties", "no_pivot", "clustered", "garbage",
+                                  "nan_and_inf", "compressed"])  # fmt: skip
 def test_one_token_scored_by_both_programs_then_selected(monkeypatch, case):
     """A decode step (one token, two programs on trn2): the programs split the token's rows to
     score them, then both build the same list and each ranks and places its share of it (two
-    launches of two). Distinct scores, integer ties (at K=300: four list columns, two each), a
-    crowded partition (the exact fallback), garbage past the valid rows, -inf and NaN scores and
-    compressed blocks all equal the oracle."""
+    launches of two). Distinct scores, integer ties (at K=400: five list columns, two and
+    three), the same without a pivot (program 0 alone ranks all candidates), a crowded partition
+    (the exact fallback), garbage past the valid rows, -inf and NaN scores and compressed blocks
+    all equal the oracle."""
     from jax_sparse_attn import nki_emulator
 
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     rng = np.random.default_rng(23)
     R, K, ratio, position = 40000, 64, 1, 18700  # three chunks of 16384 rows, split 1 and 2
-    if case in ("ties", "garbage", "nan_and_inf", "compressed"):
+    if case in ("ties", "no_pivot", "garbage", "nan_and_inf", "compressed"):
         q, w, keys = integer_case(rng, 1, 4, 8, R)
-        K = 300 if case == "ties" else K
+        K = 400 if case in ("ties", "no_pivot") else K
     else:
         q = rng.standard_normal((1, 8, 32)).astype(np.float32)
         keys = rng.standard_normal((R, 32)).astype(np.float32)
@@ -616,6 +619,12 @@ def test_one_token_scored_by_both_programs_then_selected(monkeypatch, case):
         if case == "clustered":  # 30 rows of partition 0, far above the rest: past its depth
             toward = np.sign(q.sum(axis=(0, 1)))[None, :]
             keys[128 * np.arange(30)] = toward * (4.0 + np.arange(30)[:, None] / 8)
+    if case == "no_pivot":  # no halvings: step 3b ranks all candidates
+        from jax_sparse_attn.indexer import neuron
+
+        plan_with_pivot = neuron.decode_plan
+        monkeypatch.setattr(neuron, "decode_plan", lambda *a: dataclasses.replace(
+            plan_with_pivot(*a), steps=0))  # fmt: skip
     if case == "garbage":
         keys[position + 1 :] = np.nan
         keys[19000:, :3] = np.inf
