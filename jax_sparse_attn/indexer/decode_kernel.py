@@ -865,7 +865,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         build_list(in_list, count_col, with_ranks=False, placed=True)
         # The list shifted by partition (partition p from entry p - LIST_PAD on): a column's
         # entries all sit at one column of it, so >= before and > from there ranks them in the
-        # contract's order, exact ties by row, with no tie pass.
+        # contract's order, exact ties by row, with no tie pass. The runs overlap in HBM (a
+        # partition stride of 1, as the broadcasts' 0: nki-aps page, [stride, size] per
+        # dimension; overlapping reads inferred).
         nisa.dma_copy(dst=shifted, src=list_hbm[0].ap(pattern=[[1, P], [1, cap + LIST_PAD]],
                                                       offset=0))  # fmt: skip
         on_gpsimd = len(ranked_cols) // 2 if offload is None else min(offload, len(ranked_cols))
