@@ -327,7 +327,8 @@ def _row_spread_direct(q, w, keys, positions, topk, target="trn2", steps=None):
                                       None, n_valid)  # fmt: skip
     _, idx, path = simulate(decode_kernel.indexer_decode_kernel, target=target)(
         *[np.asarray(a) for a in operands], topk=topk, depth=plan.depth, split=plan.split,
-        offload=plan.offload, steps=plan.steps if steps is None else steps)
+        offload=neuron.rank_offload(target, plan, neuron.decode_group(T, Hi, 1), 0),
+        steps=plan.steps if steps is None else steps)
     return idx.reshape(-1, topk)[:T], path.reshape(-1)[:T]
 
 
@@ -472,6 +473,9 @@ def test_routing_takes_the_row_spread_kernel_for_decode_only_where_it_can_run():
     # A prefill over a short cache: the tiled kernel's merges of few rows are cheaper than the
     # row-spread kernel's fixed work per token.
     assert neuron.choose_kernel("trn2", 1, 4096, Hi=64, Di=128, R=4096, topk=2048)[0] == "tiled"
+    # On trn2's two physical cores too: every row of 4096 is a candidate, so the row-spread
+    # kernel would find no pivot and rank all of them (modelled 1.7x the tiled kernel's time).
+    assert neuron.choose_kernel("trn2", 2, 4096, Hi=64, Di=128, R=4096, topk=2048)[0] == "tiled"
     assert neuron.choose_kernel("trn2", 1, 1, Hi=64, Di=128, R=131072, topk=8192) == ("tiled", None)
 
 

@@ -174,7 +174,6 @@ class DecodePlan:
     depth: int
     split: int = 0
     steps: int = BISECT_STEPS
-    offload: int = 0  # of the pivot list's rank columns, those on GpSimd + ScalarE (step 3a)
 
     @property
     def chunk_columns(self) -> int:

@@ -216,21 +216,16 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     g = slots // operands[0].shape[1]  # tokens per group: slots over the groups of a span
     # The kernel's compile-time arguments.
     on_vector = head_sums_on_vector(target, plan, g)
-    if split_rows:  # the selecting launch's programs each rank a share of the list's columns
-        offload = list_offload_columns(target, plan, programs)
-    else:
-        offload = list_offload_columns(target, plan,
-                                       relu_cycles=_decode_relu_cycles(plan, g, on_vector),
-                                       head_sum_cycles=_decode_head_sum_cycles(plan, on_vector))
+    # The selecting launch's programs each rank a share of the list's columns.
+    offload = rank_offload(target, plan, g, on_vector, programs if split_rows else 1)
     statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
                    on_vector=on_vector, offload=offload)  # fmt: skip
     score_programs = programs if split_rows else 0
-    select_programs = programs
     score_on_vector = scoring_on_vector(target, plan, g, programs) if split_rows else 0
     if emulated:
         result = jax.ShapeDtypeStruct((spans, slots, 2 * k), jnp.float32)
         packed = jax.pure_callback(
-            functools.partial(_run_decode_on_host, target, select_programs, score_programs,
+            functools.partial(_run_decode_on_host, target, programs, score_programs,
                               score_on_vector, **statics),
             result,
             *operands, vmap_method="sequential",
@@ -242,8 +237,8 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     if split_rows:
         staged = run[score_programs](*operands, **{**statics, "on_vector": score_on_vector},
                                      phase="score")  # fmt: skip
-        keys_out, idx, _ = run[select_programs](*operands, *staged, **statics, phase="select")
-        return merge_copies(keys_out, idx, select_programs)
+        keys_out, idx, _ = run[programs](*operands, *staged, **statics, phase="select")
+        return merge_copies(keys_out, idx, programs)
     if programs > 1:
         run = run[programs]
     keys_out, idx, _ = run(*operands, **statics)
@@ -266,8 +261,17 @@ def decode_plan(target: str, Hi: int, Di: int, R: int, topk: int):
     relu_us = plan.rows_padded / hw.scalar_ghz
     split = ((plan.depth * column / hw.vector_ghz - relu_us)
              / (column / hw.vector_ghz + column / hw.scalar_ghz))  # fmt: skip
-    plan = dataclasses.replace(plan, split=int(min(max(round(split), 0), plan.depth)))
-    return dataclasses.replace(plan, offload=list_offload_columns(target, plan))
+    return dataclasses.replace(plan, split=int(min(max(round(split), 0), plan.depth)))
+
+
+def rank_offload(target: str, plan, group: int, on_vector: int, programs: int = 1) -> int:
+    """The kernel's ``offload`` (:func:`list_offload_columns`) for tokens in groups of ``group``
+    with ``on_vector`` head-sum blocks per chunk on the VectorE; ``programs > 1``: the two-launch
+    form's selecting launch, which scores nothing."""
+    if programs > 1:
+        return list_offload_columns(target, plan, programs)
+    return list_offload_columns(target, plan, relu_cycles=_decode_relu_cycles(plan, group, on_vector),
+                                head_sum_cycles=_decode_head_sum_cycles(plan, on_vector))
 
 
 def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: float = 0.0,
@@ -280,33 +284,42 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
     places its share of the list's columns (the larger share here) and the scoring launch did
     select_key and each share's candidates. Per token, over ``F`` columns:
 
-    - VectorE: the max8 ``N`` and match_replace8 ``N + 144`` rounds over the row (the shares'
-      candidates, ``programs > 1``) and the best left ``N``; in one launch select_key's key-scale
-      product and two selects (``3F``); the row-order grid's mask, running sum ``2F`` and two
-      sums (``5F``); the pivot's halvings, about 75 small instructions at ``MIN_II`` (an estimate
-      from the kernel's code); and per rank column two counting passes over ``cap + 128`` (the
-      shifted list) and a sum;
+    - VectorE: :func:`_selection_vector_cycles`, and per rank column two counting passes over
+      ``cap + 128`` (the shifted list) and a sum;
     - GpSimd: in one launch ``6 F`` (the keys' copy, select_key's halving, NaN test ``2F`` and
       validity, the rows' iota); the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the
       cost model's assumption: ``decode_kernel.scattered_columns`` for the list's pairs, one per
       placed column); and per offloaded column two compares over ``cap + 128``."""
-    from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MATCH_REPLACE8_OVERHEAD, MIN_II
+    from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MIN_II
 
     hw = HARDWARE[target]
     F, cap = plan.columns, plan.compact
     width = cap + _decode.LIST_PAD
     columns = -(-(cap // _decode.P) // programs)
-    rounds = plan.depth // _kernel.SELECTED_PER_ROUND
-    row = F if programs == 1 else programs * _decode.share_depth(plan, programs)
-    vector = (rounds * (2 * row + MATCH_REPLACE8_OVERHEAD) + row + (3 * F if programs == 1 else 0)
-              + 5 * F + _bisection_cycles(plan) + 75 * MIN_II
-              + head_sum_cycles)  # fmt: skip
+    vector = _selection_vector_cycles(plan, programs) + head_sum_cycles
     scatters = _decode.scattered_columns(plan) + columns
     gpsimd = (6 * F if programs == 1 else 0) + scatters * (GPSIMD_START + _decode.P) + 25 * MIN_II
     return min(range(columns + 1), key=lambda x: max(
         (vector + (columns - x) * (width + 3 * MIN_II)) / hw.vector_ghz,
         (gpsimd + x * (width + 2 * MIN_II)) / hw.gpsimd_ghz,
         (relu_cycles + x * (width + MIN_II)) / hw.scalar_ghz))
+
+
+def _selection_vector_cycles(plan, programs: int = 1) -> float:
+    """VectorE cycles of one token's selection on the pivot's path, but for the list's rank
+    columns, by the cost formulas: the max8 ``N`` and match_replace8 ``N + 144`` rounds over the
+    row (over the shares' candidates where ``programs > 1``, the two-launch form's selecting
+    launch) and the best left ``N``; in one launch select_key's key-scale product and two selects
+    (``3F``); the row-order grid's mask, running sum ``2F`` and two sums (``5F``); the pivot's
+    halvings; and about 75 small instructions at ``MIN_II`` (an estimate from the kernel's
+    code)."""
+    from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
+
+    F = plan.columns
+    rounds = plan.depth // _kernel.SELECTED_PER_ROUND
+    row = F if programs == 1 else programs * _decode.share_depth(plan, programs)
+    return (rounds * (2 * row + MATCH_REPLACE8_OVERHEAD) + row + (3 * F if programs == 1 else 0)
+            + 5 * F + _bisection_cycles(plan) + 75 * MIN_II)  # fmt: skip
 
 
 def _bisection_cycles(plan) -> float:
@@ -352,27 +365,28 @@ def _decode_head_sum_cycles(plan, on_vector: int) -> float:
     return plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * plan.heads
 
 
-def _decode_vector_cycles(plan, group: int, on_vector: int) -> float:
-    """The VectorE's cycles for one token in the row-spread kernel, by the cost formulas: the
-    head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor ``2 N`` and a
-    reduce ``N`` per 128 rows) and the selection on the pivot's path: max8 ``N`` and
-    match_replace8 ``N + 144`` rounds, select_key's and the row-order grid's passes over the
-    ``F`` columns (about ``10 F``), the bisection's small instructions (``MIN_II`` each), the
-    list's rank columns that stay on the VectorE (``plan.offload`` go to the GpSimd; two
-    tensor_scalar_reduce over the shifted list's ``cap + 128`` and a sum), and for a pair of
-    tokens its share of each chunk's NaN check (a count over the pair's scores and two small
-    instructions)."""
-    from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
+def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int) -> float:
+    """The VectorE's cycles for one token in the row-spread kernel (one launch), by the cost
+    formulas: the head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor
+    ``2 N`` and a reduce ``N`` per 128 rows), the chunks' scores out of PSUM (``F``), for a pair
+    of tokens its share of each chunk's NaN check (a count over the pair's scores and two small
+    instructions), the selection (:func:`_selection_vector_cycles`) and the list's rank columns
+    that stay on the VectorE (``offload`` go to the GpSimd; two tensor_scalar_reduce over the
+    shifted list's ``cap + 128`` and a sum). Where every row is a candidate (``depth`` the row's
+    columns: a short cache), ``U*`` is MARKER and the halvings from it never reach the window,
+    so the token ranks all ``M`` candidates instead (step 3b: ``depth - split`` passes over
+    ``M``)."""
+    from ..nki_emulator.cost import MIN_II
 
-    rounds = plan.depth // _kernel.SELECTED_PER_ROUND
-    bisection = _bisection_cycles(plan)
     cap_cols = plan.compact // _decode.P
-    ranks = (cap_cols - plan.offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
+    if plan.depth >= plan.columns:
+        ranks = (plan.depth - plan.split) * (plan.candidates + 2 * MIN_II)
+    else:
+        ranks = (cap_cols - offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
     head_sums = _decode_head_sum_cycles(plan, on_vector)
     nan_check = 0.0 if group == 1 else plan.chunks * (
         max(MIN_II, 2 * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
-    return (rounds * (2 * plan.columns + MATCH_REPLACE8_OVERHEAD) + 10 * plan.columns + bisection
-            + ranks + head_sums + nan_check)  # fmt: skip
+    return _selection_vector_cycles(plan) + plan.columns + ranks + head_sums + nan_check
 
 
 def decode_token_us(target: str, plan, group: int, on_vector: int) -> float:
@@ -381,8 +395,9 @@ def decode_token_us(target: str, plan, group: int, on_vector: int) -> float:
     from ..nki_emulator.cost import HARDWARE
 
     hw = HARDWARE[target]
+    offload = rank_offload(target, plan, group, on_vector)
     return max(_decode_tensor_cycles(plan, group, on_vector) / hw.tensor_ghz,
-               _decode_vector_cycles(plan, group, on_vector) / hw.vector_ghz) / 1e3  # fmt: skip
+               _decode_vector_cycles(plan, group, on_vector, offload) / hw.vector_ghz) / 1e3  # fmt: skip
 
 
 def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
@@ -415,8 +430,8 @@ def head_sums_on_vector(target: str, plan, group: int) -> int:
 
 def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, topk: int):
     """``("decode", plan)`` where the row-spread kernel takes the shape and the cost model's
-    formulas give it less time per program (its busier of TensorE and VectorE, ties broken) than
-    the tiled kernel's VectorE merges, else ``("tiled", None)``. It needs the indirect (scatter)
+    formulas give it less time per program (its busier of TensorE and VectorE) than the tiled
+    kernel's VectorE merges, else ``("tiled", None)``. It needs the indirect (scatter)
     DMA, NeuronCore-v3+: never on trn1."""
     from ..nki_emulator.cost import HARDWARE, MATCH_REPLACE8_OVERHEAD
     from ..nki_emulator.targets import TARGETS
