@@ -384,6 +384,27 @@ def test_row_spread_kernel_matches_the_oracle(monkeypatch, case, steps):
     np.testing.assert_array_equal(path, want_path)
 
 
+@pytest.mark.parametrize("R", [2048, 4096, 8192])
+def test_row_spread_kernel_finds_a_pivot_over_a_short_cache(monkeypatch, R):
+    """A short cache at K=2048 (or an early token, 4001 valid rows of 8192, within the 40
+    candidates per partition): every valid row is a candidate and ``U*`` is MARKER. The pivot's
+    halvings start at the partitions' floor, so every token takes the list (path 3): those past
+    the list's room (more valid rows than cap's 2176), one selecting all its valid rows (2048
+    of 2048: the floor is the pivot). Without a pivot (steps=0) the ranking of all M
+    candidates broadcasts M keys into a wider tile (2048 rows: M = 2048 < cap + 128). Integer
+    scores with ties, against the oracle."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    rng = np.random.default_rng(0)
+    K = 2048
+    q, w, keys = integer_case(rng, 4, 8, 32, R, levels=6)
+    positions = np.array([R - 1, min(R, 4400) - 400, K - 1, 700])
+    want = oracle_topk(oracle_scores(q, w, keys), positions, K)
+    for steps, want_path in ((None, 3), (0, 1)):  # steps=0: all M ranked, then ties broken
+        idx, path = _row_spread_direct(q, w, keys, positions, K, steps=steps)
+        np.testing.assert_array_equal(idx, want)
+        np.testing.assert_array_equal(path, [want_path] * 4)
+
+
 @pytest.mark.parametrize("T", [1, 3])
 def test_row_spread_list_takes_a_partition_with_more_listed_than_usual(monkeypatch, T):
     """At K=512 a partition lists about 5 candidates, so the list's scatters past its first 16
@@ -470,12 +491,15 @@ def test_routing_takes_the_row_spread_kernel_for_decode_only_where_it_can_run():
     shape = dict(Hi=64, Di=128, R=131072, topk=2048)
     assert neuron.choose_kernel("trn2", 1, 1, **shape)[0] == "decode"
     assert neuron.choose_kernel("trn1", 1, 1, **shape) == ("tiled", None)  # no scatter DMA
-    # A prefill over a short cache: the tiled kernel's merges of few rows are cheaper than the
-    # row-spread kernel's fixed work per token.
+    # A prefill over a short cache on one core: the tiled kernel's merges of few rows are
+    # cheaper than the row-spread kernel's fixed work per token.
     assert neuron.choose_kernel("trn2", 1, 4096, Hi=64, Di=128, R=4096, topk=2048)[0] == "tiled"
-    # On trn2's two physical cores too: every row of 4096 is a candidate, so the row-spread
-    # kernel would find no pivot and rank all of them (modelled 1.7x the tiled kernel's time).
-    assert neuron.choose_kernel("trn2", 2, 4096, Hi=64, Di=128, R=4096, topk=2048)[0] == "tiled"
+    # On trn2's two cores the tiled kernel's programs split the rows and a merge launch joins
+    # them, while the row-spread kernel's split the tokens: it wins over short caches too
+    # (modelled at T=256 over 4096 rows: 4.1 ms against 6.7 ms), where every row is a candidate
+    # and its pivot's halvings start at the partitions' floor.
+    for R in (1024, 4096):
+        assert neuron.choose_kernel("trn2", 2, 4096, Hi=64, Di=128, R=R, topk=2048)[0] == "decode"
     assert neuron.choose_kernel("trn2", 1, 1, Hi=64, Di=128, R=131072, topk=8192) == ("tiled", None)
 
 

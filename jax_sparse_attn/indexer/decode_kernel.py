@@ -19,7 +19,9 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    ``depth`` best keys are candidates, and ``U*``, the best key left anywhere, bounds every row
    that is not. If at least ``Kv = min(K, n_valid)`` candidates are strictly above ``U*`` (or
    nothing valid is left), the top ``Kv`` rows are all candidates.
-3. **A pivot and a list** (step 3a): bisection between ``U*`` and the best key for a pivot ``v``
+3. **A pivot and a list** (step 3a): bisection between ``U*`` (or the floor, the lowest of the
+   partitions' ``ceil(K / 128)``-th best keys, where that is higher: a short cache, whose ``U*``
+   is MARKER) and the best key for a pivot ``v``
    with ``Kv <= #(candidates >= v) <= cap`` (``cap = K8 + 128``; one compare-and-count pass over
    the ``[128, depth]`` candidates and a matmul sum per halving) and ``v > U*``, so the rows
    ``>= v`` are exactly the listed candidates. They are scattered into a compact list in row
@@ -116,7 +118,7 @@ MAX_TOPK = 4096
 # (step 3a's ranks), so every partition's own entry sits at the same column.
 LIST_PAD = P
 
-# Halvings of [U*, best key] that look for step 3a's pivot (a window of 128 counts); a token
+# Halvings of [U* or the floor, best key] that look for step 3a's pivot (a window of 128 counts); a token
 # that finds none ranks all M candidates (step 3). Past the first EARLY_BISECT_STEPS they run
 # only for a token whose count is still out of the window.
 BISECT_STEPS = 16
@@ -468,6 +470,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     cand_hbm = nl.ndarray((P, depth), dtype=nl.float32, buffer=nl.hbm)
     cap = plan.compact
     cap_cols = cap // P
+    # The bisection's floor is the lowest of the partitions' floor_rank-th best keys: 128
+    # floor_rank >= K, or (a short cache) every row.
+    floor_rank = min(_ceil_div(topk, P), depth)
     # The list's columns this program ranks and places (the selecting launch's share); only
     # program 0 of that launch takes the rare paths (all M ranked, the fallback) and the codes.
     ranked_cols = (range(program * cap_cols // programs, (program + 1) * cap_cols // programs)
@@ -883,7 +888,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     def full_path(_):
         # Step 3: every candidate's rank among all M (strictly greater keys).
         nisa.dma_copy(dst=cand_hbm, src=sel.best_keys)
-        nisa.dma_copy(dst=all_keys, src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
+        nisa.dma_copy(dst=all_keys[:, 0:m], src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
         count_ranks(ranks, all_keys[:, 0:m], sel.best_keys, split, beaten[:, 0:m],
                     beaten_alt[:, 0:m])  # fmt: skip
         choose()
@@ -1068,6 +1073,27 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_key, accumulate=False)
         nisa.tensor_copy(dst=hi, src=column_ps)
         nisa.tensor_copy(dst=lo, src=left_col)
+
+        def from_floor(_):
+            # Where U* is MARKER (every valid row a candidate: a short cache, an early token),
+            # halvings from it never reach the window. The floor, the lowest of the partitions'
+            # floor_rank-th best keys, has at least Kv candidates at or above it: where it is
+            # above U*, it is the bracket's low end, or (at most cap at or above it) the pivot.
+            nisa.tensor_copy(dst=mid, src=sel.best_keys[:, floor_rank - 1 : floor_rank])
+            nisa.nc_transpose(dst=row_ps, data=mid)
+            nisa.tensor_reduce(dst=best_key, op=nl.min, data=row_ps, axis=1, keepdims=True)
+            nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_key, accumulate=False)
+            nisa.tensor_copy(dst=mid, src=column_ps)
+            count_above(nl.greater_equal, mid)
+            nisa.tensor_tensor(dst=below_u8, data1=mid, data2=left_col, op=nl.greater)
+            nisa.tensor_scalar(dst=above_u8, data=total_col, op0=nl.less_equal,
+                               operand0=float(cap))  # fmt: skip
+            nisa.tensor_tensor(dst=above_u8, data1=above_u8, data2=below_u8, op=nl.multiply)
+            nisa.select_reduce(dst=lo, predicate=below_u8, on_true=mid, on_false=lo)
+            nisa.select_reduce(dst=hi, predicate=above_u8, on_true=mid, on_false=hi)
+
+        if steps:  # (steps=0, no halvings, forces step 3b; window holds U* == MARKER here)
+            nl.fori_loop(0, load_register(window[0:1, :]), from_floor)
         nisa.tensor_copy(dst=mid, src=lo)
 
         def halvings(n):

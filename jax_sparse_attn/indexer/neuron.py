@@ -372,17 +372,12 @@ def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int) -> flo
     of tokens its share of each chunk's NaN check (a count over the pair's scores and two small
     instructions), the selection (:func:`_selection_vector_cycles`) and the list's rank columns
     that stay on the VectorE (``offload`` go to the GpSimd; two tensor_scalar_reduce over the
-    shifted list's ``cap + 128`` and a sum). Where every row is a candidate (``depth`` the row's
-    columns: a short cache), ``U*`` is MARKER and the halvings from it never reach the window,
-    so the token ranks all ``M`` candidates instead (step 3b: ``depth - split`` passes over
-    ``M``)."""
+    shifted list's ``cap + 128`` and a sum). A short cache (every row a candidate) takes the
+    list too: its halvings start at the partitions' floor, not at ``U*`` (MARKER)."""
     from ..nki_emulator.cost import MIN_II
 
     cap_cols = plan.compact // _decode.P
-    if plan.depth >= plan.columns:
-        ranks = (plan.depth - plan.split) * (plan.candidates + 2 * MIN_II)
-    else:
-        ranks = (cap_cols - offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
+    ranks = (cap_cols - offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
     head_sums = _decode_head_sum_cycles(plan, on_vector)
     nan_check = 0.0 if group == 1 else plan.chunks * (
         max(MIN_II, 2 * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
@@ -431,7 +426,8 @@ def head_sums_on_vector(target: str, plan, group: int) -> int:
 def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, topk: int):
     """``("decode", plan)`` where the row-spread kernel takes the shape and the cost model's
     formulas give it less time per program (its busier of TensorE and VectorE) than the tiled
-    kernel's VectorE merges, else ``("tiled", None)``. It needs the indirect (scatter)
+    kernel's VectorE merges (with the merge launch's, where the programs split the rows), else
+    ``("tiled", None)``. It needs the indirect (scatter)
     DMA, NeuronCore-v3+: never on trn1."""
     from ..nki_emulator.cost import HARDWARE, MATCH_REPLACE8_OVERHEAD
     from ..nki_emulator.targets import TARGETS
@@ -448,6 +444,9 @@ def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, 
     rounds = tiled.topk8 // _kernel.SELECTED_PER_ROUND
     tiled_cycles = (tiles * (tiled.chunks // shares) * rounds
                     * (2 * (tiled.topk8 + tiled.chunk) + MATCH_REPLACE8_OVERHEAD))  # fmt: skip
+    if shares > 1:  # the merge launch: a program's tiles, each one merge of shares * K8
+        tiled_cycles += (-(-tiles // programs) * rounds
+                         * (2 * shares * tiled.topk8 + MATCH_REPLACE8_OVERHEAD))  # fmt: skip
     hw = HARDWARE[target]
     group = decode_group(T, Hi, programs)
     on_vector = head_sums_on_vector(target, plan, group)
