@@ -3,7 +3,7 @@ from Python lists, ranks and dtypes named in the errors, and the ``implementatio
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp

@@ -4,11 +4,10 @@ scores, and bad arguments."""
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
-from indexer_oracle import as_f64, check_selection, scores_f64, topk_f64, valid_rows
+from indexer_oracle import as_f64, check_selection, scores_f64, valid_rows
 from jax_sparse_attn import gathered_attn_idx, indexer_topk
 
 

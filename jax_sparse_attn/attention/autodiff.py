@@ -219,7 +219,6 @@ def _tangent_chunk(indexed, active, primal, tangent, live, x_first=False, value_
     two = "extra_kv" in primal
     if src_name in active or "extra_kv" in active:
         if two:  # the tangent of each cache at its own slots (zeros for one that has none)
-            K = primal["idx"].shape[1]
             dx = jnp.concatenate([
                 _gather_slots(tangent[n], r).astype(jnp.float32) if n in active
                 else jnp.zeros(r.shape + x.shape[-1:], jnp.float32)

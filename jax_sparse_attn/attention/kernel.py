@@ -621,7 +621,7 @@ def _value_epilogue(src: _Source, unit: _ValueUnit, acc, out_scale, out_rows):
 
 def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch):
     """Computes ``out[token]`` and ``lse[token]`` (module docstring, steps 1-4)."""
-    heads, dim = src.heads, src.dim
+    heads = src.heads
     # The body is compiled once (a hardware loop): every token must use the same engines, so the
     # round-robin choices restart here (the emulator runs the Python body once per token).
     src.psum_engine.next = src.clamp_engine.next = 0
