@@ -118,9 +118,9 @@ MAX_TOPK = 4096
 # (step 3a's ranks), so every partition's own entry sits at the same column.
 LIST_PAD = P
 
-# Halvings of [U* or the floor, best key] that look for step 3a's pivot (a window of 128 counts); a token
-# that finds none ranks all M candidates (step 3). Past the first EARLY_BISECT_STEPS they run
-# only for a token whose count is still out of the window.
+# Halvings of [U* or the floor, best key] that look for step 3a's pivot (a window of 128
+# counts); a token that finds none ranks all M candidates (step 3). Past the first
+# EARLY_BISECT_STEPS they run only for a token whose count is still out of the window.
 BISECT_STEPS = 16
 EARLY_BISECT_STEPS = 8
 
