@@ -623,6 +623,41 @@ def test_paired_head_sums_keep_one_tokens_overflow_from_its_partner(monkeypatch,
     assert not np.isnan(scores).any()
 
 
+@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("case", ["zero_weight_meets_minus_inf", "inf_weight", "nan_weight"])
+def test_head_sums_split_by_sign_take_the_exact_form_where_they_differ(monkeypatch, case, group):
+    """The matmuls' head sums scale the relu by |w'| and add each sign's heads apart:
+    relu(|w'| d) is |w' relu(d)| but for a zero weight meeting d = -inf (NaN, where the contract
+    has 0 * relu(-inf) = 0) and a non-finite weight (inf * relu(d) is NaN for d <= 0 in the
+    contract, relu(inf * d) is 0 for d < 0). Those chunks are scored again in the exact form, so
+    the selection equals the oracle's, NaN scores ranked last. Token 0's head 1 has weight 0 and
+    d = -2**252 at row 600 (-inf in f32, finite in float64), or head 2's weight is inf or NaN;
+    token 1 is plain. One token per head-sum matmul or two."""
+    from jax_sparse_attn.indexer import neuron
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.setattr(neuron, "decode_group", lambda T, Hi, programs: group)
+    rng = np.random.default_rng(31)
+    q, w, keys = integer_case(rng, 2, 4, 8, 700)
+    q[:, :, 0] = 0.0
+    keys[:, 0] = 0.0
+    if case == "zero_weight_meets_minus_inf":
+        keys[600, 0] = 2.0**126  # exact in bf16
+        q[0, 1, 0] = -(2.0**126)
+        w[0, 1] = 0.0
+    else:
+        w[0, 2] = np.inf if case == "inf_weight" else np.nan
+    positions = np.array([699, 699])
+    K = 700  # every row, so that a NaN ranked last where the oracle has a number shows
+    s64 = oracle_scores(q, w, keys)
+    if case == "zero_weight_meets_minus_inf":
+        assert np.isfinite(s64[0]).all()
+    idx, scores = run_kernel(q, w, keys, positions, K, kernel="decode")
+    np.testing.assert_array_equal(idx, oracle_topk(s64, positions, K))
+    want = s64[np.arange(2)[:, None], idx].astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(scores), np.isnan(want))
+
+
 @pytest.mark.parametrize("case", ["distinct", "ties", "no_pivot", "clustered", "garbage",
                                   "nan_and_inf", "compressed"])  # fmt: skip
 def test_one_token_scored_by_both_programs_then_selected(monkeypatch, case):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jax_sparse_attn.nki_emulator import cost, simulate
+from jax_sparse_attn.nki_emulator.errors import NkiEmulatorError
 from jax_sparse_attn.nki_emulator import isa as nisa
 from jax_sparse_attn.nki_emulator import language as nl
 
@@ -65,6 +66,29 @@ def test_nc_matmul_cost(target, dtype, m, n, cycles):
 
     record = _costed(kernel, np.zeros(1, np.float32), target=target)
     assert _only(record, "nisa.nc_matmul") == pytest.approx(cycles / (GHZ[target][0] * 1e3))
+
+
+@pytest.mark.parametrize("flags, cycles", [((False, False), 2048), ((False, True), 1024),
+                                           ((True, True), 512)])  # fmt: skip
+def test_nc_matmul_one_zero_operands_halve_the_fp32_factor(flags, cycles):
+    # nc_matmul page: is_*_onezero "could lead to 2x better performance" for an fp32 operand of
+    # ones and zeros; the model halves the x4 per flagged fp32 operand. A false flag is refused.
+    def kernel(x, values):
+        st = nl.ndarray((128, 128), nl.float32, buffer=nl.sbuf)
+        mv = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+        nisa.memset(st, 1.0)
+        nisa.dma_copy(dst=mv, src=values)
+        acc = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(acc, st, mv, is_stationary_onezero=flags[0], is_moving_onezero=flags[1],
+                       accumulate=False)  # fmt: skip
+        return _out(acc)
+
+    ones_zeros = (np.arange(128 * 512).reshape(128, 512) % 3 == 0).astype(np.float32)
+    record = _costed(kernel, np.zeros(1, np.float32), ones_zeros, target="trn2")
+    assert _only(record, "nisa.nc_matmul") == pytest.approx(cycles / (GHZ["trn2"][0] * 1e3))
+    if flags[1]:
+        with pytest.raises(NkiEmulatorError, match="is_moving_onezero"):
+            _costed(kernel, np.zeros(1, np.float32), ones_zeros * 0.5, target="trn2")
 
 
 def test_scalar_engine_costs():

@@ -7,11 +7,14 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
 
 1. **Scores** on the TensorEngine: ``d = q . k`` per 512 rows as in the tiled kernel (q
    stationary; two tokens side by side where their heads fit, ``2 Hi <= 128``, so they share
-   each matmul), then the head sums with the ``relu(d)`` columns stationary and the weights
-   moving, so the result lands as ``[128 rows, 1]`` columns per token (fp32 operands: the
-   contract's fp32 products); a pair's two tokens share each head-sum matmul (the weights
-   block-diagonal), and a chunk with a NaN score (``0 * inf`` from a zero weight meeting the
-   other token's ``relu(d)``, or a real one) is scored again with each token's own head sums;
+   each matmul), the ScalarE's relu scaled by ``|w'|`` per head (``relu(|w'| d)``, the fp32
+   product ``|w' relu(d)|``), then the head sums with those columns stationary and each
+   token's 0/1 columns of heads with ``w' >= 0`` and the rest moving (an fp32 matmul flagged
+   ``is_moving_onezero``, half the cost), so each sign's sum lands as a ``[128 rows, 1]``
+   column and the score is their difference; the group's tokens share each head-sum matmul,
+   and a chunk with a NaN score (``0 * inf`` from one token's zero column meeting the other's
+   relu, a non-finite weight, a zero weight meeting ``d = -inf``, or a real NaN) is scored
+   again in the exact form, each token's ``relu(d)`` against its own fp32 weights;
    ``on_vector`` blocks per chunk instead with the rows stationary and the head sums on the
    VectorE; times ``key_scale``; staged through HBM, then ``select_key`` on the ``[128, F]``
    tile.
@@ -266,22 +269,30 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int) -> Deco
     return None
 
 
-def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_pair, w_rows, keys_sb, scores, on_vector: int,
-                 paired: bool):
-    """A chunk's scores into the PSUM tile ``scores [128, g C/128]`` (f32): token ``m`` of the
-    group's row ``128 j + p`` of the chunk at partition ``p``, column ``g j + m`` (module
-    docstring, step 1). The group's tokens share each ``d`` matmul (their q side by side,
-    ``g Hi <= 128`` stationary columns: one matmul's cost, whatever that count).
+def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, sums,
+                 on_vector: int, exact: bool):
+    """A chunk's head sums into the PSUM tile ``sums [128, 2 g C/128]`` (f32): for token ``m``
+    of the group and row ``128 j + p`` of the chunk, at partition ``p``, column ``2 (g j + m)``
+    the sum of its heads with ``w' >= 0`` and the next column that of its other heads (the score
+    is their difference; module docstring, step 1). The group's tokens share each ``d`` matmul
+    (their q side by side, ``g Hi <= 128`` stationary columns: one matmul's cost, whatever that
+    count).
 
-    ``paired`` (two tokens): one head-sum matmul per 128 rows for both, ``relu(d)`` of both
-    stationary and ``w_pair`` moving, the weights block-diagonal ``[2 Hi, 2]`` (half the fp32
-    matmuls). There a zero weight meets the other token's ``relu(d)``, and ``0 * inf`` is NaN:
-    the caller checks the chunk for NaN and, where there is one, scores it again unpaired, each
-    token's head sums on its own partitions in both operands (so no ``relu(d)`` meets another
-    token's weights). The first ``on_vector`` 512-row blocks take the other form: ``d`` with 128
-    rows stationary (rows on the partitions), then ``relu(d) * w'`` and the head sum on the
-    VectorE (``w_rows``: the weights on every partition), the same fp32 products and sums."""
-    heads, group = plan.heads, scores.shape[1] // plan.chunk_columns
+    The ScalarE's relu scales by ``w_abs`` (``|w'|`` per head): ``relu(|w'| d)`` is
+    ``|w' relu(d)|``, the fp32 product rounded once, wherever ``w'`` is finite and ``d`` is not
+    ``-inf`` with ``w' = 0``. The head sums are then fp32 matmuls, ``relu`` of 128 rows
+    stationary and ``w_signs`` moving (ones and zeros only: each token's heads of either sign;
+    one matmul for the group's tokens), flagged ``is_moving_onezero``: half an fp32 matmul's
+    cost (its page). There a zero of one token's columns meets the other's ``relu``, and
+    ``0 * inf`` is NaN; the exceptions above give NaN too (``w_abs`` is NaN for a non-finite
+    ``w'``). The caller checks the sums for NaN and, where there is one, scores the chunk again
+    with ``exact``: per token, ``relu(d)`` stationary and ``w'`` moving (the contract's
+    products, ``w' * relu(d)``, on the token's own partitions) into the first column of its
+    pair, the second zeroed by the caller. The first ``on_vector`` 512-row blocks take another
+    form: ``d`` with 128 rows stationary (rows on the partitions), then ``relu(d) * w'`` and the
+    head sum on the VectorE (``w_rows``: the weights on every partition) into the first column
+    of the pair (the second is not read)."""
+    heads, group = plan.heads, sums.shape[1] // (2 * plan.chunk_columns)
     blocks = plan.chunk // ROWS_PER_MATMUL
     per_block = ROWS_PER_MATMUL // P
     for s in range(on_vector, blocks):
@@ -292,21 +303,24 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_pair, w_rows, keys_sb, scores, 
                            moving=keys_sb[0:dw, dc, r0 : r0 + ROWS_PER_MATMUL],
                            accumulate=dc > 0)  # fmt: skip
         relu = nl.ndarray((group * heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=relu, op=nl.relu, data=dots)
+        if exact:
+            nisa.activation(dst=relu, op=nl.relu, data=dots)
+        else:
+            nisa.activation(dst=relu, op=nl.relu, data=dots, scale=w_abs)
         for i in range(per_block):
             col = s * per_block + i
             rows = slice(i * P, (i + 1) * P)
-            # relu(d) of 128 rows stationary, the weights moving: the head sums of those rows
-            # land on the partitions (fp32 operands, so w' * relu(d) are fp32 products).
-            if paired:
-                nisa.nc_matmul(dst=scores[:, 2 * col : 2 * col + 2], stationary=relu[:, rows],
-                               moving=w_pair, accumulate=False)  # fmt: skip
+            # relu of 128 rows stationary: the sums of those rows land on the partitions.
+            if not exact:
+                nisa.nc_matmul(dst=sums[:, 2 * group * col : 2 * group * (col + 1)],
+                               stationary=relu[:, rows], moving=w_signs, is_moving_onezero=True,
+                               accumulate=False)  # fmt: skip
                 continue
             for g in range(group):
                 heads_g = slice(g * heads, (g + 1) * heads)  # the token's partitions, in both
-                nisa.nc_matmul(dst=scores[:, group * col + g : group * col + g + 1],
-                               stationary=relu[heads_g, rows], moving=w_sb[heads_g, :],
-                               accumulate=False)  # fmt: skip
+                first = 2 * (group * col + g)
+                nisa.nc_matmul(dst=sums[:, first : first + 1], stationary=relu[heads_g, rows],
+                               moving=w_sb[heads_g, :], accumulate=False)  # fmt: skip
     for col in range(on_vector * per_block):
         rows = slice(col * P, (col + 1) * P)
         dots_t = nl.ndarray((P, group * heads), dtype=nl.float32, buffer=nl.psum)
@@ -318,8 +332,9 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_pair, w_rows, keys_sb, scores, 
             products = nl.ndarray((P, heads), dtype=nl.float32, buffer=nl.sbuf)
             nisa.scalar_tensor_tensor(dst=products, data=dots_t[:, heads_g], op0=nl.maximum,
                                       operand0=0.0, op1=nl.multiply, operand1=w_rows[:, heads_g])
-            nisa.tensor_reduce(dst=scores[:, group * col + g : group * col + g + 1], op=nl.add,
-                               data=products, axis=1, keepdims=True)  # fmt: skip
+            first = 2 * (group * col + g)
+            nisa.tensor_reduce(dst=sums[:, first : first + 1], op=nl.add, data=products, axis=1,
+                               keepdims=True)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -489,22 +504,23 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
     d_tiles = _ceil_div(dim, KERNEL_TILE)
     # Loop-carried state, allocated outside the loops (nki.language.fori_loop page).
-    # Per group of the span: q, the weights, block-diagonal (a pair's head sums), on every
-    # partition (the VectorE's head sums).
+    # Per group of the span: q, the weights, their magnitudes (the relu's scale) and signs (each
+    # token's 0/1 columns of heads with w' >= 0 and w' < 0), on every partition (the VectorE's
+    # head sums).
     q_sbs = [nl.ndarray((KERNEL_TILE, d_tiles, group_heads), dtype=q_t.dtype, buffer=nl.sbuf)
              for _ in range(span)]  # fmt: skip
     w_sbs = [nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(span)]
-    paired = group == 2
-    w_pairs = [nl.ndarray((group_heads, group), dtype=nl.float32, buffer=nl.sbuf)
+    w_abs = [nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(span)]
+    w_signs = [nl.ndarray((group_heads, 2 * group), dtype=nl.float32, buffer=nl.sbuf)
                for _ in range(span)]  # fmt: skip
     w_rows_all = [nl.ndarray((P, group_heads), dtype=nl.float32, buffer=nl.sbuf)
                   for _ in range(span)]  # fmt: skip
     assert 0 <= on_vector <= chunk // ROWS_PER_MATMUL, f"on_vector {on_vector}"
     keys_sb = nl.ndarray((KERNEL_TILE, d_tiles, chunk), dtype=keys_t.dtype, buffer=nl.sbuf)
-    chunk_sbs = [nl.ndarray((P, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
-                 for _ in range(group)]  # fmt: skip
-    chunk_ps = nl.ndarray((P, group * chunk_columns), dtype=nl.float32, buffer=nl.psum)
-    nan_mask = nl.ndarray((P, group * chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
+    chunk_sb_all = nl.ndarray((P, group, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
+    chunk_sbs = [chunk_sb_all[:, g, :] for g in range(group)]
+    chunk_ps = nl.ndarray((P, 2 * group * chunk_columns), dtype=nl.float32, buffer=nl.psum)
+    nan_mask = nl.ndarray((P, group, chunk_columns), dtype=nl.float32, buffer=nl.sbuf)
     nan_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nan_flag = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     keys_tile = nl.ndarray((P, columns), dtype=nl.float32, buffer=nl.sbuf)
@@ -649,22 +665,46 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             score_chunk_of_group(i, c)
 
     def score_chunk_of_group(i, c):
-        tiles = (q_sbs[i], w_sbs[i], w_pairs[i], w_rows_all[i], keys_sb, chunk_ps, on_vector)
-        _score_chunk(plan, *tiles, paired)
-        if paired:
-            # A NaN anywhere in the chunk (a 0 * inf of the paired head sums among them): the
-            # chunk again, unpaired (0 or 1 trips), which gives the contract's scores.
-            # x >= -inf holds for every number, not for NaN: the chunk's numbers, counted.
-            nisa.tensor_scalar_reduce(dst=nan_mask, data=chunk_ps, op0=nl.greater_equal,
-                                      operand0=-math.inf, reduce_op=nl.add, reduce_res=nan_col,
+        tiles = (q_sbs[i], w_sbs[i], w_abs[i], w_signs[i], w_rows_all[i], keys_sb, chunk_ps,
+                 on_vector)  # fmt: skip
+        _score_chunk(plan, *tiles, False)
+        # The columns whose sums the VectorE made whole; the rest are the matmuls' sign pairs.
+        whole = on_vector * (ROWS_PER_MATMUL // P)
+
+        def scores_out():
+            step = 2 * group
+            for g, chunk_sb in enumerate(chunk_sbs):
+                if whole:
+                    nisa.tensor_copy(dst=chunk_sb[:, 0:whole],
+                                     src=chunk_ps[:, 2 * g : step * whole : step])  # fmt: skip
+                if whole < chunk_columns:
+                    # score = (heads with w' >= 0) - (the rest); tensor_tensor reads at most
+                    # one operand from PSUM (its page), so the second goes through SBUF.
+                    rest = chunk_sb[:, whole:chunk_columns]
+                    nisa.tensor_copy(dst=rest, src=chunk_ps[:, step * whole + 2 * g + 1 :: step])
+                    nisa.tensor_tensor(dst=rest, data1=chunk_ps[:, step * whole + 2 * g :: step],
+                                       data2=rest, op=nl.subtract)  # fmt: skip
+
+        def exact_again(_):
+            nisa.memset(dst=chunk_ps[:, 1::2], value=0.0)  # the pairs' second columns
+            _score_chunk(plan, *tiles, True)
+            scores_out()
+
+        scores_out()
+        if whole < chunk_columns:
+            # A NaN among the matmuls' scores (a 0 * inf of a pair's head sums, a non-finite
+            # weight, a -inf d of a zero weight, inf - inf): the chunk again in the exact form
+            # (0 or 1 trips), which gives the contract's scores. x >= -inf holds for every
+            # number, not for NaN: the group's scores, counted.
+            signed = chunk_sb_all[:, :, whole:chunk_columns]
+            nisa.tensor_scalar_reduce(dst=nan_mask[:, :, whole:chunk_columns], data=signed,
+                                      op0=nl.greater_equal, operand0=-math.inf, reduce_op=nl.add,
+                                      reduce_res=nan_col,
                                       reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
             nisa.nc_matmul(dst=chunk_nan_ps, stationary=ones_col, moving=nan_col, accumulate=False)
             nisa.tensor_scalar(dst=nan_flag, data=chunk_nan_ps, op0=nl.less,
-                               operand0=float(P * group * chunk_columns))  # fmt: skip
-            nl.fori_loop(0, load_register(nan_flag),
-                         lambda _: _score_chunk(plan, *tiles, False))  # fmt: skip
-        for g, chunk_sb in enumerate(chunk_sbs):
-            nisa.tensor_copy(dst=chunk_sb, src=chunk_ps[:, g::group])
+                               operand0=float(P * group * (chunk_columns - whole)))  # fmt: skip
+            nl.fori_loop(0, load_register(nan_flag), exact_again)
         for staged, chunk_sb in zip(scores_hbm[i * group : (i + 1) * group], chunk_sbs):
             nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
                                         scalar_offset=c, indirect_dim=1), src=chunk_sb)  # fmt: skip
@@ -971,11 +1011,21 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                 nisa.dma_copy(dst=q_sbs[i][0:dw, dc, :], src=_tile_block(
                     q_t, t, dw, group_heads, first + d0 * group_heads))  # fmt: skip
             nisa.dma_copy(dst=w_sbs[i], src=_tile_block(w_t, t, group_heads, 1, i * group_heads))
-            if paired:
-                nisa.memset(dst=w_pairs[i], value=0.0)
-                for m in range(group):
-                    heads_m = slice(m * heads, (m + 1) * heads)
-                    nisa.tensor_copy(dst=w_pairs[i][heads_m, m : m + 1], src=w_sbs[i][heads_m, :])
+            # |w'| = max(-w', w'), then NaN where w' is not finite (|w'| - |w'| is NaN there,
+            # 0 elsewhere), so that its chunks take the exact form. Each token's 0/1 columns:
+            # w' >= 0, then the rest (NaN among them); zeros on the other token's heads.
+            nisa.tensor_scalar(dst=w_abs[i], data=w_sbs[i], op0=nl.multiply, operand0=-1.0,
+                               op1=nl.maximum, operand1=w_sbs[i])  # fmt: skip
+            nisa.tensor_scalar(dst=w_abs[i], data=w_abs[i], op0=nl.subtract, operand0=w_abs[i],
+                               op1=nl.add, operand1=w_abs[i])  # fmt: skip
+            nisa.memset(dst=w_signs[i], value=0.0)
+            for m in range(group):
+                heads_m = slice(m * heads, (m + 1) * heads)
+                plus = w_signs[i][heads_m, 2 * m : 2 * m + 1]
+                nisa.tensor_scalar(dst=plus, data=w_sbs[i][heads_m, :], op0=nl.greater_equal,
+                                   operand0=0.0)  # fmt: skip
+                nisa.tensor_scalar(dst=w_signs[i][heads_m, 2 * m + 1 : 2 * m + 2], data=plus,
+                                   op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
             nisa.dma_copy(dst=w_rows_all[i], src=_tile_block(w_t, t, P, group_heads, i * group_heads,
                                                              row_stride=0))  # fmt: skip
         nisa.dma_copy(dst=ends, src=chunk_ends.ap(pattern=[[slots, 1], [1, slots]], offset=0,

@@ -336,18 +336,23 @@ def _bisection_cycles(plan) -> float:
 def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
     """TensorE cycles of one token's scores in the row-spread kernel, by the cost model's
     nc_matmul formula: on the TensorE's blocks, per 512 rows one bf16 matmul per 128 of ``Di``
-    (q stationary, shared by the ``group``'s tokens) and per 128 rows one fp32 head sum (relu(d)
-    stationary, the weights moving; one for a pair of tokens, the weights block-diagonal); on the
+    (q stationary, shared by the ``group``'s tokens) and per 128 rows one fp32 head sum for the
+    group (``relu(|w'| d)`` stationary, the 0/1 sign columns moving, flagged one-zero); on the
     ``on_vector`` blocks, per 128 rows one bf16 matmul per 128 of ``Di`` (the rows stationary,
     the group's q moving)."""
-    from ..nki_emulator.cost import MATMUL_FP32_FACTOR, MATMUL_MIN_STATIONARY
+    from ..nki_emulator.cost import (
+        MATMUL_FP32_FACTOR,
+        MATMUL_MIN_STATIONARY,
+        MATMUL_ONEZERO_SPEEDUP,
+    )
 
     d_tiles = -(-plan.dim // _kernel.KERNEL_TILE)
     rows = _decode.ROWS_PER_MATMUL
     blocks = plan.chunk // rows
     per_block = rows // _decode.P
     dots = d_tiles * max(min(MATMUL_MIN_STATIONARY, group * plan.heads), rows) / group
-    head_sums = per_block * MATMUL_MIN_STATIONARY * MATMUL_FP32_FACTOR / group
+    head_sums = (per_block * max(MATMUL_MIN_STATIONARY, 2 * group) * MATMUL_FP32_FACTOR
+                 / MATMUL_ONEZERO_SPEEDUP / group)  # fmt: skip
     rows_first = per_block * d_tiles * max(MATMUL_MIN_STATIONARY, group * plan.heads) / group
     return plan.chunks * ((blocks - on_vector) * (dots + head_sums) + on_vector * rows_first)
 
@@ -368,9 +373,9 @@ def _decode_head_sum_cycles(plan, on_vector: int) -> float:
 def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int) -> float:
     """The VectorE's cycles for one token in the row-spread kernel (one launch), by the cost
     formulas: the head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor
-    ``2 N`` and a reduce ``N`` per 128 rows), the chunks' scores out of PSUM (``F``), for a pair
-    of tokens its share of each chunk's NaN check (a count over the pair's scores and two small
-    instructions), the selection (:func:`_selection_vector_cycles`) and the list's rank columns
+    ``2 N`` and a reduce ``N`` per 128 rows), the chunks' scores out of PSUM (a copy and a
+    subtraction, ``2 F``), its share of each chunk's NaN check (a count over the group's scores
+    and two small instructions), the selection (:func:`_selection_vector_cycles`) and the list's rank columns
     that stay on the VectorE (``offload`` go to the GpSimd; two tensor_scalar_reduce over the
     shifted list's ``cap + 128`` and a sum). A short cache (every row a candidate) takes the
     list too: its halvings start at the partitions' floor, not at ``U*`` (MARKER)."""
@@ -379,9 +384,9 @@ def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int) -> flo
     cap_cols = plan.compact // _decode.P
     ranks = (cap_cols - offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
     head_sums = _decode_head_sum_cycles(plan, on_vector)
-    nan_check = 0.0 if group == 1 else plan.chunks * (
-        max(MIN_II, 2 * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
-    return _selection_vector_cycles(plan) + plan.columns + ranks + head_sums + nan_check
+    nan_check = plan.chunks * (
+        max(MIN_II, group * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
+    return _selection_vector_cycles(plan) + 2 * plan.columns + ranks + head_sums + nan_check
 
 
 def decode_token_us(target: str, plan, group: int, on_vector: int) -> float:
@@ -407,9 +412,9 @@ def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
     blocks = plan.chunk // _decode.ROWS_PER_MATMUL
     share = plan.columns // programs
     rounds = _decode.share_depth(plan, programs) // _kernel.SELECTED_PER_ROUND
-    # Per program: its share of the scores, and of step 2 (with the share's zero fill and the
-    # chunks' copies out of PSUM, 2 Fs).
-    selection = 6 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
+    # Per program: its share of the scores, and of step 2 (with the share's zero fill, the
+    # chunks' scores out of PSUM, a copy and a subtraction, 3 Fs, and their NaN count, Fs).
+    selection = 8 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
     return min(range(blocks + 1), key=lambda v: max(
         _decode_tensor_cycles(plan, group, v) / programs / hw.tensor_ghz,
         (_decode_head_sum_cycles(plan, v) / programs + selection) / hw.vector_ghz))

@@ -50,6 +50,10 @@ GPSIMD_START = 150
 # [isa] nc_matmul page: cost max(min(64, N_stationary), N_moving) cycles, 4x for fp32 inputs.
 MATMUL_MIN_STATIONARY = 64
 MATMUL_FP32_FACTOR = 4
+# nc_matmul page (v2.25.0 and v2.32.0), is_stationary_onezero / is_moving_onezero: "setting this
+# field explicitly could lead to 2x better performance" for an fp32 operand of ones and zeros.
+# Taken as halving the fp32 factor per such operand (inferred: the page gives no formula).
+MATMUL_ONEZERO_SPEEDUP = 2
 # nki-library's own estimate of nc_match_replace8 (core/topk/rotational_topk.py: a max8 +
 # match_replace8 round costs 2 * (N + 144)): N + 144 VectorE cycles. Not a documented figure.
 MATCH_REPLACE8_OVERHEAD = 144
@@ -139,6 +143,7 @@ class Op:
     n_moving: int = 0
     value: Any = None
     n_dst: int = 0  # elements per partition of dst
+    fp32_onezero: int = 0  # nc_matmul: fp32 operands flagged as ones and zeros only
 
     @property
     def all_bf16(self) -> bool:
@@ -147,7 +152,9 @@ class Op:
 
 def _matmul(o: Op) -> float:
     cycles = max(min(MATMUL_MIN_STATIONARY, o.n_stationary), o.n_moving)
-    return cycles * (MATMUL_FP32_FACTOR if "float32" in o.in_dtypes else 1)
+    if "float32" not in o.in_dtypes:
+        return cycles
+    return cycles * MATMUL_FP32_FACTOR / MATMUL_ONEZERO_SPEEDUP**o.fp32_onezero
 
 
 def _tensor_tensor(o: Op) -> float:
@@ -324,6 +331,7 @@ class CostRecord:
     def compute(
         self, instr: str, engine: Any, dst: Any, inputs: list, *, ops: tuple = (),
         n_stationary: int = 0, n_moving: int = 0, value: Any = None, reduce: bool = False,
+        fp32_onezero: int = 0,
     ) -> float:  # fmt: skip
         """Charge a compute instruction; ``inputs`` are its tile operands (main input first)."""
         main = inputs[0] if inputs else dst
@@ -338,6 +346,7 @@ class CostRecord:
             n_stationary=n_stationary,
             n_moving=n_moving,
             value=value,
+            fp32_onezero=fp32_onezero,
             n_dst=int(np.prod(dst.shape[1:], dtype=np.int64)) if dst is not None and len(dst.shape) > 1 else 1,
         )
         key = _cost_key(instr + ("+reduce" if reduce else ""), len(inputs), len(inputs))
