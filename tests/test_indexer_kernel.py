@@ -518,20 +518,22 @@ def test_row_spread_kernel_one_token_or_two_per_matmul(monkeypatch, group):
     np.testing.assert_array_equal(idx, oracle_topk(oracle_scores(q, w, keys), positions, 24))
 
 
+@pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("case", ["compressed", "garbage", "nan_and_inf", "beyond_valid",
                                   "key_scale", "f32"])  # fmt: skip
-def test_row_spread_kernel_keeps_the_contract(monkeypatch, case, group):
+def test_row_spread_kernel_keeps_the_contract(monkeypatch, case, group, signed):
     """The row-spread kernel, forced, on the contract's cases: compressed blocks, garbage in
     rows no token may select, -inf and NaN scores, topk beyond the valid rows, a key_scale, f32
     operands; one token per d matmul or two, with the head sums of the first 512 rows (one
-    token) or 1024 (two) of each chunk on the VectorE. Integer inputs (and power-of-two scales)
-    make the oracle exact."""
+    token) or 1024 (two) of each chunk on the VectorE; the TensorE's head sums by sign or with
+    the signed weights. Integer inputs (and power-of-two scales) make the oracle exact."""
     from jax_sparse_attn.indexer import neuron
 
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn3")
     monkeypatch.setattr(neuron, "decode_group", lambda T, Hi, programs: group)
     monkeypatch.setattr(neuron, "head_sums_on_vector", lambda target, plan, g: g)
+    monkeypatch.setattr(neuron, "signed_head_sums", lambda target, plan, g, v: signed)
     rng = np.random.default_rng(11)
     ratio, key_scale, dtype, K = 1, None, BF16, 16
     q, w, keys = integer_case(rng, 3, 4, 8, 700)
@@ -592,19 +594,22 @@ def test_row_spread_program_does_not_grow_with_tokens_or_rows(monkeypatch):
     assert counts[0] == counts[1]
 
 
+@pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("on_vector", [0, 1])
-def test_paired_head_sums_keep_one_tokens_overflow_from_its_partner(monkeypatch, on_vector):
+def test_paired_head_sums_keep_one_tokens_overflow_from_its_partner(monkeypatch, on_vector, signed):
     """Two tokens share each head-sum matmul (the weights block-diagonal), where a zero weight
     meets the partner's relu(d). Token 1's d overflows to +inf at row 600 (its q and the key both
     2**126 in one dimension, no other token or row touching that dimension), so 0 * inf would
     make token 0's finite score there NaN and rank it last; the chunk is scored again unpaired,
     and both tokens equal the oracle. Also with the first 512 rows' head sums on the VectorE
-    (row 600 is in the second block, paired either way)."""
+    (row 600 is in the second block, paired either way), and with the signed weights moving
+    instead of the 0/1 sign columns."""
     from jax_sparse_attn.indexer import neuron
 
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     monkeypatch.setattr(neuron, "decode_group", lambda T, Hi, programs: 2)
     monkeypatch.setattr(neuron, "head_sums_on_vector", lambda target, plan, g: on_vector)
+    monkeypatch.setattr(neuron, "signed_head_sums", lambda target, plan, g, v: signed)
     rng = np.random.default_rng(21)
     q, w, keys = integer_case(rng, 2, 4, 8, 700)
     w = np.abs(w)
@@ -623,20 +628,24 @@ def test_paired_head_sums_keep_one_tokens_overflow_from_its_partner(monkeypatch,
     assert not np.isnan(scores).any()
 
 
+@pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("case", ["zero_weight_meets_minus_inf", "inf_weight", "nan_weight"])
-def test_head_sums_split_by_sign_take_the_exact_form_where_they_differ(monkeypatch, case, group):
+def test_head_sums_split_by_sign_take_the_exact_form_where_they_differ(monkeypatch, case, group,
+                                                                       signed):
     """The matmuls' head sums scale the relu by |w'| and add each sign's heads apart:
     relu(|w'| d) is |w' relu(d)| but for a zero weight meeting d = -inf (NaN, where the contract
     has 0 * relu(-inf) = 0) and a non-finite weight (inf * relu(d) is NaN for d <= 0 in the
     contract, relu(inf * d) is 0 for d < 0). Those chunks are scored again in the exact form, so
     the selection equals the oracle's, NaN scores ranked last. Token 0's head 1 has weight 0 and
     d = -2**252 at row 600 (-inf in f32, finite in float64), or head 2's weight is inf or NaN;
-    token 1 is plain. One token per head-sum matmul or two."""
+    token 1 is plain. One token per head-sum matmul or two; the signed weights moving instead
+    (exact for one token, a pair's 0 * inf scored again) hold to the same."""
     from jax_sparse_attn.indexer import neuron
 
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     monkeypatch.setattr(neuron, "decode_group", lambda T, Hi, programs: group)
+    monkeypatch.setattr(neuron, "signed_head_sums", lambda target, plan, g, v: signed)
     rng = np.random.default_rng(31)
     q, w, keys = integer_case(rng, 2, 4, 8, 700)
     q[:, :, 0] = 0.0

@@ -14,7 +14,8 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    column and the score is their difference; the group's tokens share each head-sum matmul,
    and a chunk with a NaN score (``0 * inf`` from one token's zero column meeting the other's
    relu, a non-finite weight, a zero weight meeting ``d = -inf``, or a real NaN) is scored
-   again in the exact form, each token's ``relu(d)`` against its own fp32 weights;
+   again in the exact form, each token's ``relu(d)`` against its own fp32 weights (where the
+   TensorE has time to spare, ``signed``: the weights moving, no subtraction);
    ``on_vector`` blocks per chunk instead with the rows stationary and the head sums on the
    VectorE; times ``key_scale``; staged through HBM, then ``select_key`` on the ``[128, F]``
    tile.
@@ -270,7 +271,7 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int) -> Deco
 
 
 def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, sums,
-                 on_vector: int, exact: bool):
+                 on_vector: int, exact: bool, signed: bool):
     """A chunk's head sums into the PSUM tile ``sums [128, 2 g C/128]`` (f32): for token ``m``
     of the group and row ``128 j + p`` of the chunk, at partition ``p``, column ``2 (g j + m)``
     the sum of its heads with ``w' >= 0`` and the next column that of its other heads (the score
@@ -291,7 +292,11 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, 
     pair, the second zeroed by the caller. The first ``on_vector`` 512-row blocks take another
     form: ``d`` with 128 rows stationary (rows on the partitions), then ``relu(d) * w'`` and the
     head sum on the VectorE (``w_rows``: the weights on every partition) into the first column
-    of the pair (the second is not read)."""
+    of the pair (the second is not read).
+
+    ``signed`` (where the TensorE has time to spare, such as a prefill tile): the relu unscaled
+    and ``w_signs`` holding each token's weights in its first column (zeros elsewhere, not
+    flagged): whole head sums at the full fp32 cost, with no subtraction after."""
     heads, group = plan.heads, sums.shape[1] // (2 * plan.chunk_columns)
     blocks = plan.chunk // ROWS_PER_MATMUL
     per_block = ROWS_PER_MATMUL // P
@@ -303,7 +308,7 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, 
                            moving=keys_sb[0:dw, dc, r0 : r0 + ROWS_PER_MATMUL],
                            accumulate=dc > 0)  # fmt: skip
         relu = nl.ndarray((group * heads, ROWS_PER_MATMUL), dtype=nl.float32, buffer=nl.sbuf)
-        if exact:
+        if exact or signed:
             nisa.activation(dst=relu, op=nl.relu, data=dots)
         else:
             nisa.activation(dst=relu, op=nl.relu, data=dots, scale=w_abs)
@@ -313,8 +318,8 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, 
             # relu of 128 rows stationary: the sums of those rows land on the partitions.
             if not exact:
                 nisa.nc_matmul(dst=sums[:, 2 * group * col : 2 * group * (col + 1)],
-                               stationary=relu[:, rows], moving=w_signs, is_moving_onezero=True,
-                               accumulate=False)  # fmt: skip
+                               stationary=relu[:, rows], moving=w_signs,
+                               is_moving_onezero=not signed, accumulate=False)  # fmt: skip
                 continue
             for g in range(group):
                 heads_g = slice(g * heads, (g + 1) * heads)  # the token's partitions, in both
@@ -393,7 +398,7 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, group, member: in
 
 def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, staged_scores=None,
                           staged_candidates=None, *,
-                          topk, depth, split=0, steps=None, on_vector=0, offload=None,
+                          topk, depth, split=0, steps=None, on_vector=0, offload=None, signed=False,
                           phase="all"):  # fmt: skip
     """The row-spread selection (module docstring) of each of the program's tokens.
 
@@ -401,7 +406,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     partition, a multiple of 8) and ``split`` (rank columns counted on GpSimd + ScalarE)
     compile-time ints, keyword arguments. Launch as ``kernel[n]`` with the spans ``S`` a multiple
     of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
-    ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE; ``offload``
+    ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE; ``signed``
+    the TensorE's head sums with the signed weights (``_score_chunk``); ``offload``
     the pivot list's rank columns (of the program's share) counted as GpSimd compares and
     ScalarE sums (None: half of them; the caller balances them, ``neuron.list_offload_columns``).
     A span's groups share each read of a chunk of keys (one DMA, scored by each group in turn).
@@ -667,9 +673,11 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     def score_chunk_of_group(i, c):
         tiles = (q_sbs[i], w_sbs[i], w_abs[i], w_signs[i], w_rows_all[i], keys_sb, chunk_ps,
                  on_vector)  # fmt: skip
-        _score_chunk(plan, *tiles, False)
-        # The columns whose sums the VectorE made whole; the rest are the matmuls' sign pairs.
-        whole = on_vector * (ROWS_PER_MATMUL // P)
+        _score_chunk(plan, *tiles, False, signed)
+        # The columns whose first sums are whole (the VectorE's, or all with the signed
+        # weights); the rest are the matmuls' sign pairs. NaN counted from ``checked`` on.
+        whole = chunk_columns if signed else on_vector * (ROWS_PER_MATMUL // P)
+        checked = 0 if signed else whole
 
         def scores_out():
             step = 2 * group
@@ -687,23 +695,24 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
         def exact_again(_):
             nisa.memset(dst=chunk_ps[:, 1::2], value=0.0)  # the pairs' second columns
-            _score_chunk(plan, *tiles, True)
+            _score_chunk(plan, *tiles, True, signed)
             scores_out()
 
         scores_out()
-        if whole < chunk_columns:
+        # (One token's signed head sums are the exact form already.)
+        if checked < chunk_columns and not (signed and group == 1):
             # A NaN among the matmuls' scores (a 0 * inf of a pair's head sums, a non-finite
             # weight, a -inf d of a zero weight, inf - inf): the chunk again in the exact form
             # (0 or 1 trips), which gives the contract's scores. x >= -inf holds for every
             # number, not for NaN: the group's scores, counted.
-            signed = chunk_sb_all[:, :, whole:chunk_columns]
-            nisa.tensor_scalar_reduce(dst=nan_mask[:, :, whole:chunk_columns], data=signed,
+            counted = chunk_sb_all[:, :, checked:chunk_columns]
+            nisa.tensor_scalar_reduce(dst=nan_mask[:, :, checked:chunk_columns], data=counted,
                                       op0=nl.greater_equal, operand0=-math.inf, reduce_op=nl.add,
                                       reduce_res=nan_col,
                                       reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
             nisa.nc_matmul(dst=chunk_nan_ps, stationary=ones_col, moving=nan_col, accumulate=False)
             nisa.tensor_scalar(dst=nan_flag, data=chunk_nan_ps, op0=nl.less,
-                               operand0=float(P * group * (chunk_columns - whole)))  # fmt: skip
+                               operand0=float(P * group * (chunk_columns - checked)))  # fmt: skip
             nl.fori_loop(0, load_register(nan_flag), exact_again)
         for staged, chunk_sb in zip(scores_hbm[i * group : (i + 1) * group], chunk_sbs):
             nisa.dma_copy(dst=staged.ap(pattern=[[columns, P], [1, chunk_columns]], offset=0,
@@ -1013,15 +1022,20 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             nisa.dma_copy(dst=w_sbs[i], src=_tile_block(w_t, t, group_heads, 1, i * group_heads))
             # |w'| = max(-w', w'), then NaN where w' is not finite (|w'| - |w'| is NaN there,
             # 0 elsewhere), so that its chunks take the exact form. Each token's 0/1 columns:
-            # w' >= 0, then the rest (NaN among them); zeros on the other token's heads.
-            nisa.tensor_scalar(dst=w_abs[i], data=w_sbs[i], op0=nl.multiply, operand0=-1.0,
-                               op1=nl.maximum, operand1=w_sbs[i])  # fmt: skip
-            nisa.tensor_scalar(dst=w_abs[i], data=w_abs[i], op0=nl.subtract, operand0=w_abs[i],
-                               op1=nl.add, operand1=w_abs[i])  # fmt: skip
+            # w' >= 0, then the rest (NaN among them); zeros on the other token's heads. Signed:
+            # the token's weights in its first column instead, no |w'|.
+            if not signed:
+                nisa.tensor_scalar(dst=w_abs[i], data=w_sbs[i], op0=nl.multiply, operand0=-1.0,
+                                   op1=nl.maximum, operand1=w_sbs[i])  # fmt: skip
+                nisa.tensor_scalar(dst=w_abs[i], data=w_abs[i], op0=nl.subtract,
+                                   operand0=w_abs[i], op1=nl.add, operand1=w_abs[i])  # fmt: skip
             nisa.memset(dst=w_signs[i], value=0.0)
             for m in range(group):
                 heads_m = slice(m * heads, (m + 1) * heads)
                 plus = w_signs[i][heads_m, 2 * m : 2 * m + 1]
+                if signed:
+                    nisa.tensor_copy(dst=plus, src=w_sbs[i][heads_m, :])
+                    continue
                 nisa.tensor_scalar(dst=plus, data=w_sbs[i][heads_m, :], op0=nl.greater_equal,
                                    operand0=0.0)  # fmt: skip
                 nisa.tensor_scalar(dst=w_signs[i][heads_m, 2 * m + 1 : 2 * m + 2], data=plus,

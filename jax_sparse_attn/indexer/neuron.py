@@ -216,10 +216,11 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     g = slots // operands[0].shape[1]  # tokens per group: slots over the groups of a span
     # The kernel's compile-time arguments.
     on_vector = head_sums_on_vector(target, plan, g)
+    signed = not split_rows and signed_head_sums(target, plan, g, on_vector)
     # The selecting launch's programs each rank a share of the list's columns.
     offload = rank_offload(target, plan, g, on_vector, programs if split_rows else 1)
     statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
-                   on_vector=on_vector, offload=offload)  # fmt: skip
+                   on_vector=on_vector, offload=offload, signed=signed)  # fmt: skip
     score_programs = programs if split_rows else 0
     score_on_vector = scoring_on_vector(target, plan, g, programs) if split_rows else 0
     if emulated:
@@ -333,11 +334,12 @@ def _bisection_cycles(plan) -> float:
     return halvings * (7 * MIN_II + max(MIN_II, plan.depth))
 
 
-def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
+def _decode_tensor_cycles(plan, group: int, on_vector: int, signed: bool = False) -> float:
     """TensorE cycles of one token's scores in the row-spread kernel, by the cost model's
     nc_matmul formula: on the TensorE's blocks, per 512 rows one bf16 matmul per 128 of ``Di``
     (q stationary, shared by the ``group``'s tokens) and per 128 rows one fp32 head sum for the
-    group (``relu(|w'| d)`` stationary, the 0/1 sign columns moving, flagged one-zero); on the
+    group (``relu(|w'| d)`` stationary, the 0/1 sign columns moving, flagged one-zero; with
+    ``signed``, the weights moving at the full fp32 cost); on the
     ``on_vector`` blocks, per 128 rows one bf16 matmul per 128 of ``Di`` (the rows stationary,
     the group's q moving)."""
     from ..nki_emulator.cost import (
@@ -352,7 +354,7 @@ def _decode_tensor_cycles(plan, group: int, on_vector: int) -> float:
     per_block = rows // _decode.P
     dots = d_tiles * max(min(MATMUL_MIN_STATIONARY, group * plan.heads), rows) / group
     head_sums = (per_block * max(MATMUL_MIN_STATIONARY, 2 * group) * MATMUL_FP32_FACTOR
-                 / MATMUL_ONEZERO_SPEEDUP / group)  # fmt: skip
+                 / (1 if signed else MATMUL_ONEZERO_SPEEDUP) / group)  # fmt: skip
     rows_first = per_block * d_tiles * max(MATMUL_MIN_STATIONARY, group * plan.heads) / group
     return plan.chunks * ((blocks - on_vector) * (dots + head_sums) + on_vector * rows_first)
 
@@ -370,12 +372,14 @@ def _decode_head_sum_cycles(plan, on_vector: int) -> float:
     return plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * plan.heads
 
 
-def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int) -> float:
+def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int,
+                          signed: bool = False) -> float:
     """The VectorE's cycles for one token in the row-spread kernel (one launch), by the cost
     formulas: the head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor
     ``2 N`` and a reduce ``N`` per 128 rows), the chunks' scores out of PSUM (a copy and a
-    subtraction, ``2 F``), its share of each chunk's NaN check (a count over the group's scores
-    and two small instructions), the selection (:func:`_selection_vector_cycles`) and the list's rank columns
+    subtraction, ``2 F``; with ``signed`` a copy), its share of each chunk's NaN check (a count
+    over the group's scores and two small instructions; none for one token's signed sums), the
+    selection (:func:`_selection_vector_cycles`) and the list's rank columns
     that stay on the VectorE (``offload`` go to the GpSimd; two tensor_scalar_reduce over the
     shifted list's ``cap + 128`` and a sum). A short cache (every row a candidate) takes the
     list too: its halvings start at the partitions' floor, not at ``U*`` (MARKER)."""
@@ -384,20 +388,22 @@ def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int) -> flo
     cap_cols = plan.compact // _decode.P
     ranks = (cap_cols - offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
     head_sums = _decode_head_sum_cycles(plan, on_vector)
-    nan_check = plan.chunks * (
+    nan_check = 0.0 if signed and group == 1 else plan.chunks * (
         max(MIN_II, group * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
-    return _selection_vector_cycles(plan) + 2 * plan.columns + ranks + head_sums + nan_check
+    scores_out = (1 if signed else 2) * plan.columns
+    return _selection_vector_cycles(plan) + scores_out + ranks + head_sums + nan_check
 
 
-def decode_token_us(target: str, plan, group: int, on_vector: int) -> float:
+def decode_token_us(target: str, plan, group: int, on_vector: int, signed: bool = False) -> float:
     """One token's modelled time in the row-spread kernel by the cost formulas: its busier of
     TensorE and VectorE."""
     from ..nki_emulator.cost import HARDWARE
 
     hw = HARDWARE[target]
     offload = rank_offload(target, plan, group, on_vector)
-    return max(_decode_tensor_cycles(plan, group, on_vector) / hw.tensor_ghz,
-               _decode_vector_cycles(plan, group, on_vector, offload) / hw.vector_ghz) / 1e3  # fmt: skip
+    return max(_decode_tensor_cycles(plan, group, on_vector, signed) / hw.tensor_ghz,
+               _decode_vector_cycles(plan, group, on_vector, offload, signed) / hw.vector_ghz,
+               ) / 1e3  # fmt: skip
 
 
 def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
@@ -424,8 +430,16 @@ def head_sums_on_vector(target: str, plan, group: int) -> int:
     """The 512-row blocks per chunk whose head sums run on the VectorE: the count that gives the
     least time per token by the cost formulas (ties at their expected share)."""
     blocks = plan.chunk // _decode.ROWS_PER_MATMUL
-    return min(range(blocks + 1),
-               key=lambda v: decode_token_us(target, plan, group, v))  # fmt: skip
+    return min(range(blocks + 1), key=lambda v: min(
+        decode_token_us(target, plan, group, v, signed) for signed in (False, True)))
+
+
+def signed_head_sums(target: str, plan, group: int, on_vector: int) -> bool:
+    """Whether the TensorE's head sums take the signed weights (full fp32 cost, no subtraction:
+    where the TensorE has time to spare) rather than the 0/1 sign columns, by the cost
+    formulas (``decode_kernel._score_chunk``)."""
+    return (decode_token_us(target, plan, group, on_vector, True)
+            < decode_token_us(target, plan, group, on_vector, False))  # fmt: skip
 
 
 def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, topk: int):
@@ -455,7 +469,8 @@ def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, 
     hw = HARDWARE[target]
     group = decode_group(T, Hi, programs)
     on_vector = head_sums_on_vector(target, plan, group)
-    decode_us = -(-T // programs) * decode_token_us(target, plan, group, on_vector)
+    signed = signed_head_sums(target, plan, group, on_vector)
+    decode_us = -(-T // programs) * decode_token_us(target, plan, group, on_vector, signed)
     tiled_us = tiled_cycles / hw.vector_ghz / 1e3
     return ("decode", plan) if decode_us < tiled_us else ("tiled", None)
 
