@@ -270,7 +270,7 @@ def plan_decode(heads: int, dim: int, rows: int, topk: int, budget: int) -> Deco
     return None
 
 
-def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, sums,
+def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_moving, w_rows, keys_sb, sums,
                  on_vector: int, exact: bool, signed: bool):
     """A chunk's head sums into the PSUM tile ``sums [128, 2 g C/128]`` (f32): for token ``m``
     of the group and row ``128 j + p`` of the chunk, at partition ``p``, column ``2 (g j + m)``
@@ -282,9 +282,9 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, 
     The ScalarE's relu scales by ``w_abs`` (``|w'|`` per head): ``relu(|w'| d)`` is
     ``|w' relu(d)|``, the fp32 product rounded once, wherever ``w'`` is finite and ``d`` is not
     ``-inf`` with ``w' = 0``. The head sums are then fp32 matmuls, ``relu`` of 128 rows
-    stationary and ``w_signs`` moving (ones and zeros only: each token's heads of either sign;
-    one matmul for the group's tokens), flagged ``is_moving_onezero``: half an fp32 matmul's
-    cost (its page). There a zero of one token's columns meets the other's ``relu``, and
+    stationary and ``w_moving`` moving (ones and zeros only: each token's heads of either
+    sign; one matmul for the group's tokens), flagged ``is_moving_onezero``: half an fp32
+    matmul's cost (its page). There a zero of one token's columns meets the other's ``relu``, and
     ``0 * inf`` is NaN; the exceptions above give NaN too (``w_abs`` is NaN for a non-finite
     ``w'``). The caller checks the sums for NaN and, where there is one, scores the chunk again
     with ``exact``: per token, ``relu(d)`` stationary and ``w'`` moving (the contract's
@@ -295,7 +295,7 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, 
     of the pair (the second is not read).
 
     ``signed`` (where the TensorE has time to spare, such as a prefill tile): the relu unscaled
-    and ``w_signs`` holding each token's weights in its first column (zeros elsewhere, not
+    and ``w_moving`` holding each token's weights in its first column (zeros elsewhere, not
     flagged): whole head sums at the full fp32 cost, with no subtraction after."""
     heads, group = plan.heads, sums.shape[1] // (2 * plan.chunk_columns)
     blocks = plan.chunk // ROWS_PER_MATMUL
@@ -318,7 +318,7 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_signs, w_rows, keys_sb, 
             # relu of 128 rows stationary: the sums of those rows land on the partitions.
             if not exact:
                 nisa.nc_matmul(dst=sums[:, 2 * group * col : 2 * group * (col + 1)],
-                               stationary=relu[:, rows], moving=w_signs,
+                               stationary=relu[:, rows], moving=w_moving,
                                is_moving_onezero=not signed, accumulate=False)  # fmt: skip
                 continue
             for g in range(group):
@@ -510,14 +510,14 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
     d_tiles = _ceil_div(dim, KERNEL_TILE)
     # Loop-carried state, allocated outside the loops (nki.language.fori_loop page).
-    # Per group of the span: q, the weights, their magnitudes (the relu's scale) and signs (each
-    # token's 0/1 columns of heads with w' >= 0 and w' < 0), on every partition (the VectorE's
-    # head sums).
+    # Per group of the span: q, the weights, their magnitudes (the relu's scale), the head-sum
+    # matmul's moving columns (each token's 0/1 columns of heads with w' >= 0 and the rest, or
+    # with ``signed`` its weights), the weights on every partition (the VectorE's head sums).
     q_sbs = [nl.ndarray((KERNEL_TILE, d_tiles, group_heads), dtype=q_t.dtype, buffer=nl.sbuf)
              for _ in range(span)]  # fmt: skip
     w_sbs = [nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(span)]
     w_abs = [nl.ndarray((group_heads, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(span)]
-    w_signs = [nl.ndarray((group_heads, 2 * group), dtype=nl.float32, buffer=nl.sbuf)
+    w_moving = [nl.ndarray((group_heads, 2 * group), dtype=nl.float32, buffer=nl.sbuf)
                for _ in range(span)]  # fmt: skip
     w_rows_all = [nl.ndarray((P, group_heads), dtype=nl.float32, buffer=nl.sbuf)
                   for _ in range(span)]  # fmt: skip
@@ -671,7 +671,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             score_chunk_of_group(i, c)
 
     def score_chunk_of_group(i, c):
-        tiles = (q_sbs[i], w_sbs[i], w_abs[i], w_signs[i], w_rows_all[i], keys_sb, chunk_ps,
+        tiles = (q_sbs[i], w_sbs[i], w_abs[i], w_moving[i], w_rows_all[i], keys_sb, chunk_ps,
                  on_vector)  # fmt: skip
         _score_chunk(plan, *tiles, False, signed)
         # The columns whose first sums are whole (the VectorE's, or all with the signed
@@ -1029,16 +1029,16 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                                    op1=nl.maximum, operand1=w_sbs[i])  # fmt: skip
                 nisa.tensor_scalar(dst=w_abs[i], data=w_abs[i], op0=nl.subtract,
                                    operand0=w_abs[i], op1=nl.add, operand1=w_abs[i])  # fmt: skip
-            nisa.memset(dst=w_signs[i], value=0.0)
+            nisa.memset(dst=w_moving[i], value=0.0)
             for m in range(group):
                 heads_m = slice(m * heads, (m + 1) * heads)
-                plus = w_signs[i][heads_m, 2 * m : 2 * m + 1]
+                plus = w_moving[i][heads_m, 2 * m : 2 * m + 1]
                 if signed:
                     nisa.tensor_copy(dst=plus, src=w_sbs[i][heads_m, :])
                     continue
                 nisa.tensor_scalar(dst=plus, data=w_sbs[i][heads_m, :], op0=nl.greater_equal,
                                    operand0=0.0)  # fmt: skip
-                nisa.tensor_scalar(dst=w_signs[i][heads_m, 2 * m + 1 : 2 * m + 2], data=plus,
+                nisa.tensor_scalar(dst=w_moving[i][heads_m, 2 * m + 1 : 2 * m + 2], data=plus,
                                    op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
             nisa.dma_copy(dst=w_rows_all[i], src=_tile_block(w_t, t, P, group_heads, i * group_heads,
                                                              row_stride=0))  # fmt: skip
