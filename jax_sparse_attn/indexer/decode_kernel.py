@@ -1065,7 +1065,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         width = scores.shape[1]
         nisa.dma_copy(dst=scratch, src=key_scale_t.ap(pattern=[[columns, P], [1, width]],
                                                       offset=first))  # fmt: skip
-        nisa.tensor_tensor(dst=scores, data1=scores, data2=scratch, op=nl.multiply)
+        # On the GpSimd, which the selection leaves the least busy (SBUF operands only).
+        nisa.tensor_tensor(dst=scores, data1=scores, data2=scratch, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)  # fmt: skip
         nisa.iota(dst=scratch, pattern=[[P, width]], offset=P * first, channel_multiplier=1)
         select_key(scores, scratch, nv_col)
 

@@ -218,7 +218,7 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
     on_vector = head_sums_on_vector(target, plan, g)
     signed = not split_rows and signed_head_sums(target, plan, g, on_vector)
     # The selecting launch's programs each rank a share of the list's columns.
-    offload = rank_offload(target, plan, g, on_vector, programs if split_rows else 1)
+    offload = rank_offload(target, plan, g, on_vector, programs if split_rows else 1, signed)
     statics = dict(topk=k, depth=plan.depth, split=plan.split, steps=plan.steps,
                    on_vector=on_vector, offload=offload, signed=signed)  # fmt: skip
     score_programs = programs if split_rows else 0
@@ -265,21 +265,24 @@ def decode_plan(target: str, Hi: int, Di: int, R: int, topk: int):
     return dataclasses.replace(plan, split=int(min(max(round(split), 0), plan.depth)))
 
 
-def rank_offload(target: str, plan, group: int, on_vector: int, programs: int = 1) -> int:
+def rank_offload(target: str, plan, group: int, on_vector: int, programs: int = 1,
+                 signed: bool = False) -> int:
     """The kernel's ``offload`` (:func:`list_offload_columns`) for tokens in groups of ``group``
-    with ``on_vector`` head-sum blocks per chunk on the VectorE; ``programs > 1``: the two-launch
-    form's selecting launch, which scores nothing."""
+    with ``on_vector`` head-sum blocks per chunk on the VectorE (and the TensorE's head sums
+    ``signed`` or by sign); ``programs > 1``: the two-launch form's selecting launch, which
+    scores nothing."""
     if programs > 1:
         return list_offload_columns(target, plan, programs)
-    return list_offload_columns(target, plan, relu_cycles=_decode_relu_cycles(plan, group, on_vector),
-                                head_sum_cycles=_decode_head_sum_cycles(plan, on_vector))
+    return list_offload_columns(
+        target, plan, relu_cycles=_decode_relu_cycles(plan, group, on_vector),
+        scoring_cycles=_decode_scoring_vector_cycles(plan, group, on_vector, signed))
 
 
 def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: float = 0.0,
-                         head_sum_cycles: float = 0.0) -> int:
+                         scoring_cycles: float = 0.0) -> int:
     """Of the pivot list's rank columns (``decode_kernel`` step 3a) that one program ranks, those
     counted as GpSimd compares and ScalarE sums: the count that evens one token's work on the
-    VectorE (its ``head_sum_cycles`` besides the selection), the GpSimd and the ScalarE (its
+    VectorE (its ``scoring_cycles`` besides the selection), the GpSimd and the ScalarE (its
     ``relu_cycles`` besides the sums) by the cost formulas (:mod:`..nki_emulator.cost`).
     ``programs > 1``: the selecting launch of the two-launch form, where each program ranks and
     places its share of the list's columns (the larger share here) and the scoring launch did
@@ -287,8 +290,8 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
 
     - VectorE: :func:`_selection_vector_cycles`, and per rank column two counting passes over
       ``cap + 128`` (the shifted list) and a sum;
-    - GpSimd: in one launch ``6 F`` (the keys' copy, select_key's halving, NaN test ``2F`` and
-      validity, the rows' iota); the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the
+    - GpSimd: in one launch ``8 F`` (the key-scale product ``2F``, the keys' copy, select_key's
+      halving, NaN test ``2F`` and validity, the rows' iota); the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the
       cost model's assumption: ``decode_kernel.scattered_columns`` for the list's pairs, one per
       placed column); and per offloaded column two compares over ``cap + 128``."""
     from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MIN_II
@@ -297,9 +300,9 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
     F, cap = plan.columns, plan.compact
     width = cap + _decode.LIST_PAD
     columns = -(-(cap // _decode.P) // programs)
-    vector = _selection_vector_cycles(plan, programs) + head_sum_cycles
+    vector = _selection_vector_cycles(plan, programs) + scoring_cycles
     scatters = _decode.scattered_columns(plan) + columns
-    gpsimd = (6 * F if programs == 1 else 0) + scatters * (GPSIMD_START + _decode.P) + 25 * MIN_II
+    gpsimd = (8 * F if programs == 1 else 0) + scatters * (GPSIMD_START + _decode.P) + 25 * MIN_II
     return min(range(columns + 1), key=lambda x: max(
         (vector + (columns - x) * (width + 3 * MIN_II)) / hw.vector_ghz,
         (gpsimd + x * (width + 2 * MIN_II)) / hw.gpsimd_ghz,
@@ -310,8 +313,8 @@ def _selection_vector_cycles(plan, programs: int = 1) -> float:
     """VectorE cycles of one token's selection on the pivot's path, but for the list's rank
     columns, by the cost formulas: the max8 ``N`` and match_replace8 ``N + 144`` rounds over the
     row (over the shares' candidates where ``programs > 1``, the two-launch form's selecting
-    launch) and the best left ``N``; in one launch select_key's key-scale product and two selects
-    (``3F``); the row-order grid's mask, running sum ``2F`` and two sums (``5F``); the pivot's
+    launch) and the best left ``N``; in one launch select_key's two selects (``2F``; the
+    key-scale product is the GpSimd's); the row-order grid's mask, running sum ``2F`` and two sums (``5F``); the pivot's
     halvings; and about 75 small instructions at ``MIN_II`` (an estimate from the kernel's
     code)."""
     from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
@@ -319,7 +322,7 @@ def _selection_vector_cycles(plan, programs: int = 1) -> float:
     F = plan.columns
     rounds = plan.depth // _kernel.SELECTED_PER_ROUND
     row = F if programs == 1 else programs * _decode.share_depth(plan, programs)
-    return (rounds * (2 * row + MATCH_REPLACE8_OVERHEAD) + row + (3 * F if programs == 1 else 0)
+    return (rounds * (2 * row + MATCH_REPLACE8_OVERHEAD) + row + (2 * F if programs == 1 else 0)
             + 5 * F + _bisection_cycles(plan) + 75 * MIN_II)  # fmt: skip
 
 
@@ -387,11 +390,20 @@ def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int,
 
     cap_cols = plan.compact // _decode.P
     ranks = (cap_cols - offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
+    scoring = _decode_scoring_vector_cycles(plan, group, on_vector, signed)
+    return _selection_vector_cycles(plan) + scoring + ranks
+
+
+def _decode_scoring_vector_cycles(plan, group: int, on_vector: int, signed: bool) -> float:
+    """The VectorE's share of one token's scoring (see :func:`_decode_vector_cycles`): the
+    head sums of ``on_vector`` blocks, the scores out of PSUM and the NaN check."""
+    from ..nki_emulator.cost import MIN_II
+
     head_sums = _decode_head_sum_cycles(plan, on_vector)
     nan_check = 0.0 if signed and group == 1 else plan.chunks * (
         max(MIN_II, group * plan.chunk_columns) + 3 * MIN_II) / group  # fmt: skip
     scores_out = (1 if signed else 2) * plan.columns
-    return _selection_vector_cycles(plan) + scores_out + ranks + head_sums + nan_check
+    return head_sums + scores_out + nan_check
 
 
 def decode_token_us(target: str, plan, group: int, on_vector: int, signed: bool = False) -> float:
@@ -400,7 +412,7 @@ def decode_token_us(target: str, plan, group: int, on_vector: int, signed: bool 
     from ..nki_emulator.cost import HARDWARE
 
     hw = HARDWARE[target]
-    offload = rank_offload(target, plan, group, on_vector)
+    offload = rank_offload(target, plan, group, on_vector, signed=signed)
     return max(_decode_tensor_cycles(plan, group, on_vector, signed) / hw.tensor_ghz,
                _decode_vector_cycles(plan, group, on_vector, offload, signed) / hw.vector_ghz,
                ) / 1e3  # fmt: skip
@@ -409,7 +421,7 @@ def decode_token_us(target: str, plan, group: int, on_vector: int, signed: bool 
 def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
     """:func:`head_sums_on_vector` for the scoring launch of the two-launch form, where the
     VectorE's other work is each program's share of step 2 (over ``Fs = F / programs`` columns:
-    the key-scale product and select_key's two selects ``3 Fs``, max8 ``Fs`` and match_replace8
+    select_key's two selects ``2 Fs`` (the key-scale product is the GpSimd's), max8 ``Fs`` and match_replace8
     ``Fs + 144`` rounds for the share's depth, the best left ``Fs``): the count that evens one
     program's TensorE and VectorE by the cost formulas."""
     from ..nki_emulator.cost import HARDWARE, MATCH_REPLACE8_OVERHEAD
@@ -420,7 +432,7 @@ def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
     rounds = _decode.share_depth(plan, programs) // _kernel.SELECTED_PER_ROUND
     # Per program: its share of the scores, and of step 2 (with the share's zero fill, the
     # chunks' scores out of PSUM, a copy and a subtraction, 3 Fs, and their NaN count, Fs).
-    selection = 8 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
+    selection = 7 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
     return min(range(blocks + 1), key=lambda v: max(
         _decode_tensor_cycles(plan, group, v) / programs / hw.tensor_ghz,
         (_decode_head_sum_cycles(plan, v) / programs + selection) / hw.vector_ghz))
