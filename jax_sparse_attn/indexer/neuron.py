@@ -291,9 +291,10 @@ def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: floa
     - VectorE: :func:`_selection_vector_cycles`, and per rank column two counting passes over
       ``cap + 128`` (the shifted list) and a sum;
     - GpSimd: in one launch ``8 F`` (the key-scale product ``2F``, the keys' copy, select_key's
-      halving, NaN test ``2F`` and validity, the rows' iota); the scatter DMAs' descriptors (``GPSIMD_START`` + 128 each, the
-      cost model's assumption: ``decode_kernel.scattered_columns`` for the list's pairs, one per
-      placed column); and per offloaded column two compares over ``cap + 128``."""
+      halving, NaN test ``2F`` and validity, the rows' iota); the scatter DMAs' descriptors
+      (``GPSIMD_START`` + 128 each, the cost model's assumption:
+      ``decode_kernel.scattered_columns`` for the list's pairs, one per placed column); and per
+      offloaded column two compares over ``cap + 128``."""
     from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MIN_II
 
     hw = HARDWARE[target]
@@ -314,9 +315,9 @@ def _selection_vector_cycles(plan, programs: int = 1) -> float:
     columns, by the cost formulas: the max8 ``N`` and match_replace8 ``N + 144`` rounds over the
     row (over the shares' candidates where ``programs > 1``, the two-launch form's selecting
     launch) and the best left ``N``; in one launch select_key's two selects (``2F``; the
-    key-scale product is the GpSimd's); the row-order grid's mask, running sum ``2F`` and two sums (``5F``); the pivot's
-    halvings; and about 75 small instructions at ``MIN_II`` (an estimate from the kernel's
-    code)."""
+    key-scale product is the GpSimd's); the row-order grid's mask, running sum ``2F`` and two
+    sums (``5F``); the pivot's halvings; and about 75 small instructions at ``MIN_II`` (an
+    estimate from the kernel's code)."""
     from ..nki_emulator.cost import MATCH_REPLACE8_OVERHEAD, MIN_II
 
     F = plan.columns
@@ -420,22 +421,22 @@ def decode_token_us(target: str, plan, group: int, on_vector: int, signed: bool 
 
 def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
     """:func:`head_sums_on_vector` for the scoring launch of the two-launch form, where the
-    VectorE's other work is each program's share of step 2 (over ``Fs = F / programs`` columns:
-    select_key's two selects ``2 Fs`` (the key-scale product is the GpSimd's), max8 ``Fs`` and match_replace8
-    ``Fs + 144`` rounds for the share's depth, the best left ``Fs``): the count that evens one
-    program's TensorE and VectorE by the cost formulas."""
+    VectorE's other work is the program's share of the scoring
+    (:func:`_decode_scoring_vector_cycles`) and of step 2, over ``Fs = F / programs`` columns:
+    the share's zero fill ``Fs``, select_key's two selects ``2 Fs`` (the key-scale product is
+    the GpSimd's), max8 ``Fs`` and match_replace8 ``Fs + 144`` rounds for the share's depth, the
+    best left ``Fs``. The count that evens one program's TensorE and VectorE."""
     from ..nki_emulator.cost import HARDWARE, MATCH_REPLACE8_OVERHEAD
 
     hw = HARDWARE[target]
     blocks = plan.chunk // _decode.ROWS_PER_MATMUL
     share = plan.columns // programs
     rounds = _decode.share_depth(plan, programs) // _kernel.SELECTED_PER_ROUND
-    # Per program: its share of the scores, and of step 2 (with the share's zero fill, the
-    # chunks' scores out of PSUM, a copy and a subtraction, 3 Fs, and their NaN count, Fs).
-    selection = 7 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
+    selection = 4 * share + rounds * (2 * share + MATCH_REPLACE8_OVERHEAD)
     return min(range(blocks + 1), key=lambda v: max(
         _decode_tensor_cycles(plan, group, v) / programs / hw.tensor_ghz,
-        (_decode_head_sum_cycles(plan, v) / programs + selection) / hw.vector_ghz))
+        (_decode_scoring_vector_cycles(plan, group, v, False) / programs + selection)
+        / hw.vector_ghz))  # fmt: skip
 
 
 def head_sums_on_vector(target: str, plan, group: int) -> int:
