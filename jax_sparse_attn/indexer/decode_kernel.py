@@ -31,12 +31,20 @@ cache lives in partition ``r % 128``, column ``r // 128``, and the selection is:
    ``>= v`` are exactly the listed candidates. They are scattered into a compact list in row
    order (each one's place: the rows ``>= v`` before it, counted on the ``[128, F]`` grid by a
    running sum over its columns and a matmul over its partitions), and each entry's rank is
-   how many entries beat it, earlier entries (lower rows) at an equal key included. Partition
-   ``p`` reads the list shifted, from entry ``p - 128`` on (``LIST_PAD`` MARKER keys before and
-   after it in HBM), so the entries of a block of 128 (entry ``128 c + p`` on partition ``p``)
-   all sit at column ``128 c + 128`` of their partitions: one compare-and-count pass
-   (``tensor_scalar_reduce``) with ``>=`` before that column and one with ``>`` from it on rank
-   the block exactly in the contract's order, exact ties by row included. Where no pivot is
+   how many entries beat it, earlier entries (lower rows) at an equal key included. A program
+   ranking the whole list compares each pair of entries once: every partition holds the list,
+   and block ``c``'s pass (entry ``128 c + p`` on partition ``p``, a ``tensor_scalar_reduce``
+   with ``>`` over the entries from ``128 c`` on) counts those strictly above each of its
+   entries; its 0/1 tile, summed over the partitions by one ``[128, 128]`` matmul per later
+   block, counts for each later entry the block's entries it beats strictly, and the other
+   ones beat it (an equal key at a lower row wins). Only ties within a block are missed: the
+   ranks' check below finds them, and a pass per block adds each entry's equal keys at lower
+   rows of its block (path 4). A program ranking a share of the list's columns (a decode
+   step's selecting launch) reads the list shifted instead, partition ``p`` from entry
+   ``p - 128`` on (``LIST_PAD`` MARKER keys before and after it in HBM), so the entries of a
+   block of 128 all sit at column ``128 c + 128`` of their partitions: one compare-and-count
+   pass with ``>=`` before that column and one with ``>`` from it on rank the block exactly in
+   the contract's order, exact ties by row included, with no check. Where no pivot is
    found in ``steps`` halvings (step 3b), every partition holds all ``M = 128 depth``
    candidates (broadcast through HBM) and each candidate's rank is counted among all ``M``
    (strictly greater keys); the chosen (rank ``< Kv``) then form the list where they need step
@@ -67,7 +75,8 @@ multiple of the programs::
     n_valid      [S, s g, 1]          f32     valid rows of each token
     chunk_ends   [1, S, s g]          int32   chunks holding a valid row of the token
     -> keys [S, s g, K] f32, idx [S, s g, K] int32, path [S, s g] int32 (0 all M ranked, 1 and
-       ties broken, 2 fallback, 3 the list at the pivot ranked)
+       ties broken, 2 fallback, 3 the list at the pivot ranked, 4 and ties within its blocks
+       broken)
 
 The programs of a launch split the spans. Where the tokens are fewer than the programs (a decode
 step), two launches instead (``phase``): the programs split each token's chunks to score them and
@@ -227,8 +236,8 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     of 512) and a block of it, the candidates' tiles (about 20 ``depth``-wide rows), two
     programs' shares of them as staged and side by side (the two-launch form), the broadcast
     candidates and the count passes' outputs (``3 M``, or the shifted list's ``cap + 128`` if
-    wider; step 4 reuses them), step 4's columns (about 11 per 128 of ``cap``), its blocks (three
-    rows of 128) and a ``cap + 128``-wide scratch, five ``[128, 128]`` matrices, and the
+    wider; step 4 reuses them), step 4's columns (about 12 per 128 of ``cap``), its blocks (three
+    rows of 128) and two ``cap + 128``-wide 16-bit scratch tiles, five ``[128, 128]`` matrices, and the
     fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK`` candidates on one
     partition) and the slots' fill."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
@@ -241,7 +250,7 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     shares = 4 * (2 * (two_shares + 1) + 2 * two_shares)
     list_width = plan.compact + LIST_PAD
     candidates = (20 * 4 * plan.depth + shares + 3 * 4 * max(plan.candidates, list_width)
-                  + 11 * 4 * plan.compact // P + 4 * 3 * P + 4 * list_width
+                  + 12 * 4 * plan.compact // P + 4 * 3 * P + 4 * list_width
                   + 5 * 4 * P)  # fmt: skip
     k8 = plan.topk8
     fallback = 2 * 4 * (k8 + FALLBACK_CHUNK) + 5 * 4 * k8 + 9 * k8
@@ -499,6 +508,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     ranked_cols = (range(program * cap_cols // programs, (program + 1) * cap_cols // programs)
                    if phase == "select" else range(cap_cols))  # fmt: skip
     lead = phase != "select" or program == 0
+    # Ranking the whole list (not a share of it), a program compares each pair of entries once.
+    whole_list = phase != "select"
     # Step 4's list: keys, rows and ranks, one array each (contiguous for the broadcasts); the
     # keys between two runs of 128 MARKER (LIST_PAD), read shifted by partition for the ranks.
     list_hbm = [nl.ndarray((cap + 2 * LIST_PAD * (f == 0), 1), dtype=nl.float32, buffer=nl.hbm)
@@ -573,7 +584,12 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     list_keys, list_rows, equal = all_keys[:, 0:cap], beaten[:, 0:cap], beaten_alt[:, 0:cap]
     # Step 3a's shifted list (after build_list, which reads the broadcast) and its passes.
     shifted, shifted_scratch = all_keys[:, 0 : cap + LIST_PAD], beaten_alt[:, 0 : cap + LIST_PAD]
-    list_scratch = nl.ndarray((P, cap + LIST_PAD), dtype=nl.float32, buffer=nl.sbuf)
+    # The count passes' 0/1 tiles on the GpSimd (step 3a), two in turn for the whole list's
+    # blocks (a block's tile feeds the TensorE's sums while the next block is compared).
+    rank_cmp = [nl.ndarray((P, cap + LIST_PAD), dtype=nl.bfloat16, buffer=nl.sbuf)
+                for _ in range(2)]  # fmt: skip
+    # The whole list's ranks: 128 b for block b (its entries' count of earlier blocks' entries).
+    block_base = nl.ndarray((P, cap_cols), dtype=nl.float32, buffer=nl.sbuf)
     list_pads = nl.ndarray((2, LIST_PAD), dtype=nl.float32, buffer=nl.sbuf)
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -612,6 +628,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     carry = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     above_ps = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.psum)
     column_sums_ps = nl.ndarray((P, grid_block), dtype=nl.float32, buffer=nl.psum)
+    # The whole list's ranks (after the grid): earlier entries beaten, ties within a block.
+    beats_ps, ties_ps = above_ps[:, 0:cap_cols], column_sums_ps[:, 0:cap_cols]
     lower_bf = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)  # [k, i] = k < i
     ones_bf = nl.ndarray((P, P), dtype=nl.bfloat16, buffer=nl.sbuf)
     cand_pos_u32 = nl.ndarray((P, depth), dtype=nl.uint32, buffer=nl.sbuf)
@@ -643,6 +661,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.memset(dst=fill_pairs[:, 1::2], value=-1.0)
         nisa.memset(dst=out_pairs, value=0.0)  # past the slots' blocks: read, never written out
         nisa.tensor_copy(dst=lower_bf, src=lower)
+        nisa.iota(dst=block_base, pattern=[[P, cap_cols]], offset=0)
         nisa.memset(dst=ones_bf, value=1.0)
         nisa.memset(dst=empty_pairs[:, 0::2], value=MARKER)
         nisa.memset(dst=empty_pairs[:, 1::2], value=-1.0)
@@ -916,18 +935,82 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_scalar(dst=in_list, data=sel.best_keys, op0=nl.greater_equal, operand0=mid)
         row_order_places()
         build_list(in_list, count_col, with_ranks=False, placed=True)
-        # The list shifted by partition (partition p from entry p - LIST_PAD on): a column's
-        # entries all sit at one column of it, so >= before and > from there ranks them in the
-        # contract's order, exact ties by row, with no tie pass. The runs overlap in HBM (a
-        # partition stride of 1, as the broadcasts' 0: nki-aps page, [stride, size] per
-        # dimension; overlapping reads inferred).
-        nisa.dma_copy(dst=shifted, src=list_hbm[0].ap(pattern=[[1, P], [1, cap + LIST_PAD]],
-                                                      offset=0))  # fmt: skip
-        on_gpsimd = len(ranked_cols) // 2 if offload is None else min(offload, len(ranked_cols))
-        count_ranks(listed[2], shifted, listed[0], on_gpsimd, shifted_scratch, list_scratch,
-                    shifted_by=LIST_PAD, columns=ranked_cols)  # fmt: skip
-        nisa.memset(dst=path_f, value=3.0)
+        if whole_list:
+            # Every partition holds the list; each pair of blocks is compared once.
+            nisa.dma_copy(dst=list_keys, src=list_hbm[0].ap(pattern=[[0, P], [1, cap]],
+                                                            offset=LIST_PAD))  # fmt: skip
+            on_gpsimd = cap_cols // 2 if offload is None else min(offload, cap_cols)
+            count_ranks_paired(on_gpsimd)
+            nisa.memset(dst=path_f, value=3.0)
+            # Ties within a block leave the later entry one short: the check, then the fix.
+            nisa.tensor_scalar(dst=listed_gain, data=listed[2], op0=nl.less, operand0=kv_col)
+            nisa.tensor_scalar(dst=rank_before, data=listed[0], op0=nl.greater, operand0=MARKER)
+            nisa.tensor_tensor(dst=listed_gain, data1=listed_gain, data2=rank_before,
+                               op=nl.multiply)  # fmt: skip
+            tie_free(listed_gain, listed[2])
+            nisa.tensor_scalar(dst=flags[:, 3:4], data=flags[:, 0:1], op0=nl.multiply,
+                               operand0=-1.0, op1=nl.add, operand1=1.0)  # fmt: skip
+            nl.fori_loop(0, load_register(flags[:, 3:4]), break_block_ties)
+        else:
+            # The list shifted by partition (partition p from entry p - LIST_PAD on): a column's
+            # entries all sit at one column of it, so >= before and > from there ranks them in
+            # the contract's order, exact ties by row, with no tie pass. The runs overlap in HBM
+            # (a partition stride of 1, as the broadcasts' 0: nki-aps page, [stride, size] per
+            # dimension; overlapping reads inferred).
+            nisa.dma_copy(dst=shifted, src=list_hbm[0].ap(pattern=[[1, P], [1, cap + LIST_PAD]],
+                                                          offset=0))  # fmt: skip
+            on_gpsimd = (len(ranked_cols) // 2 if offload is None
+                         else min(offload, len(ranked_cols)))  # fmt: skip
+            count_ranks(listed[2], shifted, listed[0], on_gpsimd, shifted_scratch, rank_cmp[1],
+                        shifted_by=LIST_PAD, columns=ranked_cols)  # fmt: skip
+            nisa.memset(dst=path_f, value=3.0)
         place_list(ranked_cols)
+
+    def count_ranks_paired(on_gpsimd: int):
+        """``listed[2]``: the rank of each entry of the whole list, from one compare per pair
+        of entries. Block ``c``'s pass compares its entries (one per partition) with every entry
+        from ``128 c`` on: its count is theirs strictly above (its own block's included), and
+        its 0/1 tile, summed over the partitions by a matmul per later block, counts for each
+        later entry the entries of block ``c`` it beats strictly; the other ``128`` minus
+        those beat it (an equal key at a lower row wins). The last ``on_gpsimd`` blocks (the
+        narrowest) are GpSimd compares and ScalarE sums. A tie within a block is left out."""
+        for c in range(cap_cols):
+            beaten_by = rank_cmp[c % 2][:, 0 : cap - c * P]
+            key = listed[0][:, c : c + 1]
+            if c < cap_cols - on_gpsimd:
+                nisa.tensor_scalar_reduce(dst=beaten_by, data=list_keys[:, c * P : cap],
+                                          op0=nl.greater, operand0=key, reduce_op=nl.add,
+                                          reduce_res=listed[2][:, c : c + 1],
+                                          reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+            else:
+                nisa.tensor_scalar(dst=beaten_by, data=list_keys[:, c * P : cap], op0=nl.greater,
+                                   operand0=key, engine=nisa.engine.gpsimd)  # fmt: skip
+                nisa.activation(dst=beaten_by, op=nl.copy, data=beaten_by, reduce_op=nl.add,
+                                reduce_res=listed[2][:, c : c + 1],
+                                reduce_cmd=nisa.reduce_cmd.reset_reduce)  # fmt: skip
+            for b in range(c + 1, cap_cols):
+                nisa.nc_matmul(dst=beats_ps[:, b : b + 1],
+                               stationary=beaten_by[:, (b - c) * P : (b - c + 1) * P],
+                               moving=ones_bf[:, 0:1], accumulate=c > 0)  # fmt: skip
+        if cap_cols > 1:  # rank += 128 b - (earlier entries beaten)
+            later = slice(1, cap_cols)
+            nisa.tensor_tensor(dst=rank_before[:, later], data1=block_base[:, later],
+                               data2=beats_ps[:, later], op=nl.subtract)  # fmt: skip
+            nisa.tensor_tensor(dst=listed[2][:, later], data1=listed[2][:, later],
+                               data2=rank_before[:, later], op=nl.add)  # fmt: skip
+
+    def break_block_ties(_):
+        # rank += #(entries of its block with an equal key and a lower row): [p, q] is
+        # key_q == key_p with p < q (``lower``), summed over the partitions p.
+        for c in range(cap_cols):
+            tied = rank_cmp[c % 2][:, 0:P]
+            nisa.scalar_tensor_tensor(dst=tied, data=list_keys[:, c * P : (c + 1) * P],
+                                      op0=nl.equal, operand0=listed[0][:, c : c + 1],
+                                      op1=nl.multiply, operand1=lower)  # fmt: skip
+            nisa.nc_matmul(dst=ties_ps[:, c : c + 1], stationary=tied, moving=ones_bf[:, 0:1],
+                           accumulate=False)  # fmt: skip
+        nisa.tensor_tensor(dst=listed[2], data1=ties_ps, data2=listed[2], op=nl.add)
+        nisa.memset(dst=path_f, value=4.0)
 
     def tie_list(_):
         build_list(chosen, stats[:, 0:1], with_ranks=True)

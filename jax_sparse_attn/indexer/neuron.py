@@ -278,36 +278,91 @@ def rank_offload(target: str, plan, group: int, on_vector: int, programs: int = 
         scoring_cycles=_decode_scoring_vector_cycles(plan, group, on_vector, signed))
 
 
+def rank_pass_widths(plan, programs: int = 1) -> list:
+    """The elements per partition of each of one program's rank passes over the pivot's list
+    (``decode_kernel`` step 3a), widest first. One program ranking the whole list compares each
+    pair once: block ``c``'s pass covers the entries from ``128 c`` on. A share of the list's
+    columns (``programs > 1``, the larger share) takes two passes per column over the shifted
+    list's ``cap + 128`` together."""
+    cap_cols = plan.compact // _decode.P
+    if programs == 1:
+        return [plan.compact - c * _decode.P for c in range(cap_cols)]
+    return [plan.compact + _decode.LIST_PAD] * -(-cap_cols // programs)
+
+
+def _selection_tensor_cycles(plan) -> float:
+    """TensorE cycles of one token's selection on the pivot's path, by the nc_matmul and
+    nc_transpose formulas: the candidates' counts summed over the partitions (an fp32 matmul,
+    ``ones`` stationary) for the bound and each of the first halvings, the row-order grid's two
+    bf16 matmuls per block of up to 512 columns, two fp32 broadcasts of one value and four
+    transposes of a column."""
+    from ..nki_emulator.cost import MATMUL_FP32_FACTOR, MATMUL_MIN_STATIONARY
+
+    fp32_sum = MATMUL_MIN_STATIONARY * MATMUL_FP32_FACTOR
+    counts = min(plan.steps, _decode.EARLY_BISECT_STEPS) + 1
+    grid_block = min(_decode.ROWS_PER_MATMUL, plan.columns)
+    grid = 2 * -(-plan.columns // grid_block) * grid_block
+    return (counts + 2) * fp32_sum + grid + 4 * _decode.P
+
+
+def _rank_tensor_cycles(plan, programs: int = 1) -> float:
+    """TensorE cycles of one token's whole-list ranks: per pair of blocks one bf16 matmul with
+    the earlier block's ``[128, 128]`` tile stationary and a column of ones moving (``MIN``
+    stationary cycles by the nc_matmul formula). None for a share of the list."""
+    from ..nki_emulator.cost import MATMUL_MIN_STATIONARY
+
+    if programs > 1:
+        return 0.0
+    cap_cols = plan.compact // _decode.P
+    return cap_cols * (cap_cols - 1) / 2 * MATMUL_MIN_STATIONARY
+
+
 def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: float = 0.0,
                          scoring_cycles: float = 0.0) -> int:
-    """Of the pivot list's rank columns (``decode_kernel`` step 3a) that one program ranks, those
-    counted as GpSimd compares and ScalarE sums: the count that evens one token's work on the
-    VectorE (its ``scoring_cycles`` besides the selection), the GpSimd and the ScalarE (its
-    ``relu_cycles`` besides the sums) by the cost formulas (:mod:`..nki_emulator.cost`).
+    """Of the pivot list's rank passes (``decode_kernel`` step 3a) that one program makes
+    (:func:`rank_pass_widths`), the last (narrowest) ones counted as GpSimd compares and ScalarE
+    sums: the count that evens one token's work on the VectorE, the GpSimd and the ScalarE
+    (:func:`selection_engines_us`)."""
+    passes = len(rank_pass_widths(plan, programs))
+    return min(range(passes + 1), key=lambda x: max(selection_engines_us(
+        target, plan, x, programs, relu_cycles, scoring_cycles)))  # fmt: skip
+
+
+def selection_engines_us(target: str, plan, offload: int, programs: int = 1,
+                         relu_cycles: float = 0.0, scoring_cycles: float = 0.0) -> tuple:
+    """One token's modelled ``(VectorE, GpSimd, ScalarE)`` microseconds in the row-spread
+    kernel by the cost formulas (:mod:`..nki_emulator.cost`), with the last ``offload`` of the
+    rank passes (:func:`rank_pass_widths`) as GpSimd compares and ScalarE sums.
     ``programs > 1``: the selecting launch of the two-launch form, where each program ranks and
     places its share of the list's columns (the larger share here) and the scoring launch did
     select_key and each share's candidates. Per token, over ``F`` columns:
 
-    - VectorE: :func:`_selection_vector_cycles`, and per rank column two counting passes over
-      ``cap + 128`` (the shifted list) and a sum;
+    - VectorE: the scoring's ``scoring_cycles``, :func:`_selection_vector_cycles`, and per rank
+      pass kept a compare-and-count ``tensor_scalar_reduce`` (two and a sum per column of the
+      shifted list);
     - GpSimd: in one launch ``8 F`` (the key-scale product ``2F``, the keys' copy, select_key's
       halving, NaN test ``2F`` and validity, the rows' iota); the scatter DMAs' descriptors
       (``GPSIMD_START`` + 128 each, the cost model's assumption:
       ``decode_kernel.scattered_columns`` for the list's pairs, one per placed column); and per
-      offloaded column two compares over ``cap + 128``."""
+      offloaded pass its compares;
+    - ScalarE: the relu's ``relu_cycles`` and per offloaded pass a sum."""
     from ..nki_emulator.cost import GPSIMD_START, HARDWARE, MIN_II
 
     hw = HARDWARE[target]
-    F, cap = plan.columns, plan.compact
-    width = cap + _decode.LIST_PAD
-    columns = -(-(cap // _decode.P) // programs)
-    vector = _selection_vector_cycles(plan, programs) + scoring_cycles
+    widths = rank_pass_widths(plan, programs)
+    kept, offloaded = widths[: len(widths) - offload], widths[len(widths) - offload :]
+    columns = -(-(plan.compact // _decode.P) // programs)
+    # Per pass beside its width: the VectorE's and the GpSimd's instruction overheads (the
+    # shifted list's column: two passes and a sum on the VectorE, two compares on the GpSimd).
+    vector_extra, gpsimd_extra = (3 * MIN_II, 2 * MIN_II) if programs > 1 else (MIN_II, 0)
+    vector = _selection_vector_cycles(plan, programs) + scoring_cycles + sum(
+        max(MIN_II, w) + vector_extra for w in kept)  # fmt: skip
     scatters = _decode.scattered_columns(plan) + columns
-    gpsimd = (8 * F if programs == 1 else 0) + scatters * (GPSIMD_START + _decode.P) + 25 * MIN_II
-    return min(range(columns + 1), key=lambda x: max(
-        (vector + (columns - x) * (width + 3 * MIN_II)) / hw.vector_ghz,
-        (gpsimd + x * (width + 2 * MIN_II)) / hw.gpsimd_ghz,
-        (relu_cycles + x * (width + MIN_II)) / hw.scalar_ghz))
+    gpsimd = ((8 * plan.columns if programs == 1 else 0) + scatters * (GPSIMD_START + _decode.P)
+              + 25 * MIN_II + sum(max(MIN_II, w) + gpsimd_extra for w in offloaded))  # fmt: skip
+    scalar = relu_cycles + sum(max(MIN_II, w) + MIN_II for w in offloaded)
+    return (vector / hw.vector_ghz / 1e3, gpsimd / hw.gpsimd_ghz / 1e3,
+            scalar / hw.scalar_ghz / 1e3)  # fmt: skip
 
 
 def _selection_vector_cycles(plan, programs: int = 1) -> float:
@@ -376,28 +431,12 @@ def _decode_head_sum_cycles(plan, on_vector: int) -> float:
     return plan.chunks * on_vector * (_decode.ROWS_PER_MATMUL // _decode.P) * 3 * plan.heads
 
 
-def _decode_vector_cycles(plan, group: int, on_vector: int, offload: int,
-                          signed: bool = False) -> float:
-    """The VectorE's cycles for one token in the row-spread kernel (one launch), by the cost
-    formulas: the head sums of ``on_vector`` blocks per chunk (an fp32 scalar_tensor_tensor
-    ``2 N`` and a reduce ``N`` per 128 rows), the chunks' scores out of PSUM (a copy and a
-    subtraction, ``2 F``; with ``signed`` a copy), its share of each chunk's NaN check (a count
-    over the group's scores and two small instructions; none for one token's signed sums), the
-    selection (:func:`_selection_vector_cycles`) and the list's rank columns
-    that stay on the VectorE (``offload`` go to the GpSimd; two tensor_scalar_reduce over the
-    shifted list's ``cap + 128`` and a sum). A short cache (every row a candidate) takes the
-    list too: its halvings start at the partitions' floor, not at ``U*`` (MARKER)."""
-    from ..nki_emulator.cost import MIN_II
-
-    cap_cols = plan.compact // _decode.P
-    ranks = (cap_cols - offload) * (plan.compact + _decode.LIST_PAD + 3 * MIN_II)
-    scoring = _decode_scoring_vector_cycles(plan, group, on_vector, signed)
-    return _selection_vector_cycles(plan) + scoring + ranks
-
-
 def _decode_scoring_vector_cycles(plan, group: int, on_vector: int, signed: bool) -> float:
-    """The VectorE's share of one token's scoring (see :func:`_decode_vector_cycles`): the
-    head sums of ``on_vector`` blocks, the scores out of PSUM and the NaN check."""
+    """The VectorE's share of one token's scoring: the head sums of ``on_vector`` blocks per
+    chunk (:func:`_decode_head_sum_cycles`), the chunks' scores out of PSUM (a copy and a
+    subtraction, ``2 F``; with ``signed`` a copy) and its share of each chunk's NaN check (a
+    count over the group's scores and three small instructions; none for one token's signed
+    sums)."""
     from ..nki_emulator.cost import MIN_II
 
     head_sums = _decode_head_sum_cycles(plan, on_vector)
@@ -408,15 +447,22 @@ def _decode_scoring_vector_cycles(plan, group: int, on_vector: int, signed: bool
 
 
 def decode_token_us(target: str, plan, group: int, on_vector: int, signed: bool = False) -> float:
-    """One token's modelled time in the row-spread kernel by the cost formulas: its busier of
-    TensorE and VectorE."""
+    """One token's modelled time in the row-spread kernel (one launch) by the cost formulas:
+    its busiest engine of the TensorE (the scores, the selection's sums and transposes, the
+    whole list's rank sums) and those of
+    :func:`selection_engines_us` (the scoring's VectorE and ScalarE work beside the selection)
+    with the rank passes split as the kernel splits them (:func:`rank_offload`). A short cache
+    (every row a candidate) takes the list too: its halvings start at the partitions' floor,
+    not at ``U*`` (MARKER)."""
     from ..nki_emulator.cost import HARDWARE
 
     hw = HARDWARE[target]
     offload = rank_offload(target, plan, group, on_vector, signed=signed)
-    return max(_decode_tensor_cycles(plan, group, on_vector, signed) / hw.tensor_ghz,
-               _decode_vector_cycles(plan, group, on_vector, offload, signed) / hw.vector_ghz,
-               ) / 1e3  # fmt: skip
+    tensor = (_decode_tensor_cycles(plan, group, on_vector, signed) + _rank_tensor_cycles(plan)
+              + _selection_tensor_cycles(plan))  # fmt: skip
+    return max(tensor / hw.tensor_ghz / 1e3, *selection_engines_us(
+        target, plan, offload, 1, _decode_relu_cycles(plan, group, on_vector),
+        _decode_scoring_vector_cycles(plan, group, on_vector, signed)))  # fmt: skip
 
 
 def scoring_on_vector(target: str, plan, group: int, programs: int) -> int:
