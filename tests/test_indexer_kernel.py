@@ -58,6 +58,15 @@ def run_kernel(q, weights, keys, positions, topk, ratio=1, key_scale=None, dtype
     return np.asarray(idx), np.asarray(scores)
 
 
+def random_case(rng, T, Hi, Di, R):
+    """Random f32 q and keys, small positive weights, and the sign pattern that raises a key's
+    scores for every token (``toward``: a key of ``toward * c`` scores high)."""
+    q = rng.standard_normal((T, Hi, Di)).astype(np.float32)
+    keys = rng.standard_normal((R, Di)).astype(np.float32)
+    w = np.abs(rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
+    return q, w, keys, np.sign(q.sum(axis=(0, 1)))[None, :]
+
+
 def integer_case(rng, T, Hi, Di, R, levels=2):
     q = rng.integers(-levels, levels + 1, (T, Hi, Di)).astype(np.float32)
     keys = rng.integers(-levels, levels + 1, (R, Di)).astype(np.float32)
@@ -350,10 +359,7 @@ def test_row_spread_kernel_matches_the_oracle(monkeypatch, case, steps):
     if case == "ties":
         q, w, keys = integer_case(rng, T, Hi, Di, R, 2)
     else:
-        q = rng.standard_normal((T, Hi, Di)).astype(np.float32)
-        keys = rng.standard_normal((R, Di)).astype(np.float32)
-        w = np.abs(rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
-        toward = np.sign(q.sum(axis=(0, 1)))[None, :]
+        q, w, keys, toward = random_case(rng, T, Hi, Di, R)
         if case == "clustered":  # 30 rows of partition 0, each far above the rest, all distinct
             keys[128 * np.arange(30)] = toward * (4.0 + np.arange(30)[:, None] / 8)
         elif case == "duplicated":  # row 5 (high) again in partitions 2, 4 and 57
@@ -416,10 +422,7 @@ def test_row_spread_list_takes_a_partition_with_more_listed_than_usual(monkeypat
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     rng = np.random.default_rng(41)
     Hi, Di, R, K = 8, 32, 8000, 512
-    q = rng.standard_normal((T, Hi, Di)).astype(np.float32)
-    keys = rng.standard_normal((R, Di)).astype(np.float32)
-    w = np.abs(rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
-    toward = np.sign(q.sum(axis=(0, 1)))[None, :]
+    q, w, keys, toward = random_case(rng, T, Hi, Di, R)
     keys[128 * np.arange(20) + 3] = toward * (4.0 + np.arange(20)[:, None] / 8)
     q, keys = np.asarray(q, BF16), np.asarray(keys, BF16)
     positions = R - 1 - np.arange(T) * 7
@@ -444,10 +447,7 @@ def test_row_spread_whole_list_ranks_ties_by_row(monkeypatch, apart):
     monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     rng = np.random.default_rng(47)
     T, Hi, Di, R, K = 3, 8, 32, 8000, 512
-    q = rng.standard_normal((T, Hi, Di)).astype(np.float32)
-    keys = rng.standard_normal((R, Di)).astype(np.float32)
-    w = np.abs(rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
-    toward = np.sign(q.sum(axis=(0, 1)))[None, :]
+    q, w, keys, toward = random_case(rng, T, Hi, Di, R)
     first = np.arange(8) * 300 + 50
     keys[first] = toward * (4.0 + np.arange(8)[:, None] / 8)
     keys[first + (4000 if apart else 1)] = keys[first]
@@ -469,10 +469,8 @@ def test_row_spread_pivot_far_below_an_outlier_takes_the_later_halvings(monkeypa
 
     rng = np.random.default_rng(43)
     T, Hi, Di, R, K = 3, 8, 32, 5000, 64
-    q = rng.standard_normal((T, Hi, Di)).astype(np.float32)
-    keys = rng.standard_normal((R, Di)).astype(np.float32)
-    w = np.abs(rng.standard_normal((T, Hi)) * 0.1).astype(np.float32)
-    keys[17] = np.sign(q.sum(axis=(0, 1))) * 300.0
+    q, w, keys, toward = random_case(rng, T, Hi, Di, R)
+    keys[17] = toward[0] * 300.0
     q, keys = np.asarray(q, BF16), np.asarray(keys, BF16)
     positions = np.array([4999, 4000, 3000])
     want = oracle_topk(oracle_scores(np.asarray(q, np.float32), w, np.asarray(keys, np.float32)),

@@ -417,8 +417,9 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     of ``n``; ``steps`` (``BISECT_STEPS`` where None; 0: no pivot) the pivot's halvings;
     ``on_vector`` the 512-row blocks per chunk whose head sums run on the VectorE; ``signed``
     the TensorE's head sums with the signed weights (``_score_chunk``); ``offload``
-    the pivot list's rank columns (of the program's share) counted as GpSimd compares and
-    ScalarE sums (None: half of them; the caller balances them, ``neuron.list_offload_columns``).
+    the pivot list's rank passes (the last, narrowest, of the whole list's; or of the columns of
+    the program's share) counted as GpSimd compares and ScalarE sums (None: half of them; the
+    caller balances them, ``neuron.list_offload_columns``).
     A span's groups share each read of a chunk of keys (one DMA, scored by each group in turn).
     Returns ``(keys, idx, path)`` in shared HBM: the selection keys (descending, ``MARKER`` past the
     valid rows), their rows (-1 there), and each token's path (the interface's codes).
@@ -511,7 +512,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     # Ranking the whole list (not a share of it), a program compares each pair of entries once.
     whole_list = phase != "select"
     # Step 4's list: keys, rows and ranks, one array each (contiguous for the broadcasts); the
-    # keys between two runs of 128 MARKER (LIST_PAD), read shifted by partition for the ranks.
+    # keys between two runs of 128 MARKER (LIST_PAD), read whole (a program ranking the whole
+    # list) or shifted by partition (a share of it) for the ranks.
     list_hbm = [nl.ndarray((cap + 2 * LIST_PAD * (f == 0), 1), dtype=nl.float32, buffer=nl.hbm)
                 for f in range(3)]  # fmt: skip
     # The pivot list's (key, row) pairs: one scatter DMA per candidate column for both.
