@@ -236,9 +236,9 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     of 512) and a block of it, the candidates' tiles (about 20 ``depth``-wide rows), two
     programs' shares of them as staged and side by side (the two-launch form), the broadcast
     candidates and the count passes' outputs (``3 M``, or the shifted list's ``cap + 128`` if
-    wider; step 4 reuses them), step 4's columns (about 12 per 128 of ``cap``), its blocks (three
-    rows of 128) and two ``cap + 128``-wide 16-bit scratch tiles, five ``[128, 128]`` matrices, and the
-    fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK`` candidates on one
+    wider; step 4 reuses them), step 4's columns (about 12 per 128 of ``cap``), its blocks
+    (three rows of 128) and two ``cap + 128``-wide 16-bit compare tiles, five ``[128, 128]``
+    matrices, and the fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK`` candidates on one
     partition) and the slots' fill."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
     # Four tokens' q, weights on every partition and chunk scores, the chunk's NaN check.
@@ -586,8 +586,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     list_keys, list_rows, equal = all_keys[:, 0:cap], beaten[:, 0:cap], beaten_alt[:, 0:cap]
     # Step 3a's shifted list (after build_list, which reads the broadcast) and its passes.
     shifted, shifted_scratch = all_keys[:, 0 : cap + LIST_PAD], beaten_alt[:, 0 : cap + LIST_PAD]
-    # The count passes' 0/1 tiles on the GpSimd (step 3a), two in turn for the whole list's
-    # blocks (a block's tile feeds the TensorE's sums while the next block is compared).
+    # Step 3a's 0/1 compare tiles (exact in bf16): the shifted list's GpSimd passes, or every
+    # pass over the whole list, two in turn (one feeds the TensorE's sums while the next fills).
     rank_cmp = [nl.ndarray((P, cap + LIST_PAD), dtype=nl.bfloat16, buffer=nl.sbuf)
                 for _ in range(2)]  # fmt: skip
     # The whole list's ranks: 128 b for block b (its entries' count of earlier blocks' entries).
