@@ -1,6 +1,5 @@
 """The vmap rule: batch axes at any position, unbatched operands, per-sequence caches, nesting."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -238,8 +238,8 @@ def sbuf_bytes_per_partition(plan: DecodePlan) -> int:
     candidates and the count passes' outputs (``3 M``, or the shifted list's ``cap + 128`` if
     wider; step 4 reuses them), step 4's columns (about 12 per 128 of ``cap``), its blocks
     (three rows of 128) and two ``cap + 128``-wide 16-bit compare tiles, five ``[128, 128]``
-    matrices, and the fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK`` candidates on one
-    partition) and the slots' fill."""
+    matrices, and the fallback's merge (the tiled kernel's tiles for ``K8 + FALLBACK_CHUNK``
+    candidates on one partition) and the slots' fill."""
     d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
     # Four tokens' q, weights on every partition and chunk scores, the chunk's NaN check.
     scoring = (d_tiles * 2 * plan.heads * 4 + d_tiles * plan.chunk * 2 + 4 * ROWS_PER_MATMUL
@@ -303,7 +303,7 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_moving, w_rows, keys_sb,
     head sum on the VectorE (``w_rows``: the weights on every partition) into the first column
     of the pair (the second is not read).
 
-    ``signed`` (where the TensorE has time to spare, such as a prefill tile): the relu unscaled
+    ``signed`` (where the TensorE has time to spare, as over short caches): the relu unscaled
     and ``w_moving`` holding each token's weights in its first column (zeros elsewhere, not
     flagged): whole head sums at the full fp32 cost, with no subtraction after."""
     heads, group = plan.heads, sums.shape[1] // (2 * plan.chunk_columns)
@@ -596,9 +596,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
     ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     left_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    best_left = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
     longest = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)  # the most listed on a partition
-    best_key = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    best_key = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)  # across_partitions
     stats = nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf)
     totals = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
     flags = nl.ndarray((1, 5), dtype=nl.float32, buffer=nl.sbuf)
@@ -779,11 +778,11 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
                                               vector_offset=slots_u32[:, c : c + 1], indirect_dim=0),
                           src=pairs_src[:, c, :], oob_mode=nisa.oob_mode.skip)  # fmt: skip
 
-    def choose():
-        # chosen = (rank < Kv) * (a real row's key).
-        nisa.tensor_scalar(dst=chosen, data=ranks, op0=nl.less, operand0=kv_col)
-        nisa.tensor_scalar(dst=spare, data=sel.best_keys, op0=nl.greater, operand0=MARKER)
-        nisa.tensor_tensor(dst=chosen, data1=chosen, data2=spare, op=nl.multiply)
+    def choose(out, ranks_tile, keys_tile, scratch):
+        # out = (rank < Kv) * (a real row's key).
+        nisa.tensor_scalar(dst=out, data=ranks_tile, op0=nl.less, operand0=kv_col)
+        nisa.tensor_scalar(dst=scratch, data=keys_tile, op0=nl.greater, operand0=MARKER)
+        nisa.tensor_tensor(dst=out, data1=out, data2=scratch, op=nl.multiply)
 
     def build_list(mask, counts, with_ranks: bool, placed: bool = False):
         """Step 4's list: the candidates where ``mask`` (a prefix of each partition's, ``counts``
@@ -914,7 +913,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
 
     def tie_free(chosen_tile, ranks_tile):
         """1.0 in ``flags[:, 0:1]`` where the chosen ranks are exactly 0 .. Kv-1 (count Kv, sum
-        Kv (Kv - 1) / 2); ``flags[:, 1:2]``: the chosen count."""
+        Kv (Kv - 1) / 2), and in ``flags[:, 3:4]`` where not; ``flags[:, 1:2]``: the chosen
+        count."""
         nisa.tensor_reduce(dst=stats[:, 0:1], op=nl.add, data=chosen_tile, axis=1, keepdims=True)
         nisa.tensor_tensor(dst=chosen_tile, data1=chosen_tile, data2=ranks_tile, op=nl.multiply)
         nisa.tensor_reduce(dst=stats[:, 1:2], op=nl.add, data=chosen_tile, axis=1, keepdims=True)
@@ -925,6 +925,16 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_tensor(dst=flags[:, 0:1], data1=flags[:, 0:1], data2=flags[:, 2:3],
                            op=nl.multiply)  # fmt: skip
         nisa.tensor_copy(dst=flags[:, 1:2], src=totals[:, 0:1])
+        nisa.tensor_scalar(dst=flags[:, 3:4], data=flags[:, 0:1], op0=nl.multiply, operand0=-1.0,
+                           op1=nl.add, operand1=1.0)  # fmt: skip
+
+    def across_partitions(col, op):
+        # col [128, 1] becomes ``op`` of its partitions, on every partition: a transpose, a
+        # reduce, and a broadcast by matmul with a row of ones.
+        nisa.nc_transpose(dst=row_ps, data=col)
+        nisa.tensor_reduce(dst=best_key, op=op, data=row_ps, axis=1, keepdims=True)
+        nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_key, accumulate=False)
+        nisa.tensor_copy(dst=col, src=column_ps)
 
     def load_register(value):
         nisa.tensor_copy(dst=reg_i32, src=value)
@@ -945,13 +955,8 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             count_ranks_paired(on_gpsimd)
             nisa.memset(dst=path_f, value=3.0)
             # Ties within a block leave the later entry one short: the check, then the fix.
-            nisa.tensor_scalar(dst=listed_gain, data=listed[2], op0=nl.less, operand0=kv_col)
-            nisa.tensor_scalar(dst=rank_before, data=listed[0], op0=nl.greater, operand0=MARKER)
-            nisa.tensor_tensor(dst=listed_gain, data1=listed_gain, data2=rank_before,
-                               op=nl.multiply)  # fmt: skip
+            choose(listed_gain, listed[2], listed[0], rank_before)
             tie_free(listed_gain, listed[2])
-            nisa.tensor_scalar(dst=flags[:, 3:4], data=flags[:, 0:1], op0=nl.multiply,
-                               operand0=-1.0, op1=nl.add, operand1=1.0)  # fmt: skip
             nl.fori_loop(0, load_register(flags[:, 3:4]), break_block_ties)
         else:
             # The list shifted by partition (partition p from entry p - LIST_PAD on): a column's
@@ -1025,15 +1030,13 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.dma_copy(dst=all_keys[:, 0:m], src=cand_hbm.ap(pattern=[[0, P], [1, m]], offset=0))
         count_ranks(ranks, all_keys[:, 0:m], sel.best_keys, split, beaten[:, 0:m],
                     beaten_alt[:, 0:m])  # fmt: skip
-        choose()
+        choose(chosen, ranks, sel.best_keys, spare)
         nisa.tensor_copy(dst=chosen_work, src=chosen)
         tie_free(chosen_work, ranks)
         # flags: 0 tie free; 3 tied, 4 the chosen fit the list; tied and fitting: break the
         # ties in the list; tied and not: fall back.
         nisa.tensor_scalar(dst=flags[:, 4:5], data=flags[:, 1:2], op0=nl.less_equal,
                            operand0=float(cap))  # fmt: skip
-        nisa.tensor_scalar(dst=flags[:, 3:4], data=flags[:, 0:1], op0=nl.multiply, operand0=-1.0,
-                           op1=nl.add, operand1=1.0)  # fmt: skip
         nisa.tensor_tensor(dst=flags[:, 4:5], data1=flags[:, 3:4], data2=flags[:, 4:5],
                            op=nl.multiply)  # fmt: skip
         nisa.tensor_tensor(dst=fb_f, data1=flags[:, 3:4], data2=flags[:, 4:5], op=nl.subtract)
@@ -1200,10 +1203,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         nisa.tensor_copy(dst=cand_pairs[:, :, 0], src=sel.best_keys)
         nisa.tensor_copy(dst=cand_pairs[:, :, 1], src=cand_rows)
         nisa.tensor_copy(dst=left_col, src=left8[:, 0:1])
-        nisa.nc_transpose(dst=row_ps, data=left_col)
-        nisa.tensor_reduce(dst=best_left, op=nl.max, data=row_ps, axis=1, keepdims=True)
-        nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_left, accumulate=False)
-        nisa.tensor_copy(dst=left_col, src=column_ps)
+        across_partitions(left_col, nl.max)
         nisa.tensor_scalar(dst=kv_col, data=nv_col, op0=nl.minimum, operand0=float(topk),
                            engine=nisa.engine.gpsimd)  # fmt: skip
         nisa.tensor_copy(dst=kv_one, src=kv_col[0:1, :])
@@ -1219,10 +1219,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
         # Step 3a: a pivot with Kv <= #(candidates >= pivot) <= cap, by bisection between U*
         # and the best key (``steps`` halvings; where none is found, step 3 ranks all M).
         nisa.tensor_copy(dst=hi, src=sel.best_keys[:, 0:1])
-        nisa.nc_transpose(dst=row_ps, data=hi)
-        nisa.tensor_reduce(dst=best_key, op=nl.max, data=row_ps, axis=1, keepdims=True)
-        nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_key, accumulate=False)
-        nisa.tensor_copy(dst=hi, src=column_ps)
+        across_partitions(hi, nl.max)
         nisa.tensor_copy(dst=lo, src=left_col)
 
         def from_floor(_):
@@ -1231,10 +1228,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, st
             # floor_rank-th best keys, has at least Kv candidates at or above it: where it is
             # above U*, it is the bracket's low end, or (at most cap at or above it) the pivot.
             nisa.tensor_copy(dst=mid, src=sel.best_keys[:, floor_rank - 1 : floor_rank])
-            nisa.nc_transpose(dst=row_ps, data=mid)
-            nisa.tensor_reduce(dst=best_key, op=nl.min, data=row_ps, axis=1, keepdims=True)
-            nisa.nc_matmul(dst=column_ps, stationary=ones_row, moving=best_key, accumulate=False)
-            nisa.tensor_copy(dst=mid, src=column_ps)
+            across_partitions(mid, nl.min)
             count_above(nl.greater_equal, mid)
             nisa.tensor_tensor(dst=below_u8, data1=mid, data2=left_col, op=nl.greater)
             nisa.tensor_scalar(dst=above_u8, data=total_col, op0=nl.less_equal,

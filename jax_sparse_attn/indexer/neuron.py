@@ -305,24 +305,24 @@ def _selection_tensor_cycles(plan) -> float:
     return (counts + 2) * fp32_sum + grid + 4 * _decode.P
 
 
-def _rank_tensor_cycles(plan, programs: int = 1) -> float:
-    """TensorE cycles of one token's whole-list ranks: per pair of blocks one bf16 matmul with
-    the earlier block's ``[128, 128]`` tile stationary and a column of ones moving (``MIN``
-    stationary cycles by the nc_matmul formula). None for a share of the list."""
+def _rank_tensor_cycles(plan) -> float:
+    """TensorE cycles of one token's ranks over its whole list (one launch): per pair of blocks
+    one bf16 matmul with the earlier block's ``[128, 128]`` tile stationary and a column of ones
+    moving (``MIN`` stationary cycles by the nc_matmul formula)."""
     from ..nki_emulator.cost import MATMUL_MIN_STATIONARY
 
-    if programs > 1:
-        return 0.0
     cap_cols = plan.compact // _decode.P
     return cap_cols * (cap_cols - 1) / 2 * MATMUL_MIN_STATIONARY
 
 
+@functools.lru_cache(maxsize=1024)
 def list_offload_columns(target: str, plan, programs: int = 1, relu_cycles: float = 0.0,
                          scoring_cycles: float = 0.0) -> int:
     """Of the pivot list's rank passes (``decode_kernel`` step 3a) that one program makes
     (:func:`rank_pass_widths`), the last (narrowest) ones counted as GpSimd compares and ScalarE
     sums: the count that evens one token's work on the VectorE, the GpSimd and the ScalarE
-    (:func:`selection_engines_us`)."""
+    (:func:`selection_engines_us`). Cached: the routing and the call ask for the same splits
+    (each head-sum split and form they weigh), at every trace."""
     passes = len(rank_pass_widths(plan, programs))
     return min(range(passes + 1), key=lambda x: max(selection_engines_us(
         target, plan, x, programs, relu_cycles, scoring_cycles)))  # fmt: skip
@@ -503,8 +503,8 @@ def signed_head_sums(target: str, plan, group: int, on_vector: int) -> bool:
 
 def choose_kernel(target: str, programs: int, T: int, Hi: int, Di: int, R: int, topk: int):
     """``("decode", plan)`` where the row-spread kernel takes the shape and the cost model's
-    formulas give it less time per program (its busier of TensorE and VectorE) than the tiled
-    kernel's VectorE merges (with the merge launch's, where the programs split the rows), else
+    formulas give it less time per program (its busiest engine, :func:`decode_token_us`) than
+    the tiled kernel's VectorE merges (with the merge launch's, where the programs split the rows), else
     ``("tiled", None)``. It needs the indirect (scatter)
     DMA, NeuronCore-v3+: never on trn1."""
     from ..nki_emulator.cost import HARDWARE, MATCH_REPLACE8_OVERHEAD

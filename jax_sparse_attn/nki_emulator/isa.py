@@ -645,13 +645,14 @@ def nc_matmul(
         )
     check_dst_shape(instr, dst, (m, n))
     same_base_partition(instr, stationary, moving)
+    operands = {"stationary": f32_values(stationary, instr, "stationary"),
+                "moving": f32_values(moving, instr, "moving")}  # fmt: skip
     onezero = 0
     for arg, t, flag in (("stationary", stationary, is_stationary_onezero),
                          ("moving", moving, is_moving_onezero)):  # fmt: skip
         if not flag:
             continue
-        values = f32_values(t, instr, arg)
-        if not np.isin(values, (0.0, 1.0)).all():
+        if not np.isin(operands[arg], (0.0, 1.0)).all():
             # nc_matmul page: the flag "hints to the compiler" that the operand holds ones and
             # zeros only; a false hint would compute something else on hardware (inferred).
             raise NkiEmulatorError(
@@ -660,7 +661,7 @@ def nc_matmul(
         onezero += t.dtype == F32
     # An fp32 sum that overflows gives inf, as the PE's accumulator does: no numpy warning.
     with np.errstate(all="ignore"):
-        product = f32_values(stationary, instr, "stationary").T @ f32_values(moving, instr, "moving")
+        product = operands["stationary"].T @ operands["moving"]
         if accumulate:
             product = read(dst, instr, "dst (accumulate=True adds into it)") + product
     write(dst, product)
