@@ -99,6 +99,8 @@ except ImportError as err:  # pragma: no cover - exercised only without flax
     ) from err
 
 from .api import gathered_attn_idx
+from .storage import put as _put, storage_dtype as _storage_dtype, to_storage as _to_storage
+from .storage import values as _values
 
 __all__ = ["SparseAttention", "SparseAttentionCache", "indexer_scores", "select_topk_rows"]
 
@@ -117,34 +119,6 @@ PREFILL_BLOCK_TOKENS = 8192
 # selects over the written cache: a bf16 view of it, one copy of the key cache per call, small
 # beside a prefill's work (the merge took a 16k-token prefill from 11 to 20 s).
 SPLIT_SELECTION_MAX_TOKENS = 64
-
-
-def _storage_dtype(dtype):
-    """The dtype a cache array of ``dtype`` rows is stored in: bf16 as its uint16 bit patterns."""
-    return jnp.dtype(jnp.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
-
-
-def _to_storage(rows, stored_dtype):
-    """Rows in the cache's storage dtype (bf16 bit patterns for a uint16 cache)."""
-    if stored_dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(rows.astype(jnp.bfloat16), jnp.uint16)
-    return rows.astype(stored_dtype)
-
-
-def _put(stored, values, at):
-    """``stored [B, R, ...]`` with ``values [B, n, ...]`` written at rows ``at [B, n]``. Rows past
-    the capacity are dropped (a clamped dynamic_update_slice would overwrite the last row)."""
-    # Per sequence under vmap: the batch axis stays the scatter's batch (split like the cache's
-    # under an Explicit mesh axis, where a scatter indexed by a batch iota has no output split).
-    return jax.vmap(lambda s, v, a: s.at[a].set(v, mode="drop"))(
-        stored, _to_storage(values, stored.dtype), at)
-
-
-def _values(stored):
-    """The float rows of a cache array (a uint16 array holds bf16 bit patterns)."""
-    if stored is None or stored.dtype != jnp.uint16:
-        return stored
-    return jax.lax.bitcast_convert_type(stored, jnp.bfloat16)
 
 
 class SparseAttentionCache(NamedTuple):
