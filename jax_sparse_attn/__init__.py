@@ -7,14 +7,19 @@
   FP8 caches, two caches in one softmax, a cache split over its rows across devices); with
   ``return_lse=True`` both return the log-sum-exp, and ``merge_attention(outs, lses)`` combines
   partial results; ``paged_indices`` maps logical rows to a paged cache's rows (``attention/``).
+- The compressor's pooling, ``compress_pool(kv, score, ape)``: DeepSeek V4's gated pooling of
+  blocks of tokens into compressed rows, with or without overlapping blocks (``compress/``).
 
-Each op runs the project's NKI kernel on AWS Trainium and a pure-jnp reference everywhere else.
+The attention and the indexer run the project's NKI kernels on AWS Trainium and a pure-jnp
+reference everywhere else; the pooling runs its jnp reference everywhere (no kernel yet).
 The public API is :mod:`jax_sparse_attn.api`.
 """
 
-from .api import gathered_attn, gathered_attn_idx, indexer_topk, merge_attention, paged_indices
+from .api import (compress_pool, gathered_attn, gathered_attn_idx, indexer_topk, merge_attention,
+                  paged_indices)
 from .attention import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)
 from .attention.primitive import gathered_attn_idx_p, gathered_attn_p
+from .compress.primitive import compress_pool_p
 from .indexer.primitive import indexer_topk_p
 
 # Registers implementation="nki_emulated" and the lazy "neuron" platform lowerings. Imports no
@@ -24,6 +29,7 @@ from . import neuron  # noqa: E402,F401  (isort: after the primitives it extends
 __version__ = "0.1.0"
 
 __all__ = [
+    "compress_pool",
     "gathered_attn",
     "gathered_attn_idx",
     "indexer_topk",
@@ -32,5 +38,6 @@ __all__ = [
     "gathered_attn_p",
     "gathered_attn_idx_p",
     "indexer_topk_p",
+    "compress_pool_p",
     "__version__",
 ]

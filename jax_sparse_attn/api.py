@@ -4,11 +4,14 @@
   :func:`merge_attention` (``attention/merge.py``) and :func:`paged_indices`
   (``attention/paging.py``).
 - The indexer: :func:`indexer_topk` (``indexer/api.py``).
+- The compressor's pooling: :func:`compress_pool` (``compress/api.py``).
 """
 
 from .attention.api import gathered_attn, gathered_attn_idx
 from .attention.merge import merge_attention
 from .attention.paging import paged_indices
+from .compress.api import compress_pool
 from .indexer.api import indexer_topk
 
-__all__ = ["gathered_attn", "gathered_attn_idx", "indexer_topk", "merge_attention", "paged_indices"]
+__all__ = ["compress_pool", "gathered_attn", "gathered_attn_idx", "indexer_topk", "merge_attention",
+           "paged_indices"]
