@@ -820,6 +820,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--layer-memory-child", type=int, metavar="T", help=argparse.SUPPRESS)
     p.add_argument("--layer-sizes", metavar="JSON", help=argparse.SUPPRESS)
     p.add_argument("--layer-selection", default="streaming", help=argparse.SUPPRESS)
+    p.add_argument("--v4", metavar="CASES",
+                   help="DeepSeek V4 attention at V4-Flash's shapes (bench_v4.py): decode, prefill, "
+                   "memory, sweep (comma-separated)")
+    p.add_argument("--v4-kinds", default="ratio4,ratio128",
+                   help="--v4: the layer kinds (ratio4: window + indexer; ratio128: every block; "
+                        "v32: DeepSeek V3.2's layer at V3.2-Exp's shapes)")
+    p.add_argument("--v4-context", type=int, default=None,
+                   help="--v4 decode: the context (default 2**20, v32 2**17); sweep: the largest context")
+    p.add_argument("--v4-tokens", type=int, default=None,
+                   help="--v4 prefill (default 8192) and memory (default 65536, v32 32768): tokens per call")
+    p.add_argument("--v4-plot", metavar="PATH", help="--v4 sweep: also draw time and memory")
+    p.add_argument("--v4-child", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--value-dim", type=int, default=None,
                    help="with --model: the value columns (value_dim <= D; default D); each "
                    "shape is modelled with all D columns of values too, for the ratio")
@@ -835,6 +847,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="with --model and --op indexer: the kernel to model (auto: the one the "
                    "routing picks; decode is the row-spread kernel)")
     a = p.parse_args(argv)
+    if a.v4_child:
+        from . import bench_v4
+
+        return bench_v4.child_main(a.v4_child)
+    if a.v4:
+        from . import bench_v4
+
+        return bench_v4.main([c.strip() for c in a.v4.split(",")], a)
     if a.cpu_devices != 1:
         _use_cpu_devices(p, a)
 

@@ -1,5 +1,6 @@
 """Charts of the benchmarks' results: the op against the naive jnp version (time against K and T,
-peak memory against T) and the indexer's sweep (time and memory against T and R).
+peak memory against T), the indexer's sweep (time and memory against T and R) and DeepSeek V4's
+decode step against the context.
 
 This module only draws: it takes the result dicts (or saved JSON) that the benchmarks write, and
 imports nothing from them. ``python -m jax_sparse_attn.bench --plot PATH`` measures the sweeps
@@ -193,6 +194,31 @@ def write_indexer_png(result: dict, path: str, dpi: int = 90) -> None:
     fig = indexer_figure(result)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+def v4_sweep_figure(records: Sequence[dict]):
+    """DeepSeek V4's decode step against the context (``bench --v4 sweep`` records): time, and the
+    cache's bytes beside the process's growth, one line per layer kind."""
+    plt = pyplot()
+    fig, (ax_time, ax_memory) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind in sorted({r["kind"] for r in records}):
+        points = sorted((r for r in records if r["kind"] == kind), key=lambda r: r["context"])
+        context = [r["context"] for r in points]
+        ax_time.plot(context, [r["median_s"] * 1e3 for r in points], "o-", label=kind)
+        ax_memory.plot(context, [r["growth_bytes"] / 2**30 for r in points], "o-",
+                       label=f"{kind}: process growth")
+        ax_memory.plot(context, [r["cache_bytes"] / 2**30 for r in points], "x--",
+                       label=f"{kind}: cache")
+    for ax, title, unit in ((ax_time, "V4 decode step", "ms"), (ax_memory, "memory", "GiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        _plain_log_axes(ax)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -54,7 +54,7 @@ def test_every_snippet_is_covered_below():
                "paged_indices(idx, table, block_size)", "topk_length=topk_length",
                "value_dim=V, return_lse=True", "extra_kv=compressed, extra_idx=topk_idx)",
                "kv_rope=rope)", "indexer_topk, static_argnames",
-               '"jax_num_cpu_devices", 2']
+               '"jax_num_cpu_devices", 2', "from jax_sparse_attn.deepseek import V4_FLASH"]
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -273,3 +273,12 @@ def test_cpu_devices_snippet_selects_the_exact_top_rows_on_two_devices(tmp_path)
     s, bound = scores_f64(got["q"], got["w"], got["k"])
     T = got["q"].shape[0]
     check_rows(got["idx"], s, bound, valid_rows(np.arange(T), T), 40)
+
+
+def test_deepseek_v4_snippet():
+    ns = run(snippet("from jax_sparse_attn.deepseek import V4_FLASH"))
+    y, y_prompt, y_next = (np.asarray(ns[k], np.float32) for k in ("y", "y_prompt", "y_next"))
+    assert y.shape == (1, 40, ns["config"].dim)
+    together = np.concatenate([y_prompt, y_next], axis=1)
+    assert np.abs(together - y).max() <= 0.02 * np.abs(y).max()  # bf16 rounding of one program or two
+    assert int(ns["cache"].length[0]) == 40
