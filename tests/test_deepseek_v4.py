@@ -68,6 +68,26 @@ def test_matches_the_oracle_in_f32(kind):
     assert ties <= 2
 
 
+def test_a_sequence_shorter_than_the_window_and_a_block():
+    # 3 tokens: a window of 8 holds them all, no compressed block is complete, and the
+    # compressor's previous block is block -1 (kv 0, score -inf).
+    layer, weights = make_layer(LAYERS["indexed"])
+    x = tokens(3, seed=4)
+    y = _whole(layer, jnp.asarray(x[None], jnp.float32))[0]
+    want, aux = oracle.v4_attention_f64(x, weights, CONFIG, LAYERS["indexed"], round_bf16=False)
+    assert_close_per_token(y, want, aux, 2e-6)
+
+
+@pytest.mark.slow
+def test_bf16_weights_match_the_oracle():
+    layer, weights = make_layer(LAYERS["indexed"], fp8=False)
+    assert layer.wq_b.scale is None
+    x = tokens(21)
+    y = _whole(layer, jnp.asarray(x[None], jnp.float32))[0]
+    want, aux = oracle.v4_attention_f64(x, weights, CONFIG, LAYERS["indexed"], round_bf16=False)
+    assert_close_per_token(y, want, aux, 2e-6)
+
+
 @pytest.mark.parametrize("kind", [pytest.param("window", marks=pytest.mark.slow), "indexed",
                                   pytest.param("every-block", marks=pytest.mark.slow)])
 def test_matches_the_oracle_in_bf16_with_the_fp8_cache(kind):
