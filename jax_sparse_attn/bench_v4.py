@@ -20,11 +20,9 @@ context, memory of a 32,768-token prefill), its parts being the layer's matrix p
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

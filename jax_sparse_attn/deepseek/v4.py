@@ -327,7 +327,7 @@ class V4Attention(nnx.Module):
         return self._forward(x, cache, common.check_num_tokens(num_tokens, x.shape[0]))
 
     def _forward(self, x, cache: V4Cache, num_tokens):
-        cfg, ratio = self.config, self.ratio
+        cfg = self.config
         x = x.astype(self.dtype)
         B, s, _ = x.shape
         length = cache.length.astype(jnp.int32)
@@ -353,8 +353,8 @@ class V4Attention(nnx.Module):
         window = CacheRows(*(None if a is None else jnp.concatenate([a, b.astype(a.dtype)], axis=1)
                              for a, b in zip(old_window, new_rows)))
         slot = jnp.where(real & (positions >= (length + count - W)[:, None]), positions % W, -1)
-        new_cache = cache._replace(length=length + count, window=CacheRows(
-            *(None if a is None else storage.put(a, b, slot) for a, b in zip(cache.window, new_rows))))
+        new_cache = cache._replace(length=length + count,
+                                   window=common.put_rows(cache.window, new_rows, slot))
 
         compressed = index_keys = None
         if self.compressor is not None:
@@ -399,8 +399,7 @@ class V4Attention(nnx.Module):
                 rows = jnp.concatenate([quant.fake_fp8(rows[..., :-rd], quant.KV_BLOCK, pow2),
                                         rows[..., -rd:]], -1)
             at = jnp.where(complete, block, -1)
-            compressed = CacheRows(*(None if a is None else storage.put(a, b, at)
-                                     for a, b in zip(compressed, self._stored_rows(rows))))
+            compressed = common.put_rows(compressed, self._stored_rows(rows), at)
             if self.indexer is not None:
                 comp = self.indexer.compressor
                 pooled, block, complete, index_state = comp.pool(
