@@ -54,7 +54,8 @@ def test_every_snippet_is_covered_below():
                "paged_indices(idx, table, block_size)", "topk_length=topk_length",
                "value_dim=V, return_lse=True", "extra_kv=compressed, extra_idx=topk_idx)",
                "kv_rope=rope)", "indexer_topk, static_argnames",
-               '"jax_num_cpu_devices", 2', "from jax_sparse_attn.deepseek import V4_FLASH"]
+               '"jax_num_cpu_devices", 2', "from jax_sparse_attn.deepseek import V4_FLASH",
+               "from jax_sparse_attn.deepseek import V32_EXP"]
     assert len(SNIPPETS) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -282,3 +283,13 @@ def test_deepseek_v4_snippet():
     together = np.concatenate([y_prompt, y_next], axis=1)
     assert np.abs(together - y).max() <= 0.02 * np.abs(y).max()  # bf16 rounding of one program or two
     assert int(ns["cache"].length[0]) == 40
+
+
+def test_deepseek_v32_snippet():
+    ns = run(snippet("from jax_sparse_attn.deepseek import V32_EXP"))
+    assert ns["y"].shape == (1, 24, ns["config"].dim) and int(ns["cache"].length[0]) == 24
+    rows = np.asarray(ns["rows"])[0]
+    assert rows.shape == (24, 16)
+    for t in range(24):  # every row at or before the token while there are at most 16, then 16 of them
+        picked = rows[t][rows[t] >= 0]
+        assert len(picked) == min(16, t + 1) and np.all(picked <= t) and len(set(picked)) == len(picked)
