@@ -398,7 +398,7 @@ def main(cases: list, a) -> int:
     if a.v4_plot and any(r["case"] == "v4-sweep" for r in records):
         from .plots import v4_sweep_figure
 
-        v4_sweep_figure(records).savefig(a.v4_plot, dpi=120)
+        v4_sweep_figure([r for r in records if r["case"] == "v4-sweep"]).savefig(a.v4_plot, dpi=120)
         print(f"wrote {a.v4_plot}")
     return 0 if ok else 1
 
