@@ -388,3 +388,20 @@ def test_fp8_values_round_once_to_nearest_even():
     assert np.all(np.asarray(scale) == 1.0)
     np.testing.assert_array_equal(np.asarray(values)[:, 1:].reshape(-1)[: x.size].astype(np.float32),
                                   x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
+@pytest.mark.slow
+def test_the_docs_walk_through_runs():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "deepseek.md").read_text()
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "V32Attention" in c]
+    ns = {"__name__": "docs_walk_through"}
+    exec(compile(code, "docs/deepseek.md", "exec"), ns)
+    whole = np.asarray(nnx.jit(lambda m, x: m(x))(ns["layer"], ns["x"]), np.float32)[0]
+    parts = np.concatenate([np.asarray(ns["y_prompt"], np.float32)[0]]
+                           + [np.asarray(y, np.float32)[0] for y in ns["decoded"]])
+    assert np.abs(parts - whole).max() <= 0.02 * np.abs(whole).max()  # bf16: one program or several
+    rows = ns["rows"]
+    assert rows.shape == (40, 16) and all(np.all(r[r >= 0] <= t) for t, r in enumerate(rows))
