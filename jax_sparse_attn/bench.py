@@ -840,9 +840,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "and also time each prefill split over them, its tokens dealt out (indexer) or "
                    "its batch (layer), in the same rounds (XLA:CPU runs one program's sorts and "
                    "scatters on one core at a time; N devices run N programs side by side)")
-    p.add_argument("--op", choices=("attention", "indexer"), default="attention",
+    p.add_argument("--op", choices=("attention", "indexer", "compress_pool"), default="attention",
                    help="with --model: the op to model; for indexer, --shape is T,R,Hi,Di,K "
-                   "(jax_sparse_attn/indexer/bench_model.py)")
+                   "(jax_sparse_attn/indexer/bench_model.py); compress_pool models V4-Flash's "
+                   "compressor shapes (jax_sparse_attn/compress/bench_model.py)")
     p.add_argument("--indexer-kernel", choices=("auto", "tiled", "decode"), default="auto",
                    help="with --model and --op indexer: the kernel to model (auto: the one the "
                    "routing picks; decode is the row-spread kernel)")
@@ -865,6 +866,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shapes = [(s.T, s.H, s.D, s.K, s.R) for s in a.shape] if a.shape else None
         return run_indexer_model(a.model, shapes, a.json,
                                  None if a.indexer_kernel == "auto" else a.indexer_kernel)
+
+    if a.model and a.op == "compress_pool":
+        from .compress.bench_model import run_compress_model
+
+        return run_compress_model(a.model, None, a.json)
 
     if a.layer_memory_child:
         from . import bench_indexer

@@ -4,7 +4,8 @@
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` prints one JSON record per check: whether
 the sharded result equals the single-device one bit for bit, its sharding, the collectives of the
 compiled program, and how far the sharded gradients are from one device's (in epsilons of their
-largest magnitude).
+largest magnitude). ``python tests/compress_sharding_checks.py nki_emulated`` runs the same
+checks on the NKI kernel under the emulator.
 """
 
 import json
@@ -20,6 +21,11 @@ import jax_sparse_attn as jsa
 from cache_sharding_checks import collectives
 
 B, T, C, RATIO = 8, 64, 16, 4
+
+
+# The implementation under test: the first argument ("nki_emulated": the NKI kernel under the
+# emulator, tests/test_compress_kernel.py), else None (the reference).
+IMPLEMENTATION = sys.argv[1] if len(sys.argv) > 1 else None
 
 
 def make_inputs(T=T, with_prev=False):
@@ -49,7 +55,8 @@ def check(records, name, mesh, kv_spec, overlap, with_prev=False, tokens=T):
 
     def f(kv, score, ape, *prev):
         kw = dict(prev_kv=prev[0], prev_score=prev[1]) if prev else {}
-        return jsa.compress_pool(kv, score, ape, overlap=overlap, **kw)
+        return jsa.compress_pool(kv, score, ape, overlap=overlap, implementation=IMPLEMENTATION,
+                                 **kw)  # fmt: skip
 
     def loss(*args):
         out = f(*args)

@@ -7,24 +7,16 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from ..checks import as_array, check_float, shape_of
+from ..checks import as_array, check_float, check_implementation, shape_of
 from . import primitive
 
 ArrayLike = jax.typing.ArrayLike
 
-# The implementations the other ops accept whose kernel this op does not have yet.
-KERNEL_IMPLEMENTATIONS = ("nki", "nki_emulated")
-
 
 def _check_implementation(implementation) -> None:
-    if implementation is None or implementation == "reference":
-        return
-    if implementation in KERNEL_IMPLEMENTATIONS:
-        raise NotImplementedError(
-            f"implementation={implementation!r}: compress_pool has no NKI kernel yet; use "
-            "implementation=None or 'reference' (the jnp reference, which runs on Neuron too)")
-    raise ValueError(f"implementation must be None or 'reference' for compress_pool; got "
-                     f"{implementation!r}")
+    """None, "reference", "nki" or "nki_emulated" (the shared check: "nki" needs the Neuron SDK,
+    a RuntimeError saying what to install otherwise)."""
+    check_implementation(implementation)
 
 
 def _check_array(name: str, x):
@@ -69,8 +61,10 @@ def compress_pool(
       overlap: static bool, pool each block with the one before it (C must be even).
       prev_kv: ``[..., r, C]`` float or None, the block before block 0 (only with ``overlap``).
       prev_score: ``[..., r, C]`` float or None, its raw scores (given with ``prev_kv``).
-      implementation: None or ``"reference"`` (the jnp reference, everywhere). ``"nki"`` and
-        ``"nki_emulated"`` raise NotImplementedError: this op has no NKI kernel yet.
+      implementation: None (the NKI kernel on Neuron, the jnp reference elsewhere),
+        ``"reference"`` (the jnp reference everywhere), ``"nki"`` (the NKI kernel: Neuron SDK
+        needed) or ``"nki_emulated"`` (the kernel source under the project's NKI emulator, on the
+        host; docs/compress-kernel.md).
 
     Returns:
       ``[..., T // r, C]`` f32, or ``[..., T // r, C // 2]`` with ``overlap``. Differentiable with

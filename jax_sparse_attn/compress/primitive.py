@@ -7,11 +7,13 @@ Operands, already checked by :mod:`jax_sparse_attn.compress.api` (``docs/compres
 
 any float dtypes, one set of leading dims ``...`` for all of them (the API broadcasts ape). Three
 operands or five: the count says whether the rows before block 0 are given. Static parameters:
-``overlap`` (bool) and ``implementation`` (None or ``"reference"``). One result,
-``[..., T // r, C]`` f32, or ``[..., T // r, C // 2]`` with overlap.
+``overlap`` (bool) and ``implementation`` (None, ``"reference"``, ``"nki"`` or
+``"nki_emulated"``). One result, ``[..., T // r, C]`` f32, or ``[..., T // r, C // 2]`` with
+overlap.
 
-- Lowering: the jnp reference on every platform (``reference.py``), run on each device's blocks
-  under multi-device jit (``compress/sharding.py``).
+- Lowering: the jnp reference (``reference.py``), or the NKI kernel for ``"nki"`` /
+  ``"nki_emulated"`` and on the ``"neuron"`` platform for ``None`` (``neuron.py``), run on each
+  device's blocks under multi-device jit (``compress/sharding.py``).
 - vmap: the primitive takes any leading dims, so a batch axis moves to the front of every operand
   (unbatched ones broadcast) and the primitive binds again.
 - JVP: the primal from the primitive; the tangent is the reference's (linear jnp operations of the
@@ -56,11 +58,55 @@ shared_sharding.register_device_aware(compress_pool_p)
 
 
 def _lower(kv, score, ape, *prev, overlap, implementation):
-    del implementation  # only the reference exists (the API refuses the NKI names)
-    return compress_sharding.run(kv, score, ape, *prev, ratio=ape.shape[-2], overlap=overlap)
+    """Every platform: ``None`` / ``"reference"`` the reference, ``"nki"`` / ``"nki_emulated"``
+    the NKI kernel (``compress/neuron.py``), on each device's blocks."""
+    return compress_sharding.run(kv, score, ape, *prev, ratio=ape.shape[-2], overlap=overlap,
+                                 implementation=implementation)
+
+
+def _lower_neuron(kv, score, ape, *prev, overlap, implementation):
+    """The ``"neuron"`` platform: ``None`` means the kernel there (as for the other ops);
+    ``"nki_emulated"`` needs a host callback, which JAX on Neuron does not have."""
+    if implementation == "nki_emulated":
+        from ..attention.neuron import NO_HOST_CALLBACKS_ON_NEURON
+
+        raise NotImplementedError(NO_HOST_CALLBACKS_ON_NEURON)
+    if implementation is None:
+        implementation = "nki"
+    return _lower(kv, score, ape, *prev, overlap=overlap, implementation=implementation)
 
 
 mlir.register_lowering(compress_pool_p, mlir.lower_fun(_lower, multiple_results=False))
+_neuron_registered = False
+
+
+def register_neuron_lowering(**_plugin_info) -> bool:
+    """Registers the ``"neuron"`` rule once JAX knows that platform (called by JAX after PJRT
+    plugin discovery, as ``attention.neuron.register_neuron_lowerings``); returns whether it is."""
+    global _neuron_registered
+    if _neuron_registered:
+        return True
+    try:
+        mlir.register_lowering(compress_pool_p,
+                               mlir.lower_fun(_lower_neuron, multiple_results=False),
+                               platform="neuron")  # fmt: skip
+    except NotImplementedError:
+        return False  # no Neuron plugin among the discovered ones
+    _neuron_registered = True
+    return True
+
+
+def install_neuron_lowering() -> None:
+    """Defers :func:`register_neuron_lowering` to JAX's plugin discovery (never fails)."""
+    try:
+        from jax._src import xla_bridge
+
+        xla_bridge.register_plugin_callbacks(register_neuron_lowering)
+    except (ImportError, AttributeError):
+        register_neuron_lowering()
+
+
+install_neuron_lowering()
 
 
 # --- vmap ---------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ Which factors of ``kv`` may stay split, and what each device then runs (``factor
   takes its share of each half, so the result is split over the same mesh axes in ``d``.
 
 A split that the rules above do not keep (uneven, or tokens not block-aligned) is gathered first.
-Each device runs the reference on exactly the rows and channels the single-device call would pool
-together, in the same order: the result is bit-identical to one device's.
+Each device runs the reference (or the NKI kernel: ``pool_functions``) on exactly the rows and
+channels the single-device call would pool together, in the same order: the result is
+bit-identical to one device's.
 
 The machinery is the package's (:mod:`jax_sparse_attn.sharding`): ``jax.shard_map`` for Explicit
 mesh axes, and a ``custom_partitioning`` with a Shardy rule for Auto ones, through
@@ -94,9 +95,24 @@ def _halves_share(x, axes: tuple, mesh_shape: dict):
     return jnp.concatenate([low, high], axis=-1)
 
 
-def make_local(axes: dict, mesh_shape: dict, ratio: int, overlap: bool, with_prev: bool):
+def pool_functions(implementation=None):
+    """``(whole, rows)``: the whole op on one device (``compress_pool_reference``'s signature)
+    and one run of whole blocks (``pool_rows``'s), for ``implementation``: the jnp reference, or
+    the NKI kernel for ``"nki"`` / ``"nki_emulated"`` (``compress/neuron.py``)."""
+    if implementation in ("nki", "nki_emulated"):
+        from . import neuron
+
+        emulated = implementation == "nki_emulated"
+        return (functools.partial(neuron.compress_pool_neuron, emulated=emulated),
+                functools.partial(neuron.pool_rows_neuron, emulated=emulated))
+    return reference.compress_pool_reference, reference.pool_rows
+
+
+def make_local(axes: dict, mesh_shape: dict, ratio: int, overlap: bool, with_prev: bool,
+               implementation=None):
     """What one device runs on its blocks (the operands as ``operand_specs`` places them; any
     operands after the primitive's pass through unused). Returns ``[..., N_local, C_local]`` f32."""
+    pool_whole, pool_rows = pool_functions(implementation)
 
     def local(kv, score, ape, *rest):
         prev = rest[:2] if with_prev else (None, None)
@@ -105,7 +121,7 @@ def make_local(axes: dict, mesh_shape: dict, ratio: int, overlap: bool, with_pre
             kv, score, ape = share(kv), share(score), share(ape)
             prev = tuple(None if p is None else share(p) for p in prev)
         if not (overlap and axes["t"]):
-            return reference.compress_pool_reference(kv, score, ape, *prev, overlap=overlap)
+            return pool_whole(kv, score, ape, *prev, overlap=overlap)
         N = kv.shape[-2] // ratio  # >= 1: tokens are split in whole blocks only
         before_kv, before_s = reference.rows_before(score, ape, *prev)
         # The halo: each device's last block goes to the next device, with the f32 scores that
@@ -119,8 +135,7 @@ def make_local(axes: dict, mesh_shape: dict, ratio: int, overlap: bool, with_pre
         first = _shard_index(axes["t"], mesh_shape) == 0
         before_kv = jnp.where(first, before_kv, halo_kv)
         before_s = jnp.where(first, before_s, halo_s)
-        return reference.pool_rows(kv, score, ape, overlap=True, before_kv=before_kv,
-                                   before_s=before_s)
+        return pool_rows(kv, score, ape, overlap=True, before_kv=before_kv, before_s=before_s)
 
     return local
 
@@ -163,9 +178,10 @@ class _CompressPartitioner(shared._Partitioner):
     the result (``sharding_rule``)."""
 
     def __init__(self, *args, ratio: int, overlap: bool, operands: int, tokens: int,
-                 devices: int, **kwargs):
+                 devices: int, implementation=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.ratio, self.overlap, self.operands = ratio, overlap, operands
+        self.implementation = implementation
         self.tokens, self.devices = tokens, devices
 
     def _factor_axes(self, mesh, arg_shapes) -> dict:
@@ -183,7 +199,8 @@ class _CompressPartitioner(shared._Partitioner):
         mesh = self._mesh(mesh, arg_shapes)
         axes = self._factor_axes(mesh, arg_shapes)
         specs, out_spec = self._specs(axes)
-        local = make_local(axes, dict(mesh.shape), self.ratio, self.overlap, self.operands == 5)
+        local = make_local(axes, dict(mesh.shape), self.ratio, self.overlap, self.operands == 5,
+                           self.implementation)
         # shard_local's function returns a one-tuple: so does each device's.
         return (mesh, lambda *ops: (local(*ops),), (NamedSharding(mesh, out_spec),),
                 tuple(NamedSharding(mesh, s) for s in specs))
@@ -216,7 +233,7 @@ def _padded(spec, ndim: int) -> tuple:
     return (tuple(spec) + (None,) * ndim)[:ndim]
 
 
-def run_explicit(kv, score, ape, *prev, ratio: int, overlap: bool):
+def run_explicit(kv, score, ape, *prev, ratio: int, overlap: bool, implementation=None):
     """Explicit mesh axes: ``make_local`` on each device under ``jax.shard_map``, the operands
     first resharded to ``operand_specs`` (a local slice for a replicated one). Differentiable:
     the JVP's tangent runs split the same way."""
@@ -230,7 +247,7 @@ def run_explicit(kv, score, ape, *prev, ratio: int, overlap: bool):
     placed = [x if _padded(jax.typeof(x).sharding.spec, x.ndim) == _padded(spec, x.ndim)
               else jax.sharding.reshard(x, NamedSharding(mesh, spec))
               for x, spec in zip(operands, specs)]
-    local = make_local(axes, dict(mesh.shape), ratio, overlap, bool(prev))
+    local = make_local(axes, dict(mesh.shape), ratio, overlap, bool(prev), implementation)
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_spec,
                          axis_names=explicit, check_vma=False)(*placed)
 
@@ -245,25 +262,48 @@ def split_like_lowering(kv, score, ape, *prev, overlap: bool):
     return reference.compress_pool_reference(kv, score, ape, *prev, overlap=overlap)
 
 
-def run(kv, score, ape, *prev, ratio: int, overlap: bool):
+def run_host_callback(kv, score, ape, *prev, ratio: int, overlap: bool, mesh):
+    """Automatic mesh axes with the kernel under the emulator (a host callback, which cannot live
+    in a ``custom_partitioning`` body: ``jax_sparse_attn/sharding.py``): ``make_local`` under
+    ``jax.shard_map`` over the whole mesh, split over the first batch dim where the mesh divides
+    it, else every device pooling all blocks (the operands replicated). Each device runs the
+    windows the single-device call runs, so the result is the same."""
+    operands = (kv, score, ape) + tuple(prev)
+    names = tuple(mesh.axis_names)
+    devices = math.prod(mesh.shape.values())
+    axes = {f"b{k}": () for k in range(kv.ndim - 2)}
+    axes.update(t=(), c=())
+    if kv.ndim > 2 and kv.shape[0] % devices == 0:
+        axes["b0"] = names
+    specs, out_spec = operand_specs(axes, kv.ndim - 2, overlap, len(operands))
+    local = make_local(axes, dict(mesh.shape), ratio, overlap, bool(prev), "nki_emulated")
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out_spec,
+                         axis_names=set(names), check_vma=False)(*operands)
+
+
+def run(kv, score, ape, *prev, ratio: int, overlap: bool, implementation=None):
     """The op on each device's blocks (the module docstring), called while lowering the
-    primitive; on one device, the reference."""
+    primitive; on one device, the whole op (the reference, or the kernel: ``pool_functions``)."""
     kv_aval = jax.typeof(kv)
     operands = (kv, score, ape) + tuple(prev)
+    pool_whole = pool_functions(implementation)[0]
 
     def whole(kv, score, ape, *rest):
-        return (reference.compress_pool_reference(kv, score, ape, *rest[:len(prev)],
-                                                  overlap=overlap),)
+        return (pool_whole(kv, score, ape, *rest[:len(prev)], overlap=overlap),)
 
     if shared._in_manual_region(kv_aval):
         return whole(*operands)[0]  # inside a user's shard_map: the blocks are given
     if shared._explicit_axis_names(kv_aval):
-        return run_explicit(*operands, ratio=ratio, overlap=overlap)
+        return run_explicit(*operands, ratio=ratio, overlap=overlap,
+                            implementation=implementation)
     operand_layouts, result_layout = layouts(kv.ndim - 2, overlap, len(operands))
     mesh = getattr(kv_aval.sharding, "mesh", None)
     devices = math.prod(mesh.shape.values()) if mesh is not None and not mesh.empty else 1
+    if implementation == "nki_emulated" and devices > 1:
+        return run_host_callback(*operands, ratio=ratio, overlap=overlap, mesh=mesh)
     partitioner = functools.partial(_CompressPartitioner, ratio=ratio, overlap=overlap,
-                                    operands=len(operands), tokens=kv.shape[-2], devices=devices)
+                                    operands=len(operands), tokens=kv.shape[-2], devices=devices,
+                                    implementation=implementation)
     wrapped = shared.shard_local(whole, operand_layouts, [result_layout], partitioner,
                                  q_layout=operand_layouts[0])
     out = wrapped(*operands)[0]

@@ -1,0 +1,169 @@
+"""Modelled Trainium time of the compressor's NKI kernel:
+``python -m jax_sparse_attn.bench --model trn2 --op compress_pool``.
+
+A MODEL, NOT A MEASUREMENT. Each shape runs ``compress_pool(..., implementation="nki_emulated")``
+(the jnp packing, the kernel source under the project's NKI emulator, the unpacking) with
+``NEURON_PLATFORM_TARGET_OVERRIDE`` set to the target, and records the kernel launch's modelled
+cost (:mod:`jax_sparse_attn.nki_emulator.cost`; docs/nki-emulator.md, "Cost model"). The
+packing (an XLA transpose of the windows, docs/compress-kernel.md) is outside the model.
+
+The bound, per logical core (the target's LNC physical cores): ``hbm_bound_us``, the bytes the
+op must move, each whole block's kv and scores read once (with overlap, the rows before block 0
+too) and the result written, over the HBM bandwidth.
+
+Shapes: DeepSeek V4-Flash's compressors, f32 kv and scores (V4 computes ``wkv`` and ``wgate``
+in f32, docs/deepseek.md): ratio 4 with overlap on the main cache (``C = 2 x 512``) and on the
+indexer's (``C = 2 x 128``), ratio 128 without (``C = 512``); a 65,536-token prefill and a
+decode step (one block, with the rows before it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Iterable, Optional
+
+import numpy as np
+
+LABEL = "MODEL (not a measurement): NKI emulator cost model, see docs/nki-emulator.md"
+# (name, ratio, C, overlap, T)
+DEFAULT_SHAPES = (
+    ("ratio4-main-prefill", 4, 1024, True, 65536),
+    ("ratio4-index-prefill", 4, 256, True, 65536),
+    ("ratio128-prefill", 128, 512, False, 65536),
+    ("ratio4-main-decode", 4, 1024, True, 4),
+    ("ratio4-index-decode", 4, 256, True, 4),
+    ("ratio128-decode", 128, 512, False, 128),
+)
+
+
+def compress_bounds(target: str, ratio: int, C: int, overlap: bool, T: int,
+                    itemsize: int = 4) -> dict:  # fmt: skip
+    """``hbm_bound_us`` of one sequence's call (module docstring), per logical core."""
+    from ..nki_emulator.cost import HARDWARE
+
+    hw = HARDWARE[target]
+    N = T // ratio
+    rows = N * ratio + (ratio if overlap else 0)
+    nbytes = 2 * rows * C * itemsize + N * (C // 2 if overlap else C) * 4
+    return {"hbm_bound_us": nbytes / (hw.hbm_gbps_per_core * hw.lnc * 1e3),
+            "bound_bytes": nbytes, "cores": hw.lnc}  # fmt: skip
+
+
+def model_compress_shape(target: str, ratio: int, C: int, overlap: bool, T: int) -> dict:
+    """The modelled figures of one ``compress_pool`` call on ``target`` (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    from .. import nki_emulator
+    from ..api import compress_pool
+    from ..nki_emulator.cost import ENGINES
+
+    start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    kv, score = (jnp.asarray(rng.standard_normal((T, C), np.float32)) for _ in range(2))
+    ape = jnp.asarray(rng.standard_normal((ratio, C), np.float32))
+    prev = {}
+    if overlap:
+        prev = {"prev_kv": jnp.asarray(rng.standard_normal((ratio, C), np.float32)),
+                "prev_score": jnp.asarray(rng.standard_normal((ratio, C), np.float32))}
+    previous = os.environ.get(nki_emulator.TARGET_ENV)
+    os.environ[nki_emulator.TARGET_ENV] = target
+    jax.clear_caches()
+    try:
+        with nki_emulator.recording(cost=True) as rec:
+            np.asarray(compress_pool(kv, score, ape, overlap=overlap, **prev,
+                                     implementation="nki_emulated"))  # fmt: skip
+    finally:
+        if previous is None:
+            os.environ.pop(nki_emulator.TARGET_ENV, None)
+        else:
+            os.environ[nki_emulator.TARGET_ENV] = previous
+        jax.clear_caches()
+    per_engine = dict.fromkeys(ENGINES, 0.0)
+    modelled = 0.0
+    by_instruction: dict = {}
+    for run in rec.runs:  # programs of a launch in parallel, launches in sequence
+        costs = [p.cost for p in run.programs]
+        modelled += max(c.modelled_us for c in costs)
+        for e in ENGINES:
+            per_engine[e] += max(c.engine_us[e] for c in costs)
+        busiest = max(costs, key=lambda c: c.modelled_us)
+        for name, (count, us) in busiest.by_instruction.items():
+            entry = by_instruction.setdefault(name, [0, 0.0])
+            entry[0] += count
+            entry[1] += us
+    bounds = compress_bounds(target, ratio, C, overlap, T)
+    return {
+        "target": target,
+        "shape": {"ratio": ratio, "C": C, "overlap": overlap, "T": T},
+        "modelled_us": modelled,
+        "hbm_bound_us": bounds["hbm_bound_us"],
+        "bound_bytes": bounds["bound_bytes"],
+        "modelled_over_bound": modelled / bounds["hbm_bound_us"],
+        "instructions": max(r.compiled_instructions_per_program for r in rec.runs),
+        "instructions_executed": sum(r.instructions for r in rec.runs),
+        "busiest_engine": max(per_engine, key=per_engine.get),
+        "per_engine_us": per_engine,
+        "busiest_program_us_by_instruction": {
+            k: round(v[1], 3) for k, v in sorted(by_instruction.items(), key=lambda kv: -kv[1][1])
+        },
+        "launches": len(rec.runs),
+        "grid": max(r.grid for r in rec.runs),
+        "host_seconds": time.perf_counter() - start,
+    }
+
+
+def _row(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"{r['target']:<5} {name:<22} error: {r['error']}"
+    engines = " ".join(f"{e}={v:.1f}" for e, v in r["per_engine_us"].items())
+    return (f"{r['target']:<5} {name:<22} {r['modelled_us']:10.2f} {r['hbm_bound_us']:9.2f} "
+            f"{r['modelled_over_bound']:7.2f}x {r['instructions']:6d} {r['busiest_engine']:<7} "
+            f"[{engines}]")  # fmt: skip
+
+
+def run_compress_model(target: str, shapes: Optional[Iterable[tuple]] = None,
+                       json_path: Optional[str] = None) -> int:  # fmt: skip
+    """Model every ``(name, ratio, C, overlap, T)`` shape on ``target``; print a table,
+    optionally write JSON; 0 if every shape ran."""
+    from ..bench_model import TARGETS, _cpu, _error_message, write_json
+
+    if target not in TARGETS:
+        raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
+    print(f"# {LABEL}; op compress_pool; target {target}; host CPU: {_cpu()}", flush=True)
+    print(f"# {'tgt':<5} {'shape':<22} {'model us':>10} {'HBM us':>9} {'/bound':>8} "
+          f"{'instrs':>6} busiest [per engine us]", flush=True)  # fmt: skip
+    records, ok = [], True
+    for name, ratio, C, overlap, T in shapes or DEFAULT_SHAPES:
+        try:
+            rec = model_compress_shape(target, ratio, C, overlap, T)
+        except Exception as err:  # noqa: BLE001 - a shape the kernel rejects is a result too
+            ok = False
+            rec = {"target": target, "error": _error_message(err),
+                   "shape": {"ratio": ratio, "C": C, "overlap": overlap, "T": T}}  # fmt: skip
+        rec["name"] = name
+        records.append(rec)
+        print(_row(name, rec), flush=True)
+    if json_path:
+        result = {
+            "kind": LABEL,
+            "op": "compress_pool",
+            "target": target,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host_cpu": _cpu(),
+            "notes": [
+                "DeepSeek V4-Flash's compressors, one sequence, f32 kv and scores; overlap calls "
+                "get the rows before block 0 (prev_kv, prev_score)",
+                "modelled_us: busiest engine of each program (perfect overlap), programs of a "
+                "launch in parallel; the jnp packing (an XLA transpose) is outside the model",
+                "hbm_bound_us: each whole block's kv and scores read once (and the rows before "
+                "block 0), the result written, per logical core",
+                "instructions: compiled instructions of the largest program (hardware-loop "
+                "bodies count once)",
+            ],
+            "records": records,
+        }
+        write_json(result, json_path)
+    return 0 if ok else 1

@@ -1,0 +1,243 @@
+"""The NKI kernel of the compressor's pooling (``compress_pool``): the masked softmax over each
+window of rows, per channel, in f32 (docs/compress-kernel.md; the op's contract: docs/compress.md).
+
+Interface (prepared by :mod:`jax_sparse_attn.compress.neuron`; ``n`` rows per window: ``r``, or
+``2 r`` with overlap; ``G`` windows per tile; ``Co`` output channels)::
+
+    kv_w  [Co, tiles, G*n]  any float  the windows' kv rows, channel-major: element
+                                       [c, t, g*n + i] is row i of window t*G + g on channel c
+                                       (0 where the row is masked: the packing zeroes it)
+    s_w   [Co, tiles, G*n]  f32        their scores s = min(score + ape, FLT_MAX), -inf = masked
+    -> out [Co, tiles, G]   f32        the pooled value of window t*G + g on channel c
+
+Layout: **channels on the partitions, a tile's windows and their rows along the free axis**. The
+softmax runs over a window's rows separately for every channel, so a channel's rows are one
+partition's elements and nothing crosses partitions (a reduction over the last free axes is one
+VectorE tensor_reduce; the partition axis "cannot be reduced" there, ISA tensor_reduce page). ``Co``
+up to 1024 is up to 8 tiles of 128 partitions (a static loop; the last one may be partial).
+
+Launch: ``kernel[P]`` (P = the LNC degree, as the other kernels); program ``p`` pools tiles
+``p tiles / P`` .. ``(p + 1) tiles / P - 1`` in a hardware loop (``nl.fori_loop``): the loop body
+is emitted once, so the instruction count does not depend on the number of tokens (a program
+with one tile, a decode step, runs it as straight code at constant addresses). Per tile and
+channel tile (``pc <= 128`` partitions), ``s`` and ``kv`` viewed ``[pc, G, n]``, the per-row
+form (prefill):
+
+1. two DMAs bring the tile's ``s`` and ``kv`` rows (``G n`` contiguous elements per partition);
+2. ``m = max_i s[:, :, i]``: one ``tensor_reduce`` over the row axis (exact in any order); then
+   ``m = max(m, -FLT_MAX)`` (a window of masked rows: ``exp(-inf - (-FLT_MAX)) = 0`` as the
+   contract's ``exp(-inf - 0)``);
+3. per row ``i``: ``s[:, :, i] -= m`` (GpSimd), then one ScalarE ``exp`` over the whole tile;
+4. ``z = ((e0 + e1) + e2) + ...``: ``n - 1`` VectorE adds of the rows' ``[pc, G]`` views, in
+   window order (the contract's order, which an instruction's internal reduction would not fix);
+   ``z += (z == 0)`` (every row masked: ``z = 1``);
+5. per row: ``e[:, :, i] /= z`` (GpSimd, the contract's division), then ``t = e * kv`` over the
+   tile (GpSimd);
+6. ``out = ((t0 + t1) + t2) + ...``: ``n - 1`` VectorE adds in window order, and one DMA out.
+
+The VectorE runs steps 2, 4 and 6 (about 5 cycles per element with f32 inputs: tensor_tensor
+with two SBUF inputs costs ``2 N``, tensor_reduce ``N``; ISA pages), the GpSimd steps 3 and 5
+(6 cycles per element; that the GpSimd's tensor_tensor costs the VectorE's formula is the cost
+model's assumption), the ScalarE the exponential: 1.75x to 1.9x the HBM time of the f32 ``kv``
+and ``s`` on trn2 by the cost model (docs/compress-kernel.md, "Modelled cost").
+
+Two forms: the per-row one above costs ``MIN_II`` per row instruction however few windows a tile
+has, so a tile of few windows (a decode step) runs **per window** instead (:func:`per_window`
+picks by the cycle formulas): per window one ScalarE ``exp(s - m)`` with ``-m`` as the bias
+column (activation page; ``s + (-m) = s - m`` exactly), ``z`` by a ``tensor_tensor_scan``
+(``r[i] = (e[i] + r[i-1]) * 1``, left to right: its page, v2.32.0), ``(e / z) * kv`` as one
+``scalar_tensor_tensor`` (``z`` the ``[P, 1]`` operand0 column, its page) and the result by a
+second scan. Both forms add in the contract's order and divide as it does.
+
+The raw function is plain Python: ``nki.jit`` is applied where it is called on Neuron, the
+project's emulator runs it as it is. Importing this module never needs the Neuron SDK.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..constants import FLT_MAX, KERNEL_TILE
+from ..nki_emulator.cost import MIN_II
+
+try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
+    import nki
+    import nki.isa as nisa
+    import nki.language as nl
+except ImportError:
+    nki = nl = nisa = None
+
+# Elements per partition of one tile's s (f32) and kv: 4096 f32 = 16 KiB per partition each, so
+# each DMA moves >= 4 KiB per partition ("saturates the engines", nki-dma-bandwidth-guide.rst,
+# as the cost model reads it) and the two live tiles take 32 KiB of the 192 KiB (trn1/trn2)
+# per-partition SBUF (nki_emulator.targets). An assumption balancing per-instruction overhead
+# (MIN_II = 64 cycles, ISA pages) against padding of short inputs.
+TILE_ELEMENTS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressPlan:
+    """Compile-time sizes of one launch: ``n`` rows per window, ``group`` (G) windows per tile,
+    ``tiles`` of them over all programs (``windows_padded = tiles * G``)."""
+
+    rows: int
+    group: int
+    tiles: int
+
+    @property
+    def windows_padded(self) -> int:
+        return self.tiles * self.group
+
+
+def plan_compress(windows: int, rows: int, programs: int) -> CompressPlan:
+    """The tile size for ``windows`` windows of ``rows`` rows over ``programs`` programs: the
+    largest ``G`` with ``G * rows <= TILE_ELEMENTS`` (at least 1), no larger than a program's
+    share, and the tiles a multiple of ``programs`` (the packing pads the windows)."""
+    per_program = max(1, -(-windows // programs))
+    group = max(1, min(TILE_ELEMENTS // rows, per_program))
+    tiles_each = -(-per_program // group)
+    return CompressPlan(rows, group, tiles_each * programs)
+
+
+def _channel_tiles(channels: int):
+    """``(c0, pc)`` of the channel tiles of at most 128 partitions."""
+    return [(c0, min(KERNEL_TILE, channels - c0)) for c0 in range(0, channels, KERNEL_TILE)]
+
+
+def per_window(group: int, rows: int) -> bool:
+    """Whether a tile runs in the per-window form (module docstring, "Two forms"): the one with
+    fewer modelled cycles on its busier engine, by the ISA pages' formulas (f32 SBUF inputs:
+    tensor_tensor ``max(MIN_II, 2N)``, tensor_tensor_scan and scalar_tensor_tensor ``2N``,
+    activation ``max(MIN_II, N)``; VectorE 0.96 GHz, GpSimd and ScalarE 1.2 GHz on trn2,
+    ``nki_emulator/cost.py``). Few windows of many rows (a decode step) favour it."""
+    g, n, ii = group, rows, MIN_II
+    per_row_vector = g * n + 2 * (n - 1) * max(ii, 2 * g)
+    per_row_gpsimd = 2 * n * max(ii, 2 * g) + max(ii, 2 * g * n)
+    per_window_vector = g * n + g * (2 * max(ii, 2 * n) + 2 * n) + 2 * max(ii, 2 * g)
+    per_window_scalar = g * max(ii, n)
+    by_rows = max(per_row_vector / 0.96, per_row_gpsimd / 1.2)
+    by_windows = max(per_window_vector / 0.96, per_window_scalar / 1.2)
+    return by_windows < by_rows
+
+
+def compress_pool_kernel(kv_w, s_w, rows):
+    """The masked softmax pooling of every window (module docstring). ``rows`` (n) is a
+    compile-time int. Launch as ``kernel[P]`` with the tiles a multiple of ``P``. Returns
+    ``out [Co, tiles, G]`` f32 in shared HBM."""
+    channels, tiles, width = kv_w.shape
+    assert tuple(s_w.shape) == (channels, tiles, width), f"s_w {s_w.shape} vs kv_w {kv_w.shape}"
+    assert width % rows == 0, f"{width} elements per tile is not whole windows of {rows} rows"
+    group = width // rows
+    programs, program = nl.num_programs(), nl.program_id(0)
+    assert tiles % programs == 0, f"{tiles} tiles must be a multiple of the {programs} programs"
+    per_program = tiles // programs
+    out = nl.ndarray((channels, tiles, group), dtype=nl.float32, buffer=nl.shared_hbm)
+    # Allocated outside the loop: a fori_loop body's tensors die with its iteration
+    # (nki.language.fori_loop page); one set per channel tile (a static loop inside).
+    bufs = []
+    for _, pc in _channel_tiles(channels):
+        bufs.append((
+            nl.ndarray((pc, group, rows), dtype=kv_w.dtype, buffer=nl.sbuf),
+            nl.ndarray((pc, group, rows), dtype=nl.float32, buffer=nl.sbuf),
+            nl.ndarray((pc, group), dtype=nl.float32, buffer=nl.sbuf),  # m
+            nl.ndarray((pc, group), dtype=nl.float32, buffer=nl.sbuf),  # z
+            nl.ndarray((pc, group), dtype=nl.float32, buffer=nl.sbuf),  # the pooled values
+        ))  # fmt: skip
+
+    windows_form = per_window(group, rows)
+    if windows_form:
+        # The scans' second operand: (partial + e) * 1 keeps every partial sum as it is.
+        ones = nl.ndarray((KERNEL_TILE, rows), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)
+        scan = nl.ndarray((KERNEL_TILE, group, rows), dtype=nl.float32, buffer=nl.sbuf)
+
+    def one_tile(tile):
+        for (c0, pc), (kv_sb, s_sb, m, z, acc) in zip(_channel_tiles(channels), bufs):
+            # Step 1: a runtime tile address, scalar_offset on axis 1 (G*n elements per tile,
+            # nki/deep-dives/nki-aps.rst).
+            for dst, src in ((s_sb, s_w), (kv_sb, kv_w)):
+                nisa.dma_copy(dst=dst, src=_at_tile(
+                    src, tile, [[tiles * width, pc], [rows, group], [1, rows]], c0 * tiles * width,
+                    width))  # fmt: skip
+            # Step 2: the window max (order-free), and -inf (every row masked) -> -FLT_MAX.
+            nisa.tensor_reduce(dst=m, op=nl.max, data=s_sb, axis=2)
+            if windows_form:
+                _pool_per_window(kv_sb, s_sb, m, z, acc, ones[0:pc, :], scan[0:pc], group, rows)
+            else:
+                _pool_per_row(kv_sb, s_sb, m, z, acc, rows)
+            nisa.dma_copy(dst=_at_tile(out, tile, [[tiles * group, pc], [1, group]],
+                                       c0 * tiles * group, group), src=acc)  # fmt: skip
+
+    if per_program == 1:
+        # One tile (a decode step): its addresses are compile-time constants, no loop register.
+        one_tile(program)
+    else:
+        nl.fori_loop(program * per_program, (program + 1) * per_program, one_tile)
+    return out
+
+
+def _at_tile(tensor, tile, pattern, offset: int, per_tile: int):
+    """``tensor``'s access pattern at tile ``tile``: a runtime address (the loop's register:
+    ``scalar_offset`` on axis 1 moves by ``per_tile`` elements, nki/deep-dives/nki-aps.rst), or
+    for a Python int a constant offset."""
+    if isinstance(tile, int):
+        return tensor.ap(pattern=pattern, offset=offset + tile * per_tile)
+    return tensor.ap(pattern=pattern, offset=offset, scalar_offset=tile, indirect_dim=1)
+
+
+def _pool_per_row(kv_sb, s_sb, m, z, acc, rows: int):
+    """Steps 2-6 of the per-row form (module docstring), after the max ``m``: ``acc [pc, G]``."""
+    nisa.tensor_scalar(dst=m, data=m, op0=nl.maximum, operand0=-FLT_MAX)
+    # Step 3: s - m, row by row (m is per window), then exp over the tile.
+    for i in range(rows):
+        nisa.tensor_tensor(dst=s_sb[:, :, i], data1=s_sb[:, :, i], data2=m,
+                           op=nl.subtract, engine=nisa.engine.gpsimd)  # fmt: skip
+    nisa.activation(dst=s_sb, op=nl.exp, data=s_sb)
+    # Step 4: z left to right in window order; z = 1 where it is 0 (every row masked:
+    # z >= 1 otherwise, the max row's e is 1).
+    _sum_rows(z, s_sb, rows)
+    nisa.scalar_tensor_tensor(dst=z, data=z, op0=nl.equal, operand0=0.0, op1=nl.add,
+                              operand1=z)  # fmt: skip
+    # Step 5: t = (e / z) * kv; a masked row's kv is 0 (packing), its e is 0.
+    for i in range(rows):
+        nisa.tensor_tensor(dst=s_sb[:, :, i], data1=s_sb[:, :, i], data2=z,
+                           op=nl.divide, engine=nisa.engine.gpsimd)  # fmt: skip
+    nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=kv_sb, op=nl.multiply,
+                       engine=nisa.engine.gpsimd)  # fmt: skip
+    # Step 6: the pooled value, left to right in window order.
+    _sum_rows(acc, s_sb, rows)
+
+
+def _pool_per_window(kv_sb, s_sb, m, z, acc, ones, scan, group: int, rows: int):
+    """The per-window form (module docstring, "Two forms"), after the max ``m``: per window one
+    ScalarE ``exp(s - m)`` (m as the bias column), a scan for z, one ``(e / z) * kv`` and a scan
+    for the pooled value; ``acc [pc, G]``."""
+    # -max(m, -FLT_MAX): the bias column of each window's exp (s + (-m) = s - m exactly).
+    nisa.tensor_scalar(dst=m, data=m, op0=nl.maximum, operand0=-FLT_MAX, op1=nl.multiply,
+                       operand1=-1.0)  # fmt: skip
+    for g in range(group):
+        nisa.activation(dst=s_sb[:, g, :], op=nl.exp, data=s_sb[:, g, :], bias=m[:, g : g + 1])
+        # z: r[i] = (e[i] + r[i-1]) * 1, r[-1] = 0: left to right (tensor_tensor_scan page).
+        nisa.tensor_tensor_scan(dst=scan[:, g, :], data0=s_sb[:, g, :], data1=ones, initial=0.0,
+                                op0=nl.add, op1=nl.multiply)  # fmt: skip
+    nisa.scalar_tensor_tensor(dst=z, data=scan[:, :, rows - 1], op0=nl.equal, operand0=0.0,
+                              op1=nl.add, operand1=scan[:, :, rows - 1])  # fmt: skip
+    for g in range(group):
+        # t = (e / z) * kv (scalar_tensor_tensor page: operand0 a [P, 1] column).
+        nisa.scalar_tensor_tensor(dst=s_sb[:, g, :], data=s_sb[:, g, :], op0=nl.divide,
+                                  operand0=z[:, g : g + 1], op1=nl.multiply,
+                                  operand1=kv_sb[:, g, :])  # fmt: skip
+        nisa.tensor_tensor_scan(dst=scan[:, g, :], data0=s_sb[:, g, :], data1=ones, initial=0.0,
+                                op0=nl.add, op1=nl.multiply)  # fmt: skip
+    nisa.tensor_copy(dst=acc, src=scan[:, :, rows - 1])
+
+
+def _sum_rows(dst, tile, rows: int):
+    """``dst = ((tile[:, :, 0] + tile[:, :, 1]) + tile[:, :, 2]) + ...`` (``[pc, G]``), one
+    VectorE add per row, in row order."""
+    if rows == 1:
+        nisa.tensor_copy(dst=dst, src=tile[:, :, 0])
+        return
+    nisa.tensor_tensor(dst=dst, data1=tile[:, :, 0], data2=tile[:, :, 1], op=nl.add)
+    for i in range(2, rows):
+        nisa.tensor_tensor(dst=dst, data1=dst, data2=tile[:, :, i], op=nl.add)
