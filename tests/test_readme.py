@@ -276,6 +276,7 @@ def test_cpu_devices_snippet_selects_the_exact_top_rows_on_two_devices(tmp_path)
     check_rows(got["idx"], s, bound, valid_rows(np.arange(T), T), 40)
 
 
+@pytest.mark.slow  # compiles a V4 layer (about 20 s): the blocks' own tests run in the default run
 def test_deepseek_v4_snippet():
     ns = run(snippet("from jax_sparse_attn.deepseek import V4_FLASH"))
     y, y_prompt, y_next = (np.asarray(ns[k], np.float32) for k in ("y", "y_prompt", "y_next"))
@@ -285,6 +286,7 @@ def test_deepseek_v4_snippet():
     assert int(ns["cache"].length[0]) == 40
 
 
+@pytest.mark.slow  # compiles a V3.2 layer
 def test_deepseek_v32_snippet():
     ns = run(snippet("from jax_sparse_attn.deepseek import V32_EXP"))
     assert ns["y"].shape == (1, 24, ns["config"].dim) and int(ns["cache"].length[0]) == 24
