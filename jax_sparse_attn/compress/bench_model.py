@@ -20,7 +20,6 @@ decode step (one block, with the rows before it).
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from typing import Iterable, Optional
 
@@ -53,12 +52,10 @@ def compress_bounds(target: str, ratio: int, C: int, overlap: bool, T: int,
 
 def model_compress_shape(target: str, ratio: int, C: int, overlap: bool, T: int) -> dict:
     """The modelled figures of one ``compress_pool`` call on ``target`` (module docstring)."""
-    import jax
     import jax.numpy as jnp
 
     from .. import nki_emulator
     from ..api import compress_pool
-    from ..nki_emulator.cost import ENGINES
 
     start = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -68,49 +65,17 @@ def model_compress_shape(target: str, ratio: int, C: int, overlap: bool, T: int)
     if overlap:
         prev = {"prev_kv": jnp.asarray(rng.standard_normal((ratio, C), np.float32)),
                 "prev_score": jnp.asarray(rng.standard_normal((ratio, C), np.float32))}
-    previous = os.environ.get(nki_emulator.TARGET_ENV)
-    os.environ[nki_emulator.TARGET_ENV] = target
-    jax.clear_caches()
-    try:
-        with nki_emulator.recording(cost=True) as rec:
-            np.asarray(compress_pool(kv, score, ape, overlap=overlap, **prev,
-                                     implementation="nki_emulated"))  # fmt: skip
-    finally:
-        if previous is None:
-            os.environ.pop(nki_emulator.TARGET_ENV, None)
-        else:
-            os.environ[nki_emulator.TARGET_ENV] = previous
-        jax.clear_caches()
-    per_engine = dict.fromkeys(ENGINES, 0.0)
-    modelled = 0.0
-    by_instruction: dict = {}
-    for run in rec.runs:  # programs of a launch in parallel, launches in sequence
-        costs = [p.cost for p in run.programs]
-        modelled += max(c.modelled_us for c in costs)
-        for e in ENGINES:
-            per_engine[e] += max(c.engine_us[e] for c in costs)
-        busiest = max(costs, key=lambda c: c.modelled_us)
-        for name, (count, us) in busiest.by_instruction.items():
-            entry = by_instruction.setdefault(name, [0, 0.0])
-            entry[0] += count
-            entry[1] += us
+    with nki_emulator.recording_on(target) as rec:
+        np.asarray(compress_pool(kv, score, ape, overlap=overlap, **prev, implementation="nki_emulated"))
+    figures = nki_emulator.launch_figures(rec.runs)
     bounds = compress_bounds(target, ratio, C, overlap, T)
     return {
         "target": target,
         "shape": {"ratio": ratio, "C": C, "overlap": overlap, "T": T},
-        "modelled_us": modelled,
         "hbm_bound_us": bounds["hbm_bound_us"],
         "bound_bytes": bounds["bound_bytes"],
-        "modelled_over_bound": modelled / bounds["hbm_bound_us"],
-        "instructions": max(r.compiled_instructions_per_program for r in rec.runs),
-        "instructions_executed": sum(r.instructions for r in rec.runs),
-        "busiest_engine": max(per_engine, key=per_engine.get),
-        "per_engine_us": per_engine,
-        "busiest_program_us_by_instruction": {
-            k: round(v[1], 3) for k, v in sorted(by_instruction.items(), key=lambda kv: -kv[1][1])
-        },
-        "launches": len(rec.runs),
-        "grid": max(r.grid for r in rec.runs),
+        "modelled_over_bound": figures["modelled_us"] / bounds["hbm_bound_us"],
+        **figures,
         "host_seconds": time.perf_counter() - start,
     }
 

@@ -18,7 +18,6 @@ Bounds, per logical core (the target's LNC physical cores), docs/indexer-kernel.
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from typing import Iterable, Optional
 
@@ -64,10 +63,7 @@ def model_indexer_shape(target: str, T: int, R: int, Hi: int, Di: int, K: int,
                         kernel: Optional[str] = None) -> dict:  # fmt: skip
     """The modelled figures of one ``indexer_topk`` call on ``target`` (module docstring), with
     the kernel the routing picks (``kernel=None``) or the one named (``"tiled"``, ``"decode"``)."""
-    import jax
-
     from .. import nki_emulator
-    from ..nki_emulator.cost import ENGINES
     from ..attention.neuron import launch_programs
     from .neuron import choose_kernel, indexer_topk_neuron
 
@@ -75,52 +71,21 @@ def model_indexer_shape(target: str, T: int, R: int, Hi: int, Di: int, K: int,
         kernel = choose_kernel(target, launch_programs(target), T, Hi, Di, R, K)[0]
     start = time.perf_counter()
     q, weights, keys, positions = _inputs(T, R, Hi, Di)
-    previous = os.environ.get(nki_emulator.TARGET_ENV)
-    os.environ[nki_emulator.TARGET_ENV] = target
-    jax.clear_caches()
-    try:
-        with nki_emulator.recording(cost=True) as rec:
-            idx, _ = indexer_topk_neuron(q, weights, keys, None, positions, topk=K,
-                                         compress_ratio=1, emulated=True, kernel=kernel)  # fmt: skip
-            np.asarray(idx)
-    finally:
-        if previous is None:
-            os.environ.pop(nki_emulator.TARGET_ENV, None)
-        else:
-            os.environ[nki_emulator.TARGET_ENV] = previous
-        jax.clear_caches()
-    per_engine = dict.fromkeys(ENGINES, 0.0)
-    modelled = 0.0
-    by_instruction: dict = {}
-    for run in rec.runs:  # programs of a launch in parallel, launches in sequence
-        costs = [p.cost for p in run.programs]
-        modelled += max(c.modelled_us for c in costs)
-        for e in ENGINES:
-            per_engine[e] += max(c.engine_us[e] for c in costs)
-        busiest = max(costs, key=lambda c: c.modelled_us)
-        for name, (count, us) in busiest.by_instruction.items():
-            entry = by_instruction.setdefault(name, [0, 0.0])
-            entry[0] += count
-            entry[1] += us
+    with nki_emulator.recording_on(target) as rec:
+        idx, _ = indexer_topk_neuron(q, weights, keys, None, positions, topk=K, compress_ratio=1,
+                                     emulated=True, kernel=kernel)
+        np.asarray(idx)
+    figures = nki_emulator.launch_figures(rec.runs)
     bounds = indexer_bounds(target, T, R, Hi, Di)
     bound = max(bounds["hbm_bound_us"], bounds["pe_bound_us"])
     return {
         "target": target,
         "shape": {"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K},
         "kernel": kernel,
-        "modelled_us": modelled,
         "hbm_bound_us": bounds["hbm_bound_us"],
         "pe_bound_us": bounds["pe_bound_us"],
-        "modelled_over_bound": modelled / bound if bound else None,
-        "instructions": max(r.compiled_instructions_per_program for r in rec.runs),
-        "instructions_executed": sum(r.instructions for r in rec.runs),
-        "busiest_engine": max(per_engine, key=per_engine.get),
-        "per_engine_us": per_engine,
-        "busiest_program_us_by_instruction": {
-            k: round(v[1], 3) for k, v in sorted(by_instruction.items(), key=lambda kv: -kv[1][1])
-        },
-        "launches": len(rec.runs),
-        "grid": max(r.grid for r in rec.runs),
+        "modelled_over_bound": figures["modelled_us"] / bound if bound else None,
+        **figures,
         "host_seconds": time.perf_counter() - start,
     }
 

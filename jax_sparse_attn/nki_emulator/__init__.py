@@ -99,6 +99,8 @@ __all__ = [
     "simulate",
     "SimulatedKernel",
     "recording",
+    "recording_on",
+    "launch_figures",
     "Recording",
     "RunStats",
     "ProgramStats",
@@ -321,6 +323,63 @@ def recording(cost: bool = True):
     finally:
         with _RECORDINGS_LOCK:
             _RECORDINGS.remove(rec)
+
+
+@contextlib.contextmanager
+def recording_on(target: str):
+    """:func:`recording` (with costs) while the emulator runs as ``target``: the op's
+    ``implementation="nki_emulated"`` calls in the block launch for that target. JAX's caches are
+    cleared before and after, so that no trace made for another target is reused."""
+    import os
+
+    import jax
+
+    previous = os.environ.get(TARGET_ENV)
+    os.environ[TARGET_ENV] = target
+    jax.clear_caches()
+    try:
+        with recording(cost=True) as rec:
+            yield rec
+    finally:
+        if previous is None:
+            os.environ.pop(TARGET_ENV, None)
+        else:
+            os.environ[TARGET_ENV] = previous
+        jax.clear_caches()
+
+
+def launch_figures(runs) -> dict:
+    """The modelled figures of a call's launches (:class:`RunStats` with costs): launches run one
+    after another, the programs of one launch in parallel (each figure is the slowest program's).
+    ``busiest_program_us_by_instruction`` adds up, per instruction, the slowest program of each
+    launch, largest first."""
+    from .cost import ENGINES
+
+    per_engine = dict.fromkeys(ENGINES, 0.0)
+    modelled = 0.0
+    by_instruction: dict = {}
+    for run in runs:
+        costs = [p.cost for p in run.programs]
+        modelled += max(c.modelled_us for c in costs)
+        for e in ENGINES:
+            per_engine[e] += max(c.engine_us[e] for c in costs)
+        busiest = max(costs, key=lambda c: c.modelled_us)
+        for name, (count, us) in busiest.by_instruction.items():
+            entry = by_instruction.setdefault(name, [0, 0.0])
+            entry[0] += count
+            entry[1] += us
+    return {
+        "modelled_us": modelled,
+        "instructions": max(r.compiled_instructions_per_program for r in runs),
+        "instructions_executed": sum(r.instructions for r in runs),
+        "busiest_engine": max(per_engine, key=per_engine.get),
+        "per_engine_us": per_engine,
+        "busiest_program_us_by_instruction": {
+            k: round(v[1], 3) for k, v in sorted(by_instruction.items(), key=lambda kv: -kv[1][1])
+        },
+        "launches": len(runs),
+        "grid": max(r.grid for r in runs),
+    }
 
 
 class SimulatedKernel:
