@@ -189,6 +189,22 @@ def export_weights(linears: Mapping[str, Linear], vectors: Mapping[str, nnx.Para
     return out
 
 
+class WeightsByName:
+    """:meth:`weight_shapes` and :meth:`export_weights` for a layer whose ``_linears()`` and
+    ``_vectors()`` map DeepSeek's inference names to its :class:`Linear` layers and f32
+    parameters."""
+
+    def weight_shapes(self) -> dict:
+        """``name -> shape`` of every tensor ``load_weights`` expects (DeepSeek's inference
+        names; an FP8 linear also takes ``name.scale``)."""
+        return weight_shapes(self._linears(), self._vectors())
+
+    def export_weights(self) -> dict:
+        """The layer's weights by DeepSeek's inference names, as numpy / ml_dtypes arrays (FP8
+        linears with their ``.scale``)."""
+        return export_weights(self._linears(), self._vectors())
+
+
 def load_weights(linears: Mapping[str, Linear], vectors: Mapping[str, nnx.Param],
                  given: Mapping[str, object], *, context: str,
                  plain_dtype: Callable[[str], object] = lambda name: None) -> None:

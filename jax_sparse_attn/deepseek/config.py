@@ -33,8 +33,27 @@ def _read_json(path: Union[str, os.PathLike]) -> dict:
         return json.load(f)
 
 
+class _Config:
+    """What both models' configs offer: reading DeepSeek's config files, and ``replace``."""
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], **overrides):
+        """From a config mapping of ``ModelArgs`` names; the model's fields outside the attention
+        (MoE, embeddings, hyper-connections) are ignored."""
+        return _from_mapping(cls, values, overrides)
+
+    @classmethod
+    def from_json(cls, path: Union[str, os.PathLike], **overrides):
+        """From DeepSeek's config file (a file, or a directory holding ``config.json``)."""
+        return cls.from_dict(_read_json(path), **overrides)
+
+    def replace(self, **changes):
+        """A copy with ``changes`` (field names)."""
+        return dataclasses.replace(self, **changes)
+
+
 @dataclasses.dataclass(frozen=True)
-class V4Config:
+class V4Config(_Config):
     """One DeepSeek V4 model's attention hyper-parameters (``ModelArgs`` names and defaults of
     DeepSeek's V4 inference code). :meth:`from_json` reads a released ``config.json``;
     :data:`V4_FLASH` and :data:`V4_PRO` are the released models'."""
@@ -82,19 +101,6 @@ class V4Config:
         if any(r < 0 for r in self.compress_ratios):
             raise ValueError(f"compress_ratios must be >= 0; got {self.compress_ratios}")
 
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], **overrides) -> "V4Config":
-        """From a ``config.json``'s mapping; fields outside the attention are ignored."""
-        return _from_mapping(cls, values, overrides)
-
-    @classmethod
-    def from_json(cls, path: Union[str, os.PathLike], **overrides) -> "V4Config":
-        """From DeepSeek's ``config.json`` (a file, or the checkpoint directory holding it)."""
-        return cls.from_dict(_read_json(path), **overrides)
-
-    def replace(self, **changes) -> "V4Config":
-        return dataclasses.replace(self, **changes)
-
 
 # The released models' attention fields (DeepSeek-V4-Flash and -Pro, inference/config.json).
 V4_FLASH = V4Config(
@@ -107,7 +113,7 @@ V4_PRO = V4_FLASH.replace(dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, 
 
 
 @dataclasses.dataclass(frozen=True)
-class V32Config:
+class V32Config(_Config):
     """One DeepSeek V3.2 model's attention hyper-parameters (``ModelArgs`` names and defaults of
     DeepSeek-V3.2-Exp's inference code). :meth:`from_json` reads DeepSeek's inference config
     (``config_671B_v3.2.json``); :data:`V32_EXP` is the released model's.
@@ -172,19 +178,6 @@ class V32Config:
         if self.yarn:
             scale *= (0.1 * self.mscale * math.log(self.rope_factor) + 1.0) ** 2
         return scale
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], **overrides) -> "V32Config":
-        """From a config mapping of ``ModelArgs`` names; fields outside the attention are ignored."""
-        return _from_mapping(cls, values, overrides)
-
-    @classmethod
-    def from_json(cls, path: Union[str, os.PathLike], **overrides) -> "V32Config":
-        """From DeepSeek's inference config (a file, or a directory holding ``config.json``)."""
-        return cls.from_dict(_read_json(path), **overrides)
-
-    def replace(self, **changes) -> "V32Config":
-        return dataclasses.replace(self, **changes)
 
 
 # DeepSeek-V3.2-Exp (inference/config_671B_v3.2.json; the RoPE and YaRN fields are ModelArgs'

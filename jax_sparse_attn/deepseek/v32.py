@@ -119,7 +119,7 @@ class Indexer(nnx.Module):
         return values, head_weights * scale[..., 0] * jnp.float32(self.head_dim ** -0.5)
 
 
-class V32Attention(nnx.Module):
+class V32Attention(common.WeightsByName, nnx.Module):
     """One attention layer of DeepSeek V3.2 (DeepSeek-V3.2-Exp), on the library's ops.
 
     For ``x`` at position ``p`` (``H`` heads, latent width ``L = kv_lora_rank``; docs/deepseek.md):
@@ -367,16 +367,6 @@ class V32Attention(nnx.Module):
         return {"q_norm.weight": self.q_norm.weight, "kv_norm.weight": self.kv_norm.weight,
                 "indexer.k_norm.weight": self.indexer.k_norm.weight,
                 "indexer.k_norm.bias": self.indexer.k_norm.bias}
-
-    def weight_shapes(self) -> dict:
-        """``name -> shape`` of every tensor :meth:`load_weights` expects (DeepSeek's inference
-        names; an FP8 linear also takes ``name.scale``)."""
-        return common.weight_shapes(self._linears(), self._vectors())
-
-    def export_weights(self) -> dict:
-        """The layer's weights by DeepSeek's inference names, as numpy / ml_dtypes arrays (FP8
-        linears with their ``.scale``)."""
-        return common.export_weights(self._linears(), self._vectors())
 
     def load_weights(self, tensors: Mapping[str, "np.ndarray | jax.Array"]) -> None:
         """Loads DeepSeek's weights for this layer, checked by name, shape and dtype.

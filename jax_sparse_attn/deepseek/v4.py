@@ -168,7 +168,7 @@ class Indexer(nnx.Module):
         return quant.fake_fp4(hadamard(q))
 
 
-class V4Attention(nnx.Module):
+class V4Attention(common.WeightsByName, nnx.Module):
     """One attention layer of a DeepSeek V4 model (V4-Flash, V4-Pro), on the library's ops.
 
     ``V4Attention(config, layer_id)``: the layer's compression ratio is
@@ -485,16 +485,6 @@ class V4Attention(nnx.Module):
             if comp is not None:
                 named[prefix + "ape"], named[prefix + "norm.weight"] = comp.ape, comp.norm.weight
         return named
-
-    def weight_shapes(self) -> dict:
-        """``name -> shape`` of every tensor :meth:`load_weights` expects (DeepSeek's inference
-        names; an FP8 linear also takes ``name.scale``)."""
-        return common.weight_shapes(self._linears(), self._vectors())
-
-    def export_weights(self) -> dict:
-        """The layer's weights by DeepSeek's inference names, as numpy / ml_dtypes arrays (FP8
-        linears with their ``.scale``)."""
-        return common.export_weights(self._linears(), self._vectors())
 
     def load_weights(self, tensors: Mapping[str, "np.ndarray | jax.Array"]) -> None:
         """Loads DeepSeek's weights for this layer, checked by name, shape and dtype.
