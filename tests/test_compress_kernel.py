@@ -76,11 +76,12 @@ def run_kernel(kv, score, ape, overlap=False, prev_kv=None, prev_score=None, tar
 @pytest.mark.parametrize("overlap,ratio,C,T", [
     (True, 4, 128, 18), (True, 4, 256, 41), (False, 4, 128, 23), (False, 128, 128, 300),
     (True, 128, 256, 130), (False, 1, 64, 5), (False, 3, 200, 10), (True, 2, 260, 9),
-    (True, 4, 1024, 37), (False, 128, 512, 257), (False, 128, 1024, 130),
+    (True, 4, 1024, 37), (False, 128, 512, 257), (False, 128, 1024, 130), (False, 4, 300, 5),
 ])  # fmt: skip
 def test_kernel_matches_oracle(overlap, ratio, C, T):
     """Ratios 4 and 128 (and others), widths 64 to 1024 (partial channel tiles included),
-    token counts that are not a multiple of the ratio, the first block's missing rows."""
+    token counts that are not a multiple of the ratio, the first block's missing rows; one
+    window, whose channel tiles the two programs share (C = 1024 and 300 without overlap)."""
     rng = np.random.default_rng(ratio * 1000 + C + T)
     kv, score, ape = make(rng, (T, C), ratio)
     got, _ = run_kernel(kv, score, ape, overlap)
@@ -170,7 +171,9 @@ def test_form_choice():
 def test_plan():
     plan = compress_kernel.plan_compress(512, 128, 2)
     assert (plan.group, plan.tiles) == (32, 16)
-    plan = compress_kernel.plan_compress(1, 8, 2)  # decode: one block, one window per program
+    plan = compress_kernel.plan_compress(1, 8, 2)  # decode: one window, its channels split
+    assert (plan.group, plan.tiles, plan.windows_padded) == (1, 1, 1)
+    plan = compress_kernel.plan_compress(2, 8, 2)  # one window per program
     assert (plan.group, plan.tiles, plan.windows_padded) == (1, 2, 2)
     plan = compress_kernel.plan_compress(16384, 8, 2)
     assert (plan.group, plan.tiles) == (512, 32)
@@ -325,3 +328,22 @@ def test_neuron_rule_waits_for_the_platform_and_dispatches(monkeypatch):
     assert seen == ["nki", "reference"]
     with pytest.raises(NotImplementedError, match="host callback"):
         primitive._lower_neuron(None, None, None, overlap=False, implementation="nki_emulated")
+
+
+@pytest.mark.jax_free
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cost_model_bound_counts_each_pooled_value_once(overlap):
+    """``--model trn2 --op compress_pool``'s HBM bound: a window pools r rows of C values (with
+    overlap, the previous block's low half and its own high half), kv and score f32, and writes
+    Co results; B sequences of T tokens (the trailing partial block is never read)."""
+    from jax_sparse_attn.compress.bench_model import compress_bounds
+    from jax_sparse_attn.nki_emulator.cost import HARDWARE
+
+    ratio, C, T, B = 4, 1024, 4 * 3 + 1, 5
+    windows = B * (T // ratio)
+    read = windows * 2 * ratio * C * 4  # kv and scores, f32
+    written = windows * (C // 2 if overlap else C) * 4
+    got = compress_bounds("trn2", ratio, C, overlap, T, B)
+    assert got["bound_bytes"] == read + written
+    hw = HARDWARE["trn2"]
+    assert got["hbm_bound_us"] == pytest.approx((read + written) / (hw.hbm_gbps_per_core * 2e3))

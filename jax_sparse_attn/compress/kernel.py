@@ -92,7 +92,10 @@ class CompressPlan:
 def plan_compress(windows: int, rows: int, programs: int) -> CompressPlan:
     """The tile size for ``windows`` windows of ``rows`` rows over ``programs`` programs: the
     largest ``G`` with ``G * rows <= TILE_ELEMENTS`` (at least 1), no larger than a program's
-    share, and the tiles a multiple of ``programs`` (the packing pads the windows)."""
+    share, and the tiles a multiple of ``programs`` (the packing pads the windows). One window
+    (a decode step of one sequence) is one tile, whose channel tiles the programs share."""
+    if windows <= 1:
+        return CompressPlan(rows, 1, 1)
     per_program = max(1, -(-windows // programs))
     group = max(1, min(TILE_ELEMENTS // rows, per_program))
     tiles_each = -(-per_program // group)
@@ -129,13 +132,21 @@ def compress_pool_kernel(kv_w, s_w, rows):
     assert width % rows == 0, f"{width} elements per tile is not whole windows of {rows} rows"
     group = width // rows
     programs, program = nl.num_programs(), nl.program_id(0)
-    assert tiles % programs == 0, f"{tiles} tiles must be a multiple of the {programs} programs"
-    per_program = tiles // programs
+    assert tiles == 1 or tiles % programs == 0, (
+        f"{tiles} tiles must be 1 or a multiple of the {programs} programs")
+    channel_tiles = _channel_tiles(channels)
+    if tiles == 1:
+        # One tile: the programs share its channel tiles (each program is specialised to its
+        # id, so this is a compile-time choice; docs/compress-kernel.md, "Launch").
+        channel_tiles, tile_of_program = channel_tiles[program::programs], 0
+    else:
+        tile_of_program = program
+    per_program = max(1, tiles // programs)
     out = nl.ndarray((channels, tiles, group), dtype=nl.float32, buffer=nl.shared_hbm)
     # Allocated outside the loop: a fori_loop body's tensors die with its iteration
     # (nki.language.fori_loop page); one set per channel tile (a static loop inside).
     bufs = []
-    for _, pc in _channel_tiles(channels):
+    for _, pc in channel_tiles:
         bufs.append((
             nl.ndarray((pc, group, rows), dtype=kv_w.dtype, buffer=nl.sbuf),
             nl.ndarray((pc, group, rows), dtype=nl.float32, buffer=nl.sbuf),
@@ -152,7 +163,7 @@ def compress_pool_kernel(kv_w, s_w, rows):
         scan = nl.ndarray((KERNEL_TILE, group, rows), dtype=nl.float32, buffer=nl.sbuf)
 
     def one_tile(tile):
-        for (c0, pc), (kv_sb, s_sb, m, z, acc) in zip(_channel_tiles(channels), bufs):
+        for (c0, pc), (kv_sb, s_sb, m, z, acc) in zip(channel_tiles, bufs):
             # Step 1: a runtime tile address, scalar_offset on axis 1 (G*n elements per tile,
             # nki/deep-dives/nki-aps.rst).
             for dst, src in ((s_sb, s_w), (kv_sb, kv_w)):
@@ -170,7 +181,7 @@ def compress_pool_kernel(kv_w, s_w, rows):
 
     if per_program == 1:
         # One tile (a decode step): its addresses are compile-time constants, no loop register.
-        one_tile(program)
+        one_tile(tile_of_program)
     else:
         nl.fori_loop(program * per_program, (program + 1) * per_program, one_tile)
     return out
