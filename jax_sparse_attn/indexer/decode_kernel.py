@@ -209,7 +209,7 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_moving, w_rows, keys_sb,
     """A chunk's head sums into the PSUM tile ``sums [128, 2 g C/128]`` (f32): for token ``m``
     of the group and row ``128 j + p`` of the chunk, at partition ``p``, column ``2 (g j + m)``
     the sum of its heads with ``w' >= 0`` and the next column that of its other heads (the score
-    is their difference; module docstring, step 1). The group's tokens share each ``d`` matmul
+    is their difference; docs/indexer-kernel.md, step 1). The group's tokens share each ``d`` matmul
     (their q side by side, ``g Hi <= 128`` stationary columns: one matmul's cost, whatever that
     count).
 
