@@ -278,7 +278,7 @@ def _score_chunk(plan: DecodePlan, q_sb, w_sb, w_abs, w_moving, w_rows, keys_sb,
 
 @dataclasses.dataclass
 class _Fallback:
-    """The tiled kernel's exact merge over one token's keys in row order (module step 6)."""
+    """The tiled kernel's exact merge over one token's keys in row order (step 6)."""
 
     plan: object
     cand: object
@@ -330,6 +330,19 @@ def _run_fallback(fb: _Fallback, keys_tile, keys_out, idx_out, group, member: in
     _emit(fb.cand, fb.cand_rows, keys_out, idx_out, group, 1, topk, k8, member * topk)
 
 
+
+
+def _sbuf(shape, dtype=None):
+    """An SBUF tile (f32 unless ``dtype``)."""
+    return nl.ndarray(shape, dtype=nl.float32 if dtype is None else dtype, buffer=nl.sbuf)
+
+
+def _psum(shape):
+    return nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
+
+
+def _hbm(shape, dtype=None):
+    return nl.ndarray(shape, dtype=nl.float32 if dtype is None else dtype, buffer=nl.hbm)
 
 
 # ---- The launch: what a program does, fixed at trace time --------------------------------------
@@ -416,9 +429,8 @@ class _Common:
 
 
 def _common_tiles() -> _Common:
-    return _Common(nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf),
-                   nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf),
-                   nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf))  # fmt: skip
+    return _Common(ones_col=_sbuf((P, 1)), partition=_sbuf((P, 1)),
+                   register_staging=_sbuf((1, 1), nl.int32))  # fmt: skip
 
 
 def _fill_common(common: _Common):
@@ -461,32 +473,25 @@ class _Scoring:
 
 
 def _scoring_tiles(launch: _Launch, q_dtype, keys_dtype, nan_count) -> _Scoring:
-    plan, span, group = launch.plan, launch.span, launch.group
-    group_heads, d_tiles, chunk_columns = group * plan.heads, _ceil_div(plan.dim, KERNEL_TILE), plan.chunk_columns
+    plan, group = launch.plan, launch.group
+    group_heads, chunk_columns = group * plan.heads, plan.chunk_columns
+    d_tiles = _ceil_div(plan.dim, KERNEL_TILE)
     assert 0 <= launch.on_vector <= plan.chunk // ROWS_PER_MATMUL, f"on_vector {launch.on_vector}"
 
-    def per_group(shape, dtype=nl.float32):
-        return [nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf) for _ in range(span)]
+    def per_group(shape, dtype=None):
+        return [_sbuf(shape, dtype) for _ in range(launch.span)]
 
     return _Scoring(
-        per_group((KERNEL_TILE, d_tiles, group_heads), q_dtype),
-        per_group((group_heads, 1)),
-        per_group((group_heads, 1)),
-        per_group((group_heads, 2 * group)),
-        per_group((P, group_heads)),
-        nl.ndarray((KERNEL_TILE, d_tiles, plan.chunk), dtype=keys_dtype, buffer=nl.sbuf),
-        nl.ndarray((P, group, chunk_columns), dtype=nl.float32, buffer=nl.sbuf),
-        nl.ndarray((P, 2 * group * chunk_columns), dtype=nl.float32, buffer=nl.psum),
-        nl.ndarray((P, group, chunk_columns), dtype=nl.float32, buffer=nl.sbuf),
-        nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf),
-        nan_count,
-        nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf),
-        nl.ndarray((1, launch.slots), dtype=nl.int32, buffer=nl.sbuf),
-        nl.ndarray((1, launch.slots), dtype=nl.float32, buffer=nl.sbuf),
-        nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf),
-        nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf),
-        [nl.ndarray((P, plan.chunks, chunk_columns), dtype=nl.float32, buffer=nl.hbm)
-         for _ in range(launch.slots)],
+        q=per_group((KERNEL_TILE, d_tiles, group_heads), q_dtype),
+        w=per_group((group_heads, 1)), w_abs=per_group((group_heads, 1)),
+        w_moving=per_group((group_heads, 2 * group)), w_rows=per_group((P, group_heads)),
+        keys=_sbuf((KERNEL_TILE, d_tiles, plan.chunk), keys_dtype),
+        chunk_scores=_sbuf((P, group, chunk_columns)),
+        head_sums=_psum((P, 2 * group * chunk_columns)),
+        nan_mask=_sbuf((P, group, chunk_columns)), nan_col=_sbuf((P, 1)), nan_count=nan_count,
+        chunk_has_nan=_sbuf((1, 1)), ends=_sbuf((1, launch.slots), nl.int32),
+        ends_f=_sbuf((1, launch.slots)), end_f=_sbuf((1, 1)), end=_sbuf((1, 1), nl.int32),
+        staged=[_hbm((P, plan.chunks, chunk_columns)) for _ in range(launch.slots)],
     )  # fmt: skip
 
 
@@ -517,25 +522,17 @@ class _Token:
 
 
 def _token_tiles(plan: DecodePlan, depth: int) -> _Token:
-    def column():
-        return nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-
-    def one():
-        return nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-
-    def of_candidates(dtype=nl.float32):
-        return nl.ndarray((P, plan.depth), dtype=dtype, buffer=nl.sbuf)
-
-    keys, work = (nl.ndarray((P, plan.columns), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2))
-    valid_rows, kv, kv_count, kv_rank_sum = column(), column(), one(), one()
-    sel = _selection_tiles(P, depth, True)
-    left8 = nl.ndarray((P, SELECTED_PER_ROUND), dtype=nl.float32, buffer=nl.sbuf)
+    """``depth``: the candidates per partition this launch's step 2 takes (a share's in the
+    scoring launch)."""
+    of_row, of_candidates = (P, plan.columns), (P, plan.depth)
     return _Token(
-        keys, work, valid_rows, kv, kv_count, kv_rank_sum, sel, left8, column(), of_candidates(),
-        of_candidates(nl.uint32), of_candidates(),
-        nl.ndarray((P, plan.depth, 2), dtype=nl.float32, buffer=nl.sbuf), of_candidates(),
-        column(), column(), nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.psum),
-        nl.ndarray((1, P), dtype=nl.float32, buffer=nl.psum), one(),
+        keys=_sbuf(of_row), work=_sbuf(of_row), valid_rows=_sbuf((P, 1)), kv=_sbuf((P, 1)),
+        kv_count=_sbuf((1, 1)), kv_rank_sum=_sbuf((1, 1)), sel=_selection_tiles(P, depth, True),
+        left8=_sbuf((P, SELECTED_PER_ROUND)), best_left=_sbuf((P, 1)),
+        cand_pos=_sbuf(of_candidates), cand_pos_u32=_sbuf(of_candidates, nl.uint32),
+        cand_rows=_sbuf(of_candidates), cand_pairs=_sbuf((P, plan.depth, 2)),
+        spare=_sbuf(of_candidates), count_col=_sbuf((P, 1)), total_col=_sbuf((P, 1)),
+        column_ps=_psum((P, 1)), row_ps=_psum((1, P)), reduced=_sbuf((1, 1)),
     )  # fmt: skip
 
 
@@ -551,9 +548,8 @@ class _Shares:
 
 def _share_tiles(launch: _Launch) -> _Shares:
     width = launch.shares * launch.share_depth
-    return _Shares(nl.ndarray((P, launch.shares * launch.share_width), dtype=nl.float32, buffer=nl.sbuf),
-                   nl.ndarray((P, width), dtype=nl.float32, buffer=nl.sbuf),
-                   nl.ndarray((P, width), dtype=nl.float32, buffer=nl.sbuf))  # fmt: skip
+    return _Shares(staged=_sbuf((P, launch.shares * launch.share_width)), keys=_sbuf((P, width)),
+                   rows=_sbuf((P, width)))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -581,11 +577,14 @@ class _Pivot:
 
 
 def _pivot_tiles() -> _Pivot:
-    columns = [nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(4)]
-    flags = [nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(9)]
-    predicates = [nl.ndarray((P, 1), dtype=nl.uint8, buffer=nl.sbuf) for _ in range(2)]
-    ones = [nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(2)]
-    return _Pivot(*columns, *predicates, *flags, *ones)
+    def column(dtype=None):
+        return _sbuf((P, 1), dtype)
+
+    return _Pivot(lo=column(), hi=column(), mid=column(), half=column(), below=column(nl.uint8),
+                  above=column(nl.uint8), rows_bounded=column(), no_row_left=column(),
+                  in_window=column(), within_cap=column(), out_of_window=column(),
+                  above_left=column(), has_valid=column(), takes_list=column(),
+                  takes_all_ranked=column(), falls_back=_sbuf((1, 1)), path=_sbuf((1, 1)))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -603,10 +602,10 @@ class _RankCheck:
 
 
 def _rank_check_tiles() -> _RankCheck:
-    flags = [nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf) for _ in range(5)]
-    return _RankCheck(nl.ndarray((P, 2), dtype=nl.float32, buffer=nl.sbuf),
-                      nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf),
-                      nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.psum), *flags)  # fmt: skip
+    return _RankCheck(stats=_sbuf((P, 2)), totals=_sbuf((1, 2)), totals_ps=_psum((1, 2)),
+                      ranks_exact=_sbuf((1, 1)), chosen_count=_sbuf((1, 1)),
+                      rank_sum_matches=_sbuf((1, 1)), ranks_tied=_sbuf((1, 1)),
+                      tied_fit_list=_sbuf((1, 1)))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -626,16 +625,11 @@ class _AllRanked:
 
 
 def _all_ranked_tiles(plan: DecodePlan) -> _AllRanked:
-    wide = max(plan.candidates, plan.compact + LIST_PAD)
-
-    def of_candidates(dtype=nl.float32):
-        return nl.ndarray((P, plan.depth), dtype=dtype, buffer=nl.sbuf)
-
-    return _AllRanked(
-        nl.ndarray((P, plan.depth), dtype=nl.float32, buffer=nl.hbm),
-        *(nl.ndarray((P, wide), dtype=nl.float32, buffer=nl.sbuf) for _ in range(3)),
-        of_candidates(), of_candidates(), of_candidates(), of_candidates(), of_candidates(nl.uint32),
-    )  # fmt: skip
+    wide, of_candidates = (P, max(plan.candidates, plan.compact + LIST_PAD)), (P, plan.depth)
+    return _AllRanked(cand_hbm=_hbm(of_candidates), all_keys=_sbuf(wide), beaten=_sbuf(wide),
+                      beaten_alt=_sbuf(wide), ranks=_sbuf(of_candidates),
+                      chosen=_sbuf(of_candidates), chosen_work=_sbuf(of_candidates),
+                      slot=_sbuf(of_candidates), slot_u32=_sbuf(of_candidates, nl.uint32))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -689,28 +683,25 @@ def _listing_tiles(plan: DecodePlan, ranked: _AllRanked) -> _Listing:
     cap = plan.compact
     cap_cols = cap // P
     block, blocks = _grid_sizes(plan)
-
-    def sbuf(shape, dtype=nl.float32):
-        return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
-
-    above_ps = nl.ndarray((P, block), dtype=nl.float32, buffer=nl.psum)
-    column_sums_ps = nl.ndarray((P, block), dtype=nl.float32, buffer=nl.psum)
+    above_ps, column_sums_ps = _psum((P, block)), _psum((P, block))
     return _Listing(
-        [nl.ndarray((cap + 2 * LIST_PAD * (f == 0), 1), dtype=nl.float32, buffer=nl.hbm)
-         for f in range(3)],
-        nl.ndarray((cap, 2), dtype=nl.float32, buffer=nl.hbm),
-        [sbuf((P, cap_cols)) for _ in range(3)], sbuf((P, cap_cols)), sbuf((P, cap_cols), nl.uint32),
-        sbuf((P, cap_cols, 2)), sbuf((cap_cols, 2 * P)), sbuf((cap_cols, P)),
-        [sbuf((P, cap + LIST_PAD), nl.bfloat16) for _ in range(2)], sbuf((P, cap_cols)),
-        sbuf((P, plan.depth)), sbuf((P, plan.depth), nl.uint32), sbuf((P, 1)), sbuf((1, 1)),
-        sbuf((1, 1)),
-        ranked.all_keys[:, 0:cap], ranked.beaten[:, 0:cap], ranked.beaten_alt[:, 0:cap],
-        ranked.all_keys[:, 0 : cap + LIST_PAD], ranked.beaten_alt[:, 0 : cap + LIST_PAD],
-        ranked.all_keys[:, 0:block], ranked.all_keys[:, block : 2 * block],
-        nl.ndarray((P, blocks, block), dtype=nl.bfloat16, buffer=nl.hbm),
-        nl.ndarray((P, blocks, block), dtype=nl.float32, buffer=nl.hbm),
-        sbuf((P, blocks * block), nl.bfloat16), sbuf((P, block), nl.bfloat16), sbuf((P, 1)),
-        above_ps, column_sums_ps, above_ps[:, 0:cap_cols], column_sums_ps[:, 0:cap_cols],
+        hbm=[_hbm((cap + 2 * LIST_PAD * (f == 0), 1)) for f in range(3)],
+        pairs_hbm=_hbm((cap, 2)), listed=[_sbuf((P, cap_cols)) for _ in range(3)],
+        gain=_sbuf((P, cap_cols)), slot_u32=_sbuf((P, cap_cols), nl.uint32),
+        pairs=_sbuf((P, cap_cols, 2)), blocks_pairs=_sbuf((cap_cols, 2 * P)),
+        blocks_field=_sbuf((cap_cols, P)),
+        rank_cmp=[_sbuf((P, cap + LIST_PAD), nl.bfloat16) for _ in range(2)],
+        rank_before=_sbuf((P, cap_cols)), in_list=_sbuf((P, plan.depth)),
+        place_u32=_sbuf((P, plan.depth), nl.uint32), before=_sbuf((P, 1)),
+        most_listed=_sbuf((1, 1)), lists_past_scattered=_sbuf((1, 1)),
+        keys=ranked.all_keys[:, 0:cap], rows=ranked.beaten[:, 0:cap],
+        equal=ranked.beaten_alt[:, 0:cap], shifted=ranked.all_keys[:, 0 : cap + LIST_PAD],
+        shifted_scratch=ranked.beaten_alt[:, 0 : cap + LIST_PAD],
+        running_block=ranked.all_keys[:, 0:block], places_block=ranked.all_keys[:, block : 2 * block],
+        grid_hbm=_hbm((P, blocks, block), nl.bfloat16), places_hbm=_hbm((P, blocks, block)),
+        grid_mask=_sbuf((P, blocks * block), nl.bfloat16), mask_block=_sbuf((P, block), nl.bfloat16),
+        carry=_sbuf((P, 1)), above_ps=above_ps, column_sums_ps=column_sums_ps,
+        beats_ps=above_ps[:, 0:cap_cols], ties_ps=column_sums_ps[:, 0:cap_cols],
     )  # fmt: skip
 
 
@@ -732,13 +723,11 @@ class _Constants:
 
 def _constant_tiles(plan: DecodePlan, fill_cols: int) -> _Constants:
     cap_cols = plan.compact // P
-
-    def sbuf(shape, dtype=nl.float32):
-        return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
-
-    return _Constants(sbuf((1, P)), sbuf((P, P)), sbuf((P, plan.depth)), sbuf((P, P)),
-                      sbuf((P, P), nl.bfloat16), sbuf((P, P), nl.bfloat16), sbuf((P, cap_cols)),
-                      sbuf((P, 2 * cap_cols)), sbuf((P, 2 * fill_cols)), sbuf((2, LIST_PAD)))  # fmt: skip
+    return _Constants(ones_row=_sbuf((1, P)), ones_pp=_sbuf((P, P)),
+                      column=_sbuf((P, plan.depth)), lower=_sbuf((P, P)),
+                      lower_bf=_sbuf((P, P), nl.bfloat16), ones_bf=_sbuf((P, P), nl.bfloat16),
+                      block_base=_sbuf((P, cap_cols)), empty_pairs=_sbuf((P, 2 * cap_cols)),
+                      fill_pairs=_sbuf((P, 2 * fill_cols)), list_pads=_sbuf((2, LIST_PAD)))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -768,11 +757,9 @@ def _slot_blocks(topk: int):
 def _slot_tiles(launch: _Launch, keys_out, idx_out, path_out) -> _Slots:
     topk = launch.plan.topk
     fill_cols, blocks = _slot_blocks(topk)
-    return _Slots(nl.ndarray((topk, 2), dtype=nl.float32, buffer=nl.hbm),
-                  nl.ndarray((P, 2 * fill_cols), dtype=nl.float32, buffer=nl.sbuf),
-                  nl.ndarray((P, fill_cols), dtype=nl.float32, buffer=nl.sbuf),
-                  nl.ndarray((P, fill_cols), dtype=nl.int32, buffer=nl.sbuf),
-                  blocks, keys_out, idx_out, path_out)  # fmt: skip
+    return _Slots(ranked_pairs=_hbm((topk, 2)), out_pairs=_sbuf((P, 2 * fill_cols)),
+                  out_keys=_sbuf((P, fill_cols)), out_rows=_sbuf((P, fill_cols), nl.int32),
+                  blocks=blocks, keys_out=keys_out, idx_out=idx_out, path_out=path_out)  # fmt: skip
 
 
 def _fill_constants(plan: DecodePlan, consts: _Constants, listing: _Listing, slots: _Slots):
@@ -1442,15 +1429,16 @@ class _TokenSelection:
     fallback: _Fallback
 
 
-def _selection_tiles_of(launch: _Launch, keys_out, idx_out, path_out, common: _Common,
-                        tok: _Token) -> _TokenSelection:
+def _token_selection_tiles(launch: _Launch, keys_out, idx_out, path_out, common: _Common,
+                           tok: _Token) -> _TokenSelection:
     plan = launch.plan
     ranked = _all_ranked_tiles(plan)
     fill_cols, _ = _slot_blocks(plan.topk)
-    return _TokenSelection(common, tok, _constant_tiles(plan, fill_cols), _pivot_tiles(),
-                      _rank_check_tiles(), ranked, _listing_tiles(plan, ranked),
-                      _slot_tiles(launch, keys_out, idx_out, path_out),
-                      _fallback_tiles(plan))  # fmt: skip
+    return _TokenSelection(common=common, tok=tok, consts=_constant_tiles(plan, fill_cols),
+                           piv=_pivot_tiles(), check=_rank_check_tiles(), ranked=ranked,
+                           lst=_listing_tiles(plan, ranked),
+                           slots=_slot_tiles(launch, keys_out, idx_out, path_out),
+                           fallback=_fallback_tiles(plan))  # fmt: skip
 
 
 def _list_path(launch: _Launch, s: _TokenSelection):
@@ -1628,7 +1616,7 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, *,
     outputs = _slot_outputs(1, spans, launch.slots, topk)
     common = _common_tiles()
     tok = _token_tiles(plan, plan.depth)
-    s = _selection_tiles_of(launch, *outputs, common, tok)
+    s = _token_selection_tiles(launch, *outputs, common, tok)
     scoring = _scoring_tiles(launch, q_t.dtype, keys_t.dtype, s.check.totals_ps[:, 0:1])
     _fill_common(common)
     _fill_constants(plan, s.consts, s.lst, s.slots)
@@ -1672,7 +1660,7 @@ def indexer_decode_score_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_en
     common = _common_tiles()
     tok = _token_tiles(plan, d)
     shares = _share_tiles(launch)
-    nan_count = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum)
+    nan_count = _psum((1, 1))
     scoring = _scoring_tiles(launch, q_t.dtype, keys_t.dtype, nan_count)
     _fill_common(common)
     chunk_lo, chunk_hi = _own_chunks(launch)
@@ -1720,7 +1708,7 @@ def indexer_decode_select_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_e
     common = _common_tiles()
     tok = _token_tiles(plan, plan.depth)
     shares = _share_tiles(launch)
-    s = _selection_tiles_of(launch, *outputs, common, tok)
+    s = _token_selection_tiles(launch, *outputs, common, tok)
     _fill_common(common)
     _fill_constants(plan, s.consts, s.lst, s.slots)
 
