@@ -57,7 +57,7 @@ MAX_TOPK = 4096
 LIST_PAD = P
 
 # Halvings of [U* or the floor, best key] that look for step 3a's pivot (a window of 128
-# counts); a token that finds none ranks all M candidates (step 3). Past the first
+# counts); a token that finds none ranks all M candidates (step 3b). Past the first
 # EARLY_BISECT_STEPS they run only for a token whose count is still out of the window.
 BISECT_STEPS = 16
 EARLY_BISECT_STEPS = 8
@@ -584,7 +584,8 @@ def _pivot_tiles() -> _Pivot:
                   above=column(nl.uint8), rows_bounded=column(), no_row_left=column(),
                   in_window=column(), within_cap=column(), out_of_window=column(),
                   above_left=column(), has_valid=column(), takes_list=column(),
-                  takes_all_ranked=column(), falls_back=_sbuf((1, 1)), path=_sbuf((1, 1)))  # fmt: skip
+                  takes_all_ranked=column(), falls_back=_sbuf((1, 1)),
+                  path=_sbuf((1, 1)))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -629,7 +630,8 @@ def _all_ranked_tiles(plan: DecodePlan) -> _AllRanked:
     return _AllRanked(cand_hbm=_hbm(of_candidates), all_keys=_sbuf(wide), beaten=_sbuf(wide),
                       beaten_alt=_sbuf(wide), ranks=_sbuf(of_candidates),
                       chosen=_sbuf(of_candidates), chosen_work=_sbuf(of_candidates),
-                      slot=_sbuf(of_candidates), slot_u32=_sbuf(of_candidates, nl.uint32))  # fmt: skip
+                      slot=_sbuf(of_candidates),
+                      slot_u32=_sbuf(of_candidates, nl.uint32))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -697,9 +699,11 @@ def _listing_tiles(plan: DecodePlan, ranked: _AllRanked) -> _Listing:
         keys=ranked.all_keys[:, 0:cap], rows=ranked.beaten[:, 0:cap],
         equal=ranked.beaten_alt[:, 0:cap], shifted=ranked.all_keys[:, 0 : cap + LIST_PAD],
         shifted_scratch=ranked.beaten_alt[:, 0 : cap + LIST_PAD],
-        running_block=ranked.all_keys[:, 0:block], places_block=ranked.all_keys[:, block : 2 * block],
+        running_block=ranked.all_keys[:, 0:block],
+        places_block=ranked.all_keys[:, block : 2 * block],
         grid_hbm=_hbm((P, blocks, block), nl.bfloat16), places_hbm=_hbm((P, blocks, block)),
-        grid_mask=_sbuf((P, blocks * block), nl.bfloat16), mask_block=_sbuf((P, block), nl.bfloat16),
+        grid_mask=_sbuf((P, blocks * block), nl.bfloat16),
+        mask_block=_sbuf((P, block), nl.bfloat16),
         carry=_sbuf((P, 1)), above_ps=above_ps, column_sums_ps=column_sums_ps,
         beats_ps=above_ps[:, 0:cap_cols], ties_ps=column_sums_ps[:, 0:cap_cols],
     )  # fmt: skip
@@ -727,7 +731,8 @@ def _constant_tiles(plan: DecodePlan, fill_cols: int) -> _Constants:
                       column=_sbuf((P, plan.depth)), lower=_sbuf((P, P)),
                       lower_bf=_sbuf((P, P), nl.bfloat16), ones_bf=_sbuf((P, P), nl.bfloat16),
                       block_base=_sbuf((P, cap_cols)), empty_pairs=_sbuf((P, 2 * cap_cols)),
-                      fill_pairs=_sbuf((P, 2 * fill_cols)), list_pads=_sbuf((2, LIST_PAD)))  # fmt: skip
+                      fill_pairs=_sbuf((P, 2 * fill_cols)),
+                      list_pads=_sbuf((2, LIST_PAD)))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -880,7 +885,8 @@ def _score_chunk_of_group(launch: _Launch, common: _Common, scoring: _Scoring, i
         step = 2 * group
         for g, chunk_sb in enumerate(chunk_sbs):
             if whole:
-                nisa.tensor_copy(dst=chunk_sb[:, 0:whole], src=head_sums[:, 2 * g : step * whole : step])
+                nisa.tensor_copy(dst=chunk_sb[:, 0:whole],
+                                 src=head_sums[:, 2 * g : step * whole : step])  # fmt: skip
             if whole < chunk_columns:
                 # score = (heads with w' >= 0) - (the rest); tensor_tensor reads at most one
                 # operand from PSUM (its page), so the second goes through SBUF.
@@ -1050,7 +1056,8 @@ def _bound(plan: DecodePlan, tok: _Token, consts: _Constants, piv: _Pivot):
     nisa.tensor_copy(dst=tok.kv_count, src=tok.kv[0:1, :])
     nisa.tensor_scalar(dst=tok.kv_rank_sum, data=tok.kv_count, op0=nl.subtract, operand0=1.0,
                        op1=nl.multiply, operand1=0.5)  # fmt: skip
-    nisa.tensor_tensor(dst=tok.kv_rank_sum, data1=tok.kv_rank_sum, data2=tok.kv_count, op=nl.multiply)
+    nisa.tensor_tensor(dst=tok.kv_rank_sum, data1=tok.kv_rank_sum, data2=tok.kv_count,
+                       op=nl.multiply)  # fmt: skip
     _count_above(tok, consts, nl.greater, tok.best_left)
     nisa.tensor_tensor(dst=piv.rows_bounded, data1=tok.total_col, data2=tok.kv, op=nl.greater_equal)
     nisa.tensor_scalar(dst=piv.no_row_left, data=tok.best_left, op0=nl.equal, operand0=MARKER)
@@ -1081,7 +1088,8 @@ def _find_pivot(plan: DecodePlan, common: _Common, tok: _Token, consts: _Constan
         _across_partitions(tok, consts, piv.mid, nl.min)
         _count_above(tok, consts, nl.greater_equal, piv.mid)
         nisa.tensor_tensor(dst=piv.below, data1=piv.mid, data2=tok.best_left, op=nl.greater)
-        nisa.tensor_scalar(dst=piv.above, data=tok.total_col, op0=nl.less_equal, operand0=float(cap))
+        nisa.tensor_scalar(dst=piv.above, data=tok.total_col, op0=nl.less_equal,
+                           operand0=float(cap))  # fmt: skip
         nisa.tensor_tensor(dst=piv.above, data1=piv.above, data2=piv.below, op=nl.multiply)
         nisa.select_reduce(dst=piv.lo, predicate=piv.below, on_true=piv.mid, on_false=piv.lo)
         nisa.select_reduce(dst=piv.hi, predicate=piv.above, on_true=piv.mid, on_false=piv.hi)
@@ -1105,7 +1113,8 @@ def _find_pivot(plan: DecodePlan, common: _Common, tok: _Token, consts: _Constan
             nisa.select_reduce(dst=piv.lo, predicate=piv.above, on_true=piv.mid, on_false=piv.lo)
 
     def in_window():
-        nisa.tensor_tensor(dst=piv.in_window, data1=tok.total_col, data2=tok.kv, op=nl.greater_equal)
+        nisa.tensor_tensor(dst=piv.in_window, data1=tok.total_col, data2=tok.kv,
+                           op=nl.greater_equal)  # fmt: skip
         nisa.tensor_scalar(dst=piv.within_cap, data=tok.total_col, op0=nl.less_equal,
                            operand0=float(cap))  # fmt: skip
         nisa.tensor_tensor(dst=piv.in_window, data1=piv.in_window, data2=piv.within_cap,
@@ -1133,13 +1142,15 @@ def _choose_path(tok: _Token, piv: _Pivot):
     bound); the path code starts as the fallback's. A token with no valid row (a padding token
     too) takes none: its slots stay MARKER / -1."""
     nisa.tensor_tensor(dst=piv.above_left, data1=piv.mid, data2=tok.best_left, op=nl.greater)
-    nisa.tensor_tensor(dst=piv.takes_list, data1=piv.in_window, data2=piv.above_left, op=nl.multiply)
+    nisa.tensor_tensor(dst=piv.takes_list, data1=piv.in_window, data2=piv.above_left,
+                       op=nl.multiply)  # fmt: skip
     nisa.tensor_tensor(dst=piv.takes_list, data1=piv.takes_list, data2=piv.rows_bounded,
                        op=nl.multiply)  # fmt: skip
     nisa.tensor_tensor(dst=piv.takes_all_ranked, data1=piv.rows_bounded, data2=piv.takes_list,
                        op=nl.subtract)  # fmt: skip
     nisa.tensor_scalar(dst=piv.has_valid, data=tok.kv, op0=nl.greater, operand0=0.0)
-    nisa.tensor_tensor(dst=piv.takes_list, data1=piv.takes_list, data2=piv.has_valid, op=nl.multiply)
+    nisa.tensor_tensor(dst=piv.takes_list, data1=piv.takes_list, data2=piv.has_valid,
+                       op=nl.multiply)  # fmt: skip
     nisa.tensor_tensor(dst=piv.takes_all_ranked, data1=piv.takes_all_ranked, data2=piv.has_valid,
                        op=nl.multiply)  # fmt: skip
     nisa.tensor_scalar(dst=piv.falls_back, data=piv.rows_bounded[0:1, :], op0=nl.multiply,
@@ -1532,10 +1543,11 @@ def _select_token(launch: _Launch, s: _TokenSelection, t, member: int):
     _choose_path(tok, piv)
     # Step 5's slots start as MARKER / -1 past Kv.
     for rows, width, first in slots.blocks:
-        nisa.dma_copy(dst=slots.ranked_pairs.ap(pattern=[[width, rows.stop - rows.start], [1, width]],
-                                                offset=first),
+        block = [[width, rows.stop - rows.start], [1, width]]
+        nisa.dma_copy(dst=slots.ranked_pairs.ap(pattern=block, offset=first),
                       src=s.consts.fill_pairs[rows, 0:width])  # fmt: skip
-    nl.fori_loop(0, _load_register(s.common, piv.takes_list[0:1, :]), lambda _: _list_path(launch, s))
+    nl.fori_loop(0, _load_register(s.common, piv.takes_list[0:1, :]),
+                 lambda _: _list_path(launch, s))  # fmt: skip
     if launch.takes_rare_paths:
         nl.fori_loop(0, _load_register(s.common, piv.takes_all_ranked[0:1, :]),
                      lambda _: _all_ranked_path(plan, s))  # fmt: skip
