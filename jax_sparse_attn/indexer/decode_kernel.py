@@ -1622,9 +1622,11 @@ def indexer_decode_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_ends, *,
     assert spans % programs == 0, (
         f"{spans} spans of token groups must be a multiple of the {programs} programs")  # fmt: skip
     per_program = spans // programs
-    launch = _Launch(plan, spans, span, group, program, programs, program * per_program,
-                     per_program, 1, plan.depth, range(plan.compact // P), True, True, 1,
-                     on_vector, signed, offload)  # fmt: skip
+    launch = _Launch(plan, spans, span, group, program, programs,
+                     first_span=program * per_program, span_count=per_program, shares=1,
+                     share_depth=plan.depth, ranked_cols=range(plan.compact // P),
+                     ranks_whole_list=True, takes_rare_paths=True, copies=1,
+                     on_vector=on_vector, signed=signed, offload=offload)  # fmt: skip
     outputs = _slot_outputs(1, spans, launch.slots, topk)
     common = _common_tiles()
     tok = _token_tiles(plan, plan.depth)
@@ -1662,8 +1664,10 @@ def indexer_decode_score_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_en
     assert span == 1, f"a span of {span} groups in the scoring launch"
     assert plan.chunks >= programs, f"{plan.chunks} chunks for {programs} programs"
     d = share_depth(plan, programs)
-    launch = _Launch(plan, spans, span, group, program, programs, 0, spans, programs, d,
-                     range(0), False, False, 1, on_vector, signed)  # fmt: skip
+    launch = _Launch(plan, spans, span, group, program, programs, first_span=0,
+                     span_count=spans, shares=programs, share_depth=d, ranked_cols=range(0),
+                     ranks_whole_list=False, takes_rare_paths=False, copies=1,
+                     on_vector=on_vector, signed=signed)  # fmt: skip
     columns, width = plan.columns, launch.share_width
     staged_out = nl.ndarray((spans, launch.slots, P, columns), dtype=nl.float32,
                             buffer=nl.shared_hbm)  # fmt: skip
@@ -1708,8 +1712,10 @@ def indexer_decode_select_kernel(q_t, w_t, keys_t, key_scale_t, n_valid, chunk_e
     d = share_depth(plan, programs)
     cap_cols = plan.compact // P
     ranked_cols = range(program * cap_cols // programs, (program + 1) * cap_cols // programs)
-    launch = _Launch(plan, spans, span, group, program, programs, 0, spans, programs, d,
-                     ranked_cols, False, program == 0, programs, 0, False, offload)  # fmt: skip
+    launch = _Launch(plan, spans, span, group, program, programs, first_span=0,
+                     span_count=spans, shares=programs, share_depth=d, ranked_cols=ranked_cols,
+                     ranks_whole_list=False, takes_rare_paths=program == 0, copies=programs,
+                     offload=offload)  # fmt: skip
     staged_shape = (spans, launch.slots, P, plan.columns)
     candidates_shape = (spans, launch.slots, P, programs * launch.share_width)
     assert tuple(staged_scores.shape) == staged_shape, f"staged_scores {staged_scores.shape}"
