@@ -1,68 +1,14 @@
-"""NKI kernels (NKI 0.6 and 0.7, Neuron SDK 2.32 and 2.33) for top-k sparse attention with sinks.
+"""NKI kernels of top-k sparse attention with sinks (NKI 0.6 and 0.7, Neuron SDK 2.32 and 2.33).
 
-The kernels share one body (docs/neuron-kernel.md describes the interface, the variants per
-target, the launch and the instruction pattern); they differ in how a token's slot rows reach SBUF:
+One body, :func:`_sparse_attn_kernel_body`, under entries that differ in how a token's slot rows
+reach SBUF: gathered by the kernel itself by indirect DMA (``gathered_attn_idx_kernel`` and its
+FP8, split-row and two-cache forms; trn2, trn3), or pre-gathered by XLA (``gathered_attn_kernel``,
+every target, the only one on trn1). docs/neuron-kernel.md has the interface, the variants per
+target, the launch, the instruction pattern and the FP8 forms ("FP8 caches"); a row whose slots
+are all empty has no meaningful output or lse (the packing overwrites both).
 
-- ``gathered_attn_idx_kernel(q, kv, idx, bias, sink)`` (trn2, trn3): the kernel gathers the rows
-  of the cache ``kv [R, D]`` itself, one indirect DMA per 128 slots driven by
-  ``idx [T, 128, Kp/128]`` uint32, with ``oob_mode=skip`` into a zeroed tile: an empty or padding
-  slot carries an index outside the cache and reads nothing (nki.isa.dma_copy page, "oob_mode").
-- ``gathered_attn_idx_fp8_kernel(q, kv, slot_scale, idx, bias, sink)`` (trn2, trn3): the same
-  on an FP8 cache (``float8_e4m3fn`` / ``float8_e5m2``): the FP8 rows are gathered (half the
-  bytes) and dequantised on chip with the slots' f32 scales, exactly
-  ``(kv.astype(f32) * scale).astype(bf16)`` (docs/neuron-kernel.md, "FP8 caches").
-- ``gathered_attn_idx_fp8_split_kernel(q, kv, kv_rope, slot_scale, idx, bias, sink)`` (trn2,
-  trn3): DeepSeek's split rows, FP8 columns ``kv [R, D8]`` dequantised on chip as above and the
-  16-bit ``kv_rope [R, D - D8]`` after them, gathered by a second indirect DMA per 128 slots into
-  the same tile: the logical row ``[dequantised kv | kv_rope]``.
-- ``gathered_attn_idx_two_caches_kernel(q, kv, idx, extra_kv, extra_idx, bias, sink)`` (trn2,
-  trn3): two bf16 caches in one softmax (V4's compressed rows and window), the first
-  ``main_slots`` slots from ``kv``, the others from ``extra_kv``: a 128-slot tile reads each cache
-  it has slots of, by its own indirect DMA (a tile across the boundary: one from each), so the
-  slots sit where they would in the single-cache call on the concatenation. Its FP8 forms
-  (``gathered_attn_idx_fp8_two_caches_kernel``, ``gathered_attn_idx_fp8_beside_16bit_kernel``
-  and their ``_split_`` variants) read an FP8 main cache beside an FP8 one of its layout or a
-  16-bit one.
-- ``gathered_attn_kernel(q, g, bias, sink)`` (every target; the one for trn1, which has no
-  indirect DMA): the slots are pre-gathered, ``g [T, Kp, D]``, every empty or padding slot's row
-  zero (the packing writes those zeros); one plain DMA per chunk of slots.
-
-Common interface::
-
-    q     [T, H, D]         bf16   queries (H <= 128, any D)
-    bias  [T, 16 + Kp]      f32    column SCALE_COL (0) = softmax scale of token t,
-                                   columns UP_COLS (1, 2) = two powers of two whose product
-                                   multiplies the dot products back (q arrives scaled down),
-                                   columns BIAS_PREFIX_COLS (16).. = per-slot logit bias;
-                                   an empty slot has bias EMPTY_LOGIT (-1e30)
-    sink  [H, 1]            f32    per-head sink logit (-inf = none, +inf = zero output)
-    ->    out [T, H, D] bf16 and lse [T, H, 1] f32, both in shared HBM
-
-``lse = m + log(den)``: the slot max and the fp32 denominator (sink term included) of the softmax.
-Requirements: ``Kp % 128 == 0``, ``H <= 128``, ``R > 0``, ``T`` a multiple of the launch grid. A
-row whose slots are all empty has no meaningful output or lse (the packing overwrites both).
-
-Launch: ``kernel[n]``, one SPMD program per physical core of the logical core (``n`` the
-compiler's LNC: 2 on trn2 and trn3 by default); program p takes the p-th share of the tokens and
-runs them in a hardware loop (``nl.fori_loop``, its register the tokens' ``scalar_offset``), so
-the compiled program does not grow with T.
-
-Per token (one pass when the token's slots fit in SBUF, else a pass per chunk of slots for the
-logits and their max, then a second pass for exp and the values, so the arithmetic is the same):
-
-1. q rows of the token, transposed on the PE into ``qT [128 (d), D/128, H]``;
-2. per chunk: the slot rows ``[128 (slot), C/128, D]`` (plain or indirect DMA), transposed on the
-   PE into ``[128 (d), D/128, C]``; logits by ``nc_matmul`` accumulating over the D/128 chunks into
-   PSUM ``[H, <=512]``; the logit saturation rule (docs/contract.md) and the bias on the way to
-   SBUF; the chunk max;
-3. ``activation(exp, bias=-max)`` per chunk, written as bf16 probabilities, with an add-reduction
-   of the fp32 values into the denominator, plus ``exp(sink - max)``;
-4. the probabilities transposed into ``[128 (slot), C/128, H]``; values by ``nc_matmul``
-   accumulating over all slot tiles in PSUM (``[H, <=512]`` per 512 columns of D, or ``out.T`` per
-   128 columns when H is small), multiplied by ``1 / den`` into a bf16 row; lse; store.
-
-The raw functions below are plain Python: ``nki.jit`` is applied where they are called on Neuron
-(:mod:`jax_sparse_attn.attention.neuron`), the project's emulator and ``nki.simulate`` take them as
+The functions are plain Python: ``nki.jit`` is applied where they are called on Neuron
+(:mod:`jax_sparse_attn.attention.neuron`); the project's emulator and ``nki.simulate`` take them as
 they are. Importing this module never needs the Neuron SDK.
 """
 
@@ -620,7 +566,7 @@ def _value_epilogue(src: _Source, unit: _ValueUnit, acc, out_scale, out_rows):
 
 
 def _attend_one_token(src: _Source, plan: SlotPlan, sink_col, out, lse, scratch):
-    """Computes ``out[token]`` and ``lse[token]`` (module docstring, steps 1-4)."""
+    """Computes ``out[token]`` and ``lse[token]`` (docs/neuron-kernel.md, "Instruction pattern")."""
     heads = src.heads
     # The body is compiled once (a hardware loop): every token must use the same engines, so the
     # round-robin choices restart here (the emulator runs the Python body once per token).
@@ -769,8 +715,7 @@ ROW_TRANSPOSES = "tensor"
 DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "gpsimd", "vector", "gpsimd", "gpsimd", "scalar",
                    "gpsimd", "gpsimd", "vector", "gpsimd", "gpsimd", "scalar", "gpsimd", "gpsimd")
 # The same for split rows, whose GpSimd also generates the rope columns' DMA descriptors: evener
-# (6 : 5 : 5; under the cost model at V3.2 decode, T=16, H=64, D=512+64, K=2048, the split kernel
-# is then DMA-bound: 116.8 us, against 131.0 with the rotation above).
+# (6 : 5 : 5; docs/neuron-kernel.md, "FP8 caches", has the modelled comparison).
 SPLIT_DEQUANT_ENGINES = ("gpsimd", "gpsimd", "scalar", "vector") + ("gpsimd", "scalar", "vector") * 4
 
 

@@ -1,56 +1,12 @@
 """The NKI kernel of the compressor's pooling (``compress_pool``): the masked softmax over each
-window of rows, per channel, in f32 (docs/compress-kernel.md; the op's contract: docs/compress.md).
+window of rows, per channel, in f32, with channels on the partitions and a tile's windows along
+the free axis, in a per-row form (prefill) or a per-window form (decode) picked by the ISA cost
+formulas; both add in the contract's order and divide as it does.
 
-Interface (prepared by :mod:`jax_sparse_attn.compress.neuron`; ``n`` rows per window: ``r``, or
-``2 r`` with overlap; ``G`` windows per tile; ``Co`` output channels)::
-
-    kv_w  [Co, tiles, G*n]  any float  the windows' kv rows, channel-major: element
-                                       [c, t, g*n + i] is row i of window t*G + g on channel c
-                                       (0 where the row is masked: the packing zeroes it)
-    s_w   [Co, tiles, G*n]  f32        their scores s = min(score + ape, FLT_MAX), -inf = masked
-    -> out [Co, tiles, G]   f32        the pooled value of window t*G + g on channel c
-
-Layout: **channels on the partitions, a tile's windows and their rows along the free axis**. The
-softmax runs over a window's rows separately for every channel, so a channel's rows are one
-partition's elements and nothing crosses partitions (a reduction over the last free axes is one
-VectorE tensor_reduce; the partition axis "cannot be reduced" there, ISA tensor_reduce page). ``Co``
-up to 1024 is up to 8 tiles of 128 partitions (a static loop; the last one may be partial).
-
-Launch: ``kernel[P]`` (P = the LNC degree, as the other kernels); program ``p`` pools tiles
-``p tiles / P`` .. ``(p + 1) tiles / P - 1`` in a hardware loop (``nl.fori_loop``): the loop body
-is emitted once, so the instruction count does not depend on the number of tokens (a program
-with one tile, a decode step, runs it as straight code at constant addresses). Per tile and
-channel tile (``pc <= 128`` partitions), ``s`` and ``kv`` viewed ``[pc, G, n]``, the per-row
-form (prefill):
-
-1. two DMAs bring the tile's ``s`` and ``kv`` rows (``G n`` contiguous elements per partition);
-2. ``m = max_i s[:, :, i]``: one ``tensor_reduce`` over the row axis (exact in any order); then
-   ``m = max(m, -FLT_MAX)`` (a window of masked rows: ``exp(-inf - (-FLT_MAX)) = 0`` as the
-   contract's ``exp(-inf - 0)``);
-3. per row ``i``: ``s[:, :, i] -= m`` (GpSimd), then one ScalarE ``exp`` over the whole tile;
-4. ``z = ((e0 + e1) + e2) + ...``: ``n - 1`` VectorE adds of the rows' ``[pc, G]`` views, in
-   window order (the contract's order, which an instruction's internal reduction would not fix);
-   ``z += (z == 0)`` (every row masked: ``z = 1``);
-5. per row: ``e[:, :, i] /= z`` (GpSimd, the contract's division), then ``t = e * kv`` over the
-   tile (GpSimd);
-6. ``out = ((t0 + t1) + t2) + ...``: ``n - 1`` VectorE adds in window order, and one DMA out.
-
-The VectorE runs steps 2, 4 and 6 (about 5 cycles per element with f32 inputs: tensor_tensor
-with two SBUF inputs costs ``2 N``, tensor_reduce ``N``; ISA pages), the GpSimd steps 3 and 5
-(6 cycles per element; that the GpSimd's tensor_tensor costs the VectorE's formula is the cost
-model's assumption), the ScalarE the exponential: 1.75x to 1.9x the HBM time of the f32 ``kv``
-and ``s`` on trn2 by the cost model (docs/compress-kernel.md, "Modelled cost").
-
-Two forms: the per-row one above costs ``MIN_II`` per row instruction however few windows a tile
-has, so a tile of few windows (a decode step) runs **per window** instead (:func:`per_window`
-picks by the cycle formulas): per window one ScalarE ``exp(s - m)`` with ``-m`` as the bias
-column (activation page; ``s + (-m) = s - m`` exactly), ``z`` by a ``tensor_tensor_scan``
-(``r[i] = (e[i] + r[i-1]) * 1``, left to right: its page, v2.32.0), ``(e / z) * kv`` as one
-``scalar_tensor_tensor`` (``z`` the ``[P, 1]`` operand0 column, its page) and the result by a
-second scan. Both forms add in the contract's order and divide as it does.
-
-The raw function is plain Python: ``nki.jit`` is applied where it is called on Neuron, the
-project's emulator runs it as it is. Importing this module never needs the Neuron SDK.
+docs/compress-kernel.md has the packing, the layout, the steps and the modelled cost; the op's
+contract is docs/compress.md. The function is plain Python: ``nki.jit`` is applied where it is
+called on Neuron, the project's emulator runs it as it is. Importing this module never needs the
+Neuron SDK.
 """
 
 from __future__ import annotations
@@ -108,9 +64,9 @@ def _channel_tiles(channels: int):
 
 
 def per_window(group: int, rows: int) -> bool:
-    """Whether a tile runs in the per-window form (module docstring, "Two forms"): the one with
-    fewer modelled cycles on its busier engine, by the ISA pages' formulas (f32 SBUF inputs:
-    tensor_tensor ``max(MIN_II, 2N)``, tensor_tensor_scan and scalar_tensor_tensor ``2N``,
+    """Whether a tile runs in the per-window form (docs/compress-kernel.md, "Layout and steps"):
+    the one with fewer modelled cycles on its busier engine, by the ISA pages' formulas (f32 SBUF
+    inputs: tensor_tensor ``max(MIN_II, 2N)``, tensor_tensor_scan and scalar_tensor_tensor ``2N``,
     activation ``max(MIN_II, N)``; VectorE 0.96 GHz, GpSimd and ScalarE 1.2 GHz on trn2,
     ``nki_emulator/cost.py``). Few windows of many rows (a decode step) favour it."""
     g, n, ii = group, rows, MIN_II
@@ -124,9 +80,19 @@ def per_window(group: int, rows: int) -> bool:
 
 
 def compress_pool_kernel(kv_w, s_w, rows):
-    """The masked softmax pooling of every window (module docstring). ``rows`` (n) is a
-    compile-time int. Launch as ``kernel[P]`` with the tiles a multiple of ``P``. Returns
-    ``out [Co, tiles, G]`` f32 in shared HBM."""
+    """The masked softmax pooling of every window.
+
+    Operands (prepared by :mod:`jax_sparse_attn.compress.neuron`; ``n`` rows per window: ``r``,
+    or ``2 r`` with overlap; ``G`` windows per tile; ``Co`` output channels)::
+
+        kv_w  [Co, tiles, G*n]  any float  the windows' kv rows, channel-major: element
+                                           [c, t, g*n + i] is row i of window t*G + g on
+                                           channel c (0 where the row is masked)
+        s_w   [Co, tiles, G*n]  f32        their scores min(score + ape, FLT_MAX), -inf masked
+
+    ``rows`` (n) is a compile-time int. Launch as ``kernel[P]`` with the tiles a multiple of
+    ``P``; program ``p`` pools its share of the tiles in a hardware loop. Returns
+    ``out [Co, tiles, G]`` f32 in shared HBM: the pooled value of window t*G + g on channel c."""
     channels, tiles, width = kv_w.shape
     assert tuple(s_w.shape) == (channels, tiles, width), f"s_w {s_w.shape} vs kv_w {kv_w.shape}"
     assert width % rows == 0, f"{width} elements per tile is not whole windows of {rows} rows"
@@ -164,13 +130,13 @@ def compress_pool_kernel(kv_w, s_w, rows):
 
     def one_tile(tile):
         for (c0, pc), (kv_sb, s_sb, m, z, acc) in zip(channel_tiles, bufs):
-            # Step 1: a runtime tile address, scalar_offset on axis 1 (G*n elements per tile,
+            # A runtime tile address, scalar_offset on axis 1 (G*n elements per tile,
             # nki/deep-dives/nki-aps.rst).
             for dst, src in ((s_sb, s_w), (kv_sb, kv_w)):
                 nisa.dma_copy(dst=dst, src=_at_tile(
                     src, tile, [[tiles * width, pc], [rows, group], [1, rows]], c0 * tiles * width,
                     width))  # fmt: skip
-            # Step 2: the window max (order-free), and -inf (every row masked) -> -FLT_MAX.
+            # The window max (order-free), and -inf (every row masked) -> -FLT_MAX.
             nisa.tensor_reduce(dst=m, op=nl.max, data=s_sb, axis=2)
             if windows_form:
                 _pool_per_window(kv_sb, s_sb, m, z, acc, ones[0:pc, :], scan[0:pc], group, rows)
@@ -197,32 +163,33 @@ def _at_tile(tensor, tile, pattern, offset: int, per_tile: int):
 
 
 def _pool_per_row(kv_sb, s_sb, m, z, acc, rows: int):
-    """Steps 2-6 of the per-row form (module docstring), after the max ``m``: ``acc [pc, G]``."""
+    """The per-row form (docs/compress-kernel.md, "Layout and steps"), after the max ``m``:
+    ``acc [pc, G]``."""
     nisa.tensor_scalar(dst=m, data=m, op0=nl.maximum, operand0=-FLT_MAX)
-    # Step 3: s - m, row by row (m is per window), then exp over the tile.
+    # s - m, row by row (m is per window), then exp over the tile.
     for i in range(rows):
         nisa.tensor_tensor(dst=s_sb[:, :, i], data1=s_sb[:, :, i], data2=m,
                            op=nl.subtract, engine=nisa.engine.gpsimd)  # fmt: skip
     nisa.activation(dst=s_sb, op=nl.exp, data=s_sb)
-    # Step 4: z left to right in window order; z = 1 where it is 0 (every row masked:
+    # z left to right in window order; z = 1 where it is 0 (every row masked:
     # z >= 1 otherwise, the max row's e is 1).
     _sum_rows(z, s_sb, rows)
     nisa.scalar_tensor_tensor(dst=z, data=z, op0=nl.equal, operand0=0.0, op1=nl.add,
                               operand1=z)  # fmt: skip
-    # Step 5: t = (e / z) * kv; a masked row's kv is 0 (packing), its e is 0.
+    # t = (e / z) * kv; a masked row's kv is 0 (packing), its e is 0.
     for i in range(rows):
         nisa.tensor_tensor(dst=s_sb[:, :, i], data1=s_sb[:, :, i], data2=z,
                            op=nl.divide, engine=nisa.engine.gpsimd)  # fmt: skip
     nisa.tensor_tensor(dst=s_sb, data1=s_sb, data2=kv_sb, op=nl.multiply,
                        engine=nisa.engine.gpsimd)  # fmt: skip
-    # Step 6: the pooled value, left to right in window order.
+    # The pooled value, left to right in window order.
     _sum_rows(acc, s_sb, rows)
 
 
 def _pool_per_window(kv_sb, s_sb, m, z, acc, ones, scan, group: int, rows: int):
-    """The per-window form (module docstring, "Two forms"), after the max ``m``: per window one
-    ScalarE ``exp(s - m)`` (m as the bias column), a scan for z, one ``(e / z) * kv`` and a scan
-    for the pooled value; ``acc [pc, G]``."""
+    """The per-window form (docs/compress-kernel.md, "Layout and steps"), after the max ``m``: per
+    window one ScalarE ``exp(s - m)`` (m as the bias column), a scan for z, one ``(e / z) * kv``
+    and a scan for the pooled value; ``acc [pc, G]``."""
     # -max(m, -FLT_MAX): the bias column of each window's exp (s + (-m) = s - m exactly).
     nisa.tensor_scalar(dst=m, data=m, op0=nl.maximum, operand0=-FLT_MAX, op1=nl.multiply,
                        operand1=-1.0)  # fmt: skip

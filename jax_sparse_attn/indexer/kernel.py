@@ -1,45 +1,12 @@
-"""The NKI kernel of the indexer (``indexer_topk``): scores on the TensorEngine, an exact running
-top-k on the VectorEngine (docs/indexer-kernel.md describes the design, its cost and its floor).
+"""The tiled NKI kernel of the indexer (``indexer_topk``): tokens on the partitions, scores on the
+TensorEngine and an exact running top-k on the VectorEngine, the programs of a launch splitting
+the rows, then :func:`indexer_merge_kernel` merging their partial selections. Its merge and key
+helpers also serve the row-spread kernel (:mod:`.decode_kernel`).
 
-Interface (prepared by :mod:`jax_sparse_attn.indexer.neuron`; ``TT`` tokens per tile,
-``Hi <= 128``)::
-
-    q_t          [tiles, Di, TT*Hi]      bf16  q of the tile's tokens, transposed: column
-                                               t*Hi + j holds q[t, j, :]
-    w_t          [tiles, Hi, TT]         f32   the weights w' (scale folded in), transposed
-    keys_t       [Di, n_chunks, C]       bf16  the keys transposed, padded to n_chunks * C rows
-    key_scale    [n_chunks, C]           f32   (ones when the op has none)
-    n_valid      [tiles, TT, 1]          f32   valid rows of each token (rows 0 .. n_valid-1)
-    chunk_ends   [P, tiles, 1]           int32 program p scores chunks p*n_chunks/P .. end - 1
-    -> part_keys, part_rows [P, tiles, TT, K8] f32: each program's running selection
-    indexer_merge_kernel(part_keys, part_rows) -> keys [tiles, TT, K] f32, idx [tiles, TT, K] int32
-
-Launch: the P programs of an LNC=2 launch split the rows (chunks), not the tokens: the
-VectorE's selection instructions cost the same whatever the partition count, so one tile of up to
-128 tokens per chunk is the cheapest arrangement. A second launch merges the programs' partial
-selections (with one program the partial selection is the result). Per tile (a hardware loop,
-``nl.fori_loop``) and per chunk of ``C`` rows (a hardware loop whose end is the tile's
-``chunk_ends`` entry, so chunks past every token's position are never scored or read):
-
-1. per 512 rows and token: ``d = q . k`` (``nc_matmul`` in q's 16-bit dtype, q stationary, fp32
-   PSUM ``[Hi, 512]``), a ScalarE relu into fp32, then the head sum as a second (fp32) matmul
-   with the token's weights stationary, into the token's partition of one ``[TT, 512]`` PSUM tile
-   of scores; times ``key_scale`` on the way into the candidate buffer;
-2. the scores become selection keys (``select_key``): halved (room below every finite value),
-   ``-inf`` -> ``NEG_INF_KEY``, NaN -> ``NAN_KEY``, rows outside ``n_valid`` -> ``MARKER`` by
-   selects, so garbage in an invalid row never reaches a key;
-3. a merge: the running ``K8`` best (keys and rows) and the chunk's ``C`` keys form one buffer;
-   ``K8 / 8`` rounds of ``max8`` (the next 8 keys), their positions (first occurrences, so exact
-   ties go to the lower row: ``nc_match_replace8(dst_idx=)`` on trn2/trn3, ``nc_find_index8`` on
-   trn1, see :class:`_Selection`) and ``nc_match_replace8`` (those positions become ``MARKER``);
-   ``nc_n_gather`` maps positions to rows. The running part stays sorted by (key descending, row ascending), and its rows all
-   precede the chunk's, which keeps the tie rule across merges.
-
-After the last chunk: ``idx = row`` where the key is above ``MARKER`` (a real, valid row), else
--1. Nothing of size R is on chip: a chunk of keys and the ``K8 + C`` candidates.
-
-The raw functions are plain Python: ``nki.jit`` is applied where they are called on Neuron, the
-project's emulator runs them as they are. Importing this module never needs the Neuron SDK.
+docs/indexer-kernel.md has the packing, the steps per tile and chunk, the selection keys, the
+variants per target and the modelled cost. The functions are plain Python: ``nki.jit`` is applied
+where they are called on Neuron, the project's emulator runs them as they are. Importing this
+module never needs the Neuron SDK.
 """
 
 from __future__ import annotations
@@ -180,7 +147,8 @@ def _tile_block(tensor, tile, rows: int, cols: int, offset: int = 0, row_stride=
 
 def _score_chunk(plan: IndexerPlan, q_sb, w_sb, keys_sb, key_scale, chunk_index, cand, c_base):
     """The chunk's scores ``I = (sum_j w'_j relu(q_j . k)) * key_scale`` into
-    ``cand[:, c_base : c_base + C]`` (f32), 512 rows at a time (module docstring, step 1).
+    ``cand[:, c_base : c_base + C]`` (f32), 512 rows at a time (docs/indexer-kernel.md, "Per
+    tile and chunk", step 1).
 
     One token per matmul pair: its head sum must not meet another token's dot products, since
     ``0 * inf`` is NaN (a row holding inf would make a zero weight of another token poison it).
@@ -210,7 +178,7 @@ def _score_chunk(plan: IndexerPlan, q_sb, w_sb, keys_sb, key_scale, chunk_index,
 
 
 def select_key(keys, rows, n_valid_col):
-    """Scores -> selection keys in place (module docstring, step 2; docs/indexer-kernel.md).
+    """Scores -> selection keys in place (docs/indexer-kernel.md, "Per tile and chunk", step 2).
 
     ``keys [P, C]`` f32 scores, ``rows [P, C]`` f32 their row numbers, ``n_valid_col [P, 1]``
     the valid rows of each partition's token. Every replacement is a select, so a NaN or inf in
@@ -231,7 +199,7 @@ def select_key(keys, rows, n_valid_col):
 
 def _merge(plan: IndexerPlan, cand, cand_rows, sel):
     """The running ``K8`` best of ``cand`` (keys) and their rows, back into ``cand[:, :K8]`` and
-    ``cand_rows[:, :K8]`` (module docstring, step 3). ``sel`` holds the merge's tiles and the
+    ``cand_rows[:, :K8]`` (docs/indexer-kernel.md, step 3). ``sel`` holds the merge's tiles and the
     variant (:class:`_Selection`)."""
     positions = extract_best(cand, sel, plan.topk8)
     nisa.nc_n_gather(dst=sel.best_rows, data=cand_rows, indices=positions)
@@ -330,13 +298,23 @@ def _load_partial(dst, part, program: int, tile, tt: int, width: int):
 
 def indexer_topk_kernel(q_t, w_t, keys_t, key_scale, n_valid, chunk_ends, topk, chunk,
                         match_indices=True):
-    """The indexer's running top-k over each program's share of the rows (module docstring).
+    """The indexer's running top-k over each program's share of the rows.
 
-    Args: as the module docstring's interface, except ``chunk_ends [P, tiles, 1]`` int32: program
-    ``p`` scores chunks ``p * n_chunks / P`` up to ``chunk_ends[p, tile]`` (exclusive) of each
-    tile, so the programs of an LNC=2 launch split the rows, not the tokens (the VectorE's
-    selection costs the same for 1 or 128 token partitions); ``topk`` (K) and ``chunk`` (C)
-    compile-time ints; ``match_indices`` the selection variant (:func:`selection_variant`).
+    Operands (prepared by :mod:`jax_sparse_attn.indexer.neuron`; ``TT`` tokens per tile,
+    ``Hi <= 128``)::
+
+        q_t          [tiles, Di, TT*Hi]  bf16   q of the tile's tokens transposed: column
+                                                t*Hi + j holds q[t, j, :]
+        w_t          [tiles, Hi, TT]     f32    the weights w' (scale folded in), transposed
+        keys_t       [Di, n_chunks, C]   bf16   the keys transposed, padded to n_chunks * C rows
+        key_scale    [n_chunks, C]       f32    (ones when the op has none)
+        n_valid      [tiles, TT, 1]      f32    valid rows of each token (rows 0 .. n_valid-1)
+        chunk_ends   [P, tiles, 1]       int32  program p scores chunks p * n_chunks / P up to
+                                                chunk_ends[p, tile] (exclusive)
+
+    The programs of an LNC=2 launch split the rows, not the tokens (the VectorE's selection costs
+    the same for 1 or 128 token partitions). ``topk`` (K) and ``chunk`` (C) are compile-time ints;
+    ``match_indices`` the selection variant (:func:`selection_variant`).
     Launch as ``kernel[P]``. Returns ``(part_keys, part_rows)``, each ``[P, tiles, TT, K8]`` f32
     in shared HBM: every program's running ``K8`` best keys (descending) and their rows;
     :func:`indexer_merge_kernel` merges them (with one program they are the result).

@@ -184,16 +184,26 @@ def _run_decode_on_host(target: str, programs: int, score_programs: int, score_o
                         *arrays, **statics):
     from ..nki_emulator import simulate
 
-    kernel = _decode.indexer_decode_kernel
     arrays = [np.asarray(a) for a in arrays]
     if score_programs:  # two launches: the programs split the rows to score them, then the list
-        staged = simulate(kernel, target=target)[score_programs](
-            *arrays, **{**statics, "on_vector": score_on_vector}, phase="score")
-        arrays, statics = arrays + list(staged), {**statics, "phase": "select"}
-    keys_out, idx, _ = simulate(kernel, target=target)[programs](*arrays, **statics)
-    if score_programs:
+        scoring, selecting = _split_launch_keywords(statics, score_on_vector)
+        staged = simulate(_decode.indexer_decode_score_kernel, target=target)[score_programs](
+            *arrays, **scoring)  # fmt: skip
+        keys_out, idx, _ = simulate(_decode.indexer_decode_select_kernel, target=target)[programs](
+            *arrays, *staged, **selecting)  # fmt: skip
         keys_out, idx = merge_copies(keys_out, idx, programs)
+    else:
+        keys_out, idx, _ = simulate(_decode.indexer_decode_kernel, target=target)[programs](
+            *arrays, **statics)  # fmt: skip
     return np.concatenate([keys_out, idx.astype(np.float32)], axis=-1)
+
+
+def _split_launch_keywords(statics: dict, score_on_vector: int):
+    """The two launches' keywords from the one launch's: the scoring launch's, the selecting's."""
+    scoring = dict(topk=statics["topk"], depth=statics["depth"], on_vector=score_on_vector,
+                   signed=statics["signed"])  # fmt: skip
+    selecting = {k: statics[k] for k in ("topk", "depth", "split", "steps", "offload")}
+    return scoring, selecting
 
 
 def merge_copies(keys_out, idx, copies: int):
@@ -234,12 +244,14 @@ def _call_decode(target, programs, plan, operands, tokens, emulated, split_rows=
         return packed[..., :k], packed[..., k:].astype(jnp.int32)
     from ..attention.neuron import jitted_kernel
 
-    run = jitted_kernel(_decode.indexer_decode_kernel)
     if split_rows:
-        staged = run[score_programs](*operands, **{**statics, "on_vector": score_on_vector},
-                                     phase="score")  # fmt: skip
-        keys_out, idx, _ = run[programs](*operands, *staged, **statics, phase="select")
+        scoring, selecting = _split_launch_keywords(statics, score_on_vector)
+        staged = jitted_kernel(_decode.indexer_decode_score_kernel)[score_programs](
+            *operands, **scoring)  # fmt: skip
+        keys_out, idx, _ = jitted_kernel(_decode.indexer_decode_select_kernel)[programs](
+            *operands, *staged, **selecting)  # fmt: skip
         return merge_copies(keys_out, idx, programs)
+    run = jitted_kernel(_decode.indexer_decode_kernel)
     if programs > 1:
         run = run[programs]
     keys_out, idx, _ = run(*operands, **statics)
