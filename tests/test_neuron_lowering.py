@@ -2,6 +2,7 @@
 for implementation="nki", the lazy "neuron" rule registration, and the emulated path's host
 callback."""
 
+import functools
 import subprocess
 import sys
 
@@ -93,8 +94,9 @@ def test_neuron_rule_dispatch(monkeypatch):
     """On the "neuron" platform: None and "nki" take the kernel path, the others their own path."""
     seen = []
     monkeypatch.setattr(neuron, "nki_gathered_attn_idx_lse",
-                        lambda *a, value_dim=None: seen.append("kernel") or (a[0], a[3]))
-    rule = neuron._neuron_rule(True)
+                        lambda q, kv, idx, sink, *a, value_dim=None, **named:
+                        seen.append("kernel") or (q, sink))
+    rule = functools.partial(neuron._neuron_rule, layout=primitive.Layout(), value_dim=64)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
@@ -109,7 +111,7 @@ def test_neuron_rule_dispatch(monkeypatch):
     assert seen == ["kernel", "kernel"]
     # Every rule returns (out, lse).
     for got, want in zip(rule(*args, implementation="reference"),
-                         primitive.path("reference", True)(*args)):
+                         primitive.path("reference", True)(*args, value_dim=64)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert seen == ["kernel", "kernel"]
 
@@ -118,11 +120,12 @@ def test_neuron_rule_dispatch(monkeypatch):
 def test_nki_emulated_on_the_neuron_platform_is_a_clear_error(indexed):
     """JAX on Neuron has no host callbacks: the "neuron" rule refuses nki_emulated, naming the
     limitation and the CPU backend."""
-    rule = neuron._neuron_rule(indexed)
+    layout = primitive.Layout() if indexed else primitive.PREGATHERED
     q = jnp.ones((2, 4, 64), jnp.bfloat16)
     args = (q, jnp.ones((8, 64), jnp.bfloat16)) + ((jnp.zeros((2, 3), jnp.int32),) if indexed else ())
+    args += (jnp.zeros((4,)), jnp.zeros((2, 3)), jnp.ones((2,)))
     with pytest.raises(NotImplementedError, match=r"host callbacks.*Neuron.*jax\.devices\('cpu'\)"):
-        rule(*args, implementation="nki_emulated")
+        neuron._neuron_rule(*args, layout=layout, implementation="nki_emulated", value_dim=64)
 
 
 @pytest.mark.parametrize(
