@@ -1,34 +1,9 @@
-"""A KV cache sharded over its rows: each device attends to the rows it holds, then a merge by lse.
+"""A KV cache split over its rows: each device attends to the rows it holds, then a merge by lse.
 
-When ``kv [R, D]`` is split over its row axis across some mesh axes (``PartitionSpec("y")``), the
-forward ``gathered_attn_idx`` runs on each device with its own block of ``R / n`` rows:
-
-1. a slot whose row lies in this device's block keeps its index, moved into the block; every
-   other slot is empty here (it is some other device's);
-2. the sink joins on the first row shard only (it must enter the softmax once);
-3. the op runs on the block (the jnp reference, or the NKI kernel on Neuron) and returns its
-   partial ``(out, lse)``, each partial the exact attention over the slots held there;
-4. one ``all_gather`` over the row axes of ``[T, H, D + 1]`` f32 per device (the partial output
-   next to its lse) and :func:`jax_sparse_attn.merge_attention` give every device the attention
-   over all the slots, rounded once to q's dtype.
-
-The cache itself never moves: no collective has R rows. Token and head splits of ``q`` on other
-mesh axes compose (the row axes must differ from them; a mesh axis that splits both ``q`` and the
-cache's rows leaves the cache replicated, as without this module). Works with Explicit mesh axes
-(``jax.shard_map`` while lowering) and Auto ones (``custom_partitioning``, whose partition
-callback sees the cache's sharding). Only the forward pass is row-local: the backward pass (the
-cache's gradient, ``autodiff.py``) runs with the cache replicated. With Auto axes, a path with a
-host callback (``"nki_emulated"``) also runs with the cache replicated (see sharding.py).
-
-A second cache (``extra_kv``, not split) joins on the first row shard only, as the sink does. An
-FP8 cache (with ``kv_scale``, and ``kv_rope`` in a split layout) takes another route that keeps the result exact: each device gathers the FP8 bytes and scales of the
-slots it holds (zeros for the others), one all-reduce over the row axes of ``[T, K, D]`` bytes and
-``[T, K, n]`` scales completes them, and the op runs on those slots as a cache of ``T * K`` rows
-(``fp8_row_local``).
-
-Rounding: the partial outputs come back in q's dtype (as the kernel writes them), so a bf16 result
-carries at most one more bf16 rounding per partial than the single-device call, weighted by each
-partial's share of the softmax (tests/test_cache_sharding.py bounds the error at 2x).
+The forward ``gathered_attn_idx`` runs on each device's row block and the partial results merge
+exactly (``merge_attention``); an FP8 cache instead gathers its slots where they live and sums
+them over the devices. The cache never moves. The steps, and where rounding may differ from one
+device: docs/sharding.md, "A KV cache split over its rows".
 """
 
 from __future__ import annotations

@@ -258,3 +258,53 @@ def test_the_neuron_extra_is_the_supported_range():
         assert release.nki.startswith(version + ".")
         assert release.sdk.startswith(versions.SDK_OF_VERSION[version] + ".")
         assert f"{release.sdk} (NKI {release.nki})" in neuron.install_hint()
+
+
+def test_one_table_picks_the_kernel_by_layout_and_target():
+    """neuron.KERNELS: the kernel that reads a layout's operands on trn2/trn3; on trn1, for an
+    empty cache, or an FP8 second cache laid out unlike the main one, XLA gathers the slots for
+    the pre-gathered kernel (None). Each entry's arguments are its kernel's required ones."""
+    import inspect
+
+    from jax_sparse_attn.attention import kernel as kernels
+
+    S = jax.ShapeDtypeStruct
+    T, K, R = 2, 3, 8
+    f32, bf16, fp8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+
+    def ops(D=192, **parts):
+        return primitive.AttnOperands(q=S((T, 4, D), bf16), sink=S((4,), f32),
+                                      bias=S((T, K), f32), scale=S((T,), f32), **parts)
+
+    def fp8_cache(prefix="", rows=R, groups=2, rope=64):
+        parts = {prefix + "kv": S((rows, 128), fp8), prefix + "kv_scale": S((rows, groups), f32),
+                 prefix + "kv_rope": S((rows, rope), bf16)}
+        return parts | {"extra_idx": S((T, K), jnp.int32), "extra_bias": S((T, K), f32)} \
+            if prefix else parts | {"idx": S((T, K), jnp.int32)}
+
+    def name(target, operands):
+        variant = neuron.kernel_reading(target, operands)
+        return None if variant is None else variant.name
+
+    plain = {"kv": S((R, 192), bf16), "idx": S((T, K), jnp.int32)}
+    window = {"extra_kv": S((16, 192), bf16), "extra_idx": S((T, K), jnp.int32),
+              "extra_bias": S((T, K), f32)}
+    for target in ("trn1", "trn2", "trn3"):
+        assert name(target, ops(g=S((T, K, 192), bf16))) == "gathered_attn_kernel"
+    assert name("trn1", ops(**plain)) is None
+    assert name("trn1", ops(**fp8_cache(), **window)) is None
+    assert name("trn2", ops(**plain)) == "gathered_attn_idx_kernel"
+    assert name("trn3", ops(**plain, **window)) == "gathered_attn_idx_two_caches_kernel"
+    assert name("trn2", ops(**fp8_cache())) == "gathered_attn_idx_fp8_split_kernel"
+    assert name("trn2", ops(**fp8_cache(), **window)) == (
+        "gathered_attn_idx_fp8_split_beside_16bit_kernel")
+    assert name("trn2", ops(**fp8_cache(), **fp8_cache("extra_"))) == (
+        "gathered_attn_idx_fp8_split_two_caches_kernel")
+    # An FP8 second cache of other scale groups or rope width, or an empty cache: XLA gathers.
+    assert name("trn2", ops(**fp8_cache(), **fp8_cache("extra_", groups=4))) is None
+    assert name("trn2", ops(**fp8_cache(), **fp8_cache("extra_", rope=32))) is None
+    assert name("trn2", ops(**fp8_cache(rows=0))) is None
+    for variant in neuron.KERNELS.values():
+        parameters = inspect.signature(getattr(kernels, variant.name)).parameters.values()
+        required = [p for p in parameters if p.default is inspect.Parameter.empty]
+        assert len(required) == len(variant.args), variant.name

@@ -18,6 +18,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from . import primitive as primitives
+from .primitive import PREGATHERED, AttnOperands, Layout
 from ..constants import TARGETS_WITH_DGE, value_shift
 from .packing import (
     KernelLayout,
@@ -167,40 +168,39 @@ _PREGATHERED_KERNEL = KernelVariant("gathered_attn_kernel",
 # (TARGETS_WITH_DGE); a layout missing here, or any indexed one on another target, has XLA
 # gather the slots for the pre-gathered kernel (docs/neuron-kernel.md, "Kernel variants by operand
 # layout").
-_Layout = primitives.Layout
 KERNELS = {
-    primitives.PREGATHERED: _PREGATHERED_KERNEL,
-    _Layout(): KernelVariant(
+    PREGATHERED: _PREGATHERED_KERNEL,
+    Layout(): KernelVariant(
         "gathered_attn_idx_kernel", ("q_groups", "slot_rows", "idx", "bias", "sink_groups")),
-    _Layout(fp8=True): KernelVariant(
+    Layout(fp8=True): KernelVariant(
         "gathered_attn_idx_fp8_kernel",
         ("q_groups", "slot_rows", "slot_scale", "idx", "bias", "sink_groups")),
-    _Layout(fp8=True, split=True): KernelVariant(
+    Layout(fp8=True, split=True): KernelVariant(
         "gathered_attn_idx_fp8_split_kernel",
         ("q_groups", "slot_rows", "rope_rows", "slot_scale", "idx", "bias", "sink_groups")),
-    _Layout(extra=True): KernelVariant(
+    Layout(extra=True): KernelVariant(
         "gathered_attn_idx_two_caches_kernel",
         ("q_groups", "slot_rows", "idx", "extra_rows", "extra_idx", "bias", "sink_groups")),
-    _Layout(fp8=True, extra=True): KernelVariant(
+    Layout(fp8=True, extra=True): KernelVariant(
         "gathered_attn_idx_fp8_beside_16bit_kernel",
         ("q_groups", "slot_rows", "extra_rows", "slot_scale", "idx", "extra_idx", "bias",
          "sink_groups")),
-    _Layout(fp8=True, split=True, extra=True): KernelVariant(
+    Layout(fp8=True, split=True, extra=True): KernelVariant(
         "gathered_attn_idx_fp8_split_beside_16bit_kernel",
         ("q_groups", "slot_rows", "rope_rows", "extra_rows", "slot_scale", "idx", "extra_idx",
          "bias", "sink_groups")),
-    _Layout(fp8=True, extra=True, extra_fp8=True): KernelVariant(
+    Layout(fp8=True, extra=True, extra_fp8=True): KernelVariant(
         "gathered_attn_idx_fp8_two_caches_kernel",
         ("q_groups", "slot_rows", "extra_rows", "slot_scale", "idx", "extra_idx", "bias",
          "sink_groups")),
-    _Layout(fp8=True, split=True, extra=True, extra_fp8=True, extra_split=True): KernelVariant(
+    Layout(fp8=True, split=True, extra=True, extra_fp8=True, extra_split=True): KernelVariant(
         "gathered_attn_idx_fp8_split_two_caches_kernel",
         ("q_groups", "slot_rows", "rope_rows", "extra_rows", "extra_rope", "slot_scale", "idx",
          "extra_idx", "bias", "sink_groups")),
 }
 
 
-def kernel_reading(target: str, ops: primitives.AttnOperands) -> KernelVariant | None:
+def kernel_reading(target: str, ops: AttnOperands) -> KernelVariant | None:
     """The kernel that reads ``ops`` itself on ``target`` (``KERNELS``), or None where XLA gathers
     the slots first. Beyond the layout the kernels need rows in each cache and columns in the
     main one, and an FP8 second cache laid out as the main one (FP8 dtype, widths, scale groups)."""
@@ -223,7 +223,7 @@ def kernel_reading(target: str, ops: primitives.AttnOperands) -> KernelVariant |
 
 
 def _run_kernel(call_kernels: KernelCall, target: str, variant: KernelVariant,
-                ops: primitives.AttnOperands, value_dim=None, gather_in_xla: bool = False):
+                ops: AttnOperands, value_dim=None, gather_in_xla: bool = False):
     """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, value_dim], lse [T, H] f32)``;
     the kernel does ``value_dim`` (default D) columns of value work. ``gather_in_xla``: an
     indexed bind of one cache of whole rows run by the pre-gathered kernel, its slots gathered
@@ -247,7 +247,7 @@ def _run_kernel(call_kernels: KernelCall, target: str, variant: KernelVariant,
         in_range = (idx >= 0) & (idx < slot_rows.shape[0])
         g = fp8.gather_dequantized(slot_rows, ops.kv_scale, jnp.where(in_range, idx, -1),
                                    jnp.bfloat16)
-        pregathered = primitives.AttnOperands(q=q, g=g, sink=ops.sink, scale=ops.scale,
+        pregathered = AttnOperands(q=q, g=g, sink=ops.sink, scale=ops.scale,
                                               bias=jnp.where(in_range, bias, -jnp.inf))
         return _run_kernel(call_kernels, target, _PREGATHERED_KERNEL, pregathered, value_dim)
     scale_groups = 0 if ops.kv_scale is None else ops.kv_scale.shape[1]
@@ -317,7 +317,7 @@ def _fp8_slots(kv, kv_scale, kv_rope, idx, bias, dtype=jnp.bfloat16):
     return g, jnp.where(valid, bias, -jnp.inf)
 
 
-def _run_indexed(call_kernels: KernelCall, ops: primitives.AttnOperands, value_dim):
+def _run_indexed(call_kernels: KernelCall, ops: AttnOperands, value_dim):
     """``gathered_attn_idx_p`` on the Neuron path (``call_kernels``: the device's or the
     emulator's): the kernel that reads the operands where one does (``kernel_reading``); else
     XLA gathers the slots for the pre-gathered kernel, in the packing for one cache of whole
@@ -332,8 +332,25 @@ def _run_indexed(call_kernels: KernelCall, ops: primitives.AttnOperands, value_d
     g, bias = _pregathered_slots(ops.q.dtype, ops.kv, ops.idx, ops.bias, ops.extra_kv,
                                  ops.extra_idx, ops.extra_bias, ops.kv_scale, ops.kv_rope,
                                  ops.extra_kv_scale, ops.extra_kv_rope)
-    pregathered = primitives.AttnOperands(q=ops.q, g=g, sink=ops.sink, bias=bias, scale=ops.scale)
+    pregathered = AttnOperands(q=ops.q, g=g, sink=ops.sink, bias=bias, scale=ops.scale)
     return _run_kernel(call_kernels, target, _PREGATHERED_KERNEL, pregathered, value_dim)
+
+
+def _indexed_path(call_kernels: KernelCall, doc: str) -> Callable:
+    """``gathered_attn_idx_p``'s Neuron path through ``call_kernels`` (the device's or the
+    emulator's), taking the operands as the reference does."""
+
+    def path(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None, extra_bias=None, *,
+             kv_scale=None, kv_rope=None, extra_kv_scale=None, extra_kv_rope=None,
+             value_dim=None):
+        ops = AttnOperands(
+            q=q, kv=kv, idx=idx, sink=sink, bias=bias, scale=scale, kv_scale=kv_scale,
+            kv_rope=kv_rope, extra_kv=extra_kv, extra_idx=extra_idx, extra_bias=extra_bias,
+            extra_kv_scale=extra_kv_scale, extra_kv_rope=extra_kv_rope)
+        return _run_indexed(call_kernels, ops, value_dim)
+
+    path.__doc__ = doc
+    return path
 
 
 def _kernel_args(variant: KernelVariant, packed: PackedOperands, group: int) -> tuple:
@@ -379,22 +396,15 @@ def nki_gathered_attn_lse(q, g, sink, bias, scale, *, value_dim=None):
     """The Neuron path of ``gathered_attn_p`` with the lse: q ``[T, H, D]``, g ``[T, K, D]``, sink
     ``[H]`` f32 (``-inf`` = none), bias ``[T, K]`` f32 (``-inf`` = empty slot), scale ``[T]`` f32
     -> ``(out [T, H, value_dim] in q's dtype, lse [T, H] f32)``."""
-    ops = primitives.AttnOperands(q=q, g=g, sink=sink, bias=bias, scale=scale)
+    ops = AttnOperands(q=q, g=g, sink=sink, bias=bias, scale=scale)
     return _run_kernel(_call_nki_kernels, neuron_target(), _PREGATHERED_KERNEL, ops, value_dim)
 
 
-def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
-                              extra_bias=None, *, kv_scale=None, kv_rope=None,
-                              extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
-    """The Neuron path of ``gathered_attn_idx_p`` with the lse: the operands by name (shapes in
-    docs/contract.md, "Operand layout") -> ``(out [T, H, value_dim], lse [T, H] f32)``. A kernel
-    reads the operands itself where one does (``kernel_reading``); otherwise, and on trn1, XLA
-    gathers (and dequantises) the slots for the pre-gathered kernel."""
-    ops = primitives.AttnOperands(
-        q=q, kv=kv, idx=idx, sink=sink, bias=bias, scale=scale, kv_scale=kv_scale,
-        kv_rope=kv_rope, extra_kv=extra_kv, extra_idx=extra_idx, extra_bias=extra_bias,
-        extra_kv_scale=extra_kv_scale, extra_kv_rope=extra_kv_rope)
-    return _run_indexed(_call_nki_kernels, ops, value_dim)
+nki_gathered_attn_idx_lse = _indexed_path(_call_nki_kernels, """The Neuron path of
+``gathered_attn_idx_p`` with the lse: the operands as the reference takes them (shapes in
+docs/contract.md, "Operand layout") -> ``(out [T, H, value_dim], lse [T, H] f32)``. A kernel reads
+the operands itself where one does (``kernel_reading``); otherwise, and on trn1, XLA gathers (and
+dequantises) the slots for the pre-gathered kernel.""")
 
 
 def nki_gathered_attn(q, g, sink, bias, scale, *, value_dim=None):
@@ -453,22 +463,14 @@ def emulated_gathered_attn_lse(q, g, sink, bias, scale, *, value_dim=None):
     path on the host, for the target ``NEURON_PLATFORM_TARGET_OVERRIDE`` names (default trn2).
 
     Operands and result as :func:`nki_gathered_attn_lse`."""
-    ops = primitives.AttnOperands(q=q, g=g, sink=sink, bias=bias, scale=scale)
+    ops = AttnOperands(q=q, g=g, sink=sink, bias=bias, scale=scale)
     return _run_kernel(_call_emulated_kernels, neuron_target(), _PREGATHERED_KERNEL, ops,
                        value_dim)
 
 
-def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
-                                   extra_bias=None, *, kv_scale=None, kv_rope=None,
-                                   extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
-    """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``, with the lse.
-
-    Operands and result as :func:`nki_gathered_attn_idx_lse`."""
-    ops = primitives.AttnOperands(
-        q=q, kv=kv, idx=idx, sink=sink, bias=bias, scale=scale, kv_scale=kv_scale,
-        kv_rope=kv_rope, extra_kv=extra_kv, extra_idx=extra_idx, extra_bias=extra_bias,
-        extra_kv_scale=extra_kv_scale, extra_kv_rope=extra_kv_rope)
-    return _run_indexed(_call_emulated_kernels, ops, value_dim)
+emulated_gathered_attn_idx_lse = _indexed_path(_call_emulated_kernels, """``implementation=
+"nki_emulated"`` for ``gathered_attn_idx_p``, with the lse. Operands and result as
+:func:`nki_gathered_attn_idx_lse`.""")
 
 
 def emulated_gathered_attn(q, g, sink, bias, scale, *, value_dim=None):

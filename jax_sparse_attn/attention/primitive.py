@@ -232,7 +232,9 @@ def _fold(x):
 
 def _role(name: str) -> str:
     """An operand's role: 't' indexed by token, 'r' a cache's rows, 'h' per head (the sink)."""
-    return "r" if name in CACHE_INDEX or name in CACHE_COMPANION else sharding.LAYOUTS[name].split()[0]
+    if name in CACHE_INDEX or name in CACHE_COMPANION:
+        return "r"
+    return sharding.LAYOUTS[name].split()[0]
 
 
 def _map_over_batch(prim, args, dims, params):
