@@ -1,35 +1,9 @@
-"""A KV cache sharded over its rows: each device attends to the rows it holds, then a merge by lse.
+"""A KV cache split over its rows: each device attends to the rows it holds, then a merge by lse.
 
-When ``kv [R, D]`` is split over its row axis across some mesh axes (``PartitionSpec("y")``), the
-forward ``gathered_attn_idx`` runs on each device with its own block of ``R / n`` rows:
-
-1. a slot whose row lies in this device's block keeps its index, moved into the block; every
-   other slot is empty here (it is some other device's);
-2. the sink joins on the first row shard only (it must enter the softmax once);
-3. the op runs on the block (the jnp reference, or the NKI kernel on Neuron) and returns its
-   partial ``(out, lse)``, each partial the exact attention over the slots held there;
-4. one ``all_gather`` over the row axes of ``[T, H, D + 1]`` f32 per device (the partial output
-   next to its lse) and :func:`jax_sparse_attn.merge_attention` give every device the attention
-   over all the slots, rounded once to q's dtype.
-
-The cache itself never moves: no collective has R rows. Token and head splits of ``q`` on other
-mesh axes compose (the row axes must differ from them; a mesh axis that splits both ``q`` and the
-cache's rows leaves the cache replicated, as without this module). Works with Explicit mesh axes
-(``jax.shard_map`` while lowering) and Auto ones (``custom_partitioning``, whose partition
-callback sees the cache's sharding). Only the forward pass is row-local: the backward pass (the
-cache's gradient, ``autodiff.py``) runs with the cache replicated. With Auto axes, a path with a
-host callback (``"nki_emulated"``) also runs with the cache replicated (see sharding.py).
-
-A second cache (``extra_kv``, not split) joins on the first row shard only, as the sink does. An
-FP8 cache (the primitive's seven- or eight-operand form, with ``kv_scale`` and ``kv_rope``) takes
-another route that keeps the result exact: each device gathers the FP8 bytes and scales of the
-slots it holds (zeros for the others), one all-reduce over the row axes of ``[T, K, D]`` bytes and
-``[T, K, n]`` scales completes them, and the op runs on those slots as a cache of ``T * K`` rows
-(``fp8_row_local``).
-
-Rounding: the partial outputs come back in q's dtype (as the kernel writes them), so a bf16 result
-carries at most one more bf16 rounding per partial than the single-device call, weighted by each
-partial's share of the softmax (tests/test_cache_sharding.py bounds the error at 2x).
+The forward ``gathered_attn_idx`` runs on each device's row block and the partial results merge
+exactly (``merge_attention``); an FP8 cache instead gathers its slots where they live and sums
+them over the devices. The cache never moves. The steps, and where rounding may differ from one
+device: docs/sharding.md, "A KV cache split over its rows".
 """
 
 from __future__ import annotations
@@ -44,13 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import sharding
 from .attention.merge import merge_attention
-
-# Operand positions of gathered_attn_idx_p: q, kv, idx, sink, bias, scale; then either the second
-# cache (extra_kv, extra_idx, extra_bias) or an FP8 cache's kv_scale (and kv_rope).
-_KV, _IDX, _SINK = 1, 2, 3
-_EXTRA_IDX = 7
-_KV_SCALE, _KV_ROPE = 6, 7
-
 
 def row_axes(kv_spec, rows: int, mesh_shape: dict, taken: Sequence[str] = ()) -> tuple:
     """The mesh axes that split the cache's rows (PartitionSpec entry 0 of ``kv``), or ``()``
@@ -73,60 +40,68 @@ def _shard_index(axes: tuple, mesh_shape: dict):
     return index
 
 
-def row_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
-    """``fn`` (the op on the operands, returning ``(out, lse)``) run on one row block of the cache
-    and merged over ``axes``; extra operands after the six of the primitive pass through."""
-
-    def local(*operands):
-        operands = list(operands)
-        q, kv, idx, sink = operands[0], operands[_KV], operands[_IDX], operands[_SINK]
-        shard = _shard_index(axes, mesh_shape)
-        block = kv.shape[0]
-        first = shard * block
-        mine = (idx >= first) & (idx < first + block)
-        operands[_IDX] = jnp.where(mine, idx - first, jnp.int32(-1))
-        operands[_SINK] = jnp.where(shard == 0, sink, -jnp.inf)
-        if len(operands) > _EXTRA_IDX:  # a second cache, not split: its slots join on shard 0
-            operands[_EXTRA_IDX] = jnp.where(shard == 0, operands[_EXTRA_IDX], jnp.int32(-1))
-        out, lse = fn(*operands)[:2]
-        packed = jnp.concatenate([out.astype(jnp.float32), lse[..., None]], axis=-1)
-        parts = jax.lax.all_gather(packed, axes, axis=0)  # [n, t, h, D + 1]
-        merged, merged_lse = merge_attention(parts[..., :-1], parts[..., -1])
-        return merged.astype(q.dtype), merged_lse
-
-    return local
+def _rows_of_shard(idx, axes: tuple, mesh_shape: dict, block: int):
+    """This device's shard index, and which slots' rows it holds (``idx`` into the whole cache)."""
+    shard = _shard_index(axes, mesh_shape)
+    first = shard * block
+    return shard, first, (idx >= first) & (idx < first + block)
 
 
-def fp8_row_local(split: bool) -> Callable:
-    """``make_local`` for an FP8 cache split over its rows (``row_operands`` the cache, its scales
-    and, with ``split``, its ``kv_rope``): the slots' FP8 bytes, scales (and rope columns)
-    gathered where their rows live and summed over the devices (one all-reduce each, ``[T, K, D]``
-    bytes and ``[T, K, n]`` f32; no cache row moves), then ``fn`` on them as a cache of ``T * K``
-    rows, one per slot: exactly what one device holding the whole cache computes."""
+def row_local(layout) -> Callable:
+    """``make_local`` for the attention op on a 16-bit cache split over its rows: ``fn`` (the op
+    on the flat operands of ``layout``, returning ``(out, lse)``) runs on this device's row block
+    and the partial results are merged over the row axes."""
 
     def make_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
-        def local(q, kv, idx, sink, bias, scale, kv_scale, *passed_through):
-            shard = _shard_index(axes, mesh_shape)
+        def local(*leaves):
+            ops = layout.unflatten(leaves)
+            shard, first, mine = _rows_of_shard(ops.idx, axes, mesh_shape, ops.kv.shape[0])
+            changes = {"idx": jnp.where(mine, ops.idx - first, jnp.int32(-1)),
+                       "sink": jnp.where(shard == 0, ops.sink, -jnp.inf)}
+            if ops.extra_kv is not None:  # a second cache, not split: its slots join on shard 0
+                changes["extra_idx"] = jnp.where(shard == 0, ops.extra_idx, jnp.int32(-1))
+            out, lse = fn(*ops.replace(**changes).tree_flatten()[0])[:2]
+            packed = jnp.concatenate([out.astype(jnp.float32), lse[..., None]], axis=-1)
+            parts = jax.lax.all_gather(packed, axes, axis=0)  # [n, t, h, D + 1]
+            merged, merged_lse = merge_attention(parts[..., :-1], parts[..., -1])
+            return merged.astype(ops.q.dtype), merged_lse
+
+        return local
+
+    return make_local
+
+
+def fp8_row_local(layout) -> Callable:
+    """``make_local`` for an FP8 cache split over its rows (with its scales and, in a split
+    layout, its ``kv_rope``): the slots' FP8 bytes, scales (and rope columns) gathered where their
+    rows live and summed over the devices (one all-reduce each, ``[T, K, D]`` bytes and
+    ``[T, K, n]`` f32; no cache row moves), then ``fn`` on them as a cache of ``T * K`` rows, one
+    per slot: exactly what one device holding the whole cache computes."""
+
+    def make_local(fn: Callable, axes: tuple, mesh_shape: dict) -> Callable:
+        def local(*leaves):
+            ops = layout.unflatten(leaves)
+            kv, idx = ops.kv, ops.idx
             block = kv.shape[0]
-            first = shard * block
-            mine = (idx >= first) & (idx < first + block)
+            _, first, mine = _rows_of_shard(idx, axes, mesh_shape, block)
             rows = jnp.where(mine, idx - first, block)  # out of range: filled with 0, not read
             raw = jax.lax.bitcast_convert_type(kv, jnp.uint8).at[rows].get(mode="fill",
                                                                             fill_value=0)
-            scales = kv_scale.at[rows].get(mode="fill", fill_value=0)
+            scales = ops.kv_scale.at[rows].get(mode="fill", fill_value=0)
             raw, scales = jax.lax.psum(raw, axes), jax.lax.psum(scales, axes)  # one term each
             T, K = idx.shape
-            slots = jax.lax.bitcast_convert_type(raw, kv.dtype).reshape(T * K, kv.shape[1])
-            slot_idx = jnp.where(idx >= 0, jnp.arange(T * K, dtype=jnp.int32).reshape(T, K), -1)
-            extra = []
-            if split:
-                rope, *passed_through = passed_through
+            changes = {
+                "kv": jax.lax.bitcast_convert_type(raw, kv.dtype).reshape(T * K, kv.shape[1]),
+                "idx": jnp.where(idx >= 0, jnp.arange(T * K, dtype=jnp.int32).reshape(T, K), -1),
+                "kv_scale": scales.reshape(T * K, -1),
+            }
+            if ops.kv_rope is not None:
+                rope = ops.kv_rope
                 bits = jax.lax.bitcast_convert_type(rope, jnp.uint16).at[rows].get(
                     mode="fill", fill_value=0)
                 rope = jax.lax.bitcast_convert_type(jax.lax.psum(bits, axes), rope.dtype)
-                extra = [rope.reshape(T * K, rope.shape[-1])]
-            return fn(q, slots, slot_idx, sink, bias, scale, scales.reshape(T * K, -1), *extra,
-                      *passed_through)
+                changes["kv_rope"] = rope.reshape(T * K, rope.shape[-1])
+            return fn(*ops.replace(**changes).tree_flatten()[0])
 
         return local
 
@@ -141,10 +116,10 @@ class _RowPartitioner(sharding._Partitioner):
     row block and merges the partial results (``row_local`` for the attention op).
     """
 
-    def __init__(self, *args, row_operands: Sequence[int] = (_KV,), make_local=None, **kwargs):
+    def __init__(self, *args, row_operands: Sequence[int], make_local: Callable, **kwargs):
         super().__init__(*args, **kwargs)
         self.row_operands = tuple(row_operands)
-        self.make_local = row_local if make_local is None else make_local
+        self.make_local = make_local
 
     def partition(self, mesh, arg_shapes, result_shape):
         mesh = self._mesh(mesh, arg_shapes)
@@ -199,8 +174,7 @@ def _run_explicit(fn, operands, operand_layouts, result_layouts, factor_axes, ro
 
 def shard_local_rows(
     fn: Callable, operand_layouts: Sequence[str], result_layouts: Sequence[str],
-    row_operands: Sequence[int] = (_KV,), make_local: Callable = row_local,
-    q_layout: str = sharding.LAYOUTS["q"],
+    row_operands: Sequence[int], make_local: Callable, q_layout: str = sharding.LAYOUTS["q"],
 ) -> Callable:
     """:func:`sharding.shard_local` for an op that may also leave its cache split over its rows
     (see the module docstring): the forward ``gathered_attn_idx`` (``fn`` returns ``(out, lse)``,

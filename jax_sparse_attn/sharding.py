@@ -1,36 +1,9 @@
 """Multi-device sharding: every primitive of the package runs shard-locally, with no gathers.
 
-The op is independent across tokens (``t``) and across query heads (``h``): a token only reads its
-own slots, and a head only its own sink. So when ``q`` is split over tokens and/or heads, each
-device can run the very same computation (the jnp reference, or the NKI kernel on Neuron) on its
-own block, with the cache ``kv`` and the slot axes replicated. Left to itself, the XLA partitioner
-cannot see inside an opaque kernel custom call and would gather every operand around it.
-
-Layouts are strings of one-letter factors per operand or result: ``t`` tokens, ``h`` heads, ``d``
-head dim, ``k`` slots, ``r`` cache rows. Only ``t`` and ``h`` are ever sharded, and they take the
-mesh axes that split ``q`` (operand 0 of every primitive here). A result without a ``t`` (or
-``h``) dimension is a sum over tokens (or heads), like the cache gradient: each device's partial
-sum is completed with one ``psum``, the only collective, and only in the backward pass.
-
-:func:`shard_local` wraps the function that a primitive lowers to, in one of two ways:
-
-- **Explicit mesh axes** (``jax.make_mesh``'s default in JAX 0.10; ``axis_types=Explicit``):
-  shardings are part of the types, so the split is known while lowering; the function runs under
-  ``jax.shard_map`` on each device's block. Python host callbacks work there too, so the
-  ``"nki_emulated"`` host path also runs shard-locally.
-- **Automatic mesh axes** (``jax.make_mesh``'s default in JAX 0.7; ``axis_types=Auto``): the
-  shardings are chosen later by the partitioner, so the function is wrapped in
-  ``jax.experimental.custom_partitioning`` with a Shardy sharding rule
-  (``"t h d, r d, t k, h, t k, t -> t h d"`` for ``gathered_attn_idx``) and a partition callback
-  that lowers it on the per-device shapes.
-
-Host callbacks in the automatic case: JAX cannot run a Python callback inside a
-``custom_partitioning`` body (the callback is registered with a temporary module and lost, and
-the program crashes; see jax-ml/jax#23620), and left to the partitioner the callback would run on
-device 0 alone, on gathered operands (XLA was seen to deadlock around it). So a function that
-contains one (the ``"nki_emulated"`` host path) runs under ``jax.shard_map`` on every device, split
-over tokens across the whole mesh (heads if the tokens do not divide): no communication for
-token-split operands; heads-split ones are resharded. Explicit axes keep every layout local.
+Each operand and result has a layout of one-letter factors (``LAYOUTS``); only tokens (``t``) and
+heads (``h``) are split, on the mesh axes that split operand 0, and results summed over a split
+factor take one ``psum``. :func:`shard_local` wraps the function a primitive lowers to, under
+``jax.shard_map`` (Explicit axes) or ``custom_partitioning`` (Auto axes): docs/sharding.md.
 """
 
 from __future__ import annotations

@@ -91,14 +91,20 @@ def test_python_lists_and_tuples_are_accepted_as_arrays():
     np.testing.assert_array_equal(np.asarray(wide), np.asarray(jsa.gathered_attn_idx(qn, kvn, [[0, -1, -1], [2, 2, -1]])))
 
 
-def test_a_bind_of_no_known_form_is_an_error():
-    # The primitives' rules name their operands by count: an unknown count (a bind this package
-    # never makes) fails loudly rather than reading operands under the six-operand names.
+def test_a_bind_of_no_known_layout_is_an_error():
+    # The primitives' rules name their operands by the bind's static layout: operands that do not
+    # match it (a bind this package never makes), or a layout of parts without their cache, fail
+    # loudly rather than being read under other names.
     from jax_sparse_attn.attention import primitive
 
-    assert primitive.operand_names(True, 6)[-1] == "scale"
-    assert primitive.operand_names(True, 11)[-3:] == ("extra_kv", "extra_idx", "extra_bias")
-    assert primitive.operand_names(False, 5) == ("q", "g", "sink", "bias", "scale")
-    for indexed, count in ((True, 5), (True, 12), (False, 6)):
-        with pytest.raises(ValueError, match=f"no form of {count} operands"):
-            primitive.operand_names(indexed, count)
+    assert primitive.Layout().names == ("q", "kv", "idx", "sink", "bias", "scale")
+    assert primitive.Layout(fp8=True, extra=True).names[-3:] == ("extra_kv", "extra_idx",
+                                                                  "extra_bias")
+    assert primitive.PREGATHERED.names == ("q", "g", "sink", "bias", "scale")
+    with pytest.raises(ValueError, match="has 6 operands"):
+        primitive.Layout().unflatten((1, 2, 3, 4, 5))
+    for flags, message in ((dict(split=True), "split needs fp8"),
+                           (dict(extra_fp8=True), "extra_fp8 needs extra"),
+                           (dict(indexed=False, fp8=True), "take no cache")):
+        with pytest.raises(ValueError, match=message):
+            primitive.Layout(**flags)

@@ -136,3 +136,17 @@ def test_empty_fp8_cache(implementation):
                                      implementation=implementation, return_lse=True)  # fmt: skip
     assert out.shape == (2, 4, 64) and not np.asarray(out, np.float32).any()
     np.testing.assert_array_equal(np.asarray(lse), np.tile(np.asarray(sink), (2, 1)))
+
+
+@pytest.mark.parametrize("implementation", ["reference", "nki_emulated"])
+def test_a_rope_of_no_columns_is_whole_fp8_rows(rng, implementation):
+    """kv_rope [R, 0] beside whole FP8 rows adds no column: the op against the contract on the
+    dequantised cache, as without kv_rope (the rope is left out of the operands, not read)."""
+    q, kv, kv_scale, idx, sink, bias = make_case(rng, "e4m3fn", 2, T=3, H=4, K=32)
+    out, lse = jsa.gathered_attn_idx(q, kv, idx, sink, bias=bias, kv_scale=kv_scale,
+                                     kv_rope=np.zeros((kv.shape[0], 0), BF16),
+                                     implementation=implementation, return_lse=True)
+    x, valid = gather(dequantise(kv, kv_scale, BF16), idx)
+    assert within_one_ulp(np.asarray(out), attention_bf16_contract(q, x, valid, sink, bias)) >= 0.999
+    np.testing.assert_allclose(np.asarray(lse), lse_f64(q, x, valid, sink, bias), rtol=1e-5,
+                               atol=1e-6)

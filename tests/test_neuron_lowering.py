@@ -2,6 +2,7 @@
 for implementation="nki", the lazy "neuron" rule registration, and the emulated path's host
 callback."""
 
+import functools
 import subprocess
 import sys
 
@@ -93,8 +94,9 @@ def test_neuron_rule_dispatch(monkeypatch):
     """On the "neuron" platform: None and "nki" take the kernel path, the others their own path."""
     seen = []
     monkeypatch.setattr(neuron, "nki_gathered_attn_idx_lse",
-                        lambda *a, value_dim=None: seen.append("kernel") or (a[0], a[3]))
-    rule = neuron._neuron_rule(True)
+                        lambda q, kv, idx, sink, *a, value_dim=None, **named:
+                        seen.append("kernel") or (q, sink))
+    rule = functools.partial(neuron._neuron_rule, layout=primitive.Layout(), value_dim=64)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((8, 64)), jnp.bfloat16)
@@ -109,7 +111,7 @@ def test_neuron_rule_dispatch(monkeypatch):
     assert seen == ["kernel", "kernel"]
     # Every rule returns (out, lse).
     for got, want in zip(rule(*args, implementation="reference"),
-                         primitive.path("reference", True)(*args)):
+                         primitive.path("reference", True)(*args, value_dim=64)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert seen == ["kernel", "kernel"]
 
@@ -118,11 +120,12 @@ def test_neuron_rule_dispatch(monkeypatch):
 def test_nki_emulated_on_the_neuron_platform_is_a_clear_error(indexed):
     """JAX on Neuron has no host callbacks: the "neuron" rule refuses nki_emulated, naming the
     limitation and the CPU backend."""
-    rule = neuron._neuron_rule(indexed)
+    layout = primitive.Layout() if indexed else primitive.PREGATHERED
     q = jnp.ones((2, 4, 64), jnp.bfloat16)
     args = (q, jnp.ones((8, 64), jnp.bfloat16)) + ((jnp.zeros((2, 3), jnp.int32),) if indexed else ())
+    args += (jnp.zeros((4,)), jnp.zeros((2, 3)), jnp.ones((2,)))
     with pytest.raises(NotImplementedError, match=r"host callbacks.*Neuron.*jax\.devices\('cpu'\)"):
-        rule(*args, implementation="nki_emulated")
+        neuron._neuron_rule(*args, layout=layout, implementation="nki_emulated", value_dim=64)
 
 
 @pytest.mark.parametrize(
@@ -255,3 +258,53 @@ def test_the_neuron_extra_is_the_supported_range():
         assert release.nki.startswith(version + ".")
         assert release.sdk.startswith(versions.SDK_OF_VERSION[version] + ".")
         assert f"{release.sdk} (NKI {release.nki})" in neuron.install_hint()
+
+
+def test_one_table_picks_the_kernel_by_layout_and_target():
+    """neuron.KERNELS: the kernel that reads a layout's operands on trn2/trn3; on trn1, for an
+    empty cache, or an FP8 second cache laid out unlike the main one, XLA gathers the slots for
+    the pre-gathered kernel (None). Each entry's arguments are its kernel's required ones."""
+    import inspect
+
+    from jax_sparse_attn.attention import kernel as kernels
+
+    S = jax.ShapeDtypeStruct
+    T, K, R = 2, 3, 8
+    f32, bf16, fp8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
+
+    def ops(D=192, **parts):
+        return primitive.AttnOperands(q=S((T, 4, D), bf16), sink=S((4,), f32),
+                                      bias=S((T, K), f32), scale=S((T,), f32), **parts)
+
+    def fp8_cache(prefix="", rows=R, groups=2, rope=64):
+        parts = {prefix + "kv": S((rows, 128), fp8), prefix + "kv_scale": S((rows, groups), f32),
+                 prefix + "kv_rope": S((rows, rope), bf16)}
+        return parts | {"extra_idx": S((T, K), jnp.int32), "extra_bias": S((T, K), f32)} \
+            if prefix else parts | {"idx": S((T, K), jnp.int32)}
+
+    def name(target, operands):
+        variant = neuron.kernel_reading(target, operands)
+        return None if variant is None else variant.name
+
+    plain = {"kv": S((R, 192), bf16), "idx": S((T, K), jnp.int32)}
+    window = {"extra_kv": S((16, 192), bf16), "extra_idx": S((T, K), jnp.int32),
+              "extra_bias": S((T, K), f32)}
+    for target in ("trn1", "trn2", "trn3"):
+        assert name(target, ops(g=S((T, K, 192), bf16))) == "gathered_attn_kernel"
+    assert name("trn1", ops(**plain)) is None
+    assert name("trn1", ops(**fp8_cache(), **window)) is None
+    assert name("trn2", ops(**plain)) == "gathered_attn_idx_kernel"
+    assert name("trn3", ops(**plain, **window)) == "gathered_attn_idx_two_caches_kernel"
+    assert name("trn2", ops(**fp8_cache())) == "gathered_attn_idx_fp8_split_kernel"
+    assert name("trn2", ops(**fp8_cache(), **window)) == (
+        "gathered_attn_idx_fp8_split_beside_16bit_kernel")
+    assert name("trn2", ops(**fp8_cache(), **fp8_cache("extra_"))) == (
+        "gathered_attn_idx_fp8_split_two_caches_kernel")
+    # An FP8 second cache of other scale groups or rope width, or an empty cache: XLA gathers.
+    assert name("trn2", ops(**fp8_cache(), **fp8_cache("extra_", groups=4))) is None
+    assert name("trn2", ops(**fp8_cache(), **fp8_cache("extra_", rope=32))) is None
+    assert name("trn2", ops(**fp8_cache(rows=0))) is None
+    for variant in neuron.KERNELS.values():
+        parameters = inspect.signature(getattr(kernels, variant.name)).parameters.values()
+        required = [p for p in parameters if p.default is inspect.Parameter.empty]
+        assert len(required) == len(variant.args), variant.name

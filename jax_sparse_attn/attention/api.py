@@ -156,9 +156,8 @@ def gathered_attn(
     value_dim = _value_dim(value_dim, D)
     sink, bias, scale = _sink_bias_scale(shape_of(q), shape_of(g)[1], sink, bias, scale)
     bias = _apply_topk_length(bias, topk_length)
-    out, lse = primitive.gathered_attn_p.bind(
-        q, g, sink, bias, scale, implementation=implementation, value_dim=value_dim
-    )
+    operands = primitive.AttnOperands(q=q, g=g, sink=sink, bias=bias, scale=scale)
+    out, lse = primitive.bind(operands, implementation=implementation, value_dim=value_dim)
     return (out, lse) if return_lse else out
 
 
@@ -200,11 +199,18 @@ def _check_kv_rope(kv, kv_rope, kv_scale, D: int, cache: str = "kv"):
     return jnp.asarray(kv_rope)
 
 
+def _stopped_rope(rope):
+    """Split rows' 16-bit columns as an operand: no gradient reaches them, and a rope of zero
+    columns is no rope (whole FP8 rows)."""
+    if rope is None or shape_of(rope)[1] == 0:
+        return None
+    return jax.lax.stop_gradient(rope)
+
+
 def _check_extra_cache(q_shape, extra_kv, extra_idx, kv_dtype, extra_kv_scale, extra_kv_rope):
     """Checks the second cache and its indices (and, for an FP8 one, its scales and rope
-    columns); returns ``(extra_kv, extra_idx, fp8_operands)``, the indices normalised (-1 for an
-    empty slot) and ``fp8_operands`` ``(extra_kv_scale [R2, n], extra_kv_rope [R2, Dr])`` for an
-    FP8 second cache (a rope of zero columns when there is none), else ``()``."""
+    columns); returns ``(extra_kv, extra_idx, extra_kv_scale, extra_kv_rope)``, the indices
+    normalised (-1 for an empty slot), the scales and rope None where absent."""
     T, H, D = q_shape
     if extra_idx is None:
         raise ValueError("extra_kv needs extra_idx [T, K2]: the second cache's row of each slot")
@@ -214,7 +220,7 @@ def _check_extra_cache(q_shape, extra_kv, extra_idx, kv_dtype, extra_kv_scale, e
     check_float("extra_kv", extra_kv)
     check_rank("extra_idx", extra_idx, 2, "[T, K2]")
     check_integer("extra_idx", extra_idx)
-    fp8_operands = ()
+    fp8_operands = (None, None)
     if fp8.is_fp8(dtype_of(extra_kv)) or extra_kv_scale is not None:
         fp8_operands = _check_fp8_extra(D, extra_kv, kv_dtype, extra_kv_scale, extra_kv_rope)
     elif extra_kv_rope is not None:
@@ -230,12 +236,12 @@ def _check_extra_cache(q_shape, extra_kv, extra_idx, kv_dtype, extra_kv_scale, e
     R2 = shape_of(extra_kv)[0]
     if R2 > MAX_ROWS:
         raise ValueError(f"extra_kv has {R2} rows; at most {MAX_ROWS} can be indexed with int32")
-    return extra_kv, _normalise_idx(extra_idx, R2), fp8_operands
+    return (extra_kv, _normalise_idx(extra_idx, R2), *fp8_operands)
 
 
 def _check_fp8_extra(D: int, extra_kv, kv_dtype, extra_kv_scale, extra_kv_rope):
-    """An FP8 second cache's ``(extra_kv_scale [R2, n] f32, extra_kv_rope [R2, Dr])``, checked as
-    kv's own (a rope of zero columns for whole FP8 rows)."""
+    """An FP8 second cache's ``(extra_kv_scale [R2, n] f32, extra_kv_rope [R2, Dr] or None)``,
+    checked as kv's own."""
     if not fp8.is_fp8(dtype_of(extra_kv)):  # scales for a 16-bit cache: check_kv_scale says so
         fp8.check_kv_scale(shape_of(extra_kv), dtype_of(extra_kv), extra_kv_scale, "extra_kv")
     if not fp8.is_fp8(kv_dtype):
@@ -250,10 +256,9 @@ def _check_fp8_extra(D: int, extra_kv, kv_dtype, extra_kv_scale, extra_kv_rope):
         if shape_of(extra_kv)[1] != D:
             raise ValueError(f"extra_kv must have shape [R2, D] = (R2, {D}) (or [R2, D - Dr] with "
                              f"extra_kv_rope) to match q's width; got {shape_of(extra_kv)}")
-        rope = jnp.zeros((R2, 0), jnp.bfloat16)
-    else:
-        rope = _check_kv_rope(extra_kv, extra_kv_rope, extra_kv_scale, D, "extra_kv")
-    return (jax.lax.stop_gradient(scale), jax.lax.stop_gradient(rope))
+        return jax.lax.stop_gradient(scale), None
+    rope = _check_kv_rope(extra_kv, extra_kv_rope, extra_kv_scale, D, "extra_kv")
+    return jax.lax.stop_gradient(scale), _stopped_rope(rope)
 
 
 def gathered_attn_idx(
@@ -366,34 +371,30 @@ def gathered_attn_idx(
             if value is not None:
                 raise ValueError(f"{name} is for a second cache: pass extra_kv with it")
         sink, bias, scale = _sink_bias_scale(shape_of(q), K, sink, bias, scale)
+        extra_bias = None
     else:
-        extra_kv, extra_idx, extra_fp8 = _check_extra_cache(
+        extra_kv, extra_idx, extra_kv_scale, extra_kv_rope = _check_extra_cache(
             shape_of(q), extra_kv, extra_idx, dtype_of(kv), extra_kv_scale, extra_kv_rope)
         K2 = shape_of(extra_idx)[1]
         sink, bias, scale = _sink_bias_scale(shape_of(q), K + K2, sink, bias, scale)
         bias, extra_bias = bias[:, :K], bias[:, K:]
         extra_bias = _apply_topk_length(extra_bias, extra_topk_length, "extra_topk_length")
+        if extra_kv_scale is None:
+            extra_kv = jnp.asarray(extra_kv, q.dtype)
+        else:  # FP8: no gradient reaches the cache, its scales or its rope columns
+            extra_kv = jax.lax.stop_gradient(jnp.asarray(extra_kv))
     bias = _apply_topk_length(bias, topk_length)
-    # The second cache after the main cache's operands (primitive.operand_names): in q's dtype,
-    # or FP8 with its scales and rope (then the main cache's rope is always there, maybe empty).
-    if extra_kv is None:
-        extra = ()
-    elif extra_fp8:
-        extra = (jax.lax.stop_gradient(jnp.asarray(extra_kv)), extra_idx, extra_bias, *extra_fp8)
-        if kv_rope is None:
-            kv_rope = jnp.zeros((R, 0), jnp.bfloat16)
-    else:
-        extra = (jnp.asarray(extra_kv, q.dtype), extra_idx, extra_bias)
     if kv_scale is not None or fp8.is_fp8(dtype_of(kv)):
         # FP8 cache: the cache and its scales are operands of the primitive; every path gathers
         # the FP8 rows of the slots and dequantises only those (fp8.py). No gradient reaches them.
         kv_scale = jax.lax.stop_gradient(fp8.check_kv_scale(shape_of(kv), dtype_of(kv), kv_scale))
         kv = jax.lax.stop_gradient(jnp.asarray(kv))
-        split = () if kv_rope is None else (jax.lax.stop_gradient(kv_rope),)
-        operands = (q, kv, idx, sink, bias, scale, kv_scale, *split, *extra)
+        kv_rope = _stopped_rope(kv_rope)
     else:
-        operands = (q, jnp.asarray(kv, q.dtype), idx, sink, bias, scale, *extra)
-    out, lse = primitive.gathered_attn_idx_p.bind(
-        *operands, implementation=implementation, value_dim=value_dim
-    )
+        kv = jnp.asarray(kv, q.dtype)
+    operands = primitive.AttnOperands(
+        q=q, kv=kv, idx=idx, sink=sink, bias=bias, scale=scale, kv_scale=kv_scale,
+        kv_rope=kv_rope, extra_kv=extra_kv, extra_idx=extra_idx,
+        extra_bias=extra_bias, extra_kv_scale=extra_kv_scale, extra_kv_rope=extra_kv_rope)
+    out, lse = primitive.bind(operands, implementation=implementation, value_dim=value_dim)
     return (out, lse) if return_lse else out

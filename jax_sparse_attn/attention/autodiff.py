@@ -1,58 +1,12 @@
-"""Differentiation rules: ``jax.grad``, ``jax.vjp``, ``jax.jvp``, ``jacfwd`` and ``jacrev``.
+"""Differentiation rules of the attention primitives (``jax.grad``, ``jax.vjp``, ``jax.jvp``,
+``jacfwd``, ``jacrev``).
 
-Design: a JVP rule on each forward primitive whose primal output is the primitive itself (so the
-forward always runs the chosen implementation, the NKI kernel on Neuron) and whose tangent is a
-*linear* primitive, ``gathered_attn[_idx]_tangent``. JAX's linearize + transpose then needs only
-the transpose of that linear primitive, which is a third primitive,
-``gathered_attn[_idx]_cotangent``: the backward pass. Both are jnp formulas on every platform,
-chunked over tokens like the reference, and both run shard-locally (sharding.py). The residuals
-kept between the forward and the backward pass are the operands themselves: the probabilities
-are recomputed chunk by chunk, never stored for all tokens.
-
-Math, per token and head (``x_j`` the slot rows, ``c`` the scale, ``b_j`` the bias)::
-
-    z_j = q . x_j      s_j = c z_j + b_j      p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink))
-    p_sink = exp(sink) / (same denominator)    o = sum_j p_j x_j
-
-    tangent:   ds_j = c (dq . x_j + q . dx_j) + dc z_j + db_j
-               do   = sum_j p_j ds_j x_j - (sum_j p_j ds_j + p_sink dsink) o + sum_j p_j dx_j
-    cotangent: u_j = do . x_j      delta = do . o      dS_j = p_j (u_j - delta)
-               dq = c sum_j dS_j x_j      dx_j = sum_h (p_j do + c dS_j q)      db_j = sum_h dS_j
-               dc = sum_{h,j} dS_j z_j    dsink = -sum_t p_sink delta
-
-The primitives also return ``lse = log(sum_j exp(s_j) + exp(sink))``, whose derivative is the
-softmax itself: ``dlse = sum_j p_j ds_j + p_sink dsink`` (the ``weight`` of the tangent above), and
-an lse cotangent ``g`` adds ``p_j g`` to ``dS_j`` and ``p_sink g`` to the sink's. For a token with
-no valid slot the lse is the sink alone (derivative 1 with respect to a finite sink, else 0).
-
-The logits are recomputed with the forward's saturation rule (``reference.saturated_logits``, the
-dot products pre-scaled so that they cannot overflow); the clamps are treated as the identity in
-the derivative. Empty, masked and padding slots never read a row (their rows are zeros), so NaN or
-inf in rows that no valid slot selects reaches no gradient; their ``dkv`` rows are exactly 0.
-
-Every coefficient is finite by construction: the softmax is taken against
-``m = max(max_j s_j, sink)`` with empty slots masked to probability 0 *before* any division, a
-``+inf`` sink (output 0) and a row with no valid slot (output 0) get all-zero probabilities, and the
-denominator is guarded where it can be 0. The products of the backward are not guarded against
-overflow: the gradients are finite (no NaN, no inf) for finite inputs whenever
-``4 (T + K) H D**2 max(1,|scale|) max(1,|ct|) max(1,|q|) max(1,|x|)**2 <= FLT_MAX`` (``|.|`` the
-largest magnitude of the scale, the output cotangent, q and the selected rows), a bound on every
-intermediate sum (docs/contract.md, "NaN and overflow"); beyond it the exact gradients may
-themselves exceed f32.
-With ``value_dim < D`` the output is ``o = sum_j p_j v_j``, ``v_j = x_j[:value_dim]``: the logits
-see all D columns, the values only the first ``value_dim``; the formulas above hold with ``v_j`` in
-every value term (``do`` and ``u_j = do . v_j``), and ``dx_j``'s value term ``p_j do`` fills only the
-first ``value_dim`` columns.
-They are the derivatives of the exact (f32) function: the bf16 rounding of the probabilities in the
-forward's value product is treated as the identity, as every attention backward does.
-
-With a second cache (``extra_kv``) the slot rows are both caches' side by side, main first: one
-softmax, and each cache's share of ``dx`` scatters into that cache. An FP8 cache's slots are
-dequantised as in the forward (``reference.dequantise_slots``, with ``kv_rope`` beside them); the
-cache, its scales and its rope columns get no gradient.
-
-The gradient with respect to ``idx`` does not exist (integers); the scale's gradient is given.
-Derivatives of order two raise ``NotImplementedError``.
+The forward's JVP binds the forward itself (so the chosen implementation runs, the NKI kernel on
+Neuron) and a linear tangent primitive, whose transpose is a third primitive, the cotangent (the
+backward pass). Both are jnp formulas on every platform, chunked over tokens and run
+shard-locally (sharding.py); they recompute the probabilities from the operands, which are the
+only residuals. The formulas, their finiteness bound and which operands get no gradient:
+docs/contract.md, "Gradient formulas". Derivatives of order two raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -176,7 +130,7 @@ def _dequantised(primal, prefix, x, rows, dtype):
     x = reference.from_bits(reference.dequantise_slots(reference.to_bits(x), scales, x.dtype,
                                                        dtype), dtype)
     rope = primal.get(prefix + "kv_rope")
-    if rope is not None and rope.shape[1]:  # a split row: the 16-bit columns after the FP8 ones
+    if rope is not None:  # a split row: the 16-bit columns after the FP8 ones
         x = jnp.concatenate([x, _gather_slots(primal[prefix + "kv_rope"].astype(dtype), rows)], -1)
     return x
 
@@ -391,10 +345,10 @@ def _num_slots(primal) -> int:
                                       else 0)
 
 
-def _tangent(indexed, active, value_dim, *operands):
+def _tangent(layout, active, value_dim, *operands):
     """Tangents of the output (q's dtype) and of the lse (f32). Operands: the primal operands,
     then the active tangents."""
-    names = primitive.operand_names(indexed, len(operands) - len(active))
+    indexed, names = layout.indexed, layout.names
     primal = dict(zip(names, operands[: len(names)]))
     tangent = dict(zip(active, operands[len(names):]))
     q = primal["q"]
@@ -418,15 +372,15 @@ def _tangent(indexed, active, value_dim, *operands):
     return do.astype(q.dtype), dlse
 
 
-def _cotangent(indexed, wanted, *operands):
+def _cotangent(layout, wanted, *operands):
     """Cotangents of the ``wanted`` operands, all f32. Operands: the primal operands, then the
     cotangents of the output and of the lse. The sink's is per token ``[T, H]``; the cache's is
     summed into ``[R, D]`` (each cache's into its own rows)."""
-    names = primitive.operand_names(indexed, len(operands) - 2)
+    indexed, names = layout.indexed, layout.names
     primal = dict(zip(names, operands[: len(names)]))
     ct = tuple(operands[len(names):])
     if _is_empty(primal):
-        return tuple(jnp.zeros(_cotangent_shape(indexed, n, operands)[0]) for n in wanted)
+        return tuple(jnp.zeros(_cotangent_shape(layout, n, operands)[0]) for n in wanted)
     primal_token, primal_shared = _by_role(primal)
     caches = tuple(n for n in ("kv", "extra_kv") if n in wanted)
 
@@ -469,7 +423,7 @@ for _p in (*tangent_p.values(), *cotangent_p.values()):
 sharding.register_device_aware(*tangent_p.values(), *cotangent_p.values())
 
 
-def _tangent_abstract_eval(*avals, active, value_dim):
+def _tangent_abstract_eval(*avals, layout, active, value_dim):
     q = avals[0]
     return [
         sharding.result_aval(q, q.shape[:2] + (value_dim,), q.dtype, sharding.LAYOUTS["out"]),
@@ -477,61 +431,46 @@ def _tangent_abstract_eval(*avals, active, value_dim):
     ]
 
 
-def _cotangent_shape(indexed, name, operands):
+def _cotangent_shape(layout, name, operands):
     """Shape and dtype of the cotangent of operand ``name`` (operands or their avals)."""
-    primal = dict(zip(primitive.operand_names(indexed, len(operands) - 2), operands))
+    primal = dict(zip(layout.names, operands))
     if name == "sink":
         return primal["q"].shape[:2], jnp.float32  # per token: [T, H]
     return primal[name].shape, primal[name].dtype
 
 
-def _cotangent_abstract_eval(indexed):
-    def rule(*avals, wanted, value_dim):
-        q = avals[0]
-        return [
-            sharding.result_aval(q, *_cotangent_shape(indexed, n, avals), COTANGENT_LAYOUTS[n])
-            for n in wanted
-        ]
-
-    return rule
+def _cotangent_abstract_eval(*avals, layout, wanted, value_dim):
+    q = avals[0]
+    return [sharding.result_aval(q, *_cotangent_shape(layout, n, avals), COTANGENT_LAYOUTS[n])
+            for n in wanted]
 
 
-def _tangent_lowering(indexed):
-    def rule(*operands, active, value_dim):
-        names = primitive.operand_names(indexed, len(operands) - len(active)) + active
-        layouts = [sharding.LAYOUTS[n] for n in names]
-        fn = functools.partial(_tangent, indexed, active, value_dim)
-        results = [sharding.LAYOUTS[n] for n in primitive.RESULTS]
-        return sharding.shard_local(fn, layouts, results)(*operands)
-
-    return rule
+def _tangent_lowering(*operands, layout, active, value_dim):
+    layouts = [sharding.LAYOUTS[n] for n in layout.names + active]
+    fn = functools.partial(_tangent, layout, active, value_dim)
+    results = [sharding.LAYOUTS[n] for n in primitive.RESULTS]
+    return sharding.shard_local(fn, layouts, results)(*operands)
 
 
-def _cotangent_lowering(indexed):
-    def rule(*operands, wanted, value_dim):
-        del value_dim  # the output cotangent's own width says it
-        names = primitive.operand_names(indexed, len(operands) - 2) + primitive.RESULTS
-        layouts = [sharding.LAYOUTS[n] for n in names]
-        fn = functools.partial(_cotangent, indexed, wanted)
-        results = [COTANGENT_LAYOUTS[n] for n in wanted]
-        # Partial sums over devices are added in f32; the cast to the operand's dtype comes last.
-        cts = sharding.shard_local(fn, layouts, results)(*operands)
-        return [ct.astype(_cotangent_shape(indexed, n, operands)[1]) for n, ct in zip(wanted, cts)]
-
-    return rule
+def _cotangent_lowering(*operands, layout, wanted, value_dim):
+    del value_dim  # the output cotangent's own width says it
+    layouts = [sharding.LAYOUTS[n] for n in layout.names + primitive.RESULTS]
+    fn = functools.partial(_cotangent, layout, wanted)
+    results = [COTANGENT_LAYOUTS[n] for n in wanted]
+    # Partial sums over devices are added in f32; the cast to the operand's dtype comes last.
+    cts = sharding.shard_local(fn, layouts, results)(*operands)
+    return [ct.astype(_cotangent_shape(layout, n, operands)[1]) for n, ct in zip(wanted, cts)]
 
 
 for _indexed in (False, True):
     for _p in (tangent_p[_indexed], cotangent_p[_indexed]):
         _p.def_impl(functools.partial(xla.apply_primitive, _p))
     tangent_p[_indexed].def_abstract_eval(_tangent_abstract_eval)
-    cotangent_p[_indexed].def_abstract_eval(_cotangent_abstract_eval(_indexed))
-    mlir.register_lowering(
-        tangent_p[_indexed], mlir.lower_fun(_tangent_lowering(_indexed), multiple_results=True)
-    )
-    mlir.register_lowering(
-        cotangent_p[_indexed], mlir.lower_fun(_cotangent_lowering(_indexed), multiple_results=True)
-    )
+    cotangent_p[_indexed].def_abstract_eval(_cotangent_abstract_eval)
+    mlir.register_lowering(tangent_p[_indexed],
+                           mlir.lower_fun(_tangent_lowering, multiple_results=True))
+    mlir.register_lowering(cotangent_p[_indexed],
+                           mlir.lower_fun(_cotangent_lowering, multiple_results=True))
 
 
 # --- vmap: fold batch axes into tokens, as the forward does -------------------------------------
@@ -539,15 +478,11 @@ for _indexed in (False, True):
 
 for _indexed in (False, True):
     batching.primitive_batchers[tangent_p[_indexed]] = primitive.make_batcher(
-        tangent_p[_indexed], _indexed,
-        lambda params, count, _i=_indexed: (
-            primitive.operand_names(_i, count - len(params["active"])) + params["active"]),
+        tangent_p[_indexed], lambda params: params["layout"].names + params["active"],
         lambda params: (),
     )
     batching.primitive_batchers[cotangent_p[_indexed]] = primitive.make_batcher(
-        cotangent_p[_indexed], _indexed,
-        lambda params, count, _i=_indexed: (
-            primitive.operand_names(_i, count - 2) + primitive.RESULTS),
+        cotangent_p[_indexed], lambda params: params["layout"].names + primitive.RESULTS,
         # Per-example cache gradients need one cache per batch element.
         lambda params: tuple(n for n in ("kv", "extra_kv") if n in params["wanted"]),
     )
@@ -556,52 +491,49 @@ for _indexed in (False, True):
 # --- JVP of the forward primitives, transpose of the tangent ------------------------------------
 
 
-def _forward_jvp(indexed):
-    prim = primitive.gathered_attn_idx_p if indexed else primitive.gathered_attn_p
-
-    def rule(primals, tangents, *, implementation, value_dim):
-        names = primitive.operand_names(indexed, len(primals))
-        outs = prim.bind(*primals, implementation=implementation, value_dim=value_dim)
+def _forward_jvp(prim):
+    def rule(primals, tangents, *, layout, implementation, value_dim):
+        names = layout.names
+        outs = prim.bind(*primals, layout=layout, implementation=implementation,
+                         value_dim=value_dim)
         active = tuple(
             n for n, t in zip(names, tangents) if n in DIFFERENTIABLE and type(t) is not ad.Zero
         )
         if not active:
             return outs, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in outs]
         by_name = dict(zip(names, tangents))
-        tangent_outs = tangent_p[indexed].bind(
-            *primals, *(by_name[n] for n in active), active=active, value_dim=value_dim
+        tangent_outs = tangent_p[layout.indexed].bind(
+            *primals, *(by_name[n] for n in active), layout=layout, active=active,
+            value_dim=value_dim,
         )
         return outs, tangent_outs
 
     return rule
 
 
-def _tangent_transpose(indexed):
-    def rule(ct, *args, active, value_dim):
-        count = len(args) - len(active)
-        primals, tangents = args[:count], args[count:]
-        if any(ad.is_undefined_primal(p) for p in primals):
-            raise NotImplementedError(
-                "gathered_attn: the tangent is linear in the tangents only; transposing it with "
-                "respect to a primal operand (a derivative of order two) is not supported"
-            )
-        undefined = [ad.is_undefined_primal(t) for t in tangents]
-        wanted = tuple(n for n, u in zip(active, undefined) if u)
-        if all(type(c) is ad.Zero for c in ct) or not wanted:
-            zeros = [ad.Zero(t.aval) if u else None for t, u in zip(tangents, undefined)]
-            return [None] * len(primals) + zeros
-        # ct = (output's, lse's); a missing one (only out or only lse used) is zeros.
-        ct = [ad.instantiate_zeros(c) for c in ct]
-        cts = dict(zip(wanted, cotangent_p[indexed].bind(*primals, *ct, wanted=wanted,
-                                                         value_dim=value_dim)))
-        if "sink" in cts:
-            cts["sink"] = jnp.sum(cts["sink"], axis=0)
-        by_name = dict(zip(active, tangents))
-        for n in cts:  # e.g. a cache split over its rows on an explicit axis: same type back
-            cts[n] = sharding.like_aval(cts[n], by_name[n].aval)
-        return [None] * len(primals) + [cts[n] if u else None for n, u in zip(active, undefined)]
-
-    return rule
+def _tangent_transpose(ct, *args, layout, active, value_dim):
+    count = len(layout.names)
+    primals, tangents = args[:count], args[count:]
+    if any(ad.is_undefined_primal(p) for p in primals):
+        raise NotImplementedError(
+            "gathered_attn: the tangent is linear in the tangents only; transposing it with "
+            "respect to a primal operand (a derivative of order two) is not supported"
+        )
+    undefined = [ad.is_undefined_primal(t) for t in tangents]
+    wanted = tuple(n for n, u in zip(active, undefined) if u)
+    if all(type(c) is ad.Zero for c in ct) or not wanted:
+        zeros = [ad.Zero(t.aval) if u else None for t, u in zip(tangents, undefined)]
+        return [None] * len(primals) + zeros
+    # ct = (output's, lse's); a missing one (only out or only lse used) is zeros.
+    ct = [ad.instantiate_zeros(c) for c in ct]
+    cts = dict(zip(wanted, cotangent_p[layout.indexed].bind(*primals, *ct, layout=layout,
+                                                            wanted=wanted, value_dim=value_dim)))
+    if "sink" in cts:
+        cts["sink"] = jnp.sum(cts["sink"], axis=0)
+    by_name = dict(zip(active, tangents))
+    for n in cts:  # e.g. a cache split over its rows on an explicit axis: same type back
+        cts[n] = sharding.like_aval(cts[n], by_name[n].aval)
+    return [None] * len(primals) + [cts[n] if u else None for n, u in zip(active, undefined)]
 
 
 def _no_higher_order(name):
@@ -616,7 +548,7 @@ def _no_higher_order(name):
 
 for _indexed in (False, True):
     _fwd = primitive.gathered_attn_idx_p if _indexed else primitive.gathered_attn_p
-    ad.primitive_jvps[_fwd] = _forward_jvp(_indexed)
-    ad.primitive_transposes[tangent_p[_indexed]] = _tangent_transpose(_indexed)
+    ad.primitive_jvps[_fwd] = _forward_jvp(_fwd)
+    ad.primitive_transposes[tangent_p[_indexed]] = _tangent_transpose
     ad.primitive_jvps[tangent_p[_indexed]] = _no_higher_order(tangent_p[_indexed].name)
     ad.primitive_jvps[cotangent_p[_indexed]] = _no_higher_order(cotangent_p[_indexed].name)

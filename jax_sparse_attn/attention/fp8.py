@@ -6,8 +6,8 @@ FlashMLA's layout). It means ``kv_dequant = (kv.astype(f32) * scale).astype(q.dt
 broadcast over its group, and ``gathered_attn_idx`` on it computes what it computes on
 ``kv_dequant``.
 
-How: the FP8 cache and its scales are operands of ``gathered_attn_idx_p`` (its seven-operand
-form), so every implementation takes the same path:
+How: the FP8 cache and its scales are operands of ``gathered_attn_idx_p`` (the layout's ``fp8``
+part, docs/contract.md "Operand layout"), so every implementation takes the same path:
 
 - the jnp reference gathers each chunk of tokens' FP8 rows (one byte per element, half of a bf16
   cache's) and their scales inside its token loop and dequantises them there

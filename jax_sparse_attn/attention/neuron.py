@@ -1,30 +1,16 @@
-"""The Neuron data path (pack -> NKI kernel -> unpack) and where it plugs into JAX.
+"""The attention op's Neuron data path (pack -> NKI kernel -> unpack) and its "neuron" lowering.
 
-Two ways to run the same path, both traced with jnp inside ``mlir.lower_fun``:
-
-- on a Neuron device, the kernel is the ``nki.jit`` function called on the traced arrays: that
-  binds NKI's own JAX primitive (``nki_call``), which lowers to a StableHLO custom call
-  (``jax_neuronx.nki_call`` is gone since Neuron 2.23);
-- ``implementation="nki_emulated"`` runs the kernel source under the project's NKI emulator on the
-  host through ``jax.pure_callback``, so the whole data path is testable without Trainium. JAX on
-  Neuron has no host callbacks, so on the ``"neuron"`` platform it raises a clear error instead.
-
-The kernel variant follows the NKI target (:func:`neuron_target`, docs/neuron-kernel.md): trn2 and
-trn3 gather inside the kernel, trn1 gathers with XLA and runs the kernel without
-``dma_transpose`` or indirect DMA. The ``*_lse`` functions also return the ``[T, H]`` f32
-log-sum-exp of each row.
-
-The ``"neuron"`` lowering rule is registered lazily: JAX only knows the platform once its PJRT
-plugin has been discovered (on first backend use), and registering a rule for an unknown platform
-raises ``NotImplementedError``. ``install_neuron_lowerings`` hands the registration to JAX's plugin
-callbacks, which run right after plugin discovery (or at once when it already happened).
+The same path runs the kernel through ``nki.jit`` on a Neuron device, or under the project's NKI
+emulator on the host through a host callback (``implementation="nki_emulated"``). Which kernel
+runs is one table, ``KERNELS``, keyed by the operands' layout; the variants, the targets and the
+launch grid are in docs/neuron-kernel.md.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +18,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from . import primitive as primitives
+from .primitive import PREGATHERED, AttnOperands, Layout
 from ..constants import TARGETS_WITH_DGE, value_shift
 from .packing import (
     KernelLayout,
@@ -166,82 +153,135 @@ def launch_programs(target: str) -> int:
     return info.lnc_default
 
 
-def _run_packed(call_kernels: KernelCall, target: str, q, slot_rows, sink, bias, scale, idx=None,
-                kv_scale=None, value_dim=None, extra_rows=None, main_slots=0, kv_rope=None,
-                extra_kv_scale=None, extra_rope=None):
-    """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, value_dim], lse [T, H] f32)``;
-    the kernel does ``value_dim`` (default D) columns of value work.
+class KernelVariant(NamedTuple):
+    """A kernel entry point of kernel.py and its arguments: fields of ``PackedOperands`` in the
+    kernel's order (``q_groups`` and ``sink_groups`` are taken per head group)."""
 
-    With ``kv_scale`` (``[R, n]`` f32), ``slot_rows`` is an FP8 cache: the FP8 kernel reads it on
-    trn2/trn3; on trn1 (or with D = 0) XLA gathers and dequantises the slots first. With
-    ``extra_rows`` (a second 16-bit cache, trn2/trn3, both caches of rows and D > 0; see
-    ``_reads_both_caches``), ``idx`` and ``bias`` cover both caches' slots, the first
-    ``main_slots`` the main one's, and the two-cache kernel reads both. With ``kv_rope`` (split
-    FP8 rows, trn2/trn3: ``_reads_split_rows``) the split kernel reads both parts of the rows;
-    with both (and ``extra_kv_scale``, ``extra_rope``: two FP8 caches of split rows,
-    ``_reads_both_split_caches``) the kernel that reads the four."""
+    name: str
+    args: tuple[str, ...]
+
+
+_PREGATHERED_KERNEL = KernelVariant("gathered_attn_kernel",
+                                    ("q_groups", "slot_rows", "bias", "sink_groups"))
+
+# The kernel that reads a bind's operands itself, by its layout, on targets with indirect DMA
+# (TARGETS_WITH_DGE); a layout missing here, or any indexed one on another target, has XLA
+# gather the slots for the pre-gathered kernel (docs/neuron-kernel.md, "Kernel variants by operand
+# layout").
+KERNELS = {
+    PREGATHERED: _PREGATHERED_KERNEL,
+    Layout(): KernelVariant(
+        "gathered_attn_idx_kernel", ("q_groups", "slot_rows", "idx", "bias", "sink_groups")),
+    Layout(fp8=True): KernelVariant(
+        "gathered_attn_idx_fp8_kernel",
+        ("q_groups", "slot_rows", "slot_scale", "idx", "bias", "sink_groups")),
+    Layout(fp8=True, split=True): KernelVariant(
+        "gathered_attn_idx_fp8_split_kernel",
+        ("q_groups", "slot_rows", "rope_rows", "slot_scale", "idx", "bias", "sink_groups")),
+    Layout(extra=True): KernelVariant(
+        "gathered_attn_idx_two_caches_kernel",
+        ("q_groups", "slot_rows", "idx", "extra_rows", "extra_idx", "bias", "sink_groups")),
+    Layout(fp8=True, extra=True): KernelVariant(
+        "gathered_attn_idx_fp8_beside_16bit_kernel",
+        ("q_groups", "slot_rows", "extra_rows", "slot_scale", "idx", "extra_idx", "bias",
+         "sink_groups")),
+    Layout(fp8=True, split=True, extra=True): KernelVariant(
+        "gathered_attn_idx_fp8_split_beside_16bit_kernel",
+        ("q_groups", "slot_rows", "rope_rows", "extra_rows", "slot_scale", "idx", "extra_idx",
+         "bias", "sink_groups")),
+    Layout(fp8=True, extra=True, extra_fp8=True): KernelVariant(
+        "gathered_attn_idx_fp8_two_caches_kernel",
+        ("q_groups", "slot_rows", "extra_rows", "slot_scale", "idx", "extra_idx", "bias",
+         "sink_groups")),
+    Layout(fp8=True, split=True, extra=True, extra_fp8=True, extra_split=True): KernelVariant(
+        "gathered_attn_idx_fp8_split_two_caches_kernel",
+        ("q_groups", "slot_rows", "rope_rows", "extra_rows", "extra_rope", "slot_scale", "idx",
+         "extra_idx", "bias", "sink_groups")),
+}
+
+
+def kernel_reading(target: str, ops: AttnOperands) -> KernelVariant | None:
+    """The kernel that reads ``ops`` itself on ``target`` (``KERNELS``), or None where XLA gathers
+    the slots first. Beyond the layout the kernels need rows in each cache and columns in the
+    main one, and an FP8 second cache laid out as the main one (FP8 dtype, widths, scale groups)."""
+    layout = ops.layout
+    if layout.indexed and target not in TARGETS_WITH_DGE:
+        return None
+    variant = KERNELS.get(layout)
+    if variant is None or not layout.indexed:
+        return variant
+    caches = [ops.kv] if ops.extra_kv is None else [ops.kv, ops.extra_kv]
+    if ops.kv.shape[1] == 0 or any(c.shape[0] == 0 for c in caches):
+        return None
+    if layout.extra_fp8:
+        same = (ops.kv.dtype == ops.extra_kv.dtype and ops.kv.shape[1] == ops.extra_kv.shape[1]
+                and ops.kv_scale.shape[1] == ops.extra_kv_scale.shape[1]
+                and (ops.kv_rope is None or ops.kv_rope.shape[1] == ops.extra_kv_rope.shape[1]))
+        if not same:
+            return None
+    return variant
+
+
+def _run_kernel(call_kernels: KernelCall, target: str, variant: KernelVariant,
+                ops: AttnOperands, value_dim=None, gather_in_xla: bool = False):
+    """pack -> ``call_kernels`` -> unpack; returns ``(out [T, H, value_dim], lse [T, H] f32)``;
+    the kernel does ``value_dim`` (default D) columns of value work. ``gather_in_xla``: an
+    indexed bind of one cache of whole rows run by the pre-gathered kernel, its slots gathered
+    (and FP8 ones dequantised) by XLA. Two caches' slots are packed as one index set of
+    ``K + K2`` slots, the main ones first."""
     from . import kernel as kernels
 
+    q = ops.q
     T, H, D = q.shape
     value_dim = D if value_dim is None else value_dim
+    two = ops.extra_kv is not None
+    bias = jnp.concatenate([ops.bias, ops.extra_bias], 1) if two else ops.bias
+    idx = jnp.concatenate([ops.idx, ops.extra_idx], 1) if two else ops.idx
+    slot_rows = ops.kv if ops.layout.indexed else ops.g
     layout = kernel_layout(T, H, D, bias.shape[1], value_dim=value_dim)
     if layout.is_empty or (idx is not None and slot_rows.shape[0] == 0):
-        return empty_result(q, sink, value_dim)
-    kernel, gather_in_xla = kernels.kernel_for(target, idx is not None, fp8=kv_scale is not None)
-    if extra_rows is not None and kv_scale is not None:  # an FP8 main cache beside a second one
-        assert not gather_in_xla
-        kernel = {(True, False): kernels.gathered_attn_idx_fp8_split_beside_16bit_kernel,
-                  (True, True): kernels.gathered_attn_idx_fp8_split_two_caches_kernel,
-                  (False, False): kernels.gathered_attn_idx_fp8_beside_16bit_kernel,
-                  (False, True): kernels.gathered_attn_idx_fp8_two_caches_kernel,
-                  }[kv_rope is not None, extra_kv_scale is not None]
-    elif extra_rows is not None:
-        assert not gather_in_xla and kv_scale is None
-        kernel = kernels.gathered_attn_idx_two_caches_kernel
-    elif kv_rope is not None:
-        assert not gather_in_xla and kv_scale is not None and D > 0
-        kernel = kernels.gathered_attn_idx_fp8_split_kernel
-    if kv_scale is not None and (gather_in_xla or D == 0):
+        return empty_result(q, ops.sink, value_dim)
+    if ops.kv_scale is not None and gather_in_xla:  # FP8 rows: XLA dequantises the slots
         from . import fp8
 
-        rows = slot_rows.shape[0]
-        in_range = (idx >= 0) & (idx < rows)
-        g = fp8.gather_dequantized(slot_rows, kv_scale, jnp.where(in_range, idx, -1), jnp.bfloat16)
-        bias = jnp.where(in_range, bias, -jnp.inf)
-        return _run_packed(call_kernels, target, q, g, sink, bias, scale, value_dim=value_dim)
-    scale_groups = 0 if kv_scale is None else kv_scale.shape[1]
+        in_range = (idx >= 0) & (idx < slot_rows.shape[0])
+        g = fp8.gather_dequantized(slot_rows, ops.kv_scale, jnp.where(in_range, idx, -1),
+                                   jnp.bfloat16)
+        pregathered = AttnOperands(q=q, g=g, sink=ops.sink, scale=ops.scale,
+                                              bias=jnp.where(in_range, bias, -jnp.inf))
+        return _run_kernel(call_kernels, target, _PREGATHERED_KERNEL, pregathered, value_dim)
+    scale_groups = 0 if ops.kv_scale is None else ops.kv_scale.shape[1]
     # Trace-time check that the shape can be planned (only an absurd head dim cannot).
     kernels.plan_slots(layout.heads_per_group, layout.dim_padded, layout.slots_padded,
                        indexed=idx is not None and not gather_in_xla,
-                       fp8_scale_groups=scale_groups,
-                       index_sets=1 if extra_rows is None else 2)  # fmt: skip
+                       fp8_scale_groups=scale_groups, index_sets=2 if two else 1)
+    main_slots = ops.idx.shape[1] if two else 0
     packed, layout = pack_for_kernel(
-        q, slot_rows, sink, bias, scale, idx=idx, gather_in_xla=gather_in_xla,
-        programs=launch_programs(target), kv_scale=kv_scale, value_dim=value_dim,
-        extra_rows=extra_rows, main_slots=main_slots, kv_rope=kv_rope,
-        extra_kv_scale=extra_kv_scale, extra_rope=extra_rope,
+        q, slot_rows, ops.sink, bias, ops.scale, idx=idx, gather_in_xla=gather_in_xla,
+        programs=launch_programs(target), kv_scale=ops.kv_scale, value_dim=value_dim,
+        extra_rows=ops.extra_kv, main_slots=main_slots, kv_rope=ops.kv_rope,
+        extra_kv_scale=ops.extra_kv_scale, extra_rope=ops.extra_kv_rope,
     )  # fmt: skip
     # The value product's overflow guard for the user's K (docs/contract.md): the kernel's bf16.
     options = {"value_shift": value_shift(bias.shape[1], "bfloat16")}
-    if extra_rows is not None:
+    if two:
         options["main_slots"] = main_slots
     if layout.value_dim_padded != layout.dim_padded:
         options["value_dim"] = layout.value_dim_padded
-    out_groups, lse_groups = call_kernels(kernel, target, packed, layout, options)
-    return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, sink, q.dtype)
+    out_groups, lse_groups = call_kernels(variant, target, packed, layout, options)
+    return unpack_from_kernel(out_groups, lse_groups, layout, packed.row_has_slot, ops.sink,
+                              q.dtype)
 
 
 def _pregathered_slots(dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope,
                        extra_kv_scale=None, extra_kv_rope=None):
     """The slots ``(g [T, K (+ K2), D], bias)`` that XLA gathers for the pre-gathered kernel when
-    no kernel reads the operands itself (``_run_indexed``); None for one cache of whole rows,
-    which ``_run_packed`` takes as it is (on trn1 gathering there). Two
-    caches' slots sit side by side, main first, in q's ``dtype``, an FP8 cache's dequantised
-    (``_fp8_slots``; one split cache alone: to bf16, the kernel's type); the caches are not
-    concatenated. Every empty slot's bias is ``-inf`` and its
-    row is zeros, never read (docs/neuron-kernel.md)."""
+    no kernel reads two caches or split rows itself. Two caches' slots sit side by side, main
+    first, in q's ``dtype``, an FP8 cache's dequantised (``_fp8_slots``; one split cache alone: to
+    bf16, the kernel's type); the caches are not concatenated. Every empty slot's bias is
+    ``-inf`` and its row is zeros, never read (docs/neuron-kernel.md)."""
     if extra_kv is None:
-        return None if kv_rope is None else _fp8_slots(kv, kv_scale, kv_rope, idx, bias)
+        return _fp8_slots(kv, kv_scale, kv_rope, idx, bias)
     parts = [_plain_slots(c, i, b) if s is None else _fp8_slots(c, s, r, i, b, dtype)
              for c, i, b, s, r in ((kv, idx, bias, kv_scale, kv_rope),
                                    (extra_kv, extra_idx, extra_bias, extra_kv_scale, extra_kv_rope))]
@@ -264,8 +304,7 @@ def _fp8_slots(kv, kv_scale, kv_rope, idx, bias, dtype=jnp.bfloat16):
     """An FP8 cache's slots for the pre-gathered kernel: each slot's FP8 columns gathered and
     dequantised by XLA (``fp8.gather_dequantized``), with DeepSeek's split rows next to their
     16-bit ``kv_rope`` columns, ``g [T, K, D (+ Dr)]`` in ``dtype``, and the bias with every empty
-    slot ``-inf``. The FP8 kernel reads whole FP8 rows of one cache only
-    (docs/neuron-kernel.md)."""
+    slot ``-inf`` (docs/neuron-kernel.md)."""
     from . import fp8
     from .reference import gather_bits
 
@@ -278,91 +317,52 @@ def _fp8_slots(kv, kv_scale, kv_rope, idx, bias, dtype=jnp.bfloat16):
     return g, jnp.where(valid, bias, -jnp.inf)
 
 
-def _reads_both_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale) -> bool:
-    """Whether the two-cache kernel reads both caches itself: two 16-bit caches with rows and
-    columns, on a target with indirect DMA (trn2, trn3). An FP8 main cache: see
-    ``_reads_fp8_beside_a_second_cache``; trn1 or an empty cache: XLA gathers both caches' slots
-    for the pre-gathered kernel (``_pregathered_slots``)."""
-    return (extra_kv is not None and kv_scale is None and kv_rope is None
-            and extra_kv_scale is None and target in TARGETS_WITH_DGE
-            and kv.shape[0] > 0 and extra_kv.shape[0] > 0 and kv.shape[1] > 0)
-
-
-def _reads_split_rows(target, kv, kv_rope, extra_kv) -> bool:
-    """Whether the split kernel reads DeepSeek's split rows itself (one cache, FP8 columns and
-    rows, trn2/trn3); otherwise XLA gathers and dequantises the slots (``_pregathered_slots``)."""
-    return (kv_rope is not None and extra_kv is None and target in TARGETS_WITH_DGE
-            and kv.shape[0] > 0 and kv.shape[1] > 0)
-
-
-def _reads_fp8_beside_a_second_cache(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale,
-                                     extra_kv_rope) -> bool:
-    """Whether one kernel reads an FP8 main cache (whole or split rows) and a second cache itself:
-    a 16-bit one, or an FP8 one of the same layout (FP8 dtype, FP8 columns, scale groups, rope
-    width); rows in both, trn2/trn3. Otherwise XLA gathers (and dequantises) both caches' slots
-    (``_pregathered_slots``)."""
-    if extra_kv is None or kv_scale is None or target not in TARGETS_WITH_DGE:
-        return False
-    if not (kv.shape[0] > 0 and kv.shape[1] > 0 and extra_kv.shape[0] > 0):
-        return False
-    if extra_kv_scale is None:  # a 16-bit second cache of whole rows
-        return True
-    rope_width = lambda rope: 0 if rope is None else rope.shape[1]  # noqa: E731
-    return (kv.dtype == extra_kv.dtype and kv.shape[1] == extra_kv.shape[1]
-            and kv_scale.shape[1] == extra_kv_scale.shape[1]
-            and rope_width(kv_rope) == rope_width(extra_kv_rope))
-
-
-def _run_indexed(call_kernels, run_pregathered, q, kv, idx, sink, bias, scale, extra_kv, extra_idx,
-                 extra_bias, kv_scale, kv_rope, extra_kv_scale, extra_kv_rope, value_dim):
+def _run_indexed(call_kernels: KernelCall, ops: AttnOperands, value_dim):
     """``gathered_attn_idx_p`` on the Neuron path (``call_kernels``: the device's or the
-    emulator's): the kernel that reads the operands where one does, else the pre-gathered kernel
-    (``run_pregathered``, the ``gathered_attn_p`` path) on the slots XLA gathers."""
+    emulator's): the kernel that reads the operands where one does (``kernel_reading``); else
+    XLA gathers the slots for the pre-gathered kernel, in the packing for one cache of whole
+    rows, in ``_pregathered_slots`` for two caches or split rows."""
     target = neuron_target()
-    if (_reads_both_caches(target, kv, extra_kv, kv_scale, kv_rope, extra_kv_scale)
-            or _reads_fp8_beside_a_second_cache(target, kv, extra_kv, kv_scale, kv_rope,
-                                                extra_kv_scale, extra_kv_rope)):
-        return _run_packed(call_kernels, target, q, kv, sink,
-                           jnp.concatenate([bias, extra_bias], 1), scale,
-                           idx=jnp.concatenate([idx, extra_idx], 1), value_dim=value_dim,
-                           kv_scale=kv_scale, kv_rope=kv_rope, extra_rows=extra_kv,
-                           main_slots=idx.shape[1], extra_kv_scale=extra_kv_scale,
-                           extra_rope=extra_kv_rope)  # fmt: skip
-    if _reads_split_rows(target, kv, kv_rope, extra_kv):
-        return _run_packed(call_kernels, target, q, kv, sink, bias, scale, idx=idx,
-                           kv_scale=kv_scale, kv_rope=kv_rope, value_dim=value_dim)
-    slots = _pregathered_slots(q.dtype, kv, idx, bias, extra_kv, extra_idx, extra_bias, kv_scale,
-                               kv_rope, extra_kv_scale, extra_kv_rope)
-    if slots is not None:
-        return run_pregathered(q, slots[0], sink, slots[1], scale, value_dim=value_dim)
-    return _run_packed(call_kernels, target, q, kv, sink, bias, scale, idx=idx, kv_scale=kv_scale,
-                       value_dim=value_dim)
+    variant = kernel_reading(target, ops)
+    if variant is not None:
+        return _run_kernel(call_kernels, target, variant, ops, value_dim)
+    if ops.extra_kv is None and ops.kv_rope is None:
+        return _run_kernel(call_kernels, target, _PREGATHERED_KERNEL, ops, value_dim,
+                           gather_in_xla=True)
+    g, bias = _pregathered_slots(ops.q.dtype, ops.kv, ops.idx, ops.bias, ops.extra_kv,
+                                 ops.extra_idx, ops.extra_bias, ops.kv_scale, ops.kv_rope,
+                                 ops.extra_kv_scale, ops.extra_kv_rope)
+    pregathered = AttnOperands(q=ops.q, g=g, sink=ops.sink, bias=bias, scale=ops.scale)
+    return _run_kernel(call_kernels, target, _PREGATHERED_KERNEL, pregathered, value_dim)
 
 
-def _kernel_args(packed: PackedOperands, group: int) -> tuple:
-    """Arguments of one kernel call, in the kernel's order."""
-    if packed.extra_rope is not None:
-        return (packed.q_groups[group], packed.slot_rows, packed.rope_rows, packed.extra_rows,
-                packed.extra_rope, packed.slot_scale, packed.idx, packed.extra_idx, packed.bias,
-                packed.sink_groups[group])
-    if packed.extra_rows is not None and packed.slot_scale is not None:
-        rope = () if packed.rope_rows is None else (packed.rope_rows,)
-        return (packed.q_groups[group], packed.slot_rows, *rope, packed.extra_rows,
-                packed.slot_scale, packed.idx, packed.extra_idx, packed.bias,
-                packed.sink_groups[group])
-    if packed.extra_rows is not None:
-        return (packed.q_groups[group], packed.slot_rows, packed.idx, packed.extra_rows,
-                packed.extra_idx, packed.bias, packed.sink_groups[group])
-    if packed.rope_rows is not None:
-        return (packed.q_groups[group], packed.slot_rows, packed.rope_rows, packed.slot_scale,
-                packed.idx, packed.bias, packed.sink_groups[group])
-    if packed.slot_scale is not None:
-        return (packed.q_groups[group], packed.slot_rows, packed.slot_scale, packed.idx,
-                packed.bias, packed.sink_groups[group])
-    if packed.idx is not None:
-        return (packed.q_groups[group], packed.slot_rows, packed.idx, packed.bias,
-                packed.sink_groups[group])
-    return (packed.q_groups[group], packed.slot_rows, packed.bias, packed.sink_groups[group])
+def _indexed_path(call_kernels: KernelCall, doc: str) -> Callable:
+    """``gathered_attn_idx_p``'s Neuron path through ``call_kernels`` (the device's or the
+    emulator's), taking the operands as the reference does."""
+
+    def path(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None, extra_bias=None, *,
+             kv_scale=None, kv_rope=None, extra_kv_scale=None, extra_kv_rope=None,
+             value_dim=None):
+        ops = AttnOperands(
+            q=q, kv=kv, idx=idx, sink=sink, bias=bias, scale=scale, kv_scale=kv_scale,
+            kv_rope=kv_rope, extra_kv=extra_kv, extra_idx=extra_idx, extra_bias=extra_bias,
+            extra_kv_scale=extra_kv_scale, extra_kv_rope=extra_kv_rope)
+        return _run_indexed(call_kernels, ops, value_dim)
+
+    path.__doc__ = doc
+    return path
+
+
+def _kernel_args(variant: KernelVariant, packed: PackedOperands, group: int) -> tuple:
+    """Arguments of one kernel call (head group ``group``), in the kernel's order."""
+    per_group = {"q_groups": packed.q_groups[group], "sink_groups": packed.sink_groups[group]}
+    return tuple(per_group[a] if a in per_group else getattr(packed, a) for a in variant.args)
+
+
+def _kernel_function(variant: KernelVariant):
+    from . import kernel as kernels
+
+    return getattr(kernels, variant.name)
 
 
 # --- on Neuron: nki.jit on traced arrays ------------------------------------------------------
@@ -381,12 +381,14 @@ def jitted_kernel(kernel):
     return kernels.nki.jit(kernel)
 
 
-def _call_nki_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout, options):
+def _call_nki_kernels(variant: KernelVariant, target, packed: PackedOperands,
+                      layout: KernelLayout, options):
     del target  # nki.jit compiles for the target NEURON_PLATFORM_TARGET_OVERRIDE names
-    jitted = jitted_kernel(kernel)
+    jitted = jitted_kernel(_kernel_function(variant))
     if layout.programs > 1:
         jitted = jitted[layout.programs]  # kernel[2]: one program per physical core (LNC=2)
-    results = [jitted(*_kernel_args(packed, g), **options) for g in range(layout.head_groups)]
+    results = [jitted(*_kernel_args(variant, packed, g), **options)
+               for g in range(layout.head_groups)]
     return jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results])
 
 
@@ -394,24 +396,15 @@ def nki_gathered_attn_lse(q, g, sink, bias, scale, *, value_dim=None):
     """The Neuron path of ``gathered_attn_p`` with the lse: q ``[T, H, D]``, g ``[T, K, D]``, sink
     ``[H]`` f32 (``-inf`` = none), bias ``[T, K]`` f32 (``-inf`` = empty slot), scale ``[T]`` f32
     -> ``(out [T, H, value_dim] in q's dtype, lse [T, H] f32)``."""
-    return _run_packed(_call_nki_kernels, neuron_target(), q, g, sink, bias, scale,
-                       value_dim=value_dim)
+    ops = AttnOperands(q=q, g=g, sink=sink, bias=bias, scale=scale)
+    return _run_kernel(_call_nki_kernels, neuron_target(), _PREGATHERED_KERNEL, ops, value_dim)
 
 
-def nki_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
-                              extra_bias=None, *, kv_scale=None, kv_rope=None,
-                              extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
-    """The Neuron path of ``gathered_attn_idx_p`` with the lse: q ``[T, H, D]``, kv ``[R, D]``,
-    idx ``[T, K]`` int32 (-1 = empty), sink ``[H]`` f32, bias ``[T, K]`` f32, scale ``[T]`` f32
-    -> ``(out [T, H, value_dim], lse [T, H] f32)``. With ``kv_scale`` (``[R, n]`` f32) ``kv`` is
-    an FP8 cache, with ``kv_rope`` of split rows; ``extra_*`` is a second cache. On trn2/trn3 a
-    kernel reads the operands itself where one does (``_run_indexed``: one cache of any kind, two
-    16-bit caches, FP8 rows beside a second cache of their layout or of 16 bits); otherwise, and
-    on trn1, XLA gathers (and dequantises) the slots for the pre-gathered kernel
-    (``_pregathered_slots``)."""
-    return _run_indexed(_call_nki_kernels, nki_gathered_attn_lse, q, kv, idx, sink, bias, scale,
-                        extra_kv, extra_idx, extra_bias, kv_scale, kv_rope, extra_kv_scale,
-                        extra_kv_rope, value_dim)
+nki_gathered_attn_idx_lse = _indexed_path(_call_nki_kernels, """The Neuron path of
+``gathered_attn_idx_p`` with the lse: the operands as the reference takes them (shapes in
+docs/contract.md, "Operand layout") -> ``(out [T, H, value_dim], lse [T, H] f32)``. A kernel reads
+the operands itself where one does (``kernel_reading``); otherwise, and on trn1, XLA gathers (and
+dequantises) the slots for the pre-gathered kernel.""")
 
 
 def nki_gathered_attn(q, g, sink, bias, scale, *, value_dim=None):
@@ -445,18 +438,20 @@ def _run_emulated_on_host(kernel, target, programs, options, *arrays):
     return np.concatenate([outs.astype(np.float32), lses], axis=-1)
 
 
-def _call_emulated_kernels(kernel, target, packed: PackedOperands, layout: KernelLayout, options):
+def _call_emulated_kernels(variant: KernelVariant, target, packed: PackedOperands,
+                           layout: KernelLayout, options):
     shape = (layout.head_groups, layout.tokens_padded, layout.heads_per_group)
     # One result array, not two: JAX 0.7 cannot lower a pure_callback with two results inside
     # shard_map ("result shardings don't match number of values"), which is where the sharded
     # paths run it. The bf16 output travels exactly as f32, the lse in the last column.
     result = jax.ShapeDtypeStruct(shape + (layout.value_dim_padded + 1,), jnp.float32)
     # Host arrays in the kernel's order: q per head group, then the shared ones, the sink last.
-    arrays = [packed.q_groups, *_kernel_args(packed, 0)[1:-1], packed.sink_groups]
+    arrays = [packed.q_groups, *_kernel_args(variant, packed, 0)[1:-1], packed.sink_groups]
     # The primitives' vmap rule folds batches into tokens before lowering, so this callback is
     # never batched itself; "sequential" is only the safe answer should that ever change.
     packed_result = jax.pure_callback(
-        functools.partial(_run_emulated_on_host, kernel, target, layout.programs, options), result,
+        functools.partial(_run_emulated_on_host, _kernel_function(variant), target,
+                          layout.programs, options), result,
         *arrays,
         vmap_method="sequential",
     )  # fmt: skip
@@ -468,19 +463,14 @@ def emulated_gathered_attn_lse(q, g, sink, bias, scale, *, value_dim=None):
     path on the host, for the target ``NEURON_PLATFORM_TARGET_OVERRIDE`` names (default trn2).
 
     Operands and result as :func:`nki_gathered_attn_lse`."""
-    return _run_packed(_call_emulated_kernels, neuron_target(), q, g, sink, bias, scale,
-                       value_dim=value_dim)
+    ops = AttnOperands(q=q, g=g, sink=sink, bias=bias, scale=scale)
+    return _run_kernel(_call_emulated_kernels, neuron_target(), _PREGATHERED_KERNEL, ops,
+                       value_dim)
 
 
-def emulated_gathered_attn_idx_lse(q, kv, idx, sink, bias, scale, extra_kv=None, extra_idx=None,
-                                   extra_bias=None, *, kv_scale=None, kv_rope=None,
-                                   extra_kv_scale=None, extra_kv_rope=None, value_dim=None):
-    """``implementation="nki_emulated"`` for ``gathered_attn_idx_p``, with the lse.
-
-    Operands and result as :func:`nki_gathered_attn_idx_lse`."""
-    return _run_indexed(_call_emulated_kernels, emulated_gathered_attn_lse, q, kv, idx, sink, bias,
-                        scale, extra_kv, extra_idx, extra_bias, kv_scale, kv_rope, extra_kv_scale,
-                        extra_kv_rope, value_dim)
+emulated_gathered_attn_idx_lse = _indexed_path(_call_emulated_kernels, """``implementation=
+"nki_emulated"`` for ``gathered_attn_idx_p``, with the lse. Operands and result as
+:func:`nki_gathered_attn_idx_lse`.""")
 
 
 def emulated_gathered_attn(q, g, sink, bias, scale, *, value_dim=None):
@@ -500,21 +490,16 @@ def emulated_gathered_attn_idx(q, kv, idx, sink, bias, scale, *, value_dim=None)
 # --- the "neuron" platform rule ---------------------------------------------------------------
 
 
-def _neuron_rule(indexed: bool):
-    # The primitives return (out, lse): the kernels' own lse.
-    kernel_path = nki_gathered_attn_idx_lse if indexed else nki_gathered_attn_lse
-
-    def rule(*args, implementation, value_dim=None):
-        if implementation is None or implementation == "nki":
-            path_fn = kernel_path
-        elif implementation == "nki_emulated":
-            raise NotImplementedError(NO_HOST_CALLBACKS_ON_NEURON)
-        else:
-            path_fn = primitives.path(implementation, indexed)
-        # Each device runs the kernel on its own tokens/heads: no gathers around the custom call.
-        return primitives.run_shard_local(path_fn, indexed, *args, value_dim=value_dim)
-
-    return rule
+def _neuron_rule(*args, layout, implementation, value_dim):
+    if implementation is None or implementation == "nki":
+        # The primitives return (out, lse): the kernels' own lse.
+        path_fn = nki_gathered_attn_idx_lse if layout.indexed else nki_gathered_attn_lse
+    elif implementation == "nki_emulated":
+        raise NotImplementedError(NO_HOST_CALLBACKS_ON_NEURON)
+    else:
+        path_fn = primitives.path(implementation, layout.indexed)
+    # Each device runs the kernel on its own tokens/heads: no gathers around the custom call.
+    return primitives.run_shard_local(path_fn, layout.unflatten(args), value_dim=value_dim)
 
 
 _neuron_lowerings_registered = False
@@ -529,16 +514,9 @@ def register_neuron_lowerings(**_plugin_info) -> bool:
     if _neuron_lowerings_registered:
         return True
     try:
-        mlir.register_lowering(
-            primitives.gathered_attn_p,
-            mlir.lower_fun(_neuron_rule(False), multiple_results=True),
-            platform=NEURON_PLATFORM,
-        )
-        mlir.register_lowering(
-            primitives.gathered_attn_idx_p,
-            mlir.lower_fun(_neuron_rule(True), multiple_results=True),
-            platform=NEURON_PLATFORM,
-        )
+        for prim in (primitives.gathered_attn_p, primitives.gathered_attn_idx_p):
+            mlir.register_lowering(prim, mlir.lower_fun(_neuron_rule, multiple_results=True),
+                                   platform=NEURON_PLATFORM)
     except NotImplementedError:
         return False  # No Neuron plugin among the discovered ones: nothing to register.
     _neuron_lowerings_registered = True
@@ -546,7 +524,9 @@ def register_neuron_lowerings(**_plugin_info) -> bool:
 
 
 def install_neuron_lowerings() -> None:
-    """Defers :func:`register_neuron_lowerings` to JAX's plugin discovery (never fails)."""
+    """Defers :func:`register_neuron_lowerings` to JAX's plugin discovery (never fails): JAX knows
+    the "neuron" platform only once its PJRT plugin is discovered, and registering a rule for an
+    unknown platform raises."""
     try:
         from jax._src import xla_bridge
 
