@@ -1,7 +1,19 @@
 """Named facts shared by the reference, the Neuron packing, the NKI kernels and the tests.
 
-One home for each number: change it here and every user of it follows.
+One home for each number: change it here and every user of it follows. The integer rounding
+that the plans share lives here too: the module imports nothing, so the kernels can import it.
 """
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up, for integers (``b > 0``)."""
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    """The least multiple of ``b`` at or above ``a`` (``b > 0``; 0 for 0)."""
+    return ceil_div(a, b) * b
+
 
 # Logit given to an empty slot (invalid index, or a ``-inf`` bias entry). Finite on purpose: a whole
 # row masked with ``-inf`` would compute ``exp(-inf - -inf) = NaN``. ``exp(-1e30 - m)`` is exactly 0

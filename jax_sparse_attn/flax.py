@@ -100,7 +100,7 @@ except ImportError as err:  # pragma: no cover - exercised only without flax
 
 from .api import gathered_attn_idx
 from .storage import put as _put, storage_dtype as _storage_dtype, to_storage as _to_storage
-from .storage import values as _values
+from .storage import as_operand as _as_operand, values as _values
 
 __all__ = ["SparseAttention", "SparseAttentionCache", "indexer_scores", "select_topk_rows"]
 
@@ -539,15 +539,14 @@ class SparseAttention(nnx.Module):
 
         c, k, impl = self.compress_ratio, self.topk, self.implementation
         R, n = p.keys.shape[1], p.fresh.shape[1]
-        bits = p.keys.dtype == jnp.uint16
 
         def one(q_b, w_b, old_b, fresh_b, pos_b, first_b):
             # Rows before `first` are valid up to a position of first * c - 1; the fresh rows
             # are the cache's rows from `first` on, capped at its R rows.
             before = jnp.where(pos_b < 0, -1, jnp.minimum(pos_b, first_b * c - 1))
             own = jnp.minimum(positions_from_row(pos_b, first_b, c), (R - first_b) * c - 1)
-            i0, s0 = indexer_topk(q_b, w_b, old_b, before, k, compress_ratio=c, return_scores=True,
-                                  implementation=impl, keys_as_bits=bits)
+            i0, s0 = indexer_topk(q_b, w_b, _as_operand(old_b), before, k, compress_ratio=c,
+                                  return_scores=True, implementation=impl)
             i1, s1 = indexer_topk(q_b, w_b, fresh_b, own, min(k, n), compress_ratio=c,
                                   return_scores=True, implementation=impl)
             i1 = jnp.where(i1 >= 0, i1 + first_b, -1)

@@ -9,6 +9,8 @@ place. Reading the rows back is a bit cast, which copies nothing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -35,6 +37,24 @@ def values(stored):
     if stored is None or stored.dtype not in _FLOATS:
         return stored
     return jax.lax.bitcast_convert_type(stored, _FLOATS[stored.dtype])
+
+
+class Bf16Bits(NamedTuple):
+    """bf16 rows held as their ``uint16`` bit patterns, for an op that reads them in place.
+
+    ``indexer_topk`` takes its keys so: its reference reads each block of rows back as bf16 inside
+    its loop, where a bf16 view of the whole cache would be a copy of it (XLA:CPU gives every loop
+    operand a buffer of its own). A pytree, so it passes through ``jit`` and ``vmap``."""
+
+    bits: jax.Array
+
+
+def as_operand(stored):
+    """A stored array as an op's operand: ``Bf16Bits`` for bf16's bits, the float rows (a bit
+    cast) otherwise."""
+    if stored.dtype == jnp.uint16:
+        return Bf16Bits(stored)
+    return values(stored)
 
 
 def put(stored: jax.Array, rows: jax.Array, at: jax.Array) -> jax.Array:

@@ -2,6 +2,8 @@
 NaN rules, garbage in invalid rows, dtypes, the validity rule, jit and vmap, gradients of the
 scores, and bad arguments."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from indexer_oracle import as_f64, check_selection, scores_f64, valid_rows
 from jax_sparse_attn import gathered_attn_idx, indexer_topk
+from jax_sparse_attn.storage import Bf16Bits
 
 
 def make(rng, T, Hi, Di, R, dtype=jnp.bfloat16):
@@ -137,15 +140,17 @@ def test_bit_identical_across_runs_and_under_jit(rng):
 
 @pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
 def test_keys_as_bits_are_the_bf16_keys(rng, q_dtype):
-    # A cache stored as bf16 bit patterns (the Flax layer's) selects as its bf16 values do, the
-    # scores bit for bit, jitted or not, with gradients of the scores with respect to q.
+    # A cache stored as bf16 bit patterns (the Flax layer's), passed as Bf16Bits, selects as its
+    # bf16 values do, the scores bit for bit, jitted or not, with gradients of the scores with
+    # respect to q.
     T, Hi, Di, R, topk = 9, 4, 32, 700, 24
     q, w, k = make(rng, T, Hi, Di, R)
     q = q.astype(q_dtype)
     k = k.at[R - 3:].set(jnp.nan)  # garbage past every token's rows
     bits = jax.lax.bitcast_convert_type(k, jnp.uint16)
     positions = rng.integers(-1, R - 3, T)
-    idx, scores = jax.jit(lambda *a: indexer_topk(*a, topk, return_scores=True, keys_as_bits=True))(
+    idx, scores = jax.jit(lambda q, w, b, p: indexer_topk(q, w, Bf16Bits(b), p, topk,
+                                                          return_scores=True))(
         q, w, bits, positions)
     s, bound = scores_f64(q, w, k)
     check_selection(idx, scores, s, bound, valid_rows(positions, R), topk)
@@ -153,11 +158,31 @@ def test_keys_as_bits_are_the_bf16_keys(rng, q_dtype):
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(want[0]))
     np.testing.assert_array_equal(np.asarray(scores), np.asarray(want[1]))
     if q_dtype == jnp.float32:
-        grad = jax.grad(lambda q_: indexer_topk(q_, w, bits, positions, topk, return_scores=True,
-                                                keys_as_bits=True)[1].sum())(q)
+        grad = jax.grad(lambda q_: indexer_topk(q_, w, Bf16Bits(bits), positions, topk,
+                                                return_scores=True)[1].sum())(q)
         want_grad = jax.grad(lambda q_: indexer_topk(q_, w, k, positions, topk,
                                                      return_scores=True)[1].sum())(q)
         np.testing.assert_array_equal(np.asarray(grad), np.asarray(want_grad))
+
+
+def test_keys_as_bits_flag_is_deprecated_and_still_works(rng):
+    # The old flag, kept for one release: a DeprecationWarning, and the same bits as Bf16Bits
+    # (jitted and under vmap, as the layers called it); no warning without it.
+    T, Hi, Di, R, topk = 9, 4, 32, 700, 24
+    q, w, k = make(rng, T, Hi, Di, R)
+    bits = jax.lax.bitcast_convert_type(jnp.stack([k, k[::-1]]), jnp.uint16)
+    positions = rng.integers(-1, R, T)
+    with pytest.warns(DeprecationWarning, match="keys_as_bits.*deprecated.*Bf16Bits"):
+        old = jax.jit(jax.vmap(lambda b: indexer_topk(q, w, b, positions, topk, return_scores=True,
+                                                      keys_as_bits=True)))(bits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        new = jax.jit(jax.vmap(lambda b: indexer_topk(q, w, Bf16Bits(b), positions, topk,
+                                                      return_scores=True)))(bits)
+    for a, b in zip(old, new):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(new[0][0]),
+                                  np.asarray(indexer_topk(q, w, k, positions, topk)))
 
 
 def test_empty_shapes(rng):
@@ -197,6 +222,34 @@ def test_vmap_shared_and_own_caches(rng):
                                       indexer_topk(q[b], w[b], keys[1], positions[b], topk))
         np.testing.assert_array_equal(moved[:, b],
                                       indexer_topk(q[b], w[b], keys[0], positions[b], topk))
+
+
+def test_vmap_folds_into_one_call_over_the_sequences():
+    # The batching rule: each sequence's own cache joins the primitive's leading axis of
+    # sequences, a cache shared by the batch folds the batch into each sequence's tokens; one
+    # call either way, whose parameters do not depend on the batch.
+    from jax_sparse_attn import indexer_topk_p
+
+    A, B, T, Hi, Di, R = 2, 3, 5, 4, 16, 90
+    q = jax.ShapeDtypeStruct((A, B, T, Hi, Di), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((A, B, T, Hi), jnp.float32)
+    k = jax.ShapeDtypeStruct((B, R, Di), jnp.bfloat16)
+    p = jax.ShapeDtypeStruct((A, B, T), jnp.int32)
+    shared_outer = jax.vmap(jax.vmap(lambda *a: indexer_topk(*a, 8)), in_axes=(0, 0, None, 0))
+    eqns = [e for e in jax.make_jaxpr(shared_outer)(q, w, k, p).jaxpr.eqns
+            if e.primitive is indexer_topk_p]
+    assert len(eqns) == 1
+    assert [v.aval.shape for v in eqns[0].invars] == [
+        (B, A * T, Hi, Di), (B, A * T, Hi), (B, R, Di), (B, R), (B, A * T)]
+    assert [v.aval.shape for v in eqns[0].outvars] == [(B, A * T, 8)] * 2
+    assert set(eqns[0].params) == {"topk", "compress_ratio", "implementation"}
+    own = jax.vmap(jax.vmap(lambda *a: indexer_topk(*a, 8)))
+    k_own = jax.ShapeDtypeStruct((A, B, R, Di), jnp.bfloat16)
+    eqns = [e for e in jax.make_jaxpr(own)(q, w, k_own, p).jaxpr.eqns
+            if e.primitive is indexer_topk_p]
+    assert len(eqns) == 1
+    assert [v.aval.shape for v in eqns[0].invars] == [
+        (A * B, T, Hi, Di), (A * B, T, Hi), (A * B, R, Di), (A * B, R), (A * B, T)]
 
 
 @pytest.mark.parametrize("R", [90, 700])  # a cache below one block (padded), and above
@@ -307,13 +360,18 @@ def test_jvp_of_scores_against_float64(rng):
     (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, implementation="gpu"), ValueError, "implementation"),
     (lambda q, w, k: indexer_topk(q, w, "keys", [0, 1], 4), TypeError, "keys"),
     (lambda q, w, k: indexer_topk(q, w, jax.lax.bitcast_convert_type(k, jnp.uint16), [0, 1], 4),
-     TypeError, "keys must be a floating.*keys_as_bits=True"),
+     TypeError, "keys must be a floating.*Bf16Bits"),
+    (lambda q, w, k: indexer_topk(q, w, Bf16Bits(k), [0, 1], 4), TypeError,
+     "Bf16Bits hold uint16 bit patterns"),
+    (lambda q, w, k: indexer_topk(q.astype(jnp.float16), w, Bf16Bits(
+        jax.lax.bitcast_convert_type(k, jnp.uint16)), [0, 1], 4), TypeError, "share a 16-bit dtype"),
     (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, keys_as_bits=True), TypeError,
      "keys_as_bits=True takes keys as uint16"),
     (lambda q, w, k: indexer_topk(q.astype(jnp.float16), w, jax.lax.bitcast_convert_type(
         k, jnp.uint16), [0, 1], 4, keys_as_bits=True), TypeError, "share a 16-bit dtype"),
     (lambda q, w, k: indexer_topk(q, w, k, [0, 1], 4, keys_as_bits=1), TypeError, "keys_as_bits"),
 ])
+@pytest.mark.filterwarnings("ignore:indexer_topk.keys_as_bits:DeprecationWarning")
 def test_bad_arguments_name_the_argument(rng, call, err, match):
     q, w, k = make(rng, 2, 2, 8, 10)
     with pytest.raises(err, match=match):

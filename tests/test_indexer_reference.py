@@ -549,13 +549,15 @@ def test_sequences_with_own_caches_read_only_their_rows(rng, plan):
     k[np.arange(R)[None, :] > last[:, None]] = np.nan
     k = jnp.asarray(k, jnp.bfloat16)
     ks = jnp.asarray(rng.uniform(0.5, 2.0, (S, R)), jnp.float32)
-    idx, scores = jax.jit(lambda *a: reference.indexer_topk_reference(
-        *a, topk=topk, compress_ratio=1, plan=plan, sequences=S))(
-        q, w, k, ks, jnp.asarray(positions, jnp.int32))
+    idx, scores = jax.jit(lambda *a: reference.indexer_topk_over_sequences(
+        *a, topk=topk, compress_ratio=1, plan=plan))(
+        q.reshape(S, T, Hi, Di), w.reshape(S, T, Hi), k, ks,
+        jnp.asarray(positions, jnp.int32).reshape(S, T))
+    assert idx.shape == scores.shape == (S, T, topk)
     for i in range(S):
         part = slice(i * T, (i + 1) * T)
         s, bound = scores_f64(q[part], w[part], k[i], ks[i], scale=1.0)
-        check_selection(idx[part], scores[part], s, bound, valid_rows(positions[part], R), topk)
+        check_selection(idx[i], scores[i], s, bound, valid_rows(positions[part], R), topk)
 
 
 def test_merging_form_breaks_exact_ties_by_row_across_blocks(rng):

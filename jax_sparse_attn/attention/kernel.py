@@ -31,6 +31,7 @@ from ..constants import (
     TARGETS_WITH_DGE,
     UP_COLS,
 )
+from ..constants import ceil_div as _ceil_div
 
 try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
     import nki
@@ -38,10 +39,6 @@ try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
     import nki.language as nl
 except ImportError:
     nki = nl = nisa = None
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # PSUM banks the value accumulators of one pass may hold: the others hold the logits tile and the

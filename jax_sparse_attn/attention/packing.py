@@ -46,12 +46,9 @@ from ..constants import (
     MAX_HEADS_PER_CALL,
     SCALE_COL,
     UP_COLS,
+    round_up,
 )
 from .reference import prescale_queries
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +93,9 @@ def kernel_layout(
         head_groups=groups,
         heads_per_group=max(1, -(-heads // groups)),
         dim_padded=max(dim, 1),
-        slots_padded=_round_up(max(slots, 1), KERNEL_TILE),
+        slots_padded=round_up(max(slots, 1), KERNEL_TILE),
         programs=programs,
-        tokens_padded=_round_up(tokens, programs),
+        tokens_padded=round_up(tokens, programs),
         value_dim=value_dim if 0 < value_dim < dim else 0,
     )
 

@@ -13,12 +13,12 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
-import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir, xla
 
 from .. import cache_sharding, sharding
+from ..batching import fold as _fold, map_over_batch as _map_over_batch, to_front as _to_front
 from . import reference
 from ..constants import MAX_ROWS
 
@@ -219,36 +219,11 @@ for _prim in (gathered_attn_p, gathered_attn_idx_p):
 # --- vmap: fold every batch axis into the token axis --------------------------------------------
 
 
-def _to_front(x, dim, size):
-    """Moves the batch axis to 0, or broadcasts an unbatched operand to ``size`` copies."""
-    if dim is None:
-        return jnp.broadcast_to(x, (size,) + x.shape)
-    return jnp.moveaxis(x, dim, 0)
-
-
-def _fold(x):
-    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
-
-
 def _role(name: str) -> str:
     """An operand's role: 't' indexed by token, 'r' a cache's rows, 'h' per head (the sink)."""
     if name in CACHE_INDEX or name in CACHE_COMPANION:
         return "r"
     return sharding.LAYOUTS[name].split()[0]
-
-
-def _map_over_batch(prim, args, dims, params):
-    """Fallback for a batched sink (one sink vector per batch element): one call per element."""
-    batched = [i for i, d in enumerate(dims) if d is not None]
-
-    def one(slices):
-        full = list(args)
-        for i, s in zip(batched, slices):
-            full[i] = s
-        return prim.bind(*full, **params)
-
-    out = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
-    return (out, [0] * len(out)) if prim.multiple_results else (out, 0)
 
 
 def _offset_per_sequence(idx, rows: int, size: int):

@@ -64,7 +64,7 @@ PREGATHER_MAX_BYTES = 64 * 2**20
 
 # f32 inputs are computed in f32 throughout: without this, GPUs run f32 products in TF32 (10-bit
 # mantissa). bf16 and f16 products are exact in the fp32 accumulator either way.
-_EXACT = jax.lax.Precision.HIGHEST
+EXACT = jax.lax.Precision.HIGHEST
 
 
 # On GPU and TPU the chunk follows the device's memory instead of CPU caches: one chunk's working
@@ -207,9 +207,9 @@ def slot_products(x, rows, x_first=False):
     """
     if not x_first:
         return jnp.einsum("...md,...kd->...mk", rows, x, preferred_element_type=jnp.float32,
-                          precision=_EXACT)
+                          precision=EXACT)
     products = jnp.einsum("...kd,...md->...km", x, rows, preferred_element_type=jnp.float32,
-                          precision=_EXACT)
+                          precision=EXACT)
     return jnp.swapaxes(jax.lax.optimization_barrier(products), -1, -2)
 
 
@@ -261,7 +261,7 @@ def attend_token(q, x, valid, sink, bias, scale,
     p = (e * jnp.float32(2.0**-shift)).astype(q.dtype)
     values = x_op if value_dim is None else x_op[:, :value_dim]
     num = jnp.einsum("hk,kd->hd", operand(p), values, preferred_element_type=jnp.float32,
-                     precision=_EXACT)
+                     precision=EXACT)
     o = (num / den[:, None]) * jnp.float32(2.0**shift)
     o = jnp.where(jnp.any(valid), o, jnp.float32(0))
     return TokenAttention(o, m, den)

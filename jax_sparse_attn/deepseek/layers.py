@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..constants import ceil_div
 from . import quant
 
 # An FP8 weight has one scale per WEIGHT_BLOCK x WEIGHT_BLOCK block (model.py's block_size).
@@ -21,10 +22,6 @@ WEIGHT_BLOCK = 128
 FP8_WEIGHT = jnp.dtype(jnp.float8_e4m3fn)
 # Scales stored as powers of two in one byte (V4's released files); V3.2 stores f32.
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def dequantize_weight(weight: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -62,8 +59,8 @@ class Linear(nnx.Module):
         w = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * std
         if fp8:
             self.weight = nnx.Param(w.astype(FP8_WEIGHT))
-            self.scale = nnx.Param(jnp.ones((_ceil_div(out_features, WEIGHT_BLOCK),
-                                             _ceil_div(in_features, WEIGHT_BLOCK)), scale_dtype))
+            self.scale = nnx.Param(jnp.ones((ceil_div(out_features, WEIGHT_BLOCK),
+                                            ceil_div(in_features, WEIGHT_BLOCK)), scale_dtype))
         else:
             self.weight = nnx.Param(w.astype(dtype))
             self.scale = None

@@ -436,9 +436,9 @@ class V4Attention(common.WeightsByName, nnx.Module):
         if ratio == INDEXED_RATIO:
             iq = self.indexer.queries(qr, positions, self.freqs)
             compressed_idx = jax.vmap(lambda q_b, w_b, k_b, p_b: indexer_topk(
-                q_b, w_b, k_b, p_b, cfg.index_topk, scale=1.0, compress_ratio=ratio,
-                keys_as_bits=True, implementation=impl))(iq, chunk["index_weights"], index_keys,
-                                                         positions)
+                q_b, w_b, storage.as_operand(k_b), p_b, cfg.index_topk, scale=1.0,
+                compress_ratio=ratio, implementation=impl))(iq, chunk["index_weights"], index_keys,
+                                                            positions)
         elif ratio:
             blocks = jnp.arange(compressed.values.shape[1], dtype=jnp.int32)
             compressed_idx = jnp.where((blocks + 1) * ratio <= positions[..., None] + 1, blocks, -1)

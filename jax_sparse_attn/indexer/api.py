@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Optional, Union
 
 import jax
@@ -13,6 +14,7 @@ from ..attention import fp8
 from ..checks import (as_array, check_implementation, check_integer, check_rank, check_scale,
                       dtype_of, shape_of)
 from ..constants import MAX_ROWS
+from ..storage import Bf16Bits
 from . import primitive
 from . import reference
 from .reference import MAX_TOPK
@@ -82,7 +84,7 @@ def _normalise_positions(positions):
 def indexer_topk(
     q: ArrayLike,
     weights: ArrayLike,
-    keys: ArrayLike,
+    keys: Union[ArrayLike, Bf16Bits],
     positions: ArrayLike,
     topk: int,
     *,
@@ -91,7 +93,7 @@ def indexer_topk(
     key_scale: Optional[ArrayLike] = None,
     return_scores: bool = False,
     implementation: Optional[str] = None,
-    keys_as_bits: bool = False,
+    keys_as_bits: Optional[bool] = None,
 ) -> Union[jax.Array, tuple[jax.Array, jax.Array]]:
     """Each token's top-k cache rows by the lightning-indexer score, exact and in bounded memory.
 
@@ -113,7 +115,10 @@ def indexer_topk(
       q: ``[T, Hi, Di]`` indexer queries: bf16, f16, f32 or ``float8_e4m3fn`` (its scale folded
         into ``weights`` by the caller, as DeepSeek does).
       weights: ``[T, Hi]`` float, per-token head weights (cast to f32).
-      keys: ``[R, Di]`` cached indexer keys, q's dtype family (16-bit or FP8 with bf16, or f32).
+      keys: ``[R, Di]`` cached indexer keys, q's dtype family (16-bit or FP8 with bf16, or f32);
+        or bf16 keys as a :class:`jax_sparse_attn.storage.Bf16Bits` of their ``uint16`` bit
+        patterns (a cache stored as bits, as the Flax layers store bf16), which the reference
+        reads in place, block by block, with no float copy of the cache.
       positions: ``[T]`` any integer dtype, each token's position.
       topk: static int, the output width (``0 <= topk <= 32768``); may exceed R.
       scale: real scalar (f32), default ``(Hi * Di) ** -0.5``.
@@ -122,9 +127,8 @@ def indexer_topk(
       return_scores: also return the scores of the selected rows.
       implementation: as for the attention op: None (the NKI kernel on Neuron, the jnp reference
         elsewhere), ``"reference"``, ``"nki"``, ``"nki_emulated"``.
-      keys_as_bits: ``keys`` is ``uint16``, the bit patterns of bf16 keys (a cache stored as bits,
-        as :mod:`jax_sparse_attn.flax` stores bf16). The reference reads them in place, block by
-        block; a bf16 view of the whole cache would be a copy of it in every call.
+      keys_as_bits: deprecated (a ``DeprecationWarning``; to be removed in the next release):
+        ``True`` with ``uint16`` keys is ``keys=Bf16Bits(keys)``.
 
     Returns:
       ``idx [T, topk]`` int32, or ``(idx, scores [T, topk] f32)`` with ``-inf`` at the ``-1``
@@ -134,17 +138,36 @@ def indexer_topk(
     operands, params = primitive_operands(q, weights, keys, positions, topk, scale=scale,
                                           compress_ratio=compress_ratio, key_scale=key_scale,
                                           implementation=implementation, keys_as_bits=keys_as_bits)
-    idx, scores = primitive.indexer_topk_p.bind(*operands, **params)
+    # The primitive takes a batch of sequences with their own caches: here, one.
+    idx, scores = (x[0] for x in primitive.indexer_topk_p.bind(*(x[None] for x in operands),
+                                                              **params))
     return (idx, scores) if return_scores else idx
 
 
 def primitive_operands(q, weights, keys, positions, topk, *, scale=None, compress_ratio=1,
-                       key_scale=None, implementation=None, keys_as_bits=False):
+                       key_scale=None, implementation=None, keys_as_bits=None):
     """``indexer_topk``'s checks and operand preparation: ``(operands, params)`` of
     ``indexer_topk_p`` (q and keys in the compute dtype, weights f32 with the scale folded in,
     key_scale ``[R]`` f32, positions ``[T]`` int32), also for code that runs the primitive's
     lowerings on the same operands (the benchmark's scores alone)."""
     check_implementation(implementation)
+    if keys_as_bits is not None:
+        if not isinstance(keys_as_bits, bool):
+            raise TypeError(f"keys_as_bits must be a bool; got {type(keys_as_bits).__name__}")
+        warnings.warn("indexer_topk(keys_as_bits=...) is deprecated: pass bf16 keys stored as "
+                      "uint16 bits as keys=jax_sparse_attn.storage.Bf16Bits(bits)",
+                      DeprecationWarning, stacklevel=3)
+        if keys_as_bits and not isinstance(keys, Bf16Bits):
+            if dtype_of(keys) != jnp.uint16:
+                raise TypeError(f"keys_as_bits=True takes keys as uint16 (bf16 bit patterns); "
+                                f"got keys of dtype {dtype_of(keys)}")
+            keys = Bf16Bits(keys)
+    stored_bits = isinstance(keys, Bf16Bits)
+    if stored_bits:
+        keys = keys.bits
+        if dtype_of(keys) != jnp.uint16:
+            raise TypeError(f"keys as Bf16Bits hold uint16 bit patterns of bf16 keys; got "
+                            f"{dtype_of(keys)}")
     for name, x in (("q", q), ("weights", weights), ("keys", keys), ("positions", positions),
                     ("key_scale", key_scale)):
         if isinstance(x, (str, bytes)):
@@ -159,16 +182,10 @@ def primitive_operands(q, weights, keys, positions, topk, *, scale=None, compres
     check_rank("weights", weights, 2, "[T, Hi]")
     _check_float_or_fp8("weights", weights)
     check_rank("keys", keys, 2, "[R, Di]")
-    if not isinstance(keys_as_bits, bool):
-        raise TypeError(f"keys_as_bits must be a bool; got {type(keys_as_bits).__name__}")
-    if keys_as_bits:
-        if dtype_of(keys) != jnp.uint16:
-            raise TypeError(f"keys_as_bits=True takes keys as uint16 (bf16 bit patterns); got "
-                            f"keys of dtype {dtype_of(keys)}")
-    elif dtype_of(keys) == jnp.uint16:
-        raise TypeError("keys must be a floating dtype (bf16, f16, f32 or float8_e4m3fn); got "
-                        "uint16 (bit patterns of bf16 keys need keys_as_bits=True)")
-    else:
+    if not stored_bits:
+        if dtype_of(keys) == jnp.uint16:
+            raise TypeError("keys must be a floating dtype (bf16, f16, f32 or float8_e4m3fn); got "
+                            "uint16 (bit patterns of bf16 keys go in as storage.Bf16Bits(keys))")
         _check_float_or_fp8("keys", keys)
     check_rank("positions", positions, 1, "[T]")
     check_integer("positions", positions)
@@ -198,12 +215,11 @@ def primitive_operands(q, weights, keys, positions, topk, *, scale=None, compres
             raise ValueError(f"key_scale must have shape [R] = ({R},) to match keys "
                              f"{shape_of(keys)}; got {shape_of(key_scale)}")
         key_scale = jax.lax.stop_gradient(jnp.asarray(key_scale, jnp.float32))
-    dtype = _compute_dtype(dtype_of(q), jnp.bfloat16 if keys_as_bits else dtype_of(keys))
+    dtype = _compute_dtype(dtype_of(q), jnp.bfloat16 if stored_bits else dtype_of(keys))
     scale = check_scale(scale, (Hi * Di) ** -0.5)
     keys = jnp.asarray(keys)
-    if not (keys_as_bits and dtype == jnp.bfloat16):  # bf16 bits go in as they are
+    if not (stored_bits and dtype == jnp.bfloat16):  # bf16 bits go in as they are
         keys = reference.key_rows(keys).astype(dtype)
     operands = (jnp.asarray(q).astype(dtype), jnp.asarray(weights, jnp.float32) * scale,
                 keys, key_scale, _normalise_positions(positions))
-    return operands, dict(topk=topk, compress_ratio=compress_ratio, implementation=implementation,
-                          sequences=1)
+    return operands, dict(topk=topk, compress_ratio=compress_ratio, implementation=implementation)

@@ -17,6 +17,7 @@ import dataclasses
 import math
 
 from ..constants import KERNEL_TILE, MAX8_ELEMENTS, PSUM_BANK_FP32
+from ..constants import ceil_div as _ceil_div, round_up as _round_up
 # The helpers by name: the emulator rebinds the kernel module's global functions (not attributes
 # of an imported module) to see it as nki/nisa/nl.
 from .kernel import (
@@ -61,14 +62,6 @@ LIST_PAD = P
 # EARLY_BISECT_STEPS they run only for a token whose count is still out of the window.
 BISECT_STEPS = 16
 EARLY_BISECT_STEPS = 8
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 # Step 2's bound fails when a partition holds more than ``depth`` of the best rows. The depth is

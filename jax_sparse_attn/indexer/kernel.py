@@ -20,6 +20,7 @@ from ..constants import (
     PSUM_BANK_FP32,
     SBUF_BYTES_PER_PARTITION,
 )
+from ..constants import ceil_div as _ceil_div, round_up as _round_up
 
 try:  # The Neuron SDK only exists on a Trainium host (Neuron pip repository).
     import nki
@@ -44,14 +45,6 @@ ROWS_PER_MATMUL = PSUM_BANK_FP32  # one fp32 PSUM bank of scores per matmul
 SELECTED_PER_ROUND = 8  # max8 finds 8 values per round
 # Tokens per tile: the partitions of the score tile and of the running selection.
 TILE_TOKENS_MAX = KERNEL_TILE
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..constants import round_up as _round_up
 from . import decode_kernel as _decode
 from . import kernel as _kernel
 from .reference import key_rows
@@ -23,10 +24,6 @@ from .reference import key_rows
 # Row numbers travel through the kernel as fp32 (its row ids and the n_valid bound): exact below
 # 2**24 rows.
 MAX_KERNEL_ROWS = 2**24
-
-
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
 
 
 def valid_rows(positions, rows: int, compress_ratio: int):

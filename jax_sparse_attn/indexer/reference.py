@@ -1,70 +1,12 @@
 """The indexer's pure-jnp reference: exact, deterministic top-k in bounded memory.
 
-The arithmetic is the contract of ``docs/indexer.md``: per token ``t`` and cache row ``r``::
-
-    d[t, j, r] = q[t, j] . keys[r]                  16-bit operands, exact products, f32 sums
-    h[t, r]    = sum_j w[t, j] * relu(d[t, j, r])   f32 (w already holds the scale)
-    I[t, r]    = h[t, r] * key_scale[r]             f32
-
-and the selection is exact on those f32 scores: the ``topk`` valid rows with the highest scores,
-best first, exact ties to the lower row, NaN below every number.
-
-A small call (``whole_plan``) is selected whole, in one step with no loop, which compiles in a
-third to a tenth of the time (``_select_whole``: all its order keys sorted at once). A prefill
-chunk whose rows of keys fit ``ROWS_BYTES`` selects from its whole rows (``rows_plan``,
-``_select_rows``: a sampled floor, candidates gathered, one cut and sort). Otherwise nothing of
-size ``[T, R]`` is built: tokens run in chunks
-(``lax.map``); for each chunk a loop streams over blocks of cache rows, only as many as the
-chunk's last valid row needs (a causal prefill scores about half of the dense pairs), and keeps
-each token's running selection:
-
-- every score becomes an int32 *order key* (``order_keys``: a monotone map of the f32 bits, NaN
-  just below ``-inf``, invalid rows at ``INVALID_KEY``), so ranking is exact integer comparison;
-- a row joins the token's candidate buffer only if its key beats the token's threshold ``tau``
-  (strictly: a later row that ties loses to the earlier ones);
-- before a token's first cut, a block of at least ``2 topk`` rows also drops the rows below the
-  k-th best of its pair maxima (a floor that k distinct rows reach), so the first block does not
-  flood the buffer;
-- candidates are appended in row order (``prefix_counts``: triangular products, not XLA:CPU's slow
-  ``cumsum``; one scatter of (key, row) pairs, ``compact``); when a token's buffer would
-  overflow, every buffer of the chunk is ``cut``: it keeps its entries at or above a threshold
-  that between ``topk`` and ``topk + cut_slack`` of them reach (``cut_threshold``: a search of
-  compare-and-count passes, not a sort), in row order, and ``tau`` rises to it;
-- until a chunk's first cut every buffer holds the same count, so each piece is copied in whole
-  at that offset (rows that do not beat ``tau`` as ``INVALID_KEY`` holes, which no cut keeps)
-  instead of compacted: a causal chunk's first blocks cost no scatter;
-- blocks are scored and appended in pieces of about ``DOT_BYTES`` of products; pieces past every
-  token's last valid row are skipped;
-- at the end each buffer is cut to at most ``topk + FINAL_SLACK`` entries and sorted best first
-  (``best_first``, ``sort_best_first``: one pass of an integer sort on a code that follows the
-  keys' bits, packed with the buffer position, and odd-even rounds for the runs that shared a
-  code; an exact two-pass LSD sort where those do not suffice, and for a cut buffer of at most
-  ``FINAL_WHOLE_SORT_MAX`` entries), ties broken by buffer position, that is by row.
-
-Every token is computed independently and the selection is exact on its scores. On CPU the products
-take the form that ``cpu_products.cpu_product_form`` picks (16-bit operands, or widened to f32 in
-cache: same contract, another summation order); with 16-bit operands each score's arithmetic does
-not depend on the chunk or block sizes, so the result is bit-identical across them, and with f32
-ones a score may move by its last bits between them (docs/indexer.md, "Determinism";
-``tests/test_indexer_reference.py``).
-
-bf16 keys may come as their raw bit patterns (``uint16``: a cache stored as bits, as
-``jax_sparse_attn.flax`` stores bf16): each block's slice is read back as bf16 inside the loop
-(``key_rows``), so the cache itself enters the loop as it is stored. A float view of the
-whole cache would be a new buffer, one copy of the cache per call (XLA:CPU gives every loop
-operand a buffer of its own).
-
-Memory beyond the inputs and outputs: one chunk's working set, ``O(Tc (Hi Rd + topk + Rb))``
-with ``Rd`` the rows of a piece (``chunk_plan``, ``dot_rows``); for a whole-rows chunk its keys
-``[Tc, R]`` int32 within ``ROWS_BYTES`` and ``O(Tc (Hi Rd + topk))`` beside them.
-
-On GPU and TPU, where each loop step and data-dependent loop costs a launch and a device sync,
-the same selection takes another route (``indexer_topk_by_merging``): blocks sized by the device's
-memory (``accelerator_plan``), each merged with the running best ``topk`` by ``lax.top_k`` on the
-order keys (docs/indexer.md, "On GPU and TPU").
-
-``streamed_scores_alone`` runs the same streaming with no selection (each block's scores by the
-same ``_block_keys``), so that the benchmark measures what the selection costs.
+It computes the contract of ``docs/indexer.md`` (scores in f32, an exact integer ranking of them)
+without building anything of size ``[T, R]`` beyond a small call: on CPU by streaming blocks of
+rows through per-token candidate buffers (``_select_chunk``), a small call whole
+(``_select_whole``) and a prefill chunk from its whole rows (``_select_rows``); on GPU and TPU
+by merging blocks with ``lax.top_k`` (``_select_by_merging``). ``docs/indexer.md``, "How the
+reference selects, in bounded memory", describes each and defines the terms used here (order
+keys, buffers, cuts, floors, pieces, lanes).
 """
 
 from __future__ import annotations
@@ -76,10 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import cpu_products
-from ..attention.reference import accelerator_chunk_bytes, from_bits, per_platform, to_bits
-
-# f32 products at full precision (GPUs would otherwise run f32 products in TF32).
-_EXACT = jax.lax.Precision.HIGHEST
+from ..attention.reference import (EXACT, accelerator_chunk_bytes, from_bits, per_platform,
+                                   to_bits)
+from ..constants import round_up
 
 # A row that no token may select; below every real key.
 INVALID_KEY = np.int32(-(2**31))
@@ -100,9 +41,8 @@ MAX_SORT = 2**16
 # Largest topk the API accepts: the final sort takes topk + FINAL_SLACK entries.
 MAX_TOPK = MAX_SORT // 2
 MIN_BLOCK_ROWS = 256
-# Blocks score a multiple of 16 rows: XLA:CPU's f32 dot sums in another order when the row count
-# is not one (measured on jaxlib 0.10, AVX2: blocks of 1000 or 3000 rows differ from 512 or 2048
-# in 25-45% of the scores), which would break bit-identity across plans.
+# Blocks score a multiple of 16 rows: XLA:CPU's f32 dot sums in another order for other row
+# counts, which would break bit-identity across plans (docs/indexer.md, "Tuning figures").
 BLOCK_ALIGN = 16
 # Working-set target of one product ``[Tc, Hi, rows]`` f32 (a block is scored in such pieces).
 DOT_BYTES = 2**20
@@ -111,30 +51,22 @@ MAX_CHUNK_TOKENS = 256
 MAX_WIDE_BLOCK_ROWS = 16384
 # Chunks of at most this many tokens (decode steps) take blocks of up to MAX_WIDE_BLOCK_ROWS.
 WIDE_BLOCK_TOKENS = 8
-# A chunk's candidate buffer ``[Tc, topk + cut_slack + Rb, 2]`` int32 within this (the cuts and
-# compactions pass over it; with Hi = 4, K = 2048 on a Zen 3, 32 to 128 tokens ran alike).
+# A chunk's candidate buffer ``[Tc, topk + cut_slack + Rb, 2]`` int32 within this: the cuts and
+# compactions pass over it.
 BUFFER_BYTES = 2 * 2**20
 # With at most FEW_HEADS heads the selection, not the scores, is the cost: buffers with room for
-# this many blocks cut half as often (Hi = 4, K = 2048, T = R = 16384 and 32768 on a Zen 3: 0.93x
-# the time, A/B in one run; Hi = 64: 1.00x to 1.09x, so one block there).
+# this many blocks cut half as often.
 FEW_HEADS = 16
 FEW_HEADS_BUFFER_BLOCKS = 2
-# Token chunks selected side by side in each step of the chunk loop (measured on 2 cores: about
-# 10% faster than one), where a call has at least LANES_MIN_CHUNKS chunks (the second lane adds
-# about a third to the compile time, which a short call would not win back).
+# Token chunks selected side by side in each step of the chunk loop (independent work that
+# XLA:CPU overlaps in part), where a call has at least LANES_MIN_CHUNKS chunks: a second lane
+# adds compile time that a short call would not win back.
 LANES = 2
 LANES_MIN_CHUNKS = 16
 # A small call is selected in one step with no loop on CPU (``whole_plan``, ``_select_whole``),
-# which compiles in a third to a tenth of the streaming program's time (0.1-0.2 s against 0.6 s
-# for a tiny cache and 1.4-2.2 s from 256 rows on, Hi = 4, Sapphire Rapids). It sorts every row twice (the LSD sort: about 60-80 ns per pair from
-# 512 rows on) where the stream sorts topk + 64 entries per token, so it takes a call of at most
-# WHOLE_PAIRS (token, row) pairs over at most WHOLE_ROWS rows whose rows are few (at most
-# WHOLE_FEW_ROWS, where the sort is short, or 2 topk), or a call of at most WHOLE_ANY_PAIRS pairs
-# whatever its rows (about a millisecond at most). Measured there, whole against streamed (ms):
-# T = 1, R = 4096, K = 64: 0.54 / 0.50; T = 128, R = 512, K = 256: 3.9 / 3.6; T = 256, R = 256,
-# K = 16: 2.9 / 3.2; T = 128, R = 256, K = 8: 1.8 / 1.4; T = 512, R = 128: 2.7 / 5.2;
-# T = 8, R = 2048, K = 64: 1.25 / 0.56 (the worst inside the bounds); outside them T = 8,
-# R = 4096: 2.7 / 0.8; T = 128, R = 512, K = 16: 4.1 / 1.6.
+# which compiles in a fraction of the streaming program's time but sorts every row twice: it takes
+# a call of at most WHOLE_PAIRS (token, row) pairs over at most WHOLE_ROWS rows whose rows are
+# few (at most WHOLE_FEW_ROWS, or 2 topk), or of at most WHOLE_ANY_PAIRS pairs whatever its rows.
 WHOLE_PAIRS = 2**16
 WHOLE_ROWS = 4096
 WHOLE_ANY_PAIRS = 2**14
@@ -266,7 +198,7 @@ def _exchange_pairs(keys, pos, first: int):
     return put(keys, exchanged(k)), put(pos, exchanged(p))
 
 
-# Segment length of ``prefix_counts``' triangular products (measured fastest on a Zen 3).
+# Segment length of ``prefix_counts``' triangular products (the fastest, "Tuning figures").
 PREFIX_SEGMENT = 32
 
 
@@ -285,10 +217,10 @@ def prefix_counts(mask):
     if G * S != L:
         m = jnp.pad(m, ((0, 0), (0, G * S - L)))
     tri = jnp.triu(jnp.ones((S, S), jnp.float32))
-    within = jnp.einsum("ngs,su->ngu", m.reshape(N, G, S), tri, precision=_EXACT)
+    within = jnp.einsum("ngs,su->ngu", m.reshape(N, G, S), tri, precision=EXACT)
     # The totals of the segments before each one, by a strictly triangular product as well.
     before = jnp.einsum("ng,gh->nh", within[:, :, -1], jnp.triu(jnp.ones((G, G), jnp.float32), 1),
-                        precision=_EXACT)
+                        precision=EXACT)
     out = (within + before[:, :, None]).astype(jnp.int32)
     return out.reshape(N, G * S)[:, :L]
 
@@ -300,10 +232,10 @@ def _unsigned(keys):
 
 def count_true(mask):
     """The number of true entries of each row of ``mask [N, M]`` -> int32 ``[N]``: a product
-    with a vector of ones (exact: f32 sums of fewer than 2**24 ones), which XLA:CPU runs
-    about 1.7 times as fast as its row reduction."""
+    with a vector of ones (exact: f32 sums of fewer than 2**24 ones), which XLA:CPU runs faster
+    than its row reduction."""
     ones = jnp.ones((mask.shape[1],), jnp.float32)
-    return jnp.dot(mask.astype(jnp.float32), ones, precision=_EXACT).astype(jnp.int32)
+    return jnp.dot(mask.astype(jnp.float32), ones, precision=EXACT).astype(jnp.int32)
 
 
 def _score_of_unsigned(u):
@@ -487,15 +419,13 @@ def keep_at_or_above(keys, x, k: int, cap: int):
 
 
 # A buffer of at most this many entries is sorted whole by the exact two-pass sort: at this size
-# it runs about as fast as a cut and the one-pass sort (Zen 3: 0.5 ms per 56 rows of 128, 1.8 of
-# 512, against 0.5 and 1.0), and compiles in a tenth of the time (0.2 s against 1.7).
+# it runs about as fast as a cut and the one-pass sort, and compiles in a tenth of the time.
 WHOLE_SORT_MAX = 512
 # The final cut keeps up to topk + FINAL_SLACK entries for the sort (which takes the best topk):
 # a few more entries to sort, fewer passes to find the threshold.
 FINAL_SLACK = 64
-# A cut buffer of at most this many entries is sorted by the exact two-pass sort too: 56 rows of
-# 96 took 0.30 ms against the one-pass sort's 0.27, and 0.10 s of compile time against 0.47 (128
-# entries: 0.41 against 0.27 ms; Sapphire Rapids). Calls with topk <= 32 compile no one-pass sort.
+# A cut buffer of at most this many entries is sorted by the exact two-pass sort too (about as
+# fast, far less to compile): calls with topk <= 32 compile no one-pass sort.
 FINAL_WHOLE_SORT_MAX = 96
 
 
@@ -507,7 +437,7 @@ def best_first(pairs, k: int, below=None):
     if M <= WHOLE_SORT_MAX:
         keys, rows = _sort_lsd(pairs[..., 0], pairs[..., 1], max(M - 1, 1).bit_length())
         return keys[:, :k], rows[:, :k]
-    width = _round_up(k + FINAL_SLACK, BLOCK_ALIGN)
+    width = round_up(k + FINAL_SLACK, BLOCK_ALIGN)
     if M > width:
         pairs, _, _ = cut(pairs, k, width, width, below)
     if pairs.shape[1] <= FINAL_WHOLE_SORT_MAX:
@@ -520,7 +450,7 @@ def best_first(pairs, k: int, below=None):
 def cut_slack(block: int) -> int:
     """How many entries beyond topk a cut in the stream may keep: a wider window ends the
     threshold's search sooner, and the buffer holds that many more."""
-    return _round_up(block // 4, BLOCK_ALIGN)
+    return round_up(max(block // 4, 1), BLOCK_ALIGN)
 
 
 class ChunkPlan(NamedTuple):
@@ -543,14 +473,13 @@ def chunk_plan(num_tokens: int, heads: int, rows: int, topk: int,
     Rb = int(min(max(rows, 1), MAX_BLOCK_ROWS))
     if Rb > MIN_BLOCK_ROWS:
         Rb = max(MIN_BLOCK_ROWS, min(Rb, budget // (4 * max(heads, 1) * 8),
-                                     _round_up(topk, BLOCK_ALIGN)))
+                                     round_up(max(topk, 1), BLOCK_ALIGN)))
     if Rb > BLOCK_ALIGN:
         # XLA:CPU's products take another summation order for a block narrower than a few
         # vectors; blocks of whole multiples keep every score's bits the same for every plan.
         Rb -= Rb % BLOCK_ALIGN
     # The products are bounded by their pieces (dot_rows), so the buffers bound the chunk: more
-    # tokens per chunk spread each step's fixed costs (measured: Hi = 64 takes 20% less time
-    # with 32 tokens per chunk than with 8).
+    # tokens per chunk spread each step's fixed costs.
     blocks = FEW_HEADS_BUFFER_BLOCKS if heads <= FEW_HEADS else 1
     Tc = BUFFER_BYTES // (8 * (topk + blocks * Rb + cut_slack(Rb)))
     Tc = int(max(1, min(num_tokens, MAX_CHUNK_TOKENS, Tc)))
@@ -583,7 +512,7 @@ def accelerator_plan(num_tokens: int, heads: int, rows: int, topk: int,
     if num_tokens <= WIDE_BLOCK_TOKENS:
         Tc = num_tokens
     else:
-        Tc = _round_up(-(-num_tokens // ACCELERATOR_TOKEN_CHUNKS), BLOCK_ALIGN)
+        Tc = round_up(-(-num_tokens // ACCELERATOR_TOKEN_CHUNKS), BLOCK_ALIGN)
         while Tc > BLOCK_ALIGN and rows_fit(Tc) < Tc:
             Tc -= BLOCK_ALIGN
         Tc = min(Tc, num_tokens)
@@ -618,7 +547,7 @@ def block_scores(q, w, keys, key_scale, widen: bool):
     f32 (exact for 16-bit inputs)."""
     if widen:
         q, keys = q.astype(jnp.float32), keys.astype(jnp.float32)
-    d = jnp.einsum("thi,ri->thr", q, keys, preferred_element_type=jnp.float32, precision=_EXACT)
+    d = jnp.einsum("thi,ri->thr", q, keys, preferred_element_type=jnp.float32, precision=EXACT)
     # The head sum in a fixed order (an unrolled chain of adds), whatever the chunk shape.
     h = w[:, 0, None] * jax.nn.relu(d[:, 0])
     for j in range(1, d.shape[1]):
@@ -653,24 +582,20 @@ def key_rows(keys):
     return from_bits(keys, jnp.bfloat16) if keys.dtype == jnp.uint16 else keys
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-max(n, 1) // m) * m
-
-
 def dot_rows(plan: ChunkPlan, heads: int) -> int:
     """Rows per product of a block: ``[Tc, Hi, rows]`` f32 within ``DOT_BYTES``, a multiple of
     ``BLOCK_ALIGN``; a block is scored in such pieces (those past every token's last valid
     row are skipped, so a causal chunk scores little more than its valid rows)."""
     if plan.piece:
         return plan.piece
-    rows = _round_up(plan.rows, BLOCK_ALIGN)
+    rows = round_up(max(plan.rows, 1), BLOCK_ALIGN)
     pieces = -(-4 * plan.tokens * max(heads, 1) * rows // DOT_BYTES)
-    return _round_up(-(-rows // pieces), BLOCK_ALIGN)
+    return round_up(-(-rows // pieces), BLOCK_ALIGN)
 
 
 def block_rows(plan: ChunkPlan, heads: int) -> int:
     """The rows a block really selects from: ``plan.rows`` rounded up to whole products."""
-    return _round_up(plan.rows, dot_rows(plan, heads))
+    return round_up(plan.rows, dot_rows(plan, heads))
 
 
 def _known_kth_bound(count, tau, k: int):
@@ -796,7 +721,7 @@ def whole_plan(num_tokens: int, heads: int, rows: int, topk: int) -> ChunkPlan |
     ``WHOLE_PAIRS``): one chunk of every token and one block of every row (a multiple of
     ``BLOCK_ALIGN``, as ``chunk_plan``'s blocks, so each score's arithmetic is the same), its
     products ``[T, Hi, R]`` f32 within ``CHUNK_BYTES``; None for a larger call."""
-    Rb = _round_up(rows, BLOCK_ALIGN)
+    Rb = round_up(max(rows, 1), BLOCK_ALIGN)
     pairs = max(num_tokens, 1) * Rb
     if Rb > WHOLE_ROWS or pairs > WHOLE_PAIRS or 4 * pairs * max(heads, 1) > CHUNK_BYTES:
         return None
@@ -832,13 +757,10 @@ def _select_whole(q, w, limit, keys, key_scale, *, topk: int, plan: ChunkPlan, w
 # --- prefill chunks with their whole rows ----------------------------------------------------
 
 # A prefill chunk keeps its tokens' whole rows of keys (``rows_plan``, ``_select_rows``) within
-# ROWS_BYTES: a chunk of more than WIDE_BLOCK_TOKENS tokens, so up to 65,536 rows. Small indexer
-# at T = R = 32768 on a Sapphire Rapids, A/B in one process: 2 MiB took 1.18x the time of 4 MiB,
-# 8 MiB 1.14x.
+# ROWS_BYTES: a chunk of more than WIDE_BLOCK_TOKENS tokens, so up to 65,536 rows.
 ROWS_BYTES = 4 * 2**20
 # Its selection samples one row in ROWS_SAMPLE to find a floor that 1.2 to 1.4 topk keys reach,
-# which needs topk / ROWS_SAMPLE well above 1: smaller topk take the stream (a sample of one in 16
-# took 1.03x the time at the same shape).
+# which needs topk / ROWS_SAMPLE well above 1: smaller topk take the stream.
 ROWS_MIN_TOPK = 256
 ROWS_SAMPLE = 8
 # The keys' passes count over the chunk's live width, in steps of 1 / ROWS_WIDTHS of the row (a
@@ -846,8 +768,7 @@ ROWS_SAMPLE = 8
 ROWS_WIDTHS = 8
 # Entries per word of the compaction's bit masks.
 COMPACT_GROUP = 32
-# Rows per product at least (a product of fewer rows runs far below the GEMM rate: Hi = 64 and
-# Di = 128 at T = R = 8192 took the stream's time with 128 rows, 1.07x with 32).
+# Rows per product at least: a product of fewer rows runs far below the GEMM rate.
 ROWS_MIN_PIECE = 128
 
 
@@ -861,21 +782,21 @@ def rows_plan(num_tokens: int, heads: int, rows: int, topk: int) -> RowsPlan | N
     tokens hold their whole rows of int32 keys within ``ROWS_BYTES`` (and ``topk >=
     ROWS_MIN_TOPK``); None otherwise. Products ``[Tc, Hi, piece]`` f32 within ``DOT_BYTES``, of
     at least ``ROWS_MIN_PIECE`` rows (fewer tokens where the heads are many)."""
-    width = _round_up(rows, COMPACT_GROUP * ROWS_WIDTHS)
+    width = round_up(max(rows, 1), COMPACT_GROUP * ROWS_WIDTHS)
     heads = max(heads, 1)
     Tc = min(num_tokens, ROWS_BYTES // (4 * width), MAX_CHUNK_TOKENS,
              DOT_BYTES // (4 * heads * ROWS_MIN_PIECE))
     if topk < ROWS_MIN_TOPK or Tc <= WIDE_BLOCK_TOKENS:
         return None
     piece = DOT_BYTES // (4 * Tc * heads)
-    piece = min(_round_up(rows, BLOCK_ALIGN), piece - piece % BLOCK_ALIGN)
+    piece = min(round_up(max(rows, 1), BLOCK_ALIGN), piece - piece % BLOCK_ALIGN)
     return RowsPlan(Tc, piece, width, piece)
 
 
 def bit_masks(keep):
     """``keep [N, L]`` bool (``L`` a multiple of ``COMPACT_GROUP``) as ``[N, L / 32]`` uint32
-    words, entry ``32 g + b`` at bit b of word g: an OR reduction of the shifted bits, 5x faster
-    than their sum on XLA:CPU (0.26 against 1.31 ms for ``[32, 32768]``, Sapphire Rapids)."""
+    words, entry ``32 g + b`` at bit b of word g: an OR reduction of the shifted bits, which
+    XLA:CPU runs several times as fast as their sum."""
     N, L = keep.shape
     bits = (keep.reshape(N, L // COMPACT_GROUP, COMPACT_GROUP).astype(jnp.uint32)
             << jnp.arange(COMPACT_GROUP, dtype=jnp.uint32))
@@ -908,8 +829,8 @@ def compact_positions(words, size: int):
     per row) in entry order: ``(src [N, size] int32, live [N, size] bool)``, ``live`` false
     past each row's count (``src`` there is a valid position, not a kept one).
 
-    A gather's positions, not a scatter of the entries: XLA:CPU's scatter costs about 7 ns per
-    index (Sapphire Rapids), its gather under 1 ns. Slot j's word is the number of words whose
+    A gather's positions, not a scatter of the entries: XLA:CPU's scatter costs several times its
+    gather per index. Slot j's word is the number of words whose
     prefix count ends at or before j (a scatter-add of one index per word, then prefix sums),
     and its entry the (j - word's start)-th set bit of that word (``_nth_set_bit``)."""
     N, G = words.shape
@@ -939,7 +860,7 @@ def _sample_reach(topk: int):
     r = int(np.ceil(mean)) + d
     expected = ROWS_SAMPLE * (r + d)
     room = expected + 3 * (ROWS_SAMPLE * (ROWS_SAMPLE - 1) * (r + d)) ** 0.5
-    return r, d, _round_up(max(int(room), 2 * topk), COMPACT_GROUP)
+    return r, d, round_up(max(int(room), 2 * topk), COMPACT_GROUP)
 
 
 def _select_rows(q, w, limit, keys, key_scale, *, topk: int, plan: RowsPlan, widen: bool):
@@ -974,7 +895,7 @@ def _select_rows(q, w, limit, keys, key_scale, *, topk: int, plan: RowsPlan, wid
 
     buf = jax.lax.fori_loop(0, (last + Rd - 1) // Rd, score_piece,
                             jnp.full((Tc, W), INVALID_KEY, jnp.int32))
-    size = _round_up(topk + FINAL_SLACK, BLOCK_ALIGN)
+    size = round_up(topk + FINAL_SLACK, BLOCK_ALIGN)
     r, d, room = _sample_reach(topk)
     step = W // ROWS_WIDTHS
     live = jnp.clip((last + step - 1) // step, 1, ROWS_WIDTHS) - 1
@@ -1030,9 +951,8 @@ def cpu_selection(num_tokens: int, heads: int, rows: int, topk: int):
 
 
 def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
-                           compress_ratio: int, plan: ChunkPlan | None = None,
-                           sequences: int = 1):
-    """The reference lowering of ``indexer_topk_p`` (operands as in ``docs/indexer.md``).
+                           compress_ratio: int, plan: ChunkPlan | None = None):
+    """The reference lowering of ``indexer_topk_p`` for one sequence (``docs/indexer.md``).
 
     Args:
       q: ``[T, Hi, Di]`` bf16, f16 or f32. weights: ``[T, Hi]`` f32 (scale folded in).
@@ -1042,43 +962,30 @@ def indexer_topk_reference(q, weights, keys, key_scale, positions, *, topk: int,
         on CPU, or a ``RowsPlan`` for the whole-rows one (default: ``cpu_selection``'s, which
         selects a small call whole and a prefill chunk by its whole rows where they fit); GPU
         and TPU take ``accelerator_plan``'s and merge (``indexer_topk_by_merging``).
-      sequences: static int: with ``S > 1`` the tokens are S sequences' tokens one after the
-        other, each with its own cache: keys ``[S, R, Di]``, key_scale ``[S, R]`` (the
-        primitive's vmap over caches); ``idx`` holds each sequence's own rows.
     Returns ``(idx [T, topk] int32, scores [T, topk] f32)``: -1 and -inf in empty slots.
     """
     T, Hi, Di = q.shape
-    R = keys.shape[-2]  # keys [R, Di], or [S, R, Di]
+    R = keys.shape[0]
     if T == 0 or topk == 0 or R == 0:
         return _nothing_selected(T, topk)
-    plan, select = (cpu_selection(T // sequences, Hi, R, topk) if plan is None
-                    else (plan, _select_rows if isinstance(plan, RowsPlan) else _select_chunk))
-
-    def one(q, weights, keys, key_scale, positions):
-        return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio,
-                                 plan, select, _select_by_merging)
-
-    if sequences > 1:
-        return over_sequences(one, q, weights, keys, key_scale, positions, sequences=sequences,
-                              compress_ratio=compress_ratio, min_rows=block_rows(plan, Hi))
-    return one(q, weights, keys, key_scale, positions)
+    plan, select = _plan_and_select(plan, T, Hi, R, topk)
+    return _on_each_platform(q, weights, keys, key_scale, positions, topk, compress_ratio, plan,
+                             select, _select_by_merging)
 
 
-def per_sequence(x, sequences: int):
-    """A token operand or result ``[S T, ...]`` of a call over S sequences (tokens one sequence
-    after another) as ``[S, T, ...]``: a reshape, no copy."""
-    return x.reshape((sequences, x.shape[0] // sequences) + x.shape[1:])
-
-
-def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: int,
-                   compress_ratio: int, min_rows: int):
-    """``run(q, weights, keys, key_scale, positions)`` for each of S sequences with their own
-    caches (operands as ``indexer_topk_reference``'s with ``sequences = S``), one after the other:
-    ``run`` reads its sequence's rows through ``SequenceRows`` views of the whole batch, which
-    holds at least ``min_rows`` rows per sequence (a block)."""
-    S = sequences
+def indexer_topk_over_sequences(q, weights, keys, key_scale, positions, *, topk: int,
+                                compress_ratio: int, plan: ChunkPlan | None = None):
+    """``indexer_topk_reference`` for each of S sequences with their own caches, one after the
+    other: q ``[S, T, Hi, Di]``, weights ``[S, T, Hi]``, keys ``[S, R, Di]``, key_scale
+    ``[S, R]``, positions ``[S, T]`` -> ``(idx, scores)`` ``[S, T, topk]``. Each sequence's rows
+    are read block by block out of the whole batch (``SequenceRows``): a slice of a sequence's
+    cache would be a copy of it, since XLA:CPU gives every loop operand a buffer of its own."""
+    S, T, Hi, Di = q.shape
     R = keys.shape[1]
-    Rb = min_rows
+    if T == 0 or topk == 0 or R == 0:
+        return tuple(x.reshape(S, T, topk) for x in _nothing_selected(S * T, topk))
+    plan, select = _plan_and_select(plan, T, Hi, R, topk)
+    Rb = block_rows(plan, Hi)
     if R < Rb:
         # A cache smaller than one block: padded here, as _chunked pads a single one (a small
         # copy), and positions capped at the cache's last row so that no padding row is valid.
@@ -1089,11 +996,17 @@ def over_sequences(run, q, weights, keys, key_scale, positions, *, sequences: in
 
     def one(args):
         s, q_s, w_s, p_s = args
-        return run(q_s, w_s, SequenceRows(keys, s), SequenceRows(key_scale, s), p_s)
+        return _on_each_platform(q_s, w_s, SequenceRows(keys, s), SequenceRows(key_scale, s), p_s,
+                                 topk, compress_ratio, plan, select, _select_by_merging)
 
-    idx, scores = jax.lax.map(one, (jnp.arange(S, dtype=jnp.int32), per_sequence(q, S),
-                                    per_sequence(weights, S), per_sequence(positions, S)))
-    return idx.reshape(q.shape[0], -1), scores.reshape(q.shape[0], -1)
+    return jax.lax.map(one, (jnp.arange(S, dtype=jnp.int32), q, weights, positions))
+
+
+def _plan_and_select(plan, num_tokens: int, heads: int, rows: int, topk: int):
+    """``plan`` and its selection on CPU, ``cpu_selection``'s where ``plan`` is None."""
+    if plan is None:
+        return cpu_selection(num_tokens, heads, rows, topk)
+    return plan, _select_rows if isinstance(plan, RowsPlan) else _select_chunk
 
 
 def _nothing_selected(T: int, topk: int):
@@ -1195,7 +1108,7 @@ def _chunked(q, weights, keys, key_scale, positions, topk, ratio, plan, widen, s
     q = to_bits(q)
     n = -(-T // Tc)
     lanes = LANES if n >= LANES_MIN_CHUNKS else 1
-    n = _round_up(n, lanes)
+    n = round_up(n, lanes)
     pad = n * Tc - T
     if pad:  # padded tokens have no valid row
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))

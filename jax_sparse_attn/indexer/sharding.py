@@ -11,15 +11,17 @@
   top-k holds the global top-k, and device order is row order, so ties still go to the lower row.
   No collective carries R-sized data. The row machinery is the attention cache's
   (:mod:`jax_sparse_attn.cache_sharding`).
+- **Sequences split** (the primitive's leading axis, more than one sequence under vmap): each
+  device selects for its own sequences, with no collective.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import cache_sharding
@@ -87,33 +89,35 @@ def _rows_local(compress_ratio: int, topk: int):
     return make_local
 
 
-def run_over_sequences(path_for, sequences: int, *operands, host_callbacks: bool = False):
-    """The call over a vmap's batch of caches (``sequences`` of them: keys ``[S, R, Di]``; the
-    primitive's docstring). ``path_for(s)`` is the function for ``s`` sequences. With the batch
-    split over the mesh, each device selects for its own sequences, with no collective (a
-    sequence's tokens and rows are on one device):
+def run_over_sequences(one, each, *operands, host_callbacks: bool = False):
+    """The call over a batch of sequences with their own caches (the primitive's operands, a
+    leading axis of S > 1 sequences): ``each`` of those operands, ``one`` of a single sequence's.
+    With the batch split over the mesh, each device selects for its own sequences, with no
+    collective (a sequence's tokens and rows are on one device):
 
     - Explicit axes: under ``shard_map`` (the reference's loop over sequences cannot take a split
       axis);
-    - Auto axes: a custom partitioning (``_SequencePartitioner``), unless ``path_for`` calls back
-      into Python (the emulated kernel), which custom_partitioning cannot hold: then, as inside a
+    - Auto axes: a custom partitioning (``_SequencePartitioner``), unless the call runs Python on
+      the host (the emulated kernel), which custom_partitioning cannot hold: then, as inside a
       user's ``shard_map``, the plain program.
     """
     keys = jax.typeof(operands[2])
     explicit = shared_sharding._explicit_axis_names(keys)
     manual = shared_sharding._in_manual_region(keys)
+    local = _on_local_sequences(one, each)
     if not explicit and not manual and not host_callbacks:
-        return _auto_over_sequences(path_for, sequences, operands)
+        run = shared_sharding.shard_local(local, SEQUENCE_LAYOUTS, SEQUENCE_RESULT_LAYOUTS,
+                                          _SequencePartitioner, q_layout=SEQUENCE_LAYOUTS[0])
+        return tuple(run(*operands))
     spec = tuple(getattr(keys.sharding, "spec", ())) if explicit else ()
     axes = shared_sharding._mesh_axes(spec[0]) if spec else ()
     if not axes or not set(axes) <= explicit or manual:
-        return tuple(path_for(sequences)(*operands))
+        return tuple(each(*operands))
     mesh = keys.sharding.mesh
     split = PartitionSpec(shared_sharding._spec_entry(axes))
     operands = [_leading_split(x, mesh, split) for x in operands]
-    return tuple(jax.shard_map(_on_local_sequences(path_for), mesh=mesh, in_specs=(split,) * 5,
-                               out_specs=(split, split), axis_names=set(axes),
-                               check_vma=False)(*operands))
+    return tuple(jax.shard_map(local, mesh=mesh, in_specs=(split,) * 5, out_specs=(split, split),
+                               axis_names=set(axes), check_vma=False)(*operands))
 
 
 def split_like_batch(x, batched):
@@ -134,66 +138,46 @@ def _leading_split(x, mesh, split: PartitionSpec):
     return jax.sharding.reshard(x, NamedSharding(mesh, split))
 
 
-# A call over a batch of caches: the sequences ("t" here: whole sequences' tokens, and the caches'
-# leading axis) split alike; heads, widths, rows and slots whole.
-SEQUENCE_LAYOUTS = ("t j d", "t j", "t r d", "t r", "t")
-SEQUENCE_RULE = ("(s u) j d", "(s u) j", "s r d", "s r", "(s u)")
+# The primitive's operands and results: ``t`` here is the sequences (the one factor that may be
+# split), ``u`` each sequence's tokens; heads, widths, rows and slots whole.
+SEQUENCE_LAYOUTS = ("t u j d", "t u j", "t r d", "t r", "t u")
+SEQUENCE_RESULT_LAYOUTS = ("t u k", "t u k")
 
 
-def _on_local_sequences(path_for):
+def result_aval(q_aval, shape, dtype):
+    """The abstract value of a result ``[S, T, topk]``: q's mesh, its sequences' and tokens'
+    split, the slots whole (sharding-in-types with Explicit axes; a plain shape elsewhere)."""
+    sharding = getattr(q_aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return jax.core.ShapedArray(shape, dtype)
+    spec = tuple(spec) + (None,) * 2
+    out = NamedSharding(sharding.mesh, PartitionSpec(spec[0], spec[1], None))
+    return q_aval.update(shape=tuple(shape), dtype=np.dtype(dtype), weak_type=False, sharding=out)
+
+
+def _on_local_sequences(one, each):
     """The call on one device's sequences: as many as its block of caches holds."""
-    def fn(q, weights, keys, key_scale, positions):
-        local = keys.shape[0]
-        if local == 1:  # one sequence: its cache as a single one
-            keys, key_scale = keys[0], key_scale[0]
-        return tuple(path_for(local)(q, weights, keys, key_scale, positions))
+    def fn(*operands):
+        if operands[2].shape[0] == 1:  # one sequence: its cache as a single one
+            return tuple(o[None] for o in one(*(x[0] for x in operands)))
+        return tuple(each(*operands))
     return fn
 
 
 class _SequencePartitioner(shared_sharding._Partitioner):
     """custom_partitioning of a call over a batch of caches (Auto mesh axes): the sequences split
     like the caches' leading axis when its devices divide them, each device selecting for its
-    own; else the call runs whole on each device. The Shardy rule ties the tokens ``(s u)`` (S
-    sequences of u tokens) to the caches' ``s``."""
-
-    def __init__(self, *args, sequences: int, tokens: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.sequences, self.tokens = sequences, tokens  # S, and u tokens per sequence
+    own; else the call runs whole on each device."""
 
     def _factor_axes(self, mesh, arg_shapes) -> dict:
         sharding = arg_shapes[2].sharding
         axes = ()
         if isinstance(sharding, NamedSharding) and len(sharding.spec):
             axes = shared_sharding._mesh_axes(sharding.spec[0])
-            if self.sequences % math.prod(mesh.shape[a] for a in axes):
+            if arg_shapes[2].shape[0] % math.prod(mesh.shape[a] for a in axes):
                 axes = ()
         return {"t": axes, "h": ()}
-
-    def sharding_rule(self):
-        # The five operands, then the constants shard_local passes after them (c0, c1, ...).
-        # One token per sequence (a decode step): the tokens are the sequences (Shardy refuses a
-        # compound factor of size 1).
-        tokens = "(s u)" if self.tokens > 1 else "s"
-        operands = [lay.replace("(s u)", tokens) for lay in SEQUENCE_RULE]
-        operands += self.operand_layouts[len(SEQUENCE_RULE):]
-        rule = ", ".join(operands) + " -> " + ", ".join(f"{tokens} k" for _ in self.result_layouts)
-        replicated = tuple(dict.fromkeys(
-            f for lay in operands + ["k"] for f in lay.replace("(", " ").replace(")", " ").split()
-            if f != "s"))
-        sizes = {"u": self.tokens} if self.tokens > 1 else {}
-        if "need_replication_factors" not in shared_sharding._DEF_PARTITION_KWARGS:  # JAX 0.7
-            from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
-
-            return str_to_sdy_sharding_rule(rule, **sizes), {}
-        return rule, {"need_replication_factors": replicated, **sizes}
-
-
-def _auto_over_sequences(path_for, sequences, operands):
-    partitioner = functools.partial(_SequencePartitioner, sequences=sequences,
-                                    tokens=operands[0].shape[0] // sequences)
-    run = shared_sharding.shard_local(_on_local_sequences(path_for), SEQUENCE_LAYOUTS,
-                                      RESULT_LAYOUTS, partitioner, q_layout=LAYOUTS["q"])
-    return tuple(run(*operands))
 
 
 def run_shard_local(fn, topk: int, compress_ratio: int, *operands):
