@@ -16,7 +16,8 @@ import jax_sparse_attn as jsa
 from jax_sparse_attn import cpu_products
 
 # The shape (two heads per device) and one head per device.
-SHAPES = {"H16": dict(T=64, H=16, D=128, K=256, R=4096), "H8": dict(T=64, H=8, D=128, K=256, R=4096)}
+SHAPES = {"H16": dict(T=64, H=16, D=128, K=256, R=4096),
+          "H8": dict(T=64, H=8, D=128, K=256, R=4096)}
 LAYOUTS = {"heads": (P(None, "x"), P(), P(), P("x")), "tokens": (P("x"), P(), P("x"), P())}
 
 
