@@ -248,6 +248,14 @@ def attend_token(q, x, valid, sink, bias, scale,
     scaled by ``2**-value_shift(K)`` with its result scaled back after the division
     (``constants.value_shift``).
     """
+    if q.shape[-2] == 1:
+        # One head makes both products matrix-vector products, which XLA:CPU sums in another
+        # order than the same head among others (a device holding one head of a heads split,
+        # docs/contract.md, "Layouts"). A zero second head keeps them matrix products; it leaves
+        # the real head's arithmetic unchanged (q's largest element is the same).
+        two = attend_token(jnp.concatenate([q, jnp.zeros_like(q)]), x, valid,
+                           jnp.concatenate([sink, sink]), bias, scale, form, value_dim)
+        return TokenAttention(*(a[:1] for a in two))
     K = x.shape[0]
     q_scaled, up = prescale_queries(q)
     operand = _widened if form.widen else (lambda a: a)
