@@ -132,6 +132,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
             f.write("\n")
+        from jax_sparse_attn.bench.records import index_if_indexed
+
+        index_if_indexed(args.json, "python benchmarks/kernel_reads_model.py")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_sparse_attn as jsa
-    from jax_sparse_attn.bench import environment
+    from jax_sparse_attn.bench.common import environment
 
     T, H, D, K, R = (int(v) for v in args.shape.split(","))
     mesh = jax.make_mesh((args.devices,), ("rows",))
@@ -106,6 +106,9 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+        from jax_sparse_attn.bench.records import index_if_indexed
+
+        index_if_indexed(args.json, "python benchmarks/sharded_cache.py", argv)
     return result
 
 
