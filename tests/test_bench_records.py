@@ -168,3 +168,50 @@ def test_every_record_backs_a_claim_that_cites_it():
             data_file = e["file"][:-4] + ".json"  # a chart is cited through its data
             assert (_names(cited, e["file"]) or (e["file"].endswith(".png") and _names(cited, data_file))
                     or cited in e["command"]), (e["file"], cited)
+
+
+def test_find_claims_reads_each_form_of_citation(tmp_path):
+    names = ["cpu-a-fwd.json", "cpu-a-grad.json", "model-x.json", "model-x-before.json",
+             "model-x-tiled.json", "model-y.json", "model-z.json", "lonely.json"]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(
+        "Intro. The forward takes 1.2 ms and the backward 3.4 ms on this machine, measured in the "
+        "same rounds as the GEMM (`benchmarks/cpu-a-{fwd,grad}.json`). Then: `cpu-a-fwd.json`.\n\n"
+        "Modelled: 5 us (`benchmarks/model-x.json` and `-before.json`).\n\n"
+        "All models: `benchmarks/model-*.json`.\n")
+    (tmp_path / "docs" / "k.md").write_text("The tiled kernel, 7 us: `model-x-t*.json`.\n")
+    found = records.find_claims(tmp_path, names, broad=4)
+    sentence = ("Intro. The forward takes 1.2 ms and the backward 3.4 ms on this machine, measured in "
+                "the same rounds as the GEMM (`benchmarks/cpu-a-{fwd,grad}.json`).")
+    claim = {"in": "README.md", "cited_as": "cpu-a-{fwd,grad}.json", "claim": sentence}
+    assert found["cpu-a-grad.json"] == [claim]
+    # A citation standing nearly alone brings the sentence before it.
+    assert found["cpu-a-fwd.json"] == [claim, {"in": "README.md", "cited_as": "cpu-a-fwd.json",
+                                               "claim": sentence[len("Intro. "):] + " Then: `cpu-a-fwd.json`."}]
+    short = "Modelled: 5 us (`benchmarks/model-x.json` and `-before.json`)."
+    assert found["model-x.json"] == [{"in": "README.md", "cited_as": "model-x.json", "claim": short}]
+    assert found["model-x-before.json"] == [{"in": "README.md", "cited_as": "-before.json",
+                                             "cited_after": "model-x.json", "claim": short}]
+    assert found["model-x-tiled.json"] == [
+        {"in": "docs/k.md", "cited_as": "model-x-t*.json", "claim": "The tiled kernel, 7 us: `model-x-t*.json`."}]
+    # The catch-all names five records, more than broad: it counts only where nothing else cites.
+    broad = {"in": "README.md", "cited_as": "model-*.json", "claim": "All models: `benchmarks/model-*.json`."}
+    assert found["model-y.json"] == [broad] and found["model-z.json"] == [broad]
+    assert found["lonely.json"] == []
+
+
+def test_refresh_claims_keeps_command_citations_and_reports_the_uncited(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("Memory 0.69 GiB (`python -m jax_sparse_attn.bench --memory --grad`).\n\n"
+                                        "Sweep: `benchmarks/sweep.json`.\n")
+    index = {"records": [
+        {"file": "grad.json", "claims": [
+            {"in": "README.md", "cited_as": "python -m jax_sparse_attn.bench --memory --grad", "claim": "c"},
+            {"in": "README.md", "cited_as": "old.json", "claim": "a claim the README dropped"}]},
+        {"file": "sweep.png", "claims": []},
+        {"file": "gone.json", "claims": [{"in": "README.md", "cited_as": "gone.json", "claim": "x"}]}]}
+    assert records.refresh_claims(index, tmp_path) == ["gone.json"]
+    grad, chart, gone = index["records"]
+    assert [c["cited_as"] for c in grad["claims"]] == ["python -m jax_sparse_attn.bench --memory --grad"]
+    assert [c["cited_as"] for c in chart["claims"]] == ["sweep.json"]  # a chart, through its data
+    assert gone["claims"] == []

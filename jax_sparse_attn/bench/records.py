@@ -7,7 +7,8 @@ that wrote it, the ``machine`` and ``date`` read from the record, the ``claims``
 
 ``python -m jax_sparse_attn.bench --record NAME [--claim TEXT]`` writes ``NAME.json`` into the
 records folder and adds or updates its entry; so does ``--json PATH`` where PATH's folder holds an
-index. ``python -m jax_sparse_attn.bench.records [DIR]`` prints the index as a table.
+index. ``python -m jax_sparse_attn.bench.records [DIR]`` prints the index as a table;
+``--find-claims`` first rereads the claims from README.md and docs/*.md (:func:`find_claims`).
 
 A helper of the bottom layer: it imports no other benchmark module (it reads records as JSON).
 """
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shlex
 import sys
 from typing import Optional, Sequence
@@ -111,6 +113,116 @@ def index_if_indexed(record_path, program: str, argv: Optional[Sequence[str]] = 
     return True
 
 
+# --- the claims: where README.md and docs/ cite a record ------------------------------------------
+
+# A record's name as the docs write it: a path or a bare name, with shell braces ({a,b}) and
+# wildcards (*) allowed, or a short form after a full name (`model-trn2-indexer.json` and
+# `-before.json`).
+_CITATION = re.compile(r"(?:[\w.{},*-]+/)*[\w.{},*-]+\.(?:json|png)")
+
+
+def _expand_braces(word: str) -> list:
+    m = re.search(r"\{([^{}]*)\}", word)
+    if not m:
+        return [word]
+    return [w for alt in m.group(1).split(",")
+            for w in _expand_braces(word[:m.start()] + alt + word[m.end():])]
+
+
+def cites(citation: str, name: str) -> bool:
+    """Whether ``citation`` (a file name with braces and wildcards) names the record ``name``."""
+    return any(re.fullmatch(re.escape(w).replace(r"\*", ".*"), name)
+               for w in _expand_braces(citation.split("/")[-1]))
+
+
+def _resolve_short(short: str, previous: Optional[str], names: Sequence[str]) -> Optional[str]:
+    """``-before.json`` after ``model-trn2-indexer.json``: the longest cut of the previous name,
+    at a dash, that with the short form names a record."""
+    if not previous:
+        return None
+    parts = previous.rsplit(".", 1)[0].split("-")
+    for k in range(len(parts), 0, -1):
+        full = "-".join(parts[:k]) + short
+        if any(cites(full, n) for n in names):
+            return full
+    return None
+
+
+def _sentence(paragraph: str, start: int, end: int) -> str:
+    """The sentence of ``paragraph`` around ``[start, end)``, with the one before it where the
+    citation stands nearly alone (``Files: ...``)."""
+    s0 = paragraph.rfind(". ", 0, start)
+    s0 = 0 if s0 < 0 else s0 + 2
+    e0 = paragraph.find(". ", end)
+    e0 = len(paragraph) if e0 < 0 else e0 + 1
+    if e0 - s0 < 160 and s0 > 0:
+        s1 = paragraph.rfind(". ", 0, s0 - 2)
+        s0 = 0 if s1 < 0 else s1 + 2
+    text = paragraph[s0:e0].strip().lstrip("- ").strip()
+    return text if len(text) <= 700 else text[:697].rstrip() + "..."
+
+
+def find_claims(root, names: Sequence[str], sources: Optional[Sequence[str]] = None,
+                broad: int = 6) -> dict:
+    """``{name: [claim, ...]}``: for each record name, the sentences of ``sources`` (README.md and
+    docs/*.md under ``root`` by default) that cite it, each ``{"in", "cited_as", "claim"}`` (and
+    ``cited_after``, the full name a short form follows). A citation that names more than
+    ``broad`` records (``benchmarks/model-trn2*.json``) counts for a record only where nothing
+    else cites it."""
+    root = pathlib.Path(root)
+    if sources is None:
+        docs = sorted(str(p.relative_to(root)) for p in (root / "docs").glob("*.md"))
+        sources = ["README.md"] + docs
+    found: dict = {n: [] for n in names}  # (claim, how many records its citation names)
+    for source in sources:
+        text = (root / source).read_text()
+        for paragraph in re.split(r"\n\s*\n", text):
+            flat = " ".join(line.strip() for line in paragraph.splitlines())
+            previous = None
+            for m in _CITATION.finditer(flat):
+                cited = m.group(0).split("/")[-1]
+                full = cited
+                if cited.startswith("-"):
+                    full = _resolve_short(cited, previous, names)
+                    if full is None:
+                        continue
+                else:
+                    previous = cited
+                if cited not in text:  # wrapped over two lines: not quotable as written
+                    continue
+                claim = {"in": source, "cited_as": cited,
+                         "claim": _sentence(flat, m.start(), m.end())}
+                if full != cited:
+                    claim["cited_after"] = previous
+                hits = [n for n in names if cites(full, n)]
+                for n in hits:
+                    if all(claim != c for c, _ in found[n]):
+                        found[n].append((claim, len(hits)))
+    return {n: [c for c, reach in pairs if reach <= broad] or [c for c, _ in pairs]
+            for n, pairs in found.items()}
+
+
+def refresh_claims(index: dict, root) -> list:
+    """Rereads every entry's claims from the docs (:func:`find_claims`), keeping the claims that
+    cite a record otherwise (by its command) while their text is still there. Returns the files
+    left without a claim."""
+    root = pathlib.Path(root)
+    names = [e["file"] for e in index["records"]]
+    charts_data = [n[:-4] + ".json" for n in names if n.endswith(".png")]
+    found = find_claims(root, names + [n for n in charts_data if n not in names])
+    bare = []
+    for e in index["records"]:
+        kept = [c for c in e.get("claims", []) if "cited_as" in c and not _CITATION.fullmatch(
+            c["cited_as"].split("/")[-1]) and (root / c["in"]).exists()
+            and c["cited_as"] in (root / c["in"]).read_text()]
+        chart_of = e["file"][:-4] + ".json" if e["file"].endswith(".png") else None
+        claims = found[e["file"]] or (found.get(chart_of, []) if chart_of else [])
+        e["claims"] = claims + [c for c in kept if c not in claims]
+        if not e["claims"]:
+            bare.append(e["file"])
+    return bare
+
+
 def format_index(index: dict) -> str:
     """The index as a Markdown table: file, date, machine, claims, command."""
     lines = ["| file | date | machine | claims | command |", "|---|---|---|---|---|"]
@@ -118,7 +230,8 @@ def format_index(index: dict) -> str:
         claims = "; ".join(f"{c['in']}: {c['claim']}" for c in e.get("claims", [])) or "(none)"
         cells = [f"`{e['file']}`", e.get("date") or "-", e.get("machine", "-"), claims,
                  f"`{e.get('command', '-')}`"]
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        cells = [c.replace("|", "\\|").replace("\n", " ") for c in cells]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -127,11 +240,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 description="Prints a records folder's index as a Markdown table.")
     p.add_argument("folder", nargs="?", default=str(RECORDS_DIR),
                    help=f"the records folder (default {RECORDS_DIR})")
+    p.add_argument("--find-claims", metavar="ROOT", nargs="?", const=".",
+                   help="first reread every record's claims from ROOT's README.md and docs/*.md "
+                   "(default: the current folder) and rewrite the index")
     a = p.parse_args(argv)
     path = pathlib.Path(a.folder) / INDEX_NAME
     if not path.exists():
         p.error(f"folder: no {INDEX_NAME} in {a.folder}")
-    print(format_index(read_index(path)))
+    index = read_index(path)
+    if a.find_claims:
+        bare = refresh_claims(index, a.find_claims)
+        path.write_text(json.dumps(index, indent=1, ensure_ascii=False) + "\n")
+        for name in bare:
+            print(f"# {name}: no claim cites it (cite it, or remove it: git keeps it)",
+                  file=sys.stderr)
+    print(format_index(index))
     return 0
 
 
