@@ -1,6 +1,6 @@
 """The benchmark records and their index: ``--record`` writes a record and its index entry, and the
 repository's index names every record of benchmarks/records/ with its command, machine, date and
-the claims of README.md and docs/ that cite it."""
+the claims of README.md, docs/ and the library's docstrings that cite it."""
 
 import itertools
 import json

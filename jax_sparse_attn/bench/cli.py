@@ -182,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"with --record: the records folder (default {records.RECORDS_DIR})")
     p.add_argument("--claim", metavar="TEXT",
                    help="with --record or --json: the claim the record backs (a sentence or figure "
-                   "of README.md or docs/), added to its index entry")
+                   "of README.md, docs/ or a docstring), added to its index entry")
     p.add_argument("--claim-in", metavar="FILE", default="README.md",
                    help="with --claim: the file that states the claim (default README.md)")
     return p

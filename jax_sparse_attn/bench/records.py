@@ -3,12 +3,14 @@
 Records are JSON files in one folder (``benchmarks/records/`` in the repository) beside one index,
 ``index.json`` there, whose ``records`` list names each record once: its ``file``, the ``command``
 that wrote it, the ``machine`` and ``date`` read from the record, the ``claims`` it backs (each
-``{"in": a file of the repository, "claim": the sentence or figure there}``) and ``what`` it holds.
+``{"in": a file of the repository, "cited_as": how it names the record, "claim": the sentence or
+figure there}``) and ``what`` it holds.
 
 ``python -m jax_sparse_attn.bench --record NAME [--claim TEXT]`` writes ``NAME.json`` into the
 records folder and adds or updates its entry; so does ``--json PATH`` where PATH's folder holds an
 index. ``python -m jax_sparse_attn.bench.records [DIR]`` prints the index as a table;
-``--find-claims`` first rereads the claims from README.md and docs/*.md (:func:`find_claims`).
+``--find-claims`` first rereads the claims from README.md, docs/*.md and the library's docstrings
+(:func:`find_claims`).
 
 A helper of the bottom layer: it imports no other benchmark module (it reads records as JSON).
 """
@@ -113,7 +115,7 @@ def index_if_indexed(record_path, program: str, argv: Optional[Sequence[str]] = 
     return True
 
 
-# --- the claims: where README.md and docs/ cite a record ------------------------------------------
+# --- the claims: where README.md, docs/ and docstrings cite a record -------------------------------
 
 # A record's name as the docs write it: a path or a bare name, with shell braces ({a,b}) and
 # wildcards (*) allowed, or a short form after a full name (`model-trn2-indexer.json` and
@@ -164,15 +166,19 @@ def _sentence(paragraph: str, start: int, end: int) -> str:
 
 def find_claims(root, names: Sequence[str], sources: Optional[Sequence[str]] = None,
                 broad: int = 6) -> dict:
-    """``{name: [claim, ...]}``: for each record name, the sentences of ``sources`` (README.md and
-    docs/*.md under ``root`` by default) that cite it, each ``{"in", "cited_as", "claim"}`` (and
-    ``cited_after``, the full name a short form follows). A citation that names more than
-    ``broad`` records (``benchmarks/model-trn2*.json``) counts for a record only where nothing
-    else cites it."""
+    """``{name: [claim, ...]}``: for each record name, the sentences of ``sources`` that cite it,
+    each ``{"in", "cited_as", "claim"}`` (and ``cited_after``, the full name a short form
+    follows). ``sources`` by default: README.md, docs/*.md and the library's modules under
+    ``root`` (their docstrings and comments; the benchmarks and their charts, which write and
+    read records rather than cite them, excepted). A citation that names more than ``broad`` records
+    (``benchmarks/model-trn2*.json``) counts for a record only where nothing else cites it."""
     root = pathlib.Path(root)
     if sources is None:
         docs = sorted(str(p.relative_to(root)) for p in (root / "docs").glob("*.md"))
-        sources = ["README.md"] + docs
+        package = root / "jax_sparse_attn"
+        code = sorted(str(p.relative_to(root)) for p in package.rglob("*.py")
+                      if p.parent != package / "bench" and p != package / "plots.py")
+        sources = ["README.md"] + docs + code
     found: dict = {n: [] for n in names}  # (claim, how many records its citation names)
     for source in sources:
         text = (root / source).read_text()
@@ -241,7 +247,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("folder", nargs="?", default=str(RECORDS_DIR),
                    help=f"the records folder (default {RECORDS_DIR})")
     p.add_argument("--find-claims", metavar="ROOT", nargs="?", const=".",
-                   help="first reread every record's claims from ROOT's README.md and docs/*.md "
+                   help="first reread every record's claims from ROOT's README.md, docs/*.md and "
+                   "the library's docstrings "
                    "(default: the current folder) and rewrite the index")
     a = p.parse_args(argv)
     path = pathlib.Path(a.folder) / INDEX_NAME
