@@ -1,7 +1,7 @@
 """Bytes gathered from the cache and time of gathered_attn_idx with an FP8 cache (per-row and
 per-128-column scales) against the same call on a bf16 cache, jitted on the current backend.
 
-    python benchmarks/fp8_cache.py --json benchmarks/cpu-2core-jax0.10.2-fp8-cache.json
+    python benchmarks/fp8_cache.py --json benchmarks/records/cpu-2core-jax0.10.2-fp8-cache.json
     python benchmarks/fp8_cache.py --split-layouts   # DeepSeek's split rows (kv_rope), V3.2 and V4
 
 ``--split-layouts`` instead measures DeepSeek's split rows against a bf16 cache of the same width:

@@ -1,7 +1,7 @@
 """Per-device memory and time of gathered_attn_idx with the cache split over its rows, against the
 same call with the cache replicated, on N virtual host CPU devices.
 
-    python benchmarks/sharded_cache.py --devices 4 --json benchmarks/cpu-2core-sharded-cache.json
+    python benchmarks/sharded_cache.py --devices 4 --json benchmarks/records/cpu-2core-jax0.10.2-sharded-cache.json
 
 Both layouts are jitted on the same mesh with q, idx and the sink replicated (decode: too few
 tokens to split), timed after warm-up as the median of interleaved rounds. Per-device memory is
