@@ -81,13 +81,16 @@ def test_index_entry_reads_machine_and_date_from_the_record(tmp_path):
     assert entry["machine"].startswith("Some CPU") and "2 vCPUs" in entry["machine"]
     assert entry["date"] == env["date_utc"] and entry["command"] == "cmd b"
     records.add_index_entry(tmp_path / "a.json", "cmd a")
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["records"][1]["drawn_by"] = "notebooks/x.ipynb"
+    (tmp_path / "index.json").write_text(json.dumps(index))
     records.add_index_entry(tmp_path / "b.json", "cmd b2", "claim two", claim_in="docs/x.md")
     records.add_index_entry(tmp_path / "b.json", "cmd b2", "claim two", claim_in="docs/x.md")
     index = json.loads((tmp_path / "index.json").read_text())["records"]
     assert [e["file"] for e in index] == ["a.json", "b.json"]
     assert index[0]["machine"] == "MODEL of trn2 (not a measurement), run on Host"
     assert index[0]["date"] == "2026-12-05T00:00:00+00:00" and index[0]["claims"] == []
-    assert index[1]["command"] == "cmd b2"
+    assert index[1]["command"] == "cmd b2" and index[1]["drawn_by"] == "notebooks/x.ipynb"
     assert index[1]["claims"] == [{"in": "README.md", "claim": "claim one"},
                                   {"in": "docs/x.md", "claim": "claim two"}]
 

@@ -83,7 +83,7 @@ def add_index_entry(record_path, command: str, claim: Optional[str] = None,
                     claim_in: str = "README.md", what: Optional[str] = None) -> dict:
     """Adds or updates the entry of the record at ``record_path`` in its folder's index (created
     if missing): command, machine and date from the record; ``claim`` joins the entry's claims
-    (those already listed are kept). Returns the entry."""
+    (those already listed are kept, and so are the entry's other fields). Returns the entry."""
     record_path = pathlib.Path(record_path)
     record = json.loads(record_path.read_text())
     path = index_path(record_path)
@@ -93,6 +93,7 @@ def add_index_entry(record_path, command: str, claim: Optional[str] = None,
     entry = {"file": record_path.name, "command": command, "machine": machine(record),
              "date": date(record), "claims": list(old.get("claims", [])) if old else [],
              "what": what if what is not None else (old or {}).get("what", "")}
+    entry.update({k: v for k, v in (old or {}).items() if k not in entry})  # e.g. drawn_by
     if claim and not any(c.get("claim") == claim for c in entry["claims"]):
         entry["claims"].append({"in": claim_in, "claim": claim})
     if old is None:
