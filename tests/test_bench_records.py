@@ -57,7 +57,7 @@ def test_record_flag_writes_the_record_and_its_index_entry(tmp_path, capsys):
     assert index["records"][0]["claims"] == []
 
 
-@pytest.mark.slow  # two runs of the command line
+@pytest.mark.slow  # three runs of the command line
 def test_json_into_an_indexed_folder_updates_its_index(tmp_path):
     (tmp_path / "indexed").mkdir()
     (tmp_path / "indexed" / "index.json").write_text('{"records": []}')
@@ -68,6 +68,10 @@ def test_json_into_an_indexed_folder_updates_its_index(tmp_path):
     (tmp_path / "plain").mkdir()
     assert cli.main(TINY + ["--json", str(tmp_path / "plain" / "run.json")]) == 0
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["run.json"]
+    # A claim asks for an entry: the folder gets an index.
+    assert cli.main(TINY + ["--json", str(tmp_path / "plain" / "run.json"), "--claim", "c"]) == 0
+    (entry,) = json.loads((tmp_path / "plain" / "index.json").read_text())["records"]
+    assert entry["file"] == "run.json" and entry["claims"] == [{"in": "README.md", "claim": "c"}]
 
 
 def test_index_entry_reads_machine_and_date_from_the_record(tmp_path):

@@ -182,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"with --record: the records folder (default {records.RECORDS_DIR})")
     p.add_argument("--claim", metavar="TEXT",
                    help="with --record or --json: the claim the record backs (a sentence or figure "
-                   "of README.md, docs/ or a docstring), added to its index entry")
+                   "of README.md, docs/ or a docstring), added to its entry in the index of the "
+                   "record's folder (created if missing)")
     p.add_argument("--claim-in", metavar="FILE", default="README.md",
                    help="with --claim: the file that states the claim (default README.md)")
     return p
@@ -202,7 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.claim and not a.json:
         p.error("--claim names what a record backs: give it with --record NAME or --json PATH")
     code = _dispatch(p, a)
-    indexed = a.record or (a.json and records.index_path(a.json).exists())
+    indexed = a.record or a.claim or (a.json and records.index_path(a.json).exists())
     if code == 0 and indexed and pathlib.Path(a.json).exists():
         records.add_index_entry(a.json, records.command_line("python -m jax_sparse_attn.bench",
                                                              _without_claim(argv)),
