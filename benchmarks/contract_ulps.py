@@ -1,8 +1,8 @@
 """Where a backend's attention outputs leave the contract model, stage by stage.
 
-For the attention op at the bench's decode shape (``bench.SHAPES``' ``decode-R8k``) on each of
+For the attention op at the bench's decode shape (``bench.attention.SHAPES``' ``decode-R8k``) on each of
 this machine's platforms (the default device, and the CPU when it is another one): the histogram
-of the output's distance from the numpy contract model (``bench.contract_model``) in bf16 ulps,
+of the output's distance from the numpy contract model (``bench.attention.contract_model``) in bf16 ulps,
 and the device's own f32 arithmetic on the steps the contract names, against float64 rounded
 once to f32: ``exp`` on the range the softmax uses, the division, and a bf16 dot product with an
 f32 accumulator (its error over the f32 rounding bound of the sum, ``K u sum |a b|``).
@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_attn import bench, gathered_attn_idx
+from jax_sparse_attn import gathered_attn_idx
+from jax_sparse_attn.bench import attention, common, records as records_index
 
 
 def _ordered(a):
@@ -37,13 +38,13 @@ def _f32_ulps(got, want64):
 
 
 def output_ulps(device, tokens: int = 16) -> dict:
-    shape = next(s for s in bench.SHAPES["decode"] if s.name == "decode-R8k")
+    shape = next(s for s in attention.SHAPES["decode"] if s.name == "decode-R8k")
     with jax.default_device(device):
-        q, kv, idx, sink = bench._inputs(shape, jnp.bfloat16)
+        q, kv, idx, sink = attention._inputs(shape, jnp.bfloat16)
         scale = shape.D ** -0.5
         out = np.asarray(jax.jit(gathered_attn_idx)(q, kv, idx, sink))
     pick = np.unique(np.linspace(0, shape.T - 1, min(tokens, shape.T)).astype(int))
-    want = bench.contract_model(np.asarray(q)[pick], np.asarray(kv), np.asarray(idx)[pick],
+    want = attention.contract_model(np.asarray(q)[pick], np.asarray(kv), np.asarray(idx)[pick],
                                 np.asarray(sink), scale, np.asarray(q).dtype)
     d = np.abs(_ordered(out[pick]) - _ordered(want))
     return {"elements": int(d.size), "ulps_0": float(np.mean(d == 0)),
@@ -91,7 +92,8 @@ def main(argv=None) -> int:
         records.append(rec)
         print(json.dumps(rec), flush=True)
     if a.json:
-        bench.write_records(records, a.json)
+        common.write_records(records, a.json)
+        records_index.index_if_indexed(a.json, "python benchmarks/contract_ulps.py", argv)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Bytes gathered from the cache and time of gathered_attn_idx with an FP8 cache (per-row and
 per-128-column scales) against the same call on a bf16 cache, jitted on the current backend.
 
-    python benchmarks/fp8_cache.py --json benchmarks/cpu-2core-jax0.10.2-fp8-cache.json
+    python benchmarks/fp8_cache.py --json benchmarks/records/cpu-2core-jax0.10.2-fp8-cache.json
     python benchmarks/fp8_cache.py --split-layouts   # DeepSeek's split rows (kv_rope), V3.2 and V4
 
 ``--split-layouts`` instead measures DeepSeek's split rows against a bf16 cache of the same width:
@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     if args.split_layouts:
         return split_layouts(args)
     import jax_sparse_attn as jsa
-    from jax_sparse_attn.bench import environment
+    from jax_sparse_attn.bench.common import environment
 
     T, H, D, K, R = (int(v) for v in args.shape.split(","))
     rng = np.random.default_rng(0)
@@ -110,6 +110,9 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+        from jax_sparse_attn.bench.records import index_if_indexed
+
+        index_if_indexed(args.json, "python benchmarks/fp8_cache.py", argv)
     return result
 
 
@@ -118,7 +121,7 @@ def split_layouts(args) -> dict:
     f32 scales + 64 bf16) split rows against a bf16 cache of the same width: gathered bytes per
     row from the compiled program, and time (medians of interleaved rounds)."""
     import jax_sparse_attn as jsa
-    from jax_sparse_attn.bench import environment
+    from jax_sparse_attn.bench.common import environment
 
     T, H, _, K, R = (int(v) for v in args.shape.split(","))
     rng = np.random.default_rng(0)
@@ -174,6 +177,9 @@ def split_layouts(args) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+        from jax_sparse_attn.bench.records import index_if_indexed
+
+        index_if_indexed(args.json, "python benchmarks/fp8_cache.py")
     return result
 
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_attn import bench
-from jax_sparse_attn.bench_indexer import IndexerShape, _inputs
+from jax_sparse_attn.bench import common, records as records_index
+from jax_sparse_attn.bench.indexer import IndexerShape, _inputs
 from jax_sparse_attn.indexer import api, reference
 
 SHAPES = [
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         args = _inputs(shape, jnp.bfloat16)
         fns = {name: (fn, args) for name, fn in forms(shape).items()}
         first = {name: np.asarray(fn(*args)) for name, (fn, args) in fns.items()}
-        times = bench._time_rounds(fns, a.repeats, 1)
+        times = common.time_rounds(fns, a.repeats, 1)
         med = {k: float(np.median(v)) for k, v in times.items()}
         rec = {"shape": shape.__dict__, "times_s": times, "median_s": med,
                "streaming_over_merging": med["streaming"] / med["merging"],
@@ -62,7 +62,8 @@ def main(argv=None) -> int:
               f"  merging {med['merging'] * 1e3:9.2f} ms  ratio {rec['streaming_over_merging']:6.2f}"
               f"  same rows {rec['same_rows']:.4f}", flush=True)
     if a.json:
-        bench.write_records(records, a.json)
+        common.write_records(records, a.json)
+        records_index.index_if_indexed(a.json, "python benchmarks/indexer_forms.py", argv)
     return 0
 
 

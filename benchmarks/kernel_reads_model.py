@@ -12,10 +12,10 @@ and every form those kernels do not take, runs):
   scales per 64, then 64 bf16), read by one kernel; V4's decode shape as for ``two-caches``.
 - ``--case fp8-beside-bf16-window``: the compressed rows in that FP8 layout, the window in bf16.
 
-    python benchmarks/kernel_reads_model.py --case two-caches --json benchmarks/model-trn2-two-caches.json
-    python benchmarks/kernel_reads_model.py --case split-rows --json benchmarks/model-trn2-split-rows.json
-    python benchmarks/kernel_reads_model.py --case two-fp8-caches --json benchmarks/model-trn2-two-fp8-caches.json
-    python benchmarks/kernel_reads_model.py --case fp8-beside-bf16-window --json benchmarks/model-trn2-fp8-beside-bf16-window.json
+    python benchmarks/kernel_reads_model.py --case two-caches --json benchmarks/records/model-trn2-two-caches.json
+    python benchmarks/kernel_reads_model.py --case split-rows --json benchmarks/records/model-trn2-split-rows.json
+    python benchmarks/kernel_reads_model.py --case two-fp8-caches --json benchmarks/records/model-trn2-two-fp8-caches.json
+    python benchmarks/kernel_reads_model.py --case fp8-beside-bf16-window --json benchmarks/records/model-trn2-fp8-beside-bf16-window.json
 
 Both paths run under the project's emulator with cost recording (docs/nki-emulator.md, "Cost
 model"); XLA's gather for the pre-gathered kernel is outside the model, so it is reported as the
@@ -132,6 +132,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
             f.write("\n")
+        from jax_sparse_attn.bench.records import index_if_indexed
+
+        index_if_indexed(args.json, "python benchmarks/kernel_reads_model.py")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Per-device memory and time of gathered_attn_idx with the cache split over its rows, against the
 same call with the cache replicated, on N virtual host CPU devices.
 
-    python benchmarks/sharded_cache.py --devices 4 --json benchmarks/cpu-2core-sharded-cache.json
+    python benchmarks/sharded_cache.py --devices 4 --json benchmarks/records/cpu-2core-jax0.10.2-sharded-cache.json
 
 Both layouts are jitted on the same mesh with q, idx and the sink replicated (decode: too few
 tokens to split), timed after warm-up as the median of interleaved rounds. Per-device memory is
@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_sparse_attn as jsa
-    from jax_sparse_attn.bench import environment
+    from jax_sparse_attn.bench.common import environment
 
     T, H, D, K, R = (int(v) for v in args.shape.split(","))
     mesh = jax.make_mesh((args.devices,), ("rows",))
@@ -106,6 +106,9 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+        from jax_sparse_attn.bench.records import index_if_indexed
+
+        index_if_indexed(args.json, "python benchmarks/sharded_cache.py", argv)
     return result
 
 

@@ -26,14 +26,16 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from . import bench, gathered_attn_idx
+from . import gathered_attn_idx
+from .bench import attention as attention_bench
+from .bench.common import DTYPES
 
 # The cases of the README's performance table (the benchmark's default shapes), by the demo's names.
 SHAPES = {
     name: dataclasses.replace(shape, name=name)
-    for name, shape in (("decode", bench.SHAPES["decode"][0]),
-                        ("decode-large-cache", bench.SHAPES["decode"][1]),
-                        ("prefill", bench.SHAPES["prefill"][0]))
+    for name, shape in (("decode", attention_bench.SHAPES["decode"][0]),
+                        ("decode-large-cache", attention_bench.SHAPES["decode"][1]),
+                        ("prefill", attention_bench.SHAPES["prefill"][0]))
 }
 IMPLEMENTATIONS = {"auto": None, "reference": "reference", "nki": "nki", "nki_emulated": "nki_emulated"}
 
@@ -90,7 +92,7 @@ def implementation_that_ran(compiled_text: str, requested) -> str:
     return "reference"
 
 
-def _parse_shape(text: str) -> bench.Shape:
+def _parse_shape(text: str) -> attention_bench.Shape:
     if text in SHAPES:
         return SHAPES[text]
     try:
@@ -100,7 +102,7 @@ def _parse_shape(text: str) -> bench.Shape:
             f"--shape wants one of {', '.join(SHAPES)} or T,H,D,K,R (five integers); got {text!r}")
     if min(T, H, D, K, R) < 1:
         raise argparse.ArgumentTypeError(f"--shape: every size must be at least 1; got {text!r}")
-    return bench.Shape("custom", T, H, D, K, R)
+    return attention_bench.Shape("custom", T, H, D, K, R)
 
 
 def main(argv=None) -> int:
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", type=_parse_shape, default=SHAPES["decode"], metavar="NAME|T,H,D,K,R",
                    help=f"a case of the README's table ({', '.join(SHAPES)}) or five integers; "
                    "default: decode")
-    p.add_argument("--dtype", choices=list(bench.DTYPES), default="bf16",
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                    help="dtype of q and the cache (the output has q's dtype); default: bf16")
     p.add_argument("--rounds", type=lambda v: max(1, int(v)), default=10,
                    help="timed rounds, each calling the op and the naive version once; default: 10")
@@ -129,12 +131,12 @@ def main(argv=None) -> int:
 
     # The benchmark's operands: normal q, cache and sinks, uniform indices, the last few of each
     # token's slots empty (-1).
-    args = bench._inputs(shape, bench.DTYPES[a.dtype])
+    args = attention_bench._inputs(shape, DTYPES[a.dtype])
     q, kv, idx, sink = (np.asarray(x) for x in args)
     scale = D**-0.5
     op = jax.jit(lambda q, kv, idx, sink: gathered_attn_idx(
         q, kv, idx, sink, scale=scale, implementation=implementation))
-    naive = jax.jit(lambda q, kv, idx, sink: bench.naive_attention(q, kv, idx, sink, scale))
+    naive = jax.jit(lambda q, kv, idx, sink: attention_bench.naive_attention(q, kv, idx, sink, scale))
     compiled = op.lower(*args).compile()
     ran = implementation_that_ran(compiled.as_text(), implementation)
     out = jax.block_until_ready(compiled(*args))
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
     within = err <= FLASHMLA_ABS_TOL + FLASHMLA_REL_TOL * np.abs(want)
     # On that path the result is bf16 cast to q's dtype: compared as the bf16 it was.
     out_seen = np.asarray(out).astype(ml_dtypes.bfloat16) if rounded else out
-    contract = bench.check_contract(out_seen, q_seen, kv_seen, idx, sink, scale, tokens=CHECKED_TOKENS)
+    contract = attention_bench.check_contract(out_seen, q_seen, kv_seen, idx, sink, scale, tokens=CHECKED_TOKENS)
 
     print(f"jax-sparse-attn demo (jax {jax.__version__}, backend {jax.default_backend()}: "
           f"{jax.devices()[0].device_kind})")

@@ -23,7 +23,7 @@ the dense form needs about 8 GiB. A call of more than ``PREFILL_BLOCK_TOKENS`` t
 attends in blocks of that many tokens, one after the other, so that a long prefill's indices and
 attention buffers do not grow with ``T`` (a causal prefill of 65,536 tokens at E=512, H=16, D=128,
 K=2048, Hi=4, Di=64, bf16 grows the process by 1.6 GiB, 2.3 GiB without the blocks;
-``benchmarks/cpu-2core-jax0.10.2-avx2-layer-memory.json``).
+``benchmarks/records/cpu-2core-jax0.10.2-avx2-layer-memory.json``).
 
 **Validity.** A cache row is valid for a token only when its position is at or before the
 token's: rows in the future, and rows not written yet, never enter the top-k, and a token with

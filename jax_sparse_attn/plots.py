@@ -4,9 +4,10 @@ decode step against the context.
 
 This module only draws: it takes the result dicts (or saved JSON) that the benchmarks write, and
 imports nothing from them. ``python -m jax_sparse_attn.bench --plot PATH`` measures the sweeps
-(``bench_sweeps.py``) and draws them here (:func:`write_png`); the notebooks draw the same charts
-from a saved sweep (``benchmarks/sweep-*.json``). Drawing needs matplotlib, from the ``plot``
-extra (``pip install ".[plot]"`` in a clone); the core package never imports this module.
+(:mod:`jax_sparse_attn.bench.sweeps`) and draws them here (:func:`write_png`); the notebooks draw
+the same charts from a saved sweep (``benchmarks/records/sweep-*.json``). Drawing needs
+matplotlib, from the ``plot`` extra (``pip install ".[plot]"`` in a clone); the core package
+never imports this module.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def write_png(result: dict, path: str, dpi: int = 90) -> None:
     plt.close(fig)
 
 
-# --- the indexer: time and memory against T and R (data: bench_indexer.sweep) -----------------------
+# --- the indexer: time and memory against T and R (data: bench.indexer.sweep) ----------------------
 
 
 def _indexer_sweep_points(points: Sequence[dict], axis: str, path: str, field: str):
@@ -177,7 +178,7 @@ def draw_indexer_sweep(ax_time, ax_memory, points: Sequence[dict], axis: str, ti
 
 def indexer_figure(result: dict):
     """The indexer sweep as a 2 x 2 figure: prefill (T = R) and decode (T = 1) rows, time and
-    memory columns. ``result`` as from ``bench_indexer.sweep`` (or its JSON)."""
+    memory columns. ``result`` as from ``bench.indexer.sweep`` (or its JSON)."""
     fig, axes = pyplot().subplots(2, 2, figsize=(12, 8))
     f = result["sizes"]["fixed"]
     dims = f"Hi={f['Hi']}, Di={f['Di']}, K={f['K']}"

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_sparse_attn import bench
+from jax_sparse_attn.bench import attention, cli
 from oracle import BF16, attention_bf16_contract, attention_f64, gather, within_one_ulp
 
 
@@ -21,8 +21,8 @@ def test_naive_baseline_and_contract_model_follow_the_contract(rng):
     sink = rng.standard_normal(H).astype(np.float32)
     x, valid = gather(kv, idx)
     want = attention_bf16_contract(q, x, valid, sink, scale=0.125)
-    naive = jax.jit(bench.naive_attention, static_argnums=4)(q, kv, idx, sink, 0.125)
-    model = bench.contract_model(q, kv, idx, sink, 0.125, BF16)
+    naive = jax.jit(attention.naive_attention, static_argnums=4)(q, kv, idx, sink, 0.125)
+    model = attention.contract_model(q, kv, idx, sink, 0.125, BF16)
     assert naive.dtype == jnp.bfloat16
     assert within_one_ulp(np.asarray(naive), want) >= 0.999
     assert within_one_ulp(model, want) >= 0.999
@@ -30,8 +30,8 @@ def test_naive_baseline_and_contract_model_follow_the_contract(rng):
 
 @pytest.mark.slow  # the quick cases' compilations: 6-9 s
 def test_command_line_writes_json(tmp_path, capsys):
-    path = tmp_path / "bench.json"
-    code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "1",
+    path = tmp_path / "attention.json"
+    code = cli.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "1",
                        "--json", str(path)])
     assert code == 0
     table = capsys.readouterr().out
@@ -55,20 +55,20 @@ def test_command_line_writes_json(tmp_path, capsys):
 @pytest.mark.slow  # several seconds: CI runs it with the slow tests
 def test_grad_command_line_times_the_kv_scatter_baseline(tmp_path, capsys):
     path = tmp_path / "grad.json"
-    code = bench.main(["--shape", "2,4,64,32,128", "--grad", "--repeats", "2", "--warmup", "1",
+    code = cli.main(["--shape", "2,4,64,32,128", "--grad", "--repeats", "2", "--warmup", "1",
                        "--json", str(path)])
     assert code == 0
     assert "d kv accumulation" in capsys.readouterr().out
     (rec,) = json.loads(path.read_text())["records"]
-    assert rec["flops"] == int(bench.GRAD_FLOPS_FACTOR * 4 * 2 * 4 * 32 * 64)
+    assert rec["flops"] == int(attention.GRAD_FLOPS_FACTOR * 4 * 2 * 4 * 32 * 64)
     assert len(rec["times_s"]["kv_scatter"]) == 2
     assert rec["kv_scatter_over_op"] > 0
     assert 0 < rec["gemm_fraction_bound_given_kv_scatter"] < 1
 
 
 def test_kv_scatter_baseline_adds_every_token_rows():
-    shape = bench.Shape("tiny", 3, 1, 8, 5, 7)
-    fn, (rows, values) = bench._kv_scatter(shape)
+    shape = attention.Shape("tiny", 3, 1, 8, 5, 7)
+    fn, (rows, values) = attention._kv_scatter(shape)
     rows, values = np.asarray(rows), np.asarray(values, np.float64)
     want = np.zeros((7, 8))
     for t in range(3):
@@ -80,7 +80,7 @@ def test_kv_scatter_baseline_adds_every_token_rows():
 @pytest.mark.slow
 def test_cpu_products_flag_times_each_form_in_the_same_rounds(tmp_path):
     path = tmp_path / "forms.json"
-    code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "0",
+    code = cli.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "0",
                        "--no-naive", "--no-gemm", "--cpu-products", "native,f32-x-first",
                        "--json", str(path)])
     assert code == 0
@@ -96,7 +96,7 @@ def test_cpu_products_flag_times_each_form_in_the_same_rounds(tmp_path):
     assert other["median_s"] > 0 and other["op_over_this"] > 0
     for bad in (["--cpu-products", "bf16"], ["--memory", "--cpu-products", "f32"]):
         with pytest.raises(SystemExit):
-            bench.main(bad)
+            cli.main(bad)
 
 
 def test_sdpa_baseline_is_attention_without_a_sink(rng):
@@ -107,14 +107,14 @@ def test_sdpa_baseline_is_attention_without_a_sink(rng):
     idx[:, 0] = 5  # every token keeps one valid slot
     x, valid = gather(kv, idx)
     want = attention_f64(q, x, valid, np.full(H, -np.inf, np.float32), scale=0.25)
-    got = jax.jit(bench.sdpa_attention, static_argnums=3)(q, kv, idx, 0.25)
+    got = jax.jit(attention.sdpa_attention, static_argnums=3)(q, kv, idx, 0.25)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.slow
 def test_sdpa_flag_times_the_baseline(tmp_path, capsys):
     path = tmp_path / "sdpa.json"
-    code = bench.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "1", "--sdpa",
+    code = cli.main(["--shape", "2,4,64,32,128", "--repeats", "2", "--warmup", "1", "--sdpa",
                        "--no-gemm", "--json", str(path)])
     assert code == 0
     assert "dot_product_attention" in capsys.readouterr().out
@@ -125,7 +125,7 @@ def test_sdpa_flag_times_the_baseline(tmp_path, capsys):
 @pytest.mark.slow  # five programs to compile and time: several seconds
 def test_two_caches_command_line_times_the_alternatives(tmp_path, capsys):
     path = tmp_path / "two.json"
-    code = bench.main(["--two-caches", "--shape", "2,64,512,512,1024", "--repeats", "1",
+    code = cli.main(["--two-caches", "--shape", "2,64,512,512,1024", "--repeats", "1",
                        "--warmup", "0", "--json", str(path)])
     assert code == 0
     rec = json.loads(path.read_text())["two_caches"]
@@ -140,7 +140,7 @@ def test_two_caches_command_line_times_the_alternatives(tmp_path, capsys):
 
 
 def test_indexer_cases_count_the_causal_pairs_and_check_against_float64(rng):
-    from jax_sparse_attn import bench_indexer as bi
+    from jax_sparse_attn.bench import indexer as bi
 
     prefill = bi.IndexerShape("p", 6, 2, 4, 3, 6)
     decode = bi.IndexerShape("d", 1, 2, 4, 3, 10)
@@ -167,7 +167,7 @@ def test_indexer_cases_count_the_causal_pairs_and_check_against_float64(rng):
 @pytest.mark.slow  # compiles the indexer and a layer decode step: tens of seconds
 def test_indexer_command_line_writes_json(tmp_path, capsys):
     out = tmp_path / "indexer.json"
-    assert bench.main(["--cases", "indexer,layer-decode", "--quick", "--repeats", "2",
+    assert cli.main(["--cases", "indexer,layer-decode", "--quick", "--repeats", "2",
                        "--json", str(out)]) == 0
     records = json.loads(out.read_text())["records"]
     assert [r["case"] for r in records] == ["indexer", "indexer", "layer-decode"]
@@ -181,7 +181,7 @@ def test_indexer_command_line_writes_json(tmp_path, capsys):
 
 
 def test_token_split_deals_tokens_out_in_turn_and_puts_results_back():
-    from jax_sparse_attn import bench_indexer as bi
+    from jax_sparse_attn.bench import indexer as bi
 
     split = bi.TokenSplit(3)
     order = split.order(9)
@@ -202,11 +202,11 @@ def test_cpu_devices_flag_refuses_what_it_cannot_split(capsys):
     # Only the indexer cases split; and JAX's CPU devices are fixed once its backends started
     # (as in this test session).
     with pytest.raises(SystemExit):
-        bench.main(["--cases", "decode", "--cpu-devices", "2"])
+        cli.main(["--cases", "decode", "--cpu-devices", "2"])
     assert "applies to --cases indexer and layer-prefill alone" in capsys.readouterr().err
     jax.devices()
     with pytest.raises(SystemExit):
-        bench.main(["--cases", "indexer", "--quick", "--cpu-devices", "2"])
+        cli.main(["--cases", "indexer", "--quick", "--cpu-devices", "2"])
     assert "--cpu-devices" in capsys.readouterr().err
 
 
@@ -242,7 +242,7 @@ def test_cpu_devices_flag_splits_a_prefill_over_the_devices(tmp_path):
 def test_layer_memory_flag_measures_a_fresh_process(tmp_path):
     pytest.importorskip("flax")
     out = tmp_path / "layer-memory.json"
-    assert bench.main(["--layer-memory", "512", "--json", str(out)]) == 0
+    assert cli.main(["--layer-memory", "512", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())["layer_memory"]
     assert rec["T"] == 512 and rec["length"] == 512 and rec["finite"]
     assert 0 < rec["growth_bytes"] <= rec["limit_bytes"]

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from jax_sparse_attn import __main__ as demo
-from jax_sparse_attn import bench
+from jax_sparse_attn.bench import attention
 
 
 def test_help_documents_implementation_shape_and_dtype(capsys):
@@ -23,8 +23,8 @@ def test_default_shape_is_the_decode_case_of_the_readme_table():
     T, H, D, K, R = (int(v) for v in row.group(1).split(","))
     shape = demo.SHAPES["decode"]
     assert (shape.T, shape.H, shape.D, shape.K, shape.R) == (T, H, D, K, R) == (
-        bench.SHAPES["decode"][0].T, bench.SHAPES["decode"][0].H, bench.SHAPES["decode"][0].D,
-        bench.SHAPES["decode"][0].K, bench.SHAPES["decode"][0].R)
+        attention.SHAPES["decode"][0].T, attention.SHAPES["decode"][0].H, attention.SHAPES["decode"][0].D,
+        attention.SHAPES["decode"][0].K, attention.SHAPES["decode"][0].R)
 
 
 @pytest.mark.parametrize("implementation, dtype, says", [

@@ -10,7 +10,7 @@ from jax_sparse_attn.nki_emulator.cost import HARDWARE
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["tiled", "decode"])
 def test_indexer_model_record_and_bounds(tmp_path, kernel):
-    from jax_sparse_attn.bench import main
+    from jax_sparse_attn.bench.cli import main
 
     path = tmp_path / "model.json"
     assert main(["--model", "trn2", "--op", "indexer", "--shape", "3,1000,4,16,16",
@@ -36,7 +36,7 @@ def test_indexer_model_record_and_bounds(tmp_path, kernel):
 
 @pytest.mark.slow
 def test_indexer_model_records_the_kernel_the_routing_picks(tmp_path):
-    from jax_sparse_attn.bench import main
+    from jax_sparse_attn.bench.cli import main
     from jax_sparse_attn.indexer import neuron
 
     path = tmp_path / "model.json"

@@ -428,8 +428,8 @@ def test_no_f32_copy_of_the_key_cache_in_a_whole_rows_prefill(form):
 
 
 def test_streamed_scores_alone_give_each_tokens_best_score(rng):
-    # The bench's measure of the selection's share (bench_indexer.scores_alone_fn): the same
-    # streaming with no selection. Each token's kept score is its best valid score.
+    # The bench's measure of the selection's share (bench/indexer.py, scores_alone_fn): the
+    # same streaming with no selection. Each token's kept score is its best valid score.
     T, Hi, Di, R, topk = 21, 4, 16, 300, 24
     q, w, k, ks = _inputs(rng, T, Hi, Di, R)
     positions = jnp.asarray(np.concatenate([rng.integers(0, R, T - 1), [-5]]), jnp.int32)

@@ -238,10 +238,10 @@ def test_an_instruction_without_a_formula_is_named():
 def test_bench_model_cli_writes_labelled_json(tmp_path, capsys):
     import json
 
-    from jax_sparse_attn import bench
+    from jax_sparse_attn.bench import cli
 
     path = tmp_path / "model.json"
-    assert bench.main(["--model", "trn2", "--shape", "2,4,128,128,256", "--json", str(path)]) == 0
+    assert cli.main(["--model", "trn2", "--shape", "2,4,128,128,256", "--json", str(path)]) == 0
     printed = capsys.readouterr().out
     assert "MODEL (not a measurement)" in printed
     result = json.loads(path.read_text())
@@ -259,14 +259,14 @@ def test_bench_model_cli_writes_labelled_json(tmp_path, capsys):
 
 
 def test_bench_model_scaling_is_affine_in_tokens():
-    from jax_sparse_attn import bench_model
+    from jax_sparse_attn.bench import attention_model
 
     small = {"modelled_us": 10.0, "per_engine_us": {"dma": 10.0, "tensor": 4.0},
              "instructions": 100, "instructions_executed": 300, "dma_bytes": 1000, "launches": 1}
     large = {"modelled_us": 16.0, "per_engine_us": {"dma": 16.0, "tensor": 6.0},
              "instructions": 100, "instructions_executed": 500, "dma_bytes": 1800, "launches": 1}
     # P = 8 tokens and 2P = 16: per token 0.75 us, 25 instructions, 100 bytes; T = 4096.
-    got = bench_model._scale(small, large, 8, 4096)
+    got = attention_model._scale(small, large, 8, 4096)
     assert got["modelled_us"] == pytest.approx(10.0 + 4088 * 0.75)
     assert got["per_engine_us"]["tensor"] == pytest.approx(4.0 + 4088 * 0.25)
     assert got["instructions"] == 100  # a compiled body that does not grow stays as it is
@@ -352,10 +352,10 @@ def test_hbm_bytes_count_the_hbm_side_only():
 def test_bench_model_value_dim_models_both_widths(tmp_path, capsys):
     import json
 
-    from jax_sparse_attn import bench
+    from jax_sparse_attn.bench import cli
 
     path = tmp_path / "model.json"
-    assert bench.main(["--model", "trn2", "--shape", "2,4,256,128,256", "--value-dim", "128",
+    assert cli.main(["--model", "trn2", "--shape", "2,4,256,128,256", "--value-dim", "128",
                        "--json", str(path)]) == 0
     assert "value_dim=128 of D=256" in capsys.readouterr().out
     full, narrow = json.loads(path.read_text())["records"]

@@ -1,5 +1,5 @@
 """The charts (jax_sparse_attn/plots.py, ``bench --plot``): they draw the measured values, the
-sweep (jax_sparse_attn/bench_sweeps.py) measures what it says, the core package never imports
+sweep (jax_sparse_attn/bench/sweeps.py) measures what it says, the core package never imports
 matplotlib, and the charts never import the benchmarks (nor the reverse at import time)."""
 
 import json
@@ -9,14 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from jax_sparse_attn import bench, bench_sweeps
+from jax_sparse_attn.bench import cli, common, sweeps
 
 pytest.importorskip("matplotlib")
 from jax_sparse_attn import plots  # noqa: E402  (after the skip: plots needs matplotlib to draw)
 
 
 def test_core_package_never_imports_matplotlib():
-    code = ("import sys, jax_sparse_attn, jax_sparse_attn.bench, jax_sparse_attn.__main__; "
+    code = ("import sys, jax_sparse_attn, jax_sparse_attn.bench.cli, jax_sparse_attn.__main__; "
             "print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -28,11 +28,11 @@ def _record(axis, value, op_s, naive_s, fixed):
 
 
 def test_figures_draw_the_sweep_values(rng):
-    sizes = bench_sweeps.SWEEPS["quick"]
+    sizes = sweeps.SWEEPS["quick"]
     op_k, naive_k = rng.uniform(1e-4, 1e-2, (2, len(sizes["time_vs_K"]["K"])))
     op_t, naive_t = rng.uniform(1e-4, 1e-2, (2, len(sizes["time_vs_T"]["T"])))
     result = {
-        "environment": bench.environment(), "implementation": "none", "dtype": "bf16", "sizes": sizes,
+        "environment": common.environment(), "implementation": "none", "dtype": "bf16", "sizes": sizes,
         "time_vs_K": [_record("K", k, o, n, sizes["time_vs_K"]["fixed"])
                       for k, o, n in zip(sizes["time_vs_K"]["K"], op_k, naive_k)],
         "time_vs_T": [_record("T", t, o, n, sizes["time_vs_T"]["fixed"])
@@ -57,10 +57,10 @@ def test_figures_draw_the_sweep_values(rng):
 @pytest.mark.slow  # measures a small sweep: a minute on a busy 2-core machine
 def test_bench_plot_writes_a_png_and_the_sweep(tmp_path):
     png, sweep_json = tmp_path / "charts.png", tmp_path / "sweep.json"
-    assert bench.main(["--plot", str(png), "--quick", "--json", str(sweep_json)]) == 0
+    assert cli.main(["--plot", str(png), "--quick", "--json", str(sweep_json)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads(sweep_json.read_text())
-    sizes = bench_sweeps.SWEEPS["quick"]
+    sizes = sweeps.SWEEPS["quick"]
     assert [r["shape"]["K"] for r in result["time_vs_K"]] == sizes["time_vs_K"]["K"]
     assert [r["shape"]["T"] for r in result["time_vs_T"]] == sizes["time_vs_T"]["T"]
     records = result["time_vs_K"] + result["time_vs_T"]
@@ -93,7 +93,7 @@ def test_indexer_figure_draws_the_sweep_values(rng):
     sizes = {"fixed": dict(Hi=4, Di=64, K=2048), "prefill_T": [4096, 8192], "decode_R": [4096]}
     op = rng.uniform(0.1, 2.0, (3, 2))
     dense = rng.uniform(0.1, 2.0, (2, 2))
-    result = {"environment": bench.environment(), "dtype": "bf16", "sizes": sizes,
+    result = {"environment": common.environment(), "dtype": "bf16", "sizes": sizes,
               "prefill": [_indexer_point(4096, 4096, op[0] * [1, 2**30], dense[0] * [1, 2**30]),
                           _indexer_point(8192, 8192, op[1] * [1, 2**30], None)],
               "decode": [_indexer_point(1, 4096, op[2] * [1, 2**30], dense[1] * [1, 2**30])]}
@@ -112,8 +112,8 @@ def test_indexer_figure_draws_the_sweep_values(rng):
 
 def test_benchmarks_never_import_the_plotting_module():
     # bench --plot imports plots when it draws, so plots must not import back from the benchmarks.
-    code = ("import sys, jax_sparse_attn.bench, jax_sparse_attn.bench_indexer, "
-            "jax_sparse_attn.bench_sweeps; print('jax_sparse_attn.plots' in sys.modules)")
+    code = ("import sys, jax_sparse_attn.bench.cli, jax_sparse_attn.bench.indexer, "
+            "jax_sparse_attn.bench.sweeps, jax_sparse_attn.bench.v4; print('jax_sparse_attn.plots' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -128,11 +128,11 @@ def test_the_plotting_module_imports_no_benchmark():
 @pytest.mark.slow  # four fresh processes, each compiling one small indexer call
 def test_indexer_sweep_writes_json_and_the_chart_draws_it(tmp_path):
     sweep_json, png = tmp_path / "sweep.json", tmp_path / "indexer.png"
-    assert bench.main(["--indexer-sweep", "--quick", "--json", str(sweep_json)]) == 0
+    assert cli.main(["--indexer-sweep", "--quick", "--json", str(sweep_json)]) == 0
     result = json.loads(sweep_json.read_text())
-    from jax_sparse_attn import bench_indexer
+    from jax_sparse_attn.bench import indexer
 
-    sizes = bench_indexer.SWEEP["quick"]
+    sizes = indexer.SWEEP["quick"]
     assert [p["T"] for p in result["prefill"]] == sizes["prefill_T"]
     assert [p["R"] for p in result["decode"]] == sizes["decode_R"]
     for point in result["prefill"] + result["decode"]:

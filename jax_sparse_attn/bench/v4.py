@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import bench
-from .api import compress_pool, gathered_attn_idx, indexer_topk
+from . import common
+from ..api import compress_pool, gathered_attn_idx, indexer_topk
 
 # V4-Flash's layer 2 has ratio 4 (compressor and indexer), layer 3 ratio 128 (every block).
 LAYERS = {"ratio4": 2, "ratio128": 3}
@@ -59,7 +59,7 @@ def make_layer(kind: str, config=None):
     (``"v32"``), bf16, FP8 cache, random FP8 weights."""
     from flax import nnx
 
-    from .deepseek import V4_FLASH, V32_EXP, V4Attention, V32Attention
+    from ..deepseek import V4_FLASH, V32_EXP, V4Attention, V32Attention
 
     if kind == V32_KIND:
         return V32Attention(config or V32_EXP, dtype=jnp.bfloat16, cache_dtype="fp8", rngs=nnx.Rngs(0))
@@ -71,7 +71,7 @@ def filled_cache(layer, context: int, capacity: int, seed: int = 0):
     """A one-sequence cache of ``capacity`` tokens holding ``context`` tokens of random rows in the
     layer's layout (e4m3 values, power-of-two scales, bf16 rope and index keys, f32 states): the
     shapes and dtypes a ``context``-token prefill leaves."""
-    from . import storage
+    from .. import storage
 
     cache = layer.init_cache(1, capacity)
     keys = iter(jax.random.split(jax.random.key(seed), 64))
@@ -123,7 +123,7 @@ def _v32_projections(layer, x):
     """A V3.2 layer's matrix products for tokens ``x [1, s, dim]``, as the layer runs them: the
     query, the latent, the indexer's query, key and head weights, the absorbed products with
     ``wkv_b``'s halves (dequantised in the call, as the layer does) and ``wo``."""
-    from .deepseek.v32 import _per_head_product
+    from ..deepseek.v32 import _per_head_product
 
     cfg = layer.config
     H, nope = cfg.n_heads, cfg.qk_nope_head_dim
@@ -142,9 +142,9 @@ def _v32_parts(layer, cache, x, positions):
     keys and ``gathered_attn_idx`` over its FP8 latent rows (``value_dim`` = the latent)."""
     from flax import nnx
 
-    from . import storage
-    from .deepseek.common import map_token_chunks
-    from .deepseek.v32 import TOKEN_CHUNK
+    from .. import storage
+    from ..deepseek.common import map_token_chunks
+    from ..deepseek.v32 import TOKEN_CHUNK
 
     cfg, s = layer.config, x.shape[1]
     H, L, rd, k = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_topk
@@ -176,8 +176,8 @@ def _parts(layer, cache, x, positions):
     if hasattr(cache, "latent"):
         return _v32_parts(layer, cache, x, positions)
 
-    from .deepseek.common import map_token_chunks as _map_token_chunks
-    from .deepseek.v4 import TOKEN_CHUNK
+    from ..deepseek.common import map_token_chunks as _map_token_chunks
+    from ..deepseek.v4 import TOKEN_CHUNK
 
     cfg, ratio, s = layer.config, layer.ratio, x.shape[1]
     H, D, W = cfg.n_heads, cfg.head_dim, cfg.window_size
@@ -268,10 +268,10 @@ def bench_decode(kind: str, context: int, repeats: int = 7, warmup: int = 2, con
     jax.block_until_ready(decode(x))
     compile_s = time.perf_counter() - start
     cpu: dict = {}
-    times = bench._time_rounds({"step": (decode, (x,)), **parts}, repeats, warmup, cpu)
+    times = common.time_rounds({"step": (decode, (x,)), **parts}, repeats, warmup, cpu)
     return dict(case=f"{_family(kind)}-decode", kind=kind, layer_id=LAYERS.get(kind),
                 ratio=getattr(layer, "ratio", None),
-                context=context, first_call_s=compile_s, load_average=bench._load_average(),
+                context=context, first_call_s=compile_s, load_average=common.load_average(),
                 limit_step_over_parts=DECODE_RATIO_LIMIT, **_summary(times, cpu))
 
 
@@ -285,11 +285,11 @@ def bench_prefill(kind: str, tokens: int, repeats: int = 3, warmup: int = 1, con
     call = nnx.jit(lambda m, x, c: m(x, c))
     parts = _parts(layer, filled_cache(layer, tokens, tokens), x, np.arange(tokens))
     cpu: dict = {}
-    times = bench._time_rounds({"step": (lambda x: call(layer, x, cache)[0], (x,)), **parts},
+    times = common.time_rounds({"step": (lambda x: call(layer, x, cache)[0], (x,)), **parts},
                                repeats, warmup, cpu)
     return dict(case=f"{_family(kind)}-prefill", kind=kind, layer_id=LAYERS.get(kind),
                 ratio=getattr(layer, "ratio", None),
-                tokens=tokens, load_average=bench._load_average(), **_summary(times, cpu))
+                tokens=tokens, load_average=common.load_average(), **_summary(times, cpu))
 
 
 def memory_child(kind: str, tokens: int) -> dict:
@@ -299,19 +299,19 @@ def memory_child(kind: str, tokens: int) -> dict:
 
     layer = make_layer(kind)
     call = nnx.jit(lambda m, x: m(x))
-    base = bench._rss_bytes()
+    base = common.rss_bytes()
     # x is made in pieces (a whole f32 draw would be twice x) and counts in the growth; the peak
     # is taken from after it exists.
     rng = np.random.default_rng(0)
     x = jnp.concatenate([jnp.asarray(rng.standard_normal((1, 4096, layer.config.dim), np.float32),
                                      jnp.bfloat16) for _ in range(-(-tokens // 4096))], axis=1)[:, :tokens]
     x = jax.block_until_ready(x)
-    bench._reset_peak_rss()
+    common.reset_peak_rss()
     start = time.perf_counter()
     y = jax.block_until_ready(call(layer, x))
     seconds = time.perf_counter() - start
     finite = bool(jnp.all(jnp.isfinite(y[0, :: max(tokens // 64, 1)].astype(jnp.float32))))
-    return dict(case=f"{_family(kind)}-memory", kind=kind, tokens=tokens, growth_bytes=bench._peak_rss_bytes() - base,
+    return dict(case=f"{_family(kind)}-memory", kind=kind, tokens=tokens, growth_bytes=common.peak_rss_bytes() - base,
                 seconds=seconds, finite=finite, x_bytes=x.size * 2, limit_bytes=MEMORY_LIMIT_BYTES)
 
 
@@ -321,8 +321,8 @@ def sweep_child(kind: str, context: int, repeats: int) -> dict:
     from flax import nnx
 
     layer = make_layer(kind)
-    base = bench._rss_bytes()
-    bench._reset_peak_rss()
+    base = common.rss_bytes()
+    common.reset_peak_rss()
     cache = filled_cache(layer, context - 1, context + repeats + 8)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 1, layer.config.dim)), jnp.bfloat16)
     step = nnx.jit(lambda m, x, c: m(x, c), donate_argnums=2)
@@ -335,7 +335,7 @@ def sweep_child(kind: str, context: int, repeats: int) -> dict:
         seconds.append(time.perf_counter() - start)
     return dict(case=f"{_family(kind)}-sweep", kind=kind, context=context, seconds=seconds[1:],
                 median_s=float(np.median(seconds[1:])), first_call_s=seconds[0],
-                cache_bytes=cache_bytes, growth_bytes=bench._peak_rss_bytes() - base)
+                cache_bytes=cache_bytes, growth_bytes=common.peak_rss_bytes() - base)
 
 
 def _child(args: list, timeout: int = 3600) -> dict:
@@ -357,7 +357,7 @@ def _fmt(rec: dict) -> str:
 
 def main(cases: list, a) -> int:
     """``--v4 CASES``: decode, prefill, memory, sweep (comma-separated); ``--json PATH`` records."""
-    env = bench.environment()
+    env = common.environment()
     print(f"# jax {env['jax']}; CPU: {env['cpu'].get('model name', '?')} x{env['cpu_count']}", flush=True)
     records, ok = [], True
     kinds = [k.strip() for k in a.v4_kinds.split(",")]
@@ -394,9 +394,9 @@ def main(cases: list, a) -> int:
                 raise ValueError(f"--v4: unknown case {case!r} (decode, prefill, memory, sweep)")
             records.append(rec)
     if a.json:
-        bench.write_records(records, a.json)
+        common.write_records(records, a.json)
     if a.v4_plot and any(r["case"] == "v4-sweep" for r in records):
-        from .plots import v4_sweep_figure
+        from ..plots import v4_sweep_figure
 
         v4_sweep_figure([r for r in records if r["case"] == "v4-sweep"]).savefig(a.v4_plot, dpi=120)
         print(f"wrote {a.v4_plot}")

@@ -25,18 +25,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import logging
 import os
-import platform
 import sys
 import time
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
-TARGETS = ("trn1", "trn2", "trn3")
-LABEL = "MODEL (not a measurement): NKI emulator cost model, see docs/nki-emulator.md"
+from .common import MODEL_LABEL, TARGETS, cpu_model_name, emulator_error_message, write_json
+
 DEFAULT_PROBE_TOKENS = 16
 
 
@@ -50,17 +48,6 @@ def default_shapes() -> list[tuple[str, int, int, int, int, int]]:
     for H in (16, 128):
         shapes.append(("prefill", 4096, H, 512, 2048, 65536))
     return shapes
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 KV_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -87,8 +74,8 @@ def _model_call(target: str, T: int, H: int, D: int, K: int, R: int, kv_dtype: s
     """Run one call under the emulator with cost recording; the launches' combined figures."""
     import jax
 
-    from . import gathered_attn_idx, nki_emulator
-    from .nki_emulator.cost import ENGINES
+    from .. import gathered_attn_idx, nki_emulator
+    from ..nki_emulator.cost import ENGINES
 
     q, kv, idx, sink, kv_scale = _inputs(T, H, D, K, R, kv_dtype=kv_dtype, scale_groups=scale_groups)
     previous = os.environ.get(nki_emulator.TARGET_ENV)
@@ -141,22 +128,6 @@ def _quiet_callback_errors():
         logger.setLevel(level)
 
 
-def write_json(result: dict, json_path: str) -> None:
-    """Writes a benchmark's record (``--json``) and says where."""
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"# wrote {json_path}", flush=True)
-
-
-def _error_message(err: Exception) -> str:
-    """The emulator's own message when the kernel was rejected inside the host callback."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Nki" in line and "Error: " in line:
-            return line.split("nki_emulator.errors.", 1)[-1]
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
-
-
 def _scale(small: dict, large: dict, p: int, T: int) -> dict:
     """Affine extrapolation in T from runs at p and 2p tokens."""
 
@@ -180,7 +151,7 @@ def model_shape(target: str, T: int, H: int, D: int, K: int, R: int, probe: int 
     """The modelled figures of one call at ``[T, H, D]`` queries, K slots, R cache rows, the cache
     in ``kv_dtype`` (an FP8 cache with ``scale_groups`` f32 scales per row), ``value_dim`` value
     columns (default D)."""
-    from .nki_emulator.cost import attention_bounds
+    from ..nki_emulator.cost import attention_bounds
 
     start = time.perf_counter()
     cache = dict(kv_dtype=kv_dtype, scale_groups=scale_groups, value_dim=value_dim)
@@ -257,7 +228,7 @@ def run_model(
     (default :func:`default_shapes`). ``row_transposes``: ``"tensor"`` or ``"dma"`` overrides
     the kernel's ``ROW_TRANSPOSES`` for this run (the variant comparison of docs/neuron-kernel.md).
     """
-    from .attention import kernel as kernels
+    from ..attention import kernel as kernels
 
     if row_transposes is None:
         row_transposes = kernels.ROW_TRANSPOSES
@@ -284,9 +255,9 @@ def _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_tra
             cases.append((s.T, s.H, s.D, s.K, s.R))
     cache = "" if kv_dtype == "bfloat16" else f"; FP8 cache {kv_dtype}, {scale_groups} scale(s) per row"
     cache += "" if row_transposes == "tensor" else f"; row transposes by {row_transposes}"
-    from .nki_emulator.versions import nki_version
+    from ..nki_emulator.versions import nki_version
 
-    print(f"# {LABEL}; target {target}{cache}; NKI {nki_version()} (emulated); host CPU: {_cpu()}",
+    print(f"# {MODEL_LABEL}; target {target}{cache}; NKI {nki_version()} (emulated); host CPU: {cpu_model_name()}",
           flush=True)  # fmt: skip
     print(f"# {'tgt':<5} {'shape':<36} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>7} "
           f"{'instrs':>8} busiest [per engine us]", flush=True)  # fmt: skip
@@ -301,7 +272,7 @@ def _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_tra
             except Exception as err:  # noqa: BLE001 - a kernel the emulator rejects is a result too
                 ok = False
                 rec = {"target": target, "shape": {"T": T, "H": H, "D": D, "K": K, "R": R},
-                       "error": _error_message(err)}  # fmt: skip
+                       "error": emulator_error_message(err)}  # fmt: skip
             records.append(rec)
             pair.append(rec)
             print(_row(rec), flush=True)
@@ -312,10 +283,10 @@ def _run_model(target, shapes, json_path, probe, kv_dtype, scale_groups, row_tra
                   f"D value columns (a MODEL)", flush=True)
     if json_path:
         result = {
-            "kind": LABEL,
+            "kind": MODEL_LABEL,
             "target": target,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_cpu": _cpu(),
+            "host_cpu": cpu_model_name(),
             "probe_tokens": probe,
             "kv_dtype": kv_dtype,
             "nki_version": nki_version(),
@@ -346,7 +317,7 @@ def _parse_shape(text: str) -> tuple:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.bench_model", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.bench.attention_model", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=TARGETS, default="trn2", help="target to model")
     p.add_argument("--shape", type=_parse_shape, action="append", help="T,H,D,K,R (repeatable)")
     p.add_argument("--json", metavar="PATH", help="also write the records as JSON")

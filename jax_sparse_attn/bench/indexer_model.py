@@ -23,7 +23,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-LABEL = "MODEL (not a measurement): NKI emulator cost model, see docs/nki-emulator.md"
+from .common import MODEL_LABEL, TARGETS, cpu_model_name, emulator_error_message, write_json
+
 DEFAULT_SHAPES = ((1, 131072, 64, 128, 2048), (16, 131072, 64, 128, 2048),
                   (128, 32768, 64, 128, 2048))  # fmt: skip
 
@@ -65,7 +66,7 @@ def model_indexer_shape(target: str, T: int, R: int, Hi: int, Di: int, K: int,
     the kernel the routing picks (``kernel=None``) or the one named (``"tiled"``, ``"decode"``)."""
     from .. import nki_emulator
     from ..attention.neuron import launch_programs
-    from .neuron import choose_kernel, indexer_topk_neuron
+    from ..indexer.neuron import choose_kernel, indexer_topk_neuron
 
     if kernel is None:
         kernel = choose_kernel(target, launch_programs(target), T, Hi, Di, R, K)[0]
@@ -105,11 +106,9 @@ def run_indexer_model(target: str, shapes: Optional[Iterable[tuple]] = None,
                       json_path: Optional[str] = None, kernel: Optional[str] = None) -> int:  # fmt: skip
     """Model every ``(T, R, Hi, Di, K)`` shape on ``target`` with ``kernel`` (None: the one the
     routing picks); print a table, optionally write JSON; 0 if every shape ran."""
-    from ..bench_model import TARGETS, _cpu, _error_message, write_json
-
     if target not in TARGETS:
         raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
-    print(f"# {LABEL}; op indexer; target {target}; host CPU: {_cpu()}", flush=True)
+    print(f"# {MODEL_LABEL}; op indexer; target {target}; host CPU: {cpu_model_name()}", flush=True)
     print(f"# {'tgt':<5} {'shape':<38} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>8} "
           f"{'instrs':>8} busiest kernel [per engine us]", flush=True)  # fmt: skip
     records, ok = [], True
@@ -119,16 +118,16 @@ def run_indexer_model(target: str, shapes: Optional[Iterable[tuple]] = None,
         except Exception as err:  # noqa: BLE001 - a shape the kernel rejects is a result too
             ok = False
             rec = {"target": target, "shape": {"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K},
-                   "error": _error_message(err)}  # fmt: skip
+                   "error": emulator_error_message(err)}  # fmt: skip
         records.append(rec)
         print(_row(rec), flush=True)
     if json_path:
         result = {
-            "kind": LABEL,
+            "kind": MODEL_LABEL,
             "op": "indexer",
             "target": target,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_cpu": _cpu(),
+            "host_cpu": cpu_model_name(),
             "notes": [
                 "the last T tokens of a causal sequence of R rows (positions R-T .. R-1), bf16 q "
                 "and keys, no key_scale",

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import bench
-from .attention.reference import accelerator_memory_bytes
+from . import common
+from ..attention.reference import accelerator_memory_bytes
 
 # The dense path is run only where its [T, Hi, R] f32 products and [T, R] scores stay within this
 # on CPU (the machine's processes are kept under ~4 GiB), and within this fraction of an
@@ -187,7 +187,7 @@ def _inputs(shape: IndexerShape, dtype, seed: int = 0):
 
 def op_fn(shape: IndexerShape, implementation: Optional[str] = None):
     """The op, jitted: ``(q, weights, keys, positions) -> idx [T, K]``."""
-    from . import indexer_topk
+    from .. import indexer_topk
 
     return jax.jit(lambda q, w, k, p: indexer_topk(q, w, k, p, shape.K,
                                                    implementation=implementation))
@@ -197,7 +197,7 @@ def scores_alone_fn(shape: IndexerShape, split: Optional[TokenSplit] = None):
     """The reference's streaming of the scores without the selection, jitted, same signature
     (``reference.streamed_scores_alone`` on the op's own operands): the op's time less this
     one's is the selection's. ``split``: on each device's tokens."""
-    from .indexer import api, reference
+    from ..indexer import api, reference
 
     def scores(q, w, k, p):
         operands, params = api.primitive_operands(q, w, k, p, shape.K)
@@ -211,7 +211,7 @@ def dense_fn(shape: IndexerShape, split: Optional[TokenSplit] = None):
     """The dense path (the layer's selection before the op), jitted, same signature and output
     width ``min(K, R)``. Needs flax (it lives in ``jax_sparse_attn.flax``). ``split``: on each
     device's tokens."""
-    from .flax import indexer_scores, select_topk_rows
+    from ..flax import indexer_scores, select_topk_rows
 
     def dense(q, w, k, p):
         scores = indexer_scores(q[None], w[None], k[None], p[None])
@@ -254,12 +254,12 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
     """Times the op (and, where it fits, the dense path, and the f32 GEMM) at one shape.
     ``cpu_devices > 1``: the tokens split over that many devices (``TokenSplit``; the op under
     ``jit`` on split operands, as a user would call it), where T divides; the GEMM on one."""
-    dtype = bench.DTYPES[dtype_name]
+    dtype = common.DTYPES[dtype_name]
     q, w, keys, positions = _inputs(shape, dtype)
     split = TokenSplit(cpu_devices)
     split = split if split.applies(shape) else None
     args = split.operands(q, w, keys, positions) if split else (q, w, keys, positions)
-    impl = bench._implementation_arg(implementation)
+    impl = common.implementation_arg(implementation)
     op = op_fn(shape, impl)
     start = time.perf_counter()
     idx = jax.block_until_ready(op(*args))
@@ -283,11 +283,11 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
                 dense_skipped = f"needs flax: {err}"
     gemm_flops = None
     if gemm:
-        gemm_fn, gemm_args, gemm_flops = bench._square_gemm(min(shape.flops, GEMM_MAX_FLOPS))
+        gemm_fn, gemm_args, gemm_flops = common.square_gemm(min(shape.flops, GEMM_MAX_FLOPS))
         fns["gemm_f32"] = (gemm_fn, gemm_args)
-    load_before = bench._load_average()
+    load_before = common.load_average()
     cpu_times: dict = {}
-    times = bench._time_rounds(fns, repeats, warmup, cpu_times)
+    times = common.time_rounds(fns, repeats, warmup, cpu_times)
     med = {k: float(np.median(v)) for k, v in times.items()}
     cpu_med = {k: float(np.median(v)) for k, v in cpu_times.items()}
     rec = {
@@ -304,7 +304,7 @@ def bench_indexer_shape(shape: IndexerShape, dtype_name: str, implementation: st
         "cpu_devices": split.devices if split else 1,
         "selection_check": check_selection(split.unsplit(idx) if split else idx, q, w, keys,
                                            shape.positions, shape.K),
-        "load_average": {"before": load_before, "after": bench._load_average()},
+        "load_average": {"before": load_before, "after": common.load_average()},
         "cpu_times_s": cpu_times,
         "median_cpu_s": cpu_med,
         "cores_busy": {k: cpu_med[k] / med[k] for k in med if med[k] > 0},
@@ -381,7 +381,7 @@ def _layer(sizes: dict, dtype, **options):
     the same weights on every call."""
     from flax import nnx
 
-    from .flax import SparseAttention
+    from ..flax import SparseAttention
 
     return SparseAttention(sizes["E"], sizes["H"], sizes["D"], sizes["K"], index_heads=sizes["Hi"],
                            index_dim=sizes["Di"], dtype=dtype, rngs=nnx.Rngs(0), **options)
@@ -393,10 +393,10 @@ def bench_layer_decode(sizes: dict, dtype_name: str, implementation: str, repeat
     the indexer call alone and the attention op alone at the same shapes, in the same rounds."""
     from flax import nnx
 
-    from . import gathered_attn_idx, indexer_topk
+    from .. import gathered_attn_idx, indexer_topk
 
-    dtype = bench.DTYPES[dtype_name]
-    impl = bench._implementation_arg(implementation)
+    dtype = common.DTYPES[dtype_name]
+    impl = common.implementation_arg(implementation)
     E, H, D, K, Hi, Di, R = (sizes[k] for k in ("E", "H", "D", "K", "Hi", "Di", "R"))
     layer = _layer(sizes, dtype, implementation=impl)
     position = R - 2  # a full cache: the indexer scores R - 1 rows
@@ -427,8 +427,8 @@ def bench_layer_decode(sizes: dict, dtype_name: str, implementation: str, repeat
     first_call_s = time.perf_counter() - start
     fns = {"step": (decode_step, ()), "indexer": (indexer, (iq, iw, keys, pos)),
            "attention": (attend, (q, kv, idx, sink))}
-    load_before = bench._load_average()
-    times = bench._time_rounds(fns, repeats, warmup)
+    load_before = common.load_average()
+    times = common.time_rounds(fns, repeats, warmup)
     med = {k: float(np.median(v)) for k, v in times.items()}
     parts = med["indexer"] + med["attention"]
     return {
@@ -443,7 +443,7 @@ def bench_layer_decode(sizes: dict, dtype_name: str, implementation: str, repeat
         "step_over_parts_per_round_median": float(np.median(
             np.array(times["step"]) / (np.array(times["indexer"]) + np.array(times["attention"])))),
         "target_step_over_parts": LAYER_STEP_TARGET,
-        "load_average": {"before": load_before, "after": bench._load_average()},
+        "load_average": {"before": load_before, "after": common.load_average()},
     }
 
 
@@ -463,8 +463,8 @@ def bench_layer_prefill(sizes: dict, dtype_name: str, implementation: str, repea
     selects and attends for its own sequences), in the same rounds."""
     from flax import nnx
 
-    dtype = bench.DTYPES[dtype_name]
-    impl = bench._implementation_arg(implementation)
+    dtype = common.DTYPES[dtype_name]
+    impl = common.implementation_arg(implementation)
     B, T, E = sizes["B"], sizes["T"], sizes["E"]
     x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (B, T, E), dtype))
     prefill = nnx.jit(lambda m, x: m(x))
@@ -478,14 +478,14 @@ def bench_layer_prefill(sizes: dict, dtype_name: str, implementation: str, repea
         fns["split"] = (prefill, (_layer(sizes, dtype, implementation=impl),
                                   jax.device_put(x, NamedSharding(mesh, P("batch")))))
     outs = {k: np.asarray(jax.block_until_ready(fn(*args))) for k, (fn, args) in fns.items()}
-    load_before = bench._load_average()
-    times = bench._time_rounds(fns, repeats, warmup)
+    load_before = common.load_average()
+    times = common.time_rounds(fns, repeats, warmup)
     med = {k: float(np.median(v)) for k, v in times.items()}
     rec = {"case": "layer-prefill", "sizes": dict(sizes), "dtype": dtype_name,
            "implementation": implementation, "cpu_devices": cpu_devices if split else 1,
            "times_s": times, "median_s": med, "finite": bool(np.isfinite(outs["one_device"]).all()),
            "one_device_weights_on": len(jax.tree.leaves(nnx.state(one_device))[0].devices()),
-           "load_average": {"before": load_before, "after": bench._load_average()}}
+           "load_average": {"before": load_before, "after": common.load_average()}}
     if split:
         rec["split_over_one_device"] = med["split"] / med["one_device"]
         rec["split_same_bits"] = bool(np.array_equal(outs["split"], outs["one_device"]))
@@ -509,17 +509,17 @@ def sweep_child(shape: IndexerShape, path: str, dtype_name: str, repeats: int) -
     """Runs in a fresh process: peak memory growth of the first call (compilation included, inputs
     excluded) of ``path`` ("op" or "dense"), then the median time of ``repeats`` more calls. The
     memory is the process's RSS on CPU, the device's peak bytes in use on an accelerator."""
-    dtype = bench.DTYPES[dtype_name]
+    dtype = common.DTYPES[dtype_name]
     args = _inputs(shape, dtype)
-    peak_reset = bench._reset_peak_rss()
-    rss_before = bench._rss_bytes()
+    peak_reset = common.reset_peak_rss()
+    rss_before = common.rss_bytes()
     device_before = accelerator_memory_bytes("bytes_in_use")
     fn = op_fn(shape) if path == "op" else dense_fn(shape)
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     first = time.perf_counter() - start
     if device_before is None:
-        growth = bench._peak_rss_bytes() - rss_before
+        growth = common.peak_rss_bytes() - rss_before
     else:  # a fresh process: its peak so far is the inputs and this call
         growth = accelerator_memory_bytes("peak_bytes_in_use") - device_before
         peak_reset = True
@@ -552,7 +552,7 @@ def sweep(quick: bool = False, dtype_name: str = "bf16", max_size: Optional[int]
     ``max_size`` drops the prefills with a larger T (a shorter run; the decode points are cheap)."""
     sizes = SWEEP["quick" if quick else "full"]
     fixed = sizes["fixed"]
-    result: dict = {"environment": bench.environment(), "dtype": dtype_name, "sizes": sizes,
+    result: dict = {"environment": common.environment(), "dtype": dtype_name, "sizes": sizes,
                     "dense_budget_bytes": dense_budget_bytes()}
     for key, points in (("prefill", [(n, n) for n in sizes["prefill_T"]]),
                         ("decode", [(1, n) for n in sizes["decode_R"]])):
@@ -598,18 +598,18 @@ def layer_memory_child(T: int, sizes: dict, dtype_name: str = "bf16",
     included)."""
     from flax import nnx
 
-    dtype = bench.DTYPES[dtype_name]
+    dtype = common.DTYPES[dtype_name]
     layer = _layer(sizes, dtype, selection=selection)
     x = jax.block_until_ready(jax.random.normal(jax.random.key(1), (1, T, sizes["E"]), dtype))
     cache = jax.block_until_ready(layer.init_cache(1, T))
     prefill = nnx.jit(lambda m, x, c: m(x, c), donate_argnums=2)
-    peak_reset = bench._reset_peak_rss()
-    rss_before = bench._rss_bytes()
+    peak_reset = common.reset_peak_rss()
+    rss_before = common.rss_bytes()
     start = time.perf_counter()
     y, cache = prefill(layer, x, cache)
     y = jax.block_until_ready(y)
     seconds = time.perf_counter() - start
-    growth = bench._peak_rss_bytes() - rss_before
+    growth = common.peak_rss_bytes() - rss_before
     return {"T": T, "sizes": dict(sizes), "dtype": dtype_name, "selection": selection,
             "growth_bytes": growth,
             "limit_bytes": LAYER_PREFILL_LIMIT_BYTES, "peak_reset": peak_reset,
@@ -637,7 +637,7 @@ def layer_memory_main(T: int, dtype_name: str, json_path: Optional[str]) -> int:
     """``--layer-memory [T]``: :func:`run_layer_memory_check` (T < 0: ``LAYER_PREFILL_T``), printed
     against ``LAYER_PREFILL_LIMIT_BYTES``; exit status 1 above it."""
     T = LAYER_PREFILL_T if T < 0 else T
-    env = bench.environment()
+    env = common.environment()
     rec = run_layer_memory_check(T, dtype_name=dtype_name)
     gib = 2**30
     s = rec["sizes"]

@@ -27,7 +27,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-LABEL = "MODEL (not a measurement): NKI emulator cost model, see docs/nki-emulator.md"
+from .common import MODEL_LABEL, TARGETS, cpu_model_name, emulator_error_message, write_json
+
 # (name, ratio, C, overlap, T, B): B sequences of T tokens each.
 DEFAULT_SHAPES = (
     ("ratio4-main-prefill", 4, 1024, True, 65536, 1),
@@ -99,11 +100,9 @@ def run_compress_model(target: str, shapes: Optional[Iterable[tuple]] = None,
                        json_path: Optional[str] = None) -> int:  # fmt: skip
     """Model every ``(name, ratio, C, overlap, T, B)`` shape on ``target``; print a table,
     optionally write JSON; 0 if every shape ran."""
-    from ..bench_model import TARGETS, _cpu, _error_message, write_json
-
     if target not in TARGETS:
         raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
-    print(f"# {LABEL}; op compress_pool; target {target}; host CPU: {_cpu()}", flush=True)
+    print(f"# {MODEL_LABEL}; op compress_pool; target {target}; host CPU: {cpu_model_name()}", flush=True)
     print(f"# {'tgt':<5} {'shape':<22} {'model us':>10} {'HBM us':>9} {'/bound':>8} "
           f"{'instrs':>6} busiest [per engine us]", flush=True)  # fmt: skip
     records, ok = [], True
@@ -112,18 +111,18 @@ def run_compress_model(target: str, shapes: Optional[Iterable[tuple]] = None,
             rec = model_compress_shape(target, ratio, C, overlap, T, B)
         except Exception as err:  # noqa: BLE001 - a shape the kernel rejects is a result too
             ok = False
-            rec = {"target": target, "error": _error_message(err),
+            rec = {"target": target, "error": emulator_error_message(err),
                    "shape": {"ratio": ratio, "C": C, "overlap": overlap, "T": T, "B": B}}  # fmt: skip
         rec["name"] = name
         records.append(rec)
         print(_row(name, rec), flush=True)
     if json_path:
         result = {
-            "kind": LABEL,
+            "kind": MODEL_LABEL,
             "op": "compress_pool",
             "target": target,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_cpu": _cpu(),
+            "host_cpu": cpu_model_name(),
             "notes": [
                 "DeepSeek V4-Flash's compressors, B sequences of T tokens, f32 kv and scores; "
                 "overlap calls get the rows before block 0 (prev_kv, prev_score)",
