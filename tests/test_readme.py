@@ -195,7 +195,7 @@ def test_two_caches_snippet(as_written):
 
 
 @pytest.mark.slow
-@pytest.mark.oldest_jax_too  # slow here, yet a README snippet: CI runs it with both ends of the range
+@pytest.mark.oldest_jax_too  # slow here, yet a snippet users copy: CI runs it with both ends of the range
 def test_split_fp8_rows_snippet():
     ns = run(snippet("kv_rope=rope)"))
     kv, scale, rope = (np.asarray(ns[k]) for k in ("kv", "scales", "rope"))
