@@ -17,9 +17,9 @@ def test_help_documents_implementation_shape_and_dtype(capsys):
         assert option in text
 
 
-def test_default_shape_is_the_decode_case_of_the_readme_table():
-    readme = (demo.__file__.rsplit("/jax_sparse_attn/", 1)[0] + "/README.md")
-    row = re.search(r"^\| decode \| ([0-9, ]+) \|", open(readme).read(), flags=re.M)
+def test_default_shape_is_the_decode_case_of_the_performance_table():
+    page = (demo.__file__.rsplit("/jax_sparse_attn/", 1)[0] + "/docs/guides/performance.md")
+    row = re.search(r"^\| decode \| ([0-9, ]+) \|", open(page).read(), flags=re.M)
     T, H, D, K, R = (int(v) for v in row.group(1).split(","))
     shape = demo.SHAPES["decode"]
     assert (shape.T, shape.H, shape.D, shape.K, shape.R) == (T, H, D, K, R) == (

@@ -1,8 +1,10 @@
-"""The README's snippets run as written, and its install commands name extras that exist.
+"""The snippets of the README and of the documentation's guides run as written, and the install
+commands name extras that exist.
 
-Each ```python block of README.md is executed on its own, in a fresh namespace (so a snippet that
-leans on a name from another one fails with NameError), and its results are checked against what
-the README says they are (the contract's numpy model in ``tests/oracle.py`` for the outputs).
+Each ```python block of README.md and docs/guides/*.md is executed on its own, in a fresh namespace
+(so a snippet that leans on a name from another one fails with NameError), and its results are
+checked against what the page says they are (the contract's numpy model in ``tests/oracle.py`` for
+the outputs). A snippet that appears both in the README and in a guide appears there word for word.
 
 Sizes: the default run executes the snippets that declare ``T, H, D, R, K = ...`` with that one
 line replaced by ``SMALL_SIZES`` (everything else as written), to stay fast; the tests marked slow
@@ -23,12 +25,14 @@ from oracle import attention_bf16_contract, attention_f64, gather, within_one_ul
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-SNIPPETS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+GUIDES = {p.name: p.read_text() for p in sorted((ROOT / "docs" / "guides").glob("*.md"))}
+SNIPPET_RE = re.compile(r"```python\n(.*?)```", flags=re.S)
+SNIPPETS = [s for page in [README, *GUIDES.values()] for s in SNIPPET_RE.findall(page)]
 
 
-def snippet(first_import: str) -> str:
-    """The one README snippet containing ``first_import``."""
-    (found,) = [s for s in SNIPPETS if first_import in s]
+def snippet(marker: str) -> str:
+    """The one snippet containing ``marker`` (in the README, a guide, or word for word in both)."""
+    (found,) = {s for s in SNIPPETS if marker in s}
     return found
 
 
@@ -55,8 +59,8 @@ def test_every_snippet_is_covered_below():
                "value_dim=V, return_lse=True", "extra_kv=compressed, extra_idx=topk_idx)",
                "kv_rope=rope)", "indexer_topk, static_argnames",
                '"jax_num_cpu_devices", 2', "from jax_sparse_attn.deepseek import V4_FLASH",
-               "from jax_sparse_attn.deepseek import V32_EXP"]
-    assert len(SNIPPETS) == len(markers)
+               "from jax_sparse_attn.deepseek import V32_EXP", "compress_pool, static_argnames"]
+    assert len(set(SNIPPETS)) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
 
@@ -191,7 +195,7 @@ def test_two_caches_snippet(as_written):
 
 
 @pytest.mark.slow
-@pytest.mark.oldest_jax_too  # slow here, yet a README snippet: CI runs it with both ends of the range
+@pytest.mark.oldest_jax_too  # slow here, yet a snippet users copy: CI runs it with both ends of the range
 def test_split_fp8_rows_snippet():
     ns = run(snippet("kv_rope=rope)"))
     kv, scale, rope = (np.asarray(ns[k]) for k in ("kv", "scales", "rope"))
@@ -223,15 +227,26 @@ def test_flax_snippet():
     assert bool(jnp.isfinite(ns["y"]).all()) and bool(jnp.isfinite(ns["y1"]).all())
 
 
-def test_install_commands_name_existing_extras():
+@pytest.mark.parametrize("page", ["README.md", *GUIDES])
+def test_install_commands_name_existing_extras(page):
+    text = README if page == "README.md" else GUIDES[page]
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    named = re.findall(r'pip install[^\n`]*?"\.\[([a-z,]+)\]"', README)
-    assert named, "the README names no extra"
+    named = re.findall(r'pip install[^\n`]*?"\.\[([a-z,]+)\]"', text)
+    if page == "README.md":
+        assert named, "the README names no extra"
     for group in named:
         for extra in group.split(","):
-            assert extra in extras, f"README installs .[{extra}], which pyproject.toml does not define"
+            assert extra in extras, f"{page} installs .[{extra}], which pyproject.toml does not define"
     # Installs from this repository, never by a name the public index does not serve.
-    assert "jax-sparse-attn[" not in README
+    assert "jax-sparse-attn[" not in text
+
+
+def test_readme_is_short_and_cites_records_that_exist():
+    assert len(README.splitlines()) <= 250, "the README is the five-minute tour: the rest goes to docs/"
+    cited = set(re.findall(r"benchmarks/[A-Za-z0-9_.-]+\.json", README))
+    assert cited, "the README's figures name no benchmark record"
+    missing = sorted(c for c in cited if not (ROOT / c).is_file())
+    assert not missing, f"the README cites records that do not exist: {missing}"
 
 
 def test_install_hints_in_error_messages_work_from_a_clone():
@@ -295,3 +310,20 @@ def test_deepseek_v32_snippet():
     for t in range(24):  # every row at or before the token while there are at most 16, then 16 of them
         picked = rows[t][rows[t] >= 0]
         assert len(picked) == min(16, t + 1) and np.all(picked <= t) and len(set(picked)) == len(picked)
+
+
+@pytest.mark.parametrize("as_written", [pytest.param(False, id="default"),
+                                        pytest.param(True, id="as-written", marks=pytest.mark.slow)])
+def test_compress_pool_snippet(as_written):
+    from test_compress_pool import assert_matches
+
+    code = snippet("compress_pool, static_argnames")
+    if not as_written:  # fewer tokens and channels: the oracle loops in Python
+        code, replaced = re.subn(r"^T, C, r = [0-9, *]+", "T, C, r = 16, 2 * 8, 4", code, flags=re.M)
+        assert replaced == 1
+    ns = run(code)
+    T, C, r = ns["T"], ns["C"], ns["r"]
+    rows = ns["rows"]
+    assert rows.shape == (T // r, C // 2) and rows.dtype == jnp.float32
+    kv, score, ape = (np.asarray(ns[k], np.float32) for k in ("kv", "score", "ape"))
+    assert_matches(rows, kv, score, ape, overlap=True)

@@ -24,6 +24,17 @@ from ..constants import MAX_ROWS
 
 gathered_attn_p = Primitive("gathered_attn")
 gathered_attn_idx_p = Primitive("gathered_attn_idx")
+gathered_attn_p.__doc__ = """The primitive of :func:`jax_sparse_attn.gathered_attn`.
+
+Operands ``q [T, H, D], g [T, K, D], sink [H] f32, bias [T, K] f32, scale [] f32`` (the defaults
+already filled in); parameters ``implementation``, ``value_dim``. Results ``out [T, H, value_dim]``
+in q's dtype and ``lse [T, H]`` f32."""
+gathered_attn_idx_p.__doc__ = """The primitive of :func:`jax_sparse_attn.gathered_attn_idx`.
+
+Operands ``q [T, H, D], kv [R, D], idx [T, K] int32, sink [H] f32, bias [T, K] f32, scale [] f32``,
+then the optional groups of ``OPERANDS``' neighbours in this module (FP8 scales and rope columns, a
+second cache); parameters ``implementation``, ``value_dim``. Results ``out [T, H, value_dim]`` in
+q's dtype and ``lse [T, H]`` f32."""
 
 IMPLEMENTATIONS = ("reference", "nki", "nki_emulated")
 

@@ -34,6 +34,11 @@ from .. import sharding as shared_sharding
 from . import sharding as compress_sharding
 
 compress_pool_p = Primitive("compress_pool")
+compress_pool_p.__doc__ = """The primitive of :func:`jax_sparse_attn.compress_pool`.
+
+Operands ``kv [..., T, C], score [..., T, C], ape [r, C]`` and, with ``overlap``, optionally
+``prev_kv, prev_score [..., r, C]``; parameters ``overlap``, ``implementation``. Result
+``[..., T // r, C]`` f32 (``C // 2`` with overlap)."""
 
 
 def result_shape(kv_shape, ratio: int, overlap: bool) -> tuple:

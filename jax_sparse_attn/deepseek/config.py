@@ -102,12 +102,13 @@ class V4Config(_Config):
             raise ValueError(f"compress_ratios must be >= 0; got {self.compress_ratios}")
 
 
-# The released models' attention fields (DeepSeek-V4-Flash and -Pro, inference/config.json).
+#: DeepSeek-V4-Flash's attention fields (its ``inference/config.json``).
 V4_FLASH = V4Config(
     dim=4096, n_layers=43, n_heads=64, q_lora_rank=1024, head_dim=512, rope_head_dim=64, o_groups=8,
     o_lora_rank=1024, window_size=128, compress_ratios=(0, 0) + (4, 128) * 20 + (4, 0),
     compress_rope_theta=160000.0, original_seq_len=65536, rope_theta=10000.0, rope_factor=16.0,
     beta_fast=32.0, beta_slow=1.0, index_n_heads=64, index_head_dim=128, index_topk=512)
+#: DeepSeek-V4-Pro's attention fields (its ``inference/config.json``).
 V4_PRO = V4_FLASH.replace(dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, o_groups=16, index_topk=1024,
                           compress_ratios=(128, 128) + (4, 128) * 29 + (4, 0))
 
@@ -180,8 +181,9 @@ class V32Config(_Config):
         return scale
 
 
-# DeepSeek-V3.2-Exp (inference/config_671B_v3.2.json; the RoPE and YaRN fields are ModelArgs'
-# defaults, which that file leaves out; max_seq_len is ModelArgs' default runtime choice).
+#: DeepSeek-V3.2-Exp's attention fields (``inference/config_671B_v3.2.json``; the RoPE and YaRN
+#: fields are ModelArgs' defaults, which that file leaves out; max_seq_len is ModelArgs' default
+#: runtime choice).
 V32_EXP = V32Config(
     dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
     qk_rope_head_dim=64, v_head_dim=128, dtype="fp8", scale_fmt="ue8m0", index_n_heads=64,

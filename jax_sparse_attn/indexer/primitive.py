@@ -22,6 +22,11 @@ from . import sharding as indexer_sharding
 
 indexer_topk_p = Primitive("indexer_topk")
 indexer_topk_p.multiple_results = True
+indexer_topk_p.__doc__ = """The primitive of :func:`jax_sparse_attn.indexer_topk`.
+
+Operands ``q [T, Hi, Di], weights [T, Hi] f32 (the scale folded in), keys [R, Di],
+key_scale [R] f32, positions [T] int32`` (``OPERANDS``); parameters ``topk``, ``compress_ratio``,
+``implementation``, ``sequences``. Results ``idx [T, topk]`` int32 and ``scores [T, topk]`` f32."""
 
 # q [S, T, Hi, Di], weights [S, T, Hi], keys [S, R, Di], key_scale [S, R], positions [S, T].
 OPERANDS = ("q", "weights", "keys", "key_scale", "positions")
