@@ -336,7 +336,7 @@ def test_cost_model_bound_counts_each_pooled_value_once(overlap):
     """``--model trn2 --op compress_pool``'s HBM bound: a window pools r rows of C values (with
     overlap, the previous block's low half and its own high half), kv and score f32, and writes
     Co results; B sequences of T tokens (the trailing partial block is never read)."""
-    from jax_sparse_attn.compress.bench_model import compress_bounds
+    from jax_sparse_attn.bench.compress_model import compress_bounds
     from jax_sparse_attn.nki_emulator.cost import HARDWARE
 
     ratio, C, T, B = 4, 1024, 4 * 3 + 1, 5

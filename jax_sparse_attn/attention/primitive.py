@@ -13,6 +13,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
+import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir, xla

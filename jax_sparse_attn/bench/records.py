@@ -169,13 +169,14 @@ def find_claims(root, names: Sequence[str], sources: Optional[Sequence[str]] = N
                 broad: int = 6) -> dict:
     """``{name: [claim, ...]}``: for each record name, the sentences of ``sources`` that cite it,
     each ``{"in", "cited_as", "claim"}`` (and ``cited_after``, the full name a short form
-    follows). ``sources`` by default: README.md, docs/*.md and the library's modules under
+    follows). ``sources`` by default: README.md, docs/**/*.md and the library's modules under
     ``root`` (their docstrings and comments; the benchmarks and their charts, which write and
     read records rather than cite them, excepted). A citation that names more than ``broad`` records
     (``benchmarks/model-trn2*.json``) counts for a record only where nothing else cites it."""
     root = pathlib.Path(root)
     if sources is None:
-        docs = sorted(str(p.relative_to(root)) for p in (root / "docs").glob("*.md"))
+        docs = sorted(str(p.relative_to(root)) for p in (root / "docs").rglob("*.md")
+                      if "_build" not in p.parts)
         package = root / "jax_sparse_attn"
         code = sorted(str(p.relative_to(root)) for p in package.rglob("*.py")
                       if p.parent != package / "bench" and p != package / "plots.py")
