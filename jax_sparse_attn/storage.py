@@ -4,7 +4,8 @@
 A bf16 array is stored as its ``uint16`` bit patterns and an FP8 one as ``uint8``: XLA:CPU updates
 a 16-bit float array by converting all of it to f32 and back (a full pass over a cache that may
 hold a million rows, at every decode step, donated or not), while an integer array is updated in
-place. Reading the rows back is a bit cast, which copies nothing.
+place. Reading the rows back is a bit cast, which copies nothing; the indexer reads bf16 bits in
+place (``Bf16Bits``).
 """
 
 from __future__ import annotations
