@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU records of README "Performance", in one run on a machine with one CUDA GPU and JAX's CUDA
+# The GPU records of the performance guide (docs/guides/performance.md), in one run on a machine with one CUDA GPU and JAX's CUDA
 # plugin installed: the attention op against jax.nn.dot_product_attention (`bench --sdpa`), the
 # indexer against its dense path and an f32 GEMM (`bench --cases indexer`), the reference's two
 # selection forms on the GPU (benchmarks/indexer_forms.py), and the behavioural tests (float64

@@ -10,8 +10,8 @@
 - The compressor's pooling, ``compress_pool(kv, score, ape)``: DeepSeek V4's gated pooling of
   blocks of tokens into compressed rows, with or without overlapping blocks (``compress/``).
 
-The attention and the indexer run the project's NKI kernels on AWS Trainium and a pure-jnp
-reference everywhere else; the pooling runs its jnp reference everywhere (no kernel yet).
+The three ops run the project's NKI kernels on AWS Trainium and a pure-jnp reference everywhere
+else.
 The public API is :mod:`jax_sparse_attn.api`.
 """
 

@@ -1,8 +1,8 @@
 """Demo: ``python -m jax_sparse_attn`` (``--help`` lists the options).
 
-Runs ``gathered_attn_idx`` jitted on the default JAX backend at one of the shapes of the README's
-performance table (by default the DeepSeek-like decode step: 16 tokens, 64 heads, head dim 512,
-top-2048 of an 8192-row cache), and prints:
+Runs ``gathered_attn_idx`` jitted on the default JAX backend at one of the shapes of the
+performance guide's table (docs/guides/performance.md; by default the DeepSeek-like decode step:
+16 tokens, 64 heads, head dim 512, top-2048 of an 8192-row cache), and prints:
 
 - which implementation ran (the NKI kernel on Trainium, the jnp reference elsewhere, or the one you
   asked for), read from the compiled program;
@@ -30,7 +30,7 @@ from . import gathered_attn_idx
 from .bench import attention as attention_bench
 from .bench.common import DTYPES
 
-# The cases of the README's performance table (the benchmark's default shapes), by the demo's names.
+# The cases of the performance guide's table (docs/guides/performance.md) (the benchmark's default shapes), by the demo's names.
 SHAPES = {
     name: dataclasses.replace(shape, name=name)
     for name, shape in (("decode", attention_bench.SHAPES["decode"][0]),
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
                    "elsewhere), reference, nki (Trainium only) or nki_emulated (the Neuron data path "
                    "under the host emulator: slow, use a small --shape); default: auto")
     p.add_argument("--shape", type=_parse_shape, default=SHAPES["decode"], metavar="NAME|T,H,D,K,R",
-                   help=f"a case of the README's table ({', '.join(SHAPES)}) or five integers; "
+                   help=f"a case of the performance guide's table ({', '.join(SHAPES)}) or five integers; "
                    "default: decode")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                    help="dtype of q and the cache (the output has q's dtype); default: bf16")

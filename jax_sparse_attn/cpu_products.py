@@ -16,7 +16,7 @@ the CPU: GPUs and TPUs always take the native form.
 
 Independently, the layout of the dot products follows the library that XLA:CPU runs them with
 (``products_by_eigen``): Eigen is far faster at ``x rows^T`` than at ``rows x^T`` with either
-operand type (README, Performance). ``cpu_form()`` holds both halves (``ProductForm``) and is the
+operand type (docs/guides/performance.md). ``cpu_form()`` holds both halves (``ProductForm``) and is the
 one place the attention reference, its backward and the indexer ask; ``forced`` sets a form for
 the programs traced inside it (benchmarks, tests).
 """

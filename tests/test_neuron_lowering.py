@@ -242,7 +242,7 @@ def test_trn1_runs_only_the_kernel_without_indirect_dma():
 
 def test_the_neuron_extra_is_the_supported_range():
     """pyproject's `neuron` extra, the install hint and the emulator's version table say the same
-    (README, "Running on Trainium"): one list, NEURON_REQUIREMENTS."""
+    (docs/guides/trainium.md, "Running on Trainium"): one list, NEURON_REQUIREMENTS."""
     tomllib = pytest.importorskip("tomllib")
     from pathlib import Path
 

@@ -29,8 +29,8 @@ THROUGH_JAX = "test_emulated_"
 
 
 def pytest_generate_tests(metafunc):
-    """The kernels' own simulations run under each NKI version the kernels support (README,
-    "Running on Trainium"): the newest in the default run, the others in the slow run. They run
+    """The kernels' own simulations run under each NKI version the kernels support
+    (docs/guides/trainium.md, "Running on Trainium"): the newest in the default run, the others in the slow run. They run
     no JAX (the emulator and the kernels are numpy): jax_free, so CI runs them with one JAX. The
     data path through JAX (``test_emulated_*``) runs under the default version only."""
     if metafunc.function.__name__.startswith(THROUGH_JAX):

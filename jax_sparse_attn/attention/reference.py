@@ -54,7 +54,7 @@ from ..cpu_products import ACCELERATOR_FORM, ProductForm, cpu_form, logits_x_fir
 
 # Target working set of one token chunk (gathered slots + fp32 logits/probabilities). Small on
 # purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM, which
-# measured about twice as fast as one big batch (README, Performance), and it bounds the memory of a
+# measured about twice as fast as one big batch (docs/guides/performance.md), and it bounds the memory of a
 # long prefill (the gathered slots of T=4096, K=2048, D=512 alone would be 8 GiB).
 CHUNK_BYTES = 4 * 2**20
 

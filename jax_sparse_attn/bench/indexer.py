@@ -14,7 +14,7 @@ Run through the benchmark's command line (``python -m jax_sparse_attn.bench``):
   ``selection_share_of_op`` in the JSON). ``--cpu-devices N`` gives JAX N CPU devices and deals
   each prefill's tokens out over them (``TokenSplit``): XLA:CPU runs a program's sorts and
   scatters one after another on one core, so one device selects on one core at a time, while N
-  devices run N programs side by side (README, "The indexer on CPU").
+  devices run N programs side by side (docs/guides/performance.md, "The indexer on CPU").
 - ``--cases layer-decode``: one decode step of ``SparseAttention`` (E=512, H=16, D=128, K=2048,
   Hi=4, Di=64, bf16) over a 1M-row cache, jitted with the cache donated, against the indexer call
   and the attention op alone at the same shapes, in the same rounds (target: the step within

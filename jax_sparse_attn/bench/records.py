@@ -249,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("folder", nargs="?", default=str(RECORDS_DIR),
                    help=f"the records folder (default {RECORDS_DIR})")
     p.add_argument("--find-claims", metavar="ROOT", nargs="?", const=".",
-                   help="first reread every record's claims from ROOT's README.md, docs/*.md and "
+                   help="first reread every record's claims from ROOT's README.md, docs/**/*.md and "
                    "the library's docstrings "
                    "(default: the current folder) and rewrite the index")
     a = p.parse_args(argv)

@@ -34,8 +34,8 @@ VERSION_ENV = "JAX_SPARSE_ATTN_NKI_VERSION"
 SDK_OF_VERSION = {"0.3": "2.29", "0.4": "2.30", "0.5": "2.31", "0.6": "2.32", "0.7": "2.33"}
 # Every version the emulator can model (to check what an older NKI would reject).
 KNOWN_VERSIONS = tuple(SDK_OF_VERSION)
-# The versions the project's kernels are written for and tested under (README, "Running on
-# Trainium"): both have nl.fori_loop; 0.3 to 0.5 would need a second loop form (docs/neuron-kernel.md).
+# The versions the project's kernels are written for and tested under (docs/guides/trainium.md,
+# "Running on Trainium"): both have nl.fori_loop; 0.3 to 0.5 would need a second loop form (docs/neuron-kernel.md).
 SUPPORTED_VERSIONS = ("0.6", "0.7")
 DEFAULT_VERSION = SUPPORTED_VERSIONS[-1]
 
