@@ -243,7 +243,7 @@ def test_install_commands_name_existing_extras(page):
 
 def test_readme_is_short_and_cites_records_that_exist():
     assert len(README.splitlines()) <= 250, "the README is the five-minute tour: the rest goes to docs/"
-    cited = set(re.findall(r"benchmarks/[A-Za-z0-9_.-]+\.json", README))
+    cited = set(re.findall(r"benchmarks/records/[A-Za-z0-9_.-]+\.json", README))
     assert cited, "the README's figures name no benchmark record"
     missing = sorted(c for c in cited if not (ROOT / c).is_file())
     assert not missing, f"the README cites records that do not exist: {missing}"

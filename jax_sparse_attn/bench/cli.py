@@ -1,19 +1,8 @@
 """The benchmarks' command line: ``python -m jax_sparse_attn.bench``.
 
 Times ``gathered_attn_idx`` jitted on the current backend over decode and prefill shapes, after
-warm-up, and reports medians over interleaved rounds. Every figure that depends on the machine is
-also given as a ratio to a baseline measured in the same run, on the same machine, in the same
-rounds (so that a noisy, shared machine slows both alike):
-
-- ``vs naive``: time of a naive jnp implementation (one gather and two einsums with a softmax in
-  between, written below, the same contract arithmetic) divided by the op's time; above 1 means
-  the op is faster.
-- ``of f32 GEMM``: the op's GFLOP/s over the GFLOP/s of a square f32 matrix product with about
-  the same FLOPs.
-
-It also reports GFLOP/s (``4 T H K D`` FLOPs: two products), the effective gather bandwidth (the
-``T K D`` slot bytes read from the cache, per second of the op), and checks a few tokens of the
-output against a float64 numpy model of the bf16 contract (fraction within one bf16 ulp).
+warm-up: medians over interleaved rounds, each figure beside a baseline of the same rounds
+(:mod:`jax_sparse_attn.bench.attention` says which).
 
 ``--memory`` measures, in a fresh subprocess, the peak resident memory growth of one call at a
 long prefill (T=4096, K=2048, D=512, H=16 by default; the gathered slots alone would be 8 GiB),
