@@ -11,7 +11,7 @@
   blocks of tokens into compressed rows, with or without overlapping blocks (``compress/``).
 
 The three ops run the project's NKI kernels on AWS Trainium and a pure-jnp reference everywhere
-else.
+else. ``Bf16Bits`` hands ``indexer_topk`` bf16 keys stored as their bits, read in place.
 The public API is :mod:`jax_sparse_attn.api`.
 """
 
@@ -21,6 +21,7 @@ from .attention import autodiff as _autodiff  # noqa: F401  (registers the diffe
 from .attention.primitive import gathered_attn_idx_p, gathered_attn_p
 from .compress.primitive import compress_pool_p
 from .indexer.primitive import indexer_topk_p
+from .storage import Bf16Bits
 
 # Registers implementation="nki_emulated" and the lazy "neuron" platform lowerings. Imports no
 # Neuron SDK: safe on every machine.
@@ -35,6 +36,7 @@ __all__ = [
     "indexer_topk",
     "merge_attention",
     "paged_indices",
+    "Bf16Bits",
     "gathered_attn_p",
     "gathered_attn_idx_p",
     "indexer_topk_p",

@@ -64,8 +64,8 @@ the cache's own buffers instead of a copy of a cache that may hold a million row
         y, cache = step(layer, x_t, cache)     # the old cache is consumed
 
 A bfloat16 cache is stored as its **bit patterns** (``uint16`` arrays): XLA:CPU updates a bf16 array
-by converting all of it to f32 and back (a full pass over the cache, 0.07 to 0.15 s per decode step
-at a million rows, donated or not), while an integer array is updated in place. The layer reads
+by converting all of it to f32 and back, a full pass over the cache at every step, while an integer
+array is updated in place (docs/guides/deepseek-blocks.md, "Flax layer"). The layer reads
 the rows back as bf16 (:meth:`SparseAttentionCache.values` does the same for a user). No gradient
 flows through the cached path (use ``layer(x)`` for training).
 
@@ -114,10 +114,10 @@ SPARSE_LOSS_CHUNK_TOKENS = 64
 # for 32k tokens would otherwise grow with T).
 PREFILL_BLOCK_TOKENS = 8192
 # A call of at most this many tokens into a cache (a decode step) selects among the cache's rows as
-# stored and among its own rows apart, then merges the two (a sort of T * (topk + T) entries), so
-# that the key cache is read and updated in place. A longer call writes its index keys first and
-# selects over the written cache: a bf16 view of it, one copy of the key cache per call, small
-# beside a prefill's work (the merge took a 16k-token prefill from 11 to 20 s).
+# stored and among its own rows apart, then merges the two, so that the key cache is read and
+# updated in place. A longer call writes its index keys first and selects over the written cache
+# (one copy of the key cache, small beside a prefill's work; the merge's sort of T * (topk + T)
+# entries is not).
 SPLIT_SELECTION_MAX_TOKENS = 64
 
 

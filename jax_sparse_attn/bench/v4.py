@@ -30,6 +30,7 @@ import numpy as np
 
 from . import common
 from ..api import compress_pool, gathered_attn_idx, indexer_topk
+from ..storage import Bf16Bits
 
 # V4-Flash's layer 2 has ratio 4 (compressor and indexer), layer 3 ratio 128 (every block).
 LAYERS = {"ratio4": 2, "ratio128": 3}
@@ -204,7 +205,7 @@ def _parts(layer, cache, x, positions):
             iq = jnp.asarray(rng.standard_normal((s, cfg.index_n_heads, cfg.index_head_dim)), jnp.bfloat16)
             iw = jnp.asarray(rng.standard_normal((s, cfg.index_n_heads)), jnp.bfloat16)
             parts["indexer_topk"] = (jax.jit(lambda q, w, keys, p: indexer_topk(
-                q, w, keys, p, k, scale=1.0, compress_ratio=ratio, keys_as_bits=True)),
+                q, w, Bf16Bits(keys), p, k, scale=1.0, compress_ratio=ratio)),
                 (iq, iw, cache.index_keys[0], pos))
         else:
             every = jnp.arange(rows.values.shape[0])
