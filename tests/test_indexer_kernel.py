@@ -837,3 +837,19 @@ def test_row_spread_sbuf_estimate_bounds_the_emulated_peak(monkeypatch, T):
     peak = max(p.sbuf_peak_bytes_per_partition for r in rec.runs for p in r.programs)
     plan = neuron.decode_plan("trn2", Hi, Di, R, K)
     assert peak <= decode_kernel.sbuf_bytes_per_partition(plan)
+
+
+def test_neuron_rule_waits_for_the_platform_and_picks_the_kernel(monkeypatch):
+    """Registered once JAX knows "neuron" (never on this machine); there ``None`` means the
+    kernel ("nki"), as for the other two ops, and ``"nki_emulated"`` is a clear error."""
+    from jax_sparse_attn.indexer import primitive
+
+    assert primitive.register_neuron_lowering() is False  # no Neuron plugin here
+    seen = []
+    monkeypatch.setattr(primitive, "_lower", lambda *a, topk, compress_ratio, implementation: (
+        seen.append(implementation)))  # fmt: skip
+    for implementation in (None, "reference", "nki"):
+        primitive._lower_neuron(None, topk=4, compress_ratio=1, implementation=implementation)
+    assert seen == ["nki", "reference", "nki"]
+    with pytest.raises(NotImplementedError, match="host callback"):
+        primitive._lower_neuron(None, topk=4, compress_ratio=1, implementation="nki_emulated")

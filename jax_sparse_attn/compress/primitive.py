@@ -31,6 +31,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir, xla
 
 from .. import sharding as shared_sharding
+from ..platforms import NEURON_PLATFORM, register_on_discovery
 from . import sharding as compress_sharding
 
 compress_pool_p = Primitive("compress_pool")
@@ -82,36 +83,10 @@ def _lower_neuron(kv, score, ape, *prev, overlap, implementation):
 
 
 mlir.register_lowering(compress_pool_p, mlir.lower_fun(_lower, multiple_results=False))
-_neuron_registered = False
-
-
-def register_neuron_lowering(**_plugin_info) -> bool:
-    """Registers the ``"neuron"`` rule once JAX knows that platform (called by JAX after PJRT
-    plugin discovery, as ``attention.neuron.register_neuron_lowerings``); returns whether it is."""
-    global _neuron_registered
-    if _neuron_registered:
-        return True
-    try:
-        mlir.register_lowering(compress_pool_p,
-                               mlir.lower_fun(_lower_neuron, multiple_results=False),
-                               platform="neuron")  # fmt: skip
-    except NotImplementedError:
-        return False  # no Neuron plugin among the discovered ones
-    _neuron_registered = True
-    return True
-
-
-def install_neuron_lowering() -> None:
-    """Defers :func:`register_neuron_lowering` to JAX's plugin discovery (never fails)."""
-    try:
-        from jax._src import xla_bridge
-
-        xla_bridge.register_plugin_callbacks(register_neuron_lowering)
-    except (ImportError, AttributeError):
-        register_neuron_lowering()
-
-
-install_neuron_lowering()
+# Returns whether the "neuron" rule is registered (it is once JAX knows that platform).
+register_neuron_lowering = register_on_discovery(lambda: mlir.register_lowering(
+    compress_pool_p, mlir.lower_fun(_lower_neuron, multiple_results=False),
+    platform=NEURON_PLATFORM))
 
 
 # --- vmap ---------------------------------------------------------------------------------------

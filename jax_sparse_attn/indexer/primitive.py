@@ -16,6 +16,7 @@ from jax.interpreters import ad, batching, mlir, xla
 
 from .. import batching as shared_batching
 from .. import sharding as shared_sharding
+from ..platforms import NEURON_PLATFORM, register_on_discovery
 from ..attention.reference import EXACT
 from . import reference
 from . import sharding as indexer_sharding
@@ -90,7 +91,22 @@ def _lower(q, weights, keys, key_scale, positions, *, topk, compress_ratio, impl
                                                host_callbacks=implementation == "nki_emulated")
 
 
+def _lower_neuron(*operands, topk, compress_ratio, implementation):
+    """The ``"neuron"`` platform: ``None`` means the kernel there (as for the other ops);
+    ``"nki_emulated"`` needs a host callback, which JAX on Neuron does not have."""
+    if implementation == "nki_emulated":
+        from ..attention.neuron import NO_HOST_CALLBACKS_ON_NEURON
+
+        raise NotImplementedError(NO_HOST_CALLBACKS_ON_NEURON)
+    return _lower(*operands, topk=topk, compress_ratio=compress_ratio,
+                  implementation="nki" if implementation is None else implementation)
+
+
 mlir.register_lowering(indexer_topk_p, mlir.lower_fun(_lower, multiple_results=True))
+# Returns whether the "neuron" rule is registered (it is once JAX knows that platform).
+register_neuron_lowering = register_on_discovery(lambda: mlir.register_lowering(
+    indexer_topk_p, mlir.lower_fun(_lower_neuron, multiple_results=True),
+    platform=NEURON_PLATFORM))
 
 
 # --- vmap ---------------------------------------------------------------------------------------
