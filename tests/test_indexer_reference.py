@@ -285,7 +285,8 @@ def test_rows_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
                     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("case", ["plain", pytest.param("tied", marks=pytest.mark.slow), "skewed"])
+@pytest.mark.parametrize("case", [pytest.param("plain", marks=pytest.mark.slow),
+                                  pytest.param("tied", marks=pytest.mark.slow), "skewed"])
 def test_rows_selection_takes_its_sample_floor_or_cuts_whole_rows(rng, case):
     # 1000 to 1450 valid rows against a room of 192 (topk 8) or 832 (topk 300): the sample's
     # floor picks the candidates. "tied": 500 rows share one key, so a floor tied by more keys

@@ -264,6 +264,7 @@ def test_indexer_snippet_selects_the_exact_top_rows():
     assert ns["out"].shape == (ns["T"], 16, 512)
 
 
+@pytest.mark.slow  # a subprocess with two CPU devices
 def test_cpu_devices_snippet_selects_the_exact_top_rows_on_two_devices(tmp_path):
     # The snippet sets JAX's CPU devices, which only a fresh process can: it runs in one (at a
     # smaller T), saves its inputs and result, and this process checks them against float64.
