@@ -131,10 +131,8 @@ class ProductForm(NamedTuple):
 
 
 # In the f32 form, a token of at most this many heads takes the x-first layout for its logits
-# product (``logits_x_first``). In the plain layout YNNPACK transposes each token's widened slots
-# (4 MiB at K = 2048, D = 512) for only 2 H K D flops; x-first reads them as they lie. Measured
-# in the same rounds on a Zen 3 (AVX2), x-first against plain: 0.72x-0.87x the time at H = 16
-# (prefill), 0.91x-0.99x at H = 64 (decode), 1.08x-1.27x at H = 128 (the MLA width).
+# product (``logits_x_first``): the plain layout transposes each token's widened slots for only
+# 2 H K D flops, which costs more than it saves below about 64 heads (docs/guides/performance.md).
 X_FIRST_MAX_HEADS = 64
 
 
@@ -148,14 +146,9 @@ def logits_x_first(form: ProductForm, heads: int) -> bool:
 def shape_invariant(form: ProductForm) -> bool:
     """Whether the CPU's products in ``form`` give each f32 element the same bits whatever the
     product's shape (how many rows and columns are multiplied at once), so that the results do not
-    depend on chunk and block sizes. Only the native form on YNNPACK without AMX:
-
-    - f32 products and Eigen's kernels sum in another order for another block shape (measured on
-      a Zen 3, jaxlib 0.10);
-    - with AMX, YNNPACK multiplies products of few rows with other kernels than the rest (measured
-      on a Sapphire Rapids, jaxlib 0.10.2: a product of 1 row of 64 or 128 bf16 columns, or of up
-      to 4 rows of 16, differs in the last bit from the same rows multiplied among 1024);
-    - a Zen 4's AVX-512 BF16 kernels gave the same bits at every shape the tests use.
+    depend on chunk and block sizes. Only the native form on YNNPACK without AMX: f32 products
+    and Eigen's kernels sum in an order that follows the block shape, and with AMX YNNPACK
+    multiplies products of few rows with other kernels (docs/contract.md, "Layouts").
     """
     return not (form.widen or products_by_eigen() or cpu_reports_amx())
 

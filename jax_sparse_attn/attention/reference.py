@@ -1,44 +1,10 @@
-"""The pure-jnp reference: the bf16 arithmetic contract (docs/contract.md, "Arithmetic"),
-chunked over tokens.
+"""The pure-jnp reference of both attention primitives, their default lowering on every platform:
+the arithmetic contract (docs/contract.md, "Arithmetic") step by step as the Neuron kernel computes
+it, so the two agree to about one bf16 ulp, with the log-sum-exp of each token and head.
 
-This is the default lowering of both primitives on every platform. It reproduces the Neuron
-kernel's arithmetic step by step, so the two agree to about one bf16 ulp:
-
-1. dot products ``z = q . x`` with operands in the input dtype and an fp32 accumulator that
-   cannot overflow (q pre-scaled by a power of two, ``prescale_queries``), clamped to
-   ``+-FLT_MAX``;
-2. the logit saturation rule: ``s = clamp(z * scale, +-LOGIT_LIMIT) + b`` in
-   fp32 (the scale multiplies logits, never ``q``); ``b`` is the user bias, or ``EMPTY_LOGIT`` for
-   an empty slot (whose row is never read: it is zero);
-3. ``m = max_j s`` over the slots only (the sink never enters the max);
-4. ``e = exp(s - m)`` and ``den = sum_j e + exp(sink - m)`` in fp32;
-5. ``o = sum_j cast(e_j) x_j[:value_dim] / den``: only the first ``value_dim`` columns of each
-   slot row enter the value product (all D enter the logits); probabilities rounded to the input dtype for the value
-   product (fp32 accumulator), the denominator from the fp32 ones; one final rounding. The
-   product runs on probabilities scaled by a power of two so that it cannot overflow
-   (``constants.value_shift``; no bit changes in the normal range).
-
-For f32 inputs step 5's cast is the identity, so everything stays in f32.
-
-Both functions also return the log-sum-exp ``lse [T, H]`` f32 of each token and head,
-``log(exp(sink) + sum over valid slots of exp(s))``, from the same logits (``_lse``).
-
-Rows with no valid slot are exactly 0. Work runs in token chunks (``lax.map``) whose gathered
-slots and logits stay within ``CHUNK_BYTES`` on CPU: small enough to stay in the CPU caches, and a
-bound on memory however many tokens there are. On GPU and TPU the budget follows the device's
-memory instead (``accelerator_chunk_bytes``): one batched call when everything fits. The choice is
-made when the program is lowered (``per_platform``). Chunking does not change a single bit, since
-every token is computed independently (``tests/test_reference_chunking.py``). On CPU the products take the
-form that the CPU and XLA's product library run fastest (``cpu_products.cpu_form``): on CPUs
-without native bf16 products each chunk's 16-bit operands are widened to f32 and multiplied in
-f32 (exact, so only the summation order differs), and the dot products' layout suits the library
-(``slot_products``).
-
-Memory beyond the inputs and the output, for ``gathered_attn_idx``: one chunk's working set, plus
-either all tokens' gathered slots when they are at most ``PREGATHER_MAX_BYTES`` and smaller than
-the cache, or else one copy of the cache's bits (the loop reads the cache as raw bits, see
-``_map_tokens``). For ``gathered_attn``: one chunk's working set plus one copy of ``g``'s bits
-when there is more than one chunk.
+It runs in token chunks whose size follows the platform; how it chunks, reads a cache and bounds its
+memory is docs/contract.md, "The reference's chunks and memory". The CPU product forms are
+:mod:`jax_sparse_attn.cpu_products`'s.
 """
 
 from __future__ import annotations
@@ -53,9 +19,8 @@ from ..constants import EMPTY_LOGIT, FLT_MAX, LOGIT_LIMIT, value_shift
 from ..cpu_products import ACCELERATOR_FORM, ProductForm, cpu_form, logits_x_first
 
 # Target working set of one token chunk (gathered slots + fp32 logits/probabilities). Small on
-# purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM, which
-# measured about twice as fast as one big batch (docs/guides/performance.md), and it bounds the memory of a
-# long prefill (the gathered slots of T=4096, K=2048, D=512 alone would be 8 GiB).
+# purpose: a chunk that stays in the CPU caches keeps the gather and both products out of DRAM
+# (docs/guides/performance.md), and it bounds the memory of a long prefill.
 CHUNK_BYTES = 4 * 2**20
 
 # Largest gather of all tokens' slots done up front, outside the token loop. Up to this size, and
