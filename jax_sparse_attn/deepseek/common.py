@@ -115,6 +115,18 @@ def check_num_tokens(num_tokens, batch: int) -> Optional[jax.Array]:
     return num_tokens
 
 
+def call_tokens(length, s: int, num_tokens):
+    """Where a call's ``s`` tokens go in each sequence's cache of ``length [B]`` rows: ``(length
+    int32 [B], positions [B, s], count [B], real [B, s])``, ``count`` the tokens each sequence
+    writes (``num_tokens`` clipped to ``s``; all ``s`` without it) and ``real`` those of them."""
+    length = length.astype(jnp.int32)
+    positions = length[:, None] + jnp.arange(s, dtype=jnp.int32)
+    count = (jnp.full(length.shape, s, jnp.int32) if num_tokens is None
+             else jnp.clip(num_tokens.astype(jnp.int32), 0, s))
+    real = jnp.arange(s, dtype=jnp.int32)[None, :] < count[:, None]
+    return length, positions, count, real
+
+
 # --- weights by DeepSeek's names ---------------------------------------------------------------
 
 def inference_names(tensors: Mapping[str, object],

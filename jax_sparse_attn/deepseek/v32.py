@@ -289,12 +289,8 @@ class V32Attention(common.WeightsByName, nnx.Module):
 
     def _forward(self, x, cache: V32Cache, num_tokens, rows_only: bool = False):
         x = x.astype(self.dtype)
-        B, s, _ = x.shape
-        length = cache.length.astype(jnp.int32)
-        positions = length[:, None] + jnp.arange(s, dtype=jnp.int32)
-        count = (jnp.full((B,), s, jnp.int32) if num_tokens is None
-                 else jnp.clip(num_tokens.astype(jnp.int32), 0, s))
-        real = jnp.arange(s, dtype=jnp.int32)[None, :] < count[:, None]
+        s = x.shape[1]
+        length, positions, count, real = common.call_tokens(cache.length, s, num_tokens)
 
         # Per token, in chunks: the low-rank query, the rows to cache, the indexer's head weights.
         def per_token(x_c, pos_c):

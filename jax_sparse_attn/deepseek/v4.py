@@ -329,12 +329,8 @@ class V4Attention(common.WeightsByName, nnx.Module):
     def _forward(self, x, cache: V4Cache, num_tokens):
         cfg = self.config
         x = x.astype(self.dtype)
-        B, s, _ = x.shape
-        length = cache.length.astype(jnp.int32)
-        positions = length[:, None] + jnp.arange(s, dtype=jnp.int32)
-        count = (jnp.full((B,), s, jnp.int32) if num_tokens is None
-                 else jnp.clip(num_tokens.astype(jnp.int32), 0, s))
-        real = jnp.arange(s, dtype=jnp.int32)[None, :] < count[:, None]
+        s = x.shape[1]
+        length, positions, count, real = common.call_tokens(cache.length, s, num_tokens)
 
         # Per token, in chunks: what the block-wide steps need (the low-rank query, the KV rows,
         # the indexer's head weights).
