@@ -202,3 +202,36 @@ def emulator_error_message(err: Exception) -> str:
         if "Nki" in line and "Error: " in line:
             return line.split("nki_emulator.errors.", 1)[-1]
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def run_model_cases(op: str, target: str, cases, row: Callable, header: str, notes: list,
+                    json_path: Optional[str]) -> int:
+    """The cost-model command of one op. Each case is ``(shape, run, extra)``: ``run()`` gives its
+    record (a case the kernel rejects gives ``{"target", "shape", "error"}``), ``extra`` joins
+    it, and ``row`` prints it under ``header``; with ``json_path``, the records in one labelled
+    file. 0 if every case ran."""
+    if target not in TARGETS:
+        raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
+    print(f"# {MODEL_LABEL}; op {op}; target {target}; host CPU: {cpu_model_name()}", flush=True)
+    print(f"# {header}", flush=True)
+    records, ok = [], True
+    for shape, run, extra in cases:
+        try:
+            rec = run()
+        except Exception as err:  # noqa: BLE001 - a shape the kernel rejects is a result too
+            ok = False
+            rec = {"target": target, "shape": shape, "error": emulator_error_message(err)}
+        rec.update(extra)
+        records.append(rec)
+        print(row(rec), flush=True)
+    if json_path:
+        write_json({
+            "kind": MODEL_LABEL,
+            "op": op,
+            "target": target,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host_cpu": cpu_model_name(),
+            "notes": notes,
+            "records": records,
+        }, json_path)
+    return 0 if ok else 1

@@ -21,14 +21,22 @@ sequence, and a decode step that completes one block (with the rows before it) i
 
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Iterable, Optional
 
 import numpy as np
 
-from .common import MODEL_LABEL, TARGETS, cpu_model_name, emulator_error_message, write_json
+from .common import run_model_cases
 
+NOTES = [
+    "DeepSeek V4-Flash's compressors, B sequences of T tokens, f32 kv and scores; overlap calls "
+    "get the rows before block 0 (prev_kv, prev_score)",
+    "modelled_us: busiest engine of each program (perfect overlap), programs of a launch in "
+    "parallel; the jnp packing (an XLA transpose) is outside the model",
+    "hbm_bound_us: the r x C kv and scores each window pools read once (with overlap the previous "
+    "block's low half and its own high half), the result written, per logical core",
+    "instructions: compiled instructions of the largest program (hardware-loop bodies count once)",
+]
 # (name, ratio, C, overlap, T, B): B sequences of T tokens each.
 DEFAULT_SHAPES = (
     ("ratio4-main-prefill", 4, 1024, True, 65536, 1),
@@ -87,7 +95,8 @@ def model_compress_shape(target: str, ratio: int, C: int, overlap: bool, T: int,
     }
 
 
-def _row(name: str, r: dict) -> str:
+def _row(r: dict) -> str:
+    name = r["name"]
     if "error" in r:
         return f"{r['target']:<5} {name:<22} error: {r['error']}"
     engines = " ".join(f"{e}={v:.1f}" for e, v in r["per_engine_us"].items())
@@ -100,41 +109,12 @@ def run_compress_model(target: str, shapes: Optional[Iterable[tuple]] = None,
                        json_path: Optional[str] = None) -> int:  # fmt: skip
     """Model every ``(name, ratio, C, overlap, T, B)`` shape on ``target``; print a table,
     optionally write JSON; 0 if every shape ran."""
-    if target not in TARGETS:
-        raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
-    print(f"# {MODEL_LABEL}; op compress_pool; target {target}; host CPU: {cpu_model_name()}", flush=True)
-    print(f"# {'tgt':<5} {'shape':<22} {'model us':>10} {'HBM us':>9} {'/bound':>8} "
-          f"{'instrs':>6} busiest [per engine us]", flush=True)  # fmt: skip
-    records, ok = [], True
-    for name, ratio, C, overlap, T, B in shapes or DEFAULT_SHAPES:
-        try:
-            rec = model_compress_shape(target, ratio, C, overlap, T, B)
-        except Exception as err:  # noqa: BLE001 - a shape the kernel rejects is a result too
-            ok = False
-            rec = {"target": target, "error": emulator_error_message(err),
-                   "shape": {"ratio": ratio, "C": C, "overlap": overlap, "T": T, "B": B}}  # fmt: skip
-        rec["name"] = name
-        records.append(rec)
-        print(_row(name, rec), flush=True)
-    if json_path:
-        result = {
-            "kind": MODEL_LABEL,
-            "op": "compress_pool",
-            "target": target,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_cpu": cpu_model_name(),
-            "notes": [
-                "DeepSeek V4-Flash's compressors, B sequences of T tokens, f32 kv and scores; "
-                "overlap calls get the rows before block 0 (prev_kv, prev_score)",
-                "modelled_us: busiest engine of each program (perfect overlap), programs of a "
-                "launch in parallel; the jnp packing (an XLA transpose) is outside the model",
-                "hbm_bound_us: the r x C kv and scores each window pools read once (with overlap "
-                "the previous block's low half and its own high half), the result written, per "
-                "logical core",
-                "instructions: compiled instructions of the largest program (hardware-loop "
-                "bodies count once)",
-            ],
-            "records": records,
-        }
-        write_json(result, json_path)
-    return 0 if ok else 1
+
+    def case(name, ratio, C, overlap, T, B):
+        shape = {"ratio": ratio, "C": C, "overlap": overlap, "T": T, "B": B}
+        return shape, lambda: model_compress_shape(target, ratio, C, overlap, T, B), {"name": name}
+
+    header = (f"{'tgt':<5} {'shape':<22} {'model us':>10} {'HBM us':>9} {'/bound':>8} "
+              f"{'instrs':>6} busiest [per engine us]")  # fmt: skip
+    return run_model_cases("compress_pool", target, [case(*s) for s in shapes or DEFAULT_SHAPES],
+                           _row, header, NOTES, json_path)

@@ -17,14 +17,25 @@ Bounds, per logical core (the target's LNC physical cores), docs/indexer-kernel.
 
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Iterable, Optional
 
 import numpy as np
 
-from .common import MODEL_LABEL, TARGETS, cpu_model_name, emulator_error_message, write_json
+from .common import run_model_cases
 
+NOTES = [
+    "the last T tokens of a causal sequence of R rows (positions R-T .. R-1), bf16 q "
+    "and keys, no key_scale",
+    "modelled_us: busiest engine of each program (perfect overlap), programs of a "
+    "launch in parallel, launches in sequence",
+    "hbm_bound_us: the key rows valid for some token, read once (bf16); pe_bound_us: "
+    "2*Hi*Di flops per (token, valid row) at the BF16 TensorE peak; both per logical "
+    "core",
+    "instructions: compiled instructions of the largest program (hardware-loop "
+    "bodies count once; a 0-or-1-trip branch first taken after a loop's first "
+    "iteration is not counted)",
+]
 DEFAULT_SHAPES = ((1, 131072, 64, 128, 2048), (16, 131072, 64, 128, 2048),
                   (128, 32768, 64, 128, 2048))  # fmt: skip
 
@@ -106,41 +117,12 @@ def run_indexer_model(target: str, shapes: Optional[Iterable[tuple]] = None,
                       json_path: Optional[str] = None, kernel: Optional[str] = None) -> int:  # fmt: skip
     """Model every ``(T, R, Hi, Di, K)`` shape on ``target`` with ``kernel`` (None: the one the
     routing picks); print a table, optionally write JSON; 0 if every shape ran."""
-    if target not in TARGETS:
-        raise ValueError(f"--model wants one of {TARGETS}, got {target!r}")
-    print(f"# {MODEL_LABEL}; op indexer; target {target}; host CPU: {cpu_model_name()}", flush=True)
-    print(f"# {'tgt':<5} {'shape':<38} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>8} "
-          f"{'instrs':>8} busiest kernel [per engine us]", flush=True)  # fmt: skip
-    records, ok = [], True
-    for T, R, Hi, Di, K in shapes or DEFAULT_SHAPES:
-        try:
-            rec = model_indexer_shape(target, T, R, Hi, Di, K, kernel)
-        except Exception as err:  # noqa: BLE001 - a shape the kernel rejects is a result too
-            ok = False
-            rec = {"target": target, "shape": {"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K},
-                   "error": emulator_error_message(err)}  # fmt: skip
-        records.append(rec)
-        print(_row(rec), flush=True)
-    if json_path:
-        result = {
-            "kind": MODEL_LABEL,
-            "op": "indexer",
-            "target": target,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host_cpu": cpu_model_name(),
-            "notes": [
-                "the last T tokens of a causal sequence of R rows (positions R-T .. R-1), bf16 q "
-                "and keys, no key_scale",
-                "modelled_us: busiest engine of each program (perfect overlap), programs of a "
-                "launch in parallel, launches in sequence",
-                "hbm_bound_us: the key rows valid for some token, read once (bf16); pe_bound_us: "
-                "2*Hi*Di flops per (token, valid row) at the BF16 TensorE peak; both per logical "
-                "core",
-                "instructions: compiled instructions of the largest program (hardware-loop "
-                "bodies count once; a 0-or-1-trip branch first taken after a loop's first "
-                "iteration is not counted)",
-            ],
-            "records": records,
-        }
-        write_json(result, json_path)
-    return 0 if ok else 1
+
+    def case(T, R, Hi, Di, K):
+        shape = {"T": T, "R": R, "Hi": Hi, "Di": Di, "K": K}
+        return shape, lambda: model_indexer_shape(target, T, R, Hi, Di, K, kernel), {}
+
+    header = (f"{'tgt':<5} {'shape':<38} {'model us':>10} {'HBM us':>9} {'PE us':>9} {'/bound':>8} "
+              f"{'instrs':>8} busiest kernel [per engine us]")  # fmt: skip
+    return run_model_cases("indexer", target, [case(*s) for s in shapes or DEFAULT_SHAPES], _row,
+                           header, NOTES, json_path)
