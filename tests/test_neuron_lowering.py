@@ -147,18 +147,6 @@ def test_neuron_target_rejects_an_unknown_value(monkeypatch):
         neuron.neuron_target()
 
 
-def test_kernel_variant_per_target():
-    """trn1 (NeuronCore-v2) has no indirect DMA: both ops run the pre-gathered kernel there, the
-    indexed op's rows gathered by XLA; trn2 and trn3 gather inside the kernel."""
-    from jax_sparse_attn.attention import kernel as kernels
-
-    assert kernels.kernel_for("trn1", True) == (kernels.gathered_attn_kernel, True)
-    assert kernels.kernel_for("trn1", False) == (kernels.gathered_attn_kernel, False)
-    for target in ("trn2", "trn3"):
-        assert kernels.kernel_for(target, True) == (kernels.gathered_attn_idx_kernel, False)
-        assert kernels.kernel_for(target, False) == (kernels.gathered_attn_kernel, False)
-
-
 @pytest.mark.parametrize("value, programs", [(None, 2), ("1", 1), ("2", 2)])
 def test_launch_grid_matches_the_logical_core(monkeypatch, value, programs):
     """kernel[n] with n the physical cores of a logical core: 2 on trn2/trn3 by default (LNC=2),

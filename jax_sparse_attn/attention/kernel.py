@@ -28,7 +28,6 @@ from ..constants import (
     PSUM_BANKS,
     SBUF_BYTES_PER_PARTITION,
     SCALE_COL,
-    TARGETS_WITH_DGE,
     UP_COLS,
 )
 from ..constants import ceil_div as _ceil_div
@@ -984,16 +983,3 @@ def gathered_attn_kernel(q, g, bias, sink, value_shift=0, max_chunk=None, value_
     """
     return _sparse_attn_kernel_body(q, g, None, bias, sink, value_shift, max_chunk,
                                     value_dim=value_dim)  # fmt: skip
-
-
-def kernel_for(target: str, indexed: bool, fp8: bool = False):
-    """The raw kernel for an NKI target and primitive, and whether XLA gathers the rows first.
-
-    On trn2 and trn3 the indexed primitive gathers inside the kernel (indirect DMA), from an FP8
-    cache (``fp8``) with :func:`gathered_attn_idx_fp8_kernel`; on trn1 (NeuronCore-v2: no
-    indirect DMA) its rows are gathered (and FP8 rows dequantised) by XLA and both primitives run
-    :func:`gathered_attn_kernel`. Returns ``(kernel, gathers_in_xla)``.
-    """
-    if indexed and target in TARGETS_WITH_DGE:
-        return (gathered_attn_idx_fp8_kernel if fp8 else gathered_attn_idx_kernel), False
-    return gathered_attn_kernel, indexed

@@ -533,7 +533,6 @@ def run_memory_check(shape: Shape, dtype_name: str, implementation: str,
 # --- reporting ------------------------------------------------------------------------------------
 
 
-
 def format_table(records: Sequence[dict]) -> str:
     head = (f"{'case':<14} {'shape':<34} {'impl':<10} {'products':<14} {'op ms':>8} {'naive ms':>9} {'vs naive':>9} "
             f"{'GFLOP/s':>8} {'of f32 GEMM':>11} {'per CPU s':>9} {'cores op/GEMM':>13} "
