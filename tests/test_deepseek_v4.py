@@ -113,7 +113,8 @@ def run_in_calls(layer, x, sizes, max_len=64):
     return jnp.concatenate(ys, axis=1), cache
 
 
-@pytest.mark.parametrize("kind", ["indexed", pytest.param("window", marks=pytest.mark.slow),
+@pytest.mark.parametrize("kind", [pytest.param("indexed", marks=pytest.mark.slow),
+                                  pytest.param("window", marks=pytest.mark.slow),
                                   pytest.param("every-block", marks=pytest.mark.slow)])
 def test_chunked_prefill_and_decode_equal_one_call(kind):
     layer, weights = make_layer(LAYERS[kind])
@@ -138,6 +139,7 @@ def test_long_calls_run_in_token_chunks(monkeypatch):
                                atol=1e-6 * np.abs(np.asarray(whole)).max())
 
 
+@pytest.mark.slow  # V3.2's twin runs by default
 def test_a_batch_at_different_lengths():
     layer, weights = make_layer(LAYERS["indexed"])
     a, b = tokens(23, seed=2), tokens(14, seed=3)
