@@ -31,8 +31,9 @@ FP8_MAX, FP4_MAX = 448.0, 6.0
 
 def tiny_v4_config(**overrides):
     """A small V4 config (DeepSeek ``ModelArgs`` field names; Flash's rope/YaRN values).
-    Layer 0 is window-only, layer 1 ratio 4 (compressor + indexer), layer 2 ratio 8 (every block)."""
-    cfg = dict(dim=256, n_heads=4, head_dim=128, rope_head_dim=64, q_lora_rank=128, o_groups=2,
+    Layer 0 is window-only, layer 1 ratio 4 (compressor + indexer), layer 2 ratio 8 (every block; the
+    multi-token-prediction layer's entry: ``n_layers + n_mtp_layers`` ratios)."""
+    cfg = dict(dim=256, n_layers=2, n_heads=4, head_dim=128, rope_head_dim=64, q_lora_rank=128, o_groups=2,
                o_lora_rank=64, window_size=8, compress_ratios=[0, 4, 8], compress_rope_theta=160000.0,
                original_seq_len=65536, rope_theta=10000.0, rope_factor=16, beta_fast=32, beta_slow=1,
                index_n_heads=4, index_head_dim=128, index_topk=4, norm_eps=1e-6, scale_fmt="ue8m0",

@@ -212,9 +212,6 @@ class V4Attention(common.WeightsByName, nnx.Module):
             raise ValueError(f"layer_id must be in [0, {len(config.compress_ratios)}) (the entries "
                              f"of compress_ratios); got {layer_id}")
         dtype, cache_dtype = common.check_layer_dtypes(dtype, cache_dtype)
-        if (config.head_dim - config.rope_head_dim) % quant.KV_BLOCK:
-            raise ValueError(f"head_dim - rope_head_dim must be a multiple of {quant.KV_BLOCK} "
-                             "(the KV rows' FP8 blocks)")
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.config, self.layer_id = config, layer_id
         self.ratio = config.compress_ratios[layer_id]
