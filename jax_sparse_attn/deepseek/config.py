@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Union
 
 from . import quant
 
-#: The two formats (``source`` starts with one of them).
+# The two formats (a config's ``source`` starts with one of them).
 INFERENCE_FORMAT = "deepseek-inference"
 HF_FORMAT = "huggingface"
 
@@ -29,8 +29,9 @@ def _config_file(path: Union[str, os.PathLike]) -> str:
     if os.path.isfile(root):
         return root
     inference = os.path.join(path, "inference")
-    found = sorted(name for name in os.listdir(inference)
-                   if name.startswith("config") and name.endswith(".json")) if os.path.isdir(inference) else []
+    found = []
+    if os.path.isdir(inference):
+        found = sorted(name for name in os.listdir(inference) if name.startswith("config") and name.endswith(".json"))
     if len(found) > 1:
         raise ValueError(f"{inference} holds several configs {found}: name the file")
     if not found:
@@ -112,7 +113,7 @@ def _quantisation(values: Mapping[str, Any], where: str) -> dict:
             raise ValueError(f"{where}: quantization_config.{key} must be {want!r} (DeepSeek's block "
                              f"FP8); got {qc[key]!r}")
     block = qc.get("weight_block_size", [quant.LINEAR_BLOCK] * 2)
-    if list(block) != [quant.LINEAR_BLOCK] * 2:
+    if not isinstance(block, (list, tuple)) or list(block) != [quant.LINEAR_BLOCK] * 2:
         raise ValueError(f"{where}: quantization_config.weight_block_size must be "
                          f"[{quant.LINEAR_BLOCK}, {quant.LINEAR_BLOCK}]; got {block!r}")
     out = {"dtype": "fp8"}
@@ -130,7 +131,8 @@ def _refuse(values: Mapping[str, Any], where: str, cls_name: str, other: str,
         raise ValueError(f"{where}: {cls_name} reads model_type {model_types[0]!r}; got "
                          f"model_type {model_type!r}")
     archs = values.get("architectures")
-    if archs and not set(archs) & set(architectures):
+    archs = [archs] if isinstance(archs, str) else archs
+    if archs and not set(map(str, archs)) & set(architectures):
         raise ValueError(f"{where}: {cls_name} reads architectures {list(architectures)}; got {archs}")
     present = {k for k, v in values.items() if v is not None}
     foreign = sorted(other_keys & present)
@@ -167,7 +169,8 @@ def _read(cls, values: Any, overrides: Mapping[str, Any], where: str):
     else:
         fields = cls._from_hf(values, where)
     fields.update(overrides)
-    missing = [hf for field, hf in cls._HF_REQUIRED.items() if field not in fields] if fmt == HF_FORMAT else []
+    required = cls._HF_REQUIRED if fmt == HF_FORMAT else {}
+    missing = [hf_name for field, hf_name in required.items() if field not in fields]
     if missing:
         raise ValueError(f"{where}: {', '.join(missing)} missing: it sets the layer's arithmetic and "
                          "Hugging Face's config class gives it no default (or pass it as an override)")
