@@ -7,6 +7,10 @@ sliding window, the learned compressor (``compress_pool``), the FP4 indexer over
 FP8 rows (``gathered_attn_idx``, one softmax over the window and the compressed rows), the inverse
 RoPE on the output and the grouped output projection. Nothing of size ``[T, R]`` is built.
 
+``y = layer(x)`` (whole sequences) is differentiable: its rows reach the attention as floats, its
+FP8 / FP4 simulations pass the gradient straight through, and its chunks are recomputed by the
+backward (docs/deepseek.md, "Gradients").
+
 Needs Flax (``pip install ".[flax]"``).
 """
 
@@ -19,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.ad_checkpoint import checkpoint_name
+
 from .. import storage
 from ..api import compress_pool, gathered_attn_idx, indexer_topk
 from . import common, quant, rope
@@ -26,7 +32,7 @@ from .common import CacheRows, map_token_chunks
 from .config import V4Config
 from .layers import Linear, RMSNorm, hadamard, rms_normalise
 
-__all__ = ["V4Attention", "V4Cache", "CacheRows", "CompressorState"]
+__all__ = ["V4Attention", "V4Cache", "V4Rows", "CacheRows", "CompressorState"]
 
 # The overlapping compressor (two halves of channels, 2r rows per softmax) is DeepSeek's choice for
 # ratio 4 (Compressor.__init__: overlap = compress_ratio == 4), and so is the indexer (Attention.__init__).
@@ -67,6 +73,29 @@ class V4Cache(NamedTuple):
     index_keys: Optional[jax.Array] = None
     state: Optional[CompressorState] = None
     index_state: Optional[CompressorState] = None
+
+
+class V4Rows(NamedTuple):
+    """What a V4 layer's attention reads for whole sequences from position 0
+    (:meth:`V4Attention.sequence_rows`), as floats that carry gradients.
+
+    Attributes:
+      qr: ``[B, s, q_lora_rank]`` the low-rank queries ``q_norm(wq_a(x))``, in the layer's dtype.
+      window: ``[B, s, head_dim]`` each token's KV row (FP8-simulated, straight through), as the
+        attention reads it from the layer's cache, in the layer's dtype.
+      compressed: ``[B, max(s // ratio, 1), head_dim]`` block ``j``'s compressed row at row ``j``,
+        likewise (None on window-only layers); a row whose block is incomplete is never read.
+      index_keys: ``[B, max(s // 4, 1), index_head_dim]`` bf16, the indexer's keys (Hadamard and
+        FP4, straight through; ratio-4 layers, else None).
+      index_weights: ``[B, s, index_n_heads]`` the indexer's per-head weights (ratio-4 layers,
+        else None).
+    """
+
+    qr: jax.Array
+    window: jax.Array
+    compressed: Optional[jax.Array] = None
+    index_keys: Optional[jax.Array] = None
+    index_weights: Optional[jax.Array] = None
 
 
 class Compressor(nnx.Module):
@@ -144,6 +173,19 @@ class Compressor(nnx.Module):
         rows = self.norm(pooled.astype(dtype))
         return rope.rotate_last(rows, block * self.ratio, freqs)
 
+    def pool_sequence(self, kv, score, freqs, dtype, implementation):
+        """Whole sequences' compressed rows, before their quantisation: ``kv, score [B, s, C]`` f32
+        raw rows of positions ``0 .. s - 1`` -> ``[B, max(s // ratio, 1), head_dim]`` in
+        ``dtype``, block ``j`` at row ``j`` (with ``s < ratio``, one incomplete row). All blocks
+        in one pooling: no partial-block state is carried from chunk to chunk."""
+        B, s, C = kv.shape
+        state = CompressorState(jnp.zeros((B, self.state_rows, C), jnp.float32),
+                                jnp.full((B, self.state_rows, C), -jnp.inf, jnp.float32))
+        length, count = jnp.zeros((B,), jnp.int32), jnp.full((B,), s, jnp.int32)
+        pooled, block, _, _ = self.pool(kv, score, state, length, count, implementation)
+        blocks = max(s // self.ratio, 1)
+        return self.finish(pooled[:, :blocks], block[:, :blocks], freqs, dtype)
+
 
 class Indexer(nnx.Module):
     """V4's indexer: queries from the low-rank ``qr``, per-head weights from x, and its own
@@ -163,9 +205,16 @@ class Indexer(nnx.Module):
         return (w * jnp.asarray(self.head_dim ** -0.5 * self.n_heads ** -0.5, w.dtype)).astype(w.dtype)
 
     def queries(self, qr, positions, freqs):
+        """``[..., n_heads, head_dim]``: RoPE, Hadamard and FP4 (straight through)."""
         q = self.wq_b(qr).reshape(*qr.shape[:-1], self.n_heads, self.head_dim)
         q = rope.rotate_last(q, positions[..., None], freqs)
         return quant.fake_fp4(hadamard(q))
+
+    @staticmethod
+    def keys(rows):
+        """The compressor's finished rows ``[..., head_dim]`` as keys: Hadamard and FP4 (straight
+        through), in bf16 (exact: FP4 values times powers of two)."""
+        return quant.fake_fp4(hadamard(rows)).astype(jnp.bfloat16)
 
 
 class V4Attention(common.WeightsByName, nnx.Module):
@@ -244,6 +293,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
         else:
             freqs = rope.frequencies(config.rope_head_dim, config.rope_theta)
         self._freqs = tuple(float(f) for f in freqs)
+        self._name_linears()
 
     @property
     def freqs(self) -> np.ndarray:
@@ -293,10 +343,27 @@ class V4Attention(common.WeightsByName, nnx.Module):
         """The tokens' KV rows: kv_norm, RoPE, then the FP8 simulation of the non-rope columns
         (DeepSeek's QAT; the deployed cache stores exactly these values)."""
         rd = self.config.rope_head_dim
-        kv = rope.rotate_last(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        kv = self._raw_kv_rows(x, positions)
         return self._stored_rows(kv) if self.cache_dtype == "fp8" else CacheRows(
             jnp.concatenate([quant.fake_fp8(kv[..., :-rd], quant.KV_BLOCK,
                                             self.config.scale_fmt == "ue8m0"), kv[..., -rd:]], -1))
+
+    def _raw_kv_rows(self, x, positions):
+        """kv_norm and RoPE of the tokens' KV projections, before the FP8 simulation."""
+        return rope.rotate_last(self.kv_norm(self.wkv(x)), positions, self.freqs)
+
+    def _attention_rows(self, rows):
+        """Rows ``[..., head_dim]`` in the layer's dtype, before the FP8 simulation -> the values
+        that the attention reads when a cached call stores them in this layer's cache, as floats
+        in the layer's dtype (bit for bit): the non-rope columns through FP8 (straight through),
+        the rope columns rounded as the cache keeps them (bf16 beside FP8 values)."""
+        rd, pow2 = self.config.rope_head_dim, self.config.scale_fmt == "ue8m0"
+        values = quant.fake_fp8(rows[..., :-rd], quant.KV_BLOCK, pow2)
+        rope_columns = rows[..., -rd:]
+        if self.cache_dtype == "fp8":
+            return jnp.concatenate([values, rope_columns.astype(jnp.bfloat16).astype(self.dtype)], -1)
+        whole = jnp.concatenate([values, rope_columns], -1)
+        return whole.astype(self.cache_dtype).astype(self.dtype)
 
     # --- the call ------------------------------------------------------------------------------
 
@@ -313,8 +380,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
         if cache is None:
             if num_tokens is not None:
                 raise ValueError("num_tokens needs a cache: layer(x, cache, num_tokens=...)")
-            y, _ = self._forward(x, self.init_cache(x.shape[0], x.shape[1]), None)
-            return y
+            return self._attend_sequence(self.sequence_rows(x))
         if not isinstance(cache, V4Cache):
             raise TypeError(f"cache must be a V4Cache (from init_cache); got {type(cache).__name__}")
         if cache.length.shape != (x.shape[0],):
@@ -322,6 +388,53 @@ class V4Attention(common.WeightsByName, nnx.Module):
         if (cache.compressed is None) != (not self.ratio):
             raise ValueError("cache was made by a layer of another compression ratio")
         return self._forward(x, cache, common.check_num_tokens(num_tokens, x.shape[0]))
+
+    def sequence_rows(self, x: jax.Array) -> V4Rows:
+        """What the attention of ``layer(x)`` reads, for whole sequences ``x [B, s, dim]`` from
+        position 0, as differentiable floats (:class:`V4Rows`): the same values that a cached
+        call stores and reads back, bit for bit, with the FP8 / FP4 simulations passing the
+        gradient straight through. Per-token work runs in chunks of ``TOKEN_CHUNK`` tokens; the
+        compressors pool all blocks at once from their f32 raw rows (``[B, s, C]``)."""
+        x = common.check_tokens(x, self.config.dim).astype(self.dtype)
+        B, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+
+        def per_token(x_c, pos_c):
+            out = dict(qr=self.q_norm(self.wq_a(x_c)),
+                       window=self._attention_rows(self._raw_kv_rows(x_c, pos_c)))
+            if self.compressor is not None:
+                out["raw"] = self.compressor.project(x_c)
+            if self.indexer is not None:
+                out["index_weights"] = self.indexer.weights(x_c)
+                out["index_raw"] = self.indexer.compressor.project(x_c)
+            return out
+
+        tokens = map_token_chunks(per_token, TOKEN_CHUNK, x, positions)
+        compressed = index_keys = None
+        if self.compressor is not None:
+            compressed = self._attention_rows(self.compressor.pool_sequence(
+                *tokens["raw"], self.freqs, self.dtype, self.implementation))
+        if self.indexer is not None:
+            index_keys = self.indexer.keys(self.indexer.compressor.pool_sequence(
+                *tokens["index_raw"], self.freqs, self.dtype, self.implementation))
+        return V4Rows(tokens["qr"], tokens["window"], compressed, index_keys,
+                      tokens.get("index_weights"))
+
+    def _attend_sequence(self, rows: V4Rows):
+        """``layer(x)`` from its :meth:`sequence_rows`: what ``_forward`` computes from a fresh
+        cache, on float rows (the ring's ``window_size`` empty slots first, as there)."""
+        B, s, D = rows.window.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+        empty = jnp.zeros((B, self.config.window_size, D), rows.window.dtype)
+        window = CacheRows(jnp.concatenate([empty, rows.window], axis=1))
+        compressed = None if rows.compressed is None else CacheRows(rows.compressed)
+        per_chunk = dict(qr=rows.qr, positions=positions)
+        if self.indexer is not None:
+            per_chunk["index_weights"] = rows.index_weights
+        length = jnp.zeros((B,), jnp.int32)
+        return map_token_chunks(
+            lambda **kw: self._attend(kw, window, length, compressed, rows.index_keys),
+            TOKEN_CHUNK, **per_chunk)
 
     def _forward(self, x, cache: V4Cache, num_tokens):
         cfg = self.config
@@ -338,7 +451,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
             return out
 
         tokens = map_token_chunks(per_token, TOKEN_CHUNK, x, positions)
-        new_rows = tokens["kv"]
+        new_rows = common.refuse_cache_gradient(tokens["kv"], "the KV rows (wkv, kv_norm, x)")
 
         # The window: the ring as the call found it, then the new rows (rows W + t).
         W = cfg.window_size
@@ -392,14 +505,17 @@ class V4Attention(common.WeightsByName, nnx.Module):
                 rows = jnp.concatenate([quant.fake_fp8(rows[..., :-rd], quant.KV_BLOCK, pow2),
                                         rows[..., -rd:]], -1)
             at = jnp.where(complete, block, -1)
+            rows = common.refuse_cache_gradient(
+                rows, "the compressed rows (compressor.wkv, wgate, ape, norm, x)")
             compressed = common.put_rows(compressed, self._stored_rows(rows), at)
             if self.indexer is not None:
                 comp = self.indexer.compressor
                 pooled, block, complete, index_state = comp.pool(
                     *comp.project(x_c), index_state, done, real, impl, skip)
-                keys = quant.fake_fp4(hadamard(comp.finish(pooled, block, self.freqs, self.dtype)))
-                index_keys = storage.put(index_keys, keys.astype(jnp.bfloat16),
-                                         jnp.where(complete, block, -1))
+                keys = self.indexer.keys(comp.finish(pooled, block, self.freqs, self.dtype))
+                keys = common.refuse_cache_gradient(keys, "the indexer's keys "
+                                                    "(indexer.compressor.wkv, wgate, ape, norm, x)")
+                index_keys = storage.put(index_keys, keys, jnp.where(complete, block, -1))
             return compressed, state, index_keys, index_state
 
         carry = (cache.compressed, cache.state, cache.index_keys, cache.index_state)
@@ -427,11 +543,14 @@ class V4Attention(common.WeightsByName, nnx.Module):
 
         sink, scale, impl = self.attn_sink[...], D ** -0.5, self.implementation
         if ratio == INDEXED_RATIO:
-            iq = self.indexer.queries(qr, positions, self.freqs)
-            compressed_idx = jax.vmap(lambda q_b, w_b, k_b, p_b: indexer_topk(
+            # The selection is integer: the attention's loss gives the indexer no gradient (it
+            # trains from its own loss), and the backward keeps the selection, not the indexer.
+            iq, index_weights, index_keys = jax.lax.stop_gradient(
+                (self.indexer.queries(qr, positions, self.freqs), chunk["index_weights"], index_keys))
+            compressed_idx = checkpoint_name(jax.vmap(lambda q_b, w_b, k_b, p_b: indexer_topk(
                 q_b, w_b, storage.as_operand(k_b), p_b, cfg.index_topk, scale=1.0,
-                compress_ratio=ratio, implementation=impl))(iq, chunk["index_weights"], index_keys,
-                                                            positions)
+                compress_ratio=ratio, implementation=impl))(iq, index_weights, index_keys,
+                                                            positions), common.SELECTION)
         elif ratio:
             blocks = jnp.arange(compressed.values.shape[1], dtype=jnp.int32)
             compressed_idx = jnp.where((blocks + 1) * ratio <= positions[..., None] + 1, blocks, -1)
