@@ -36,7 +36,7 @@ _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
 
 # Dense form: rows per block, and the byte budget of a block's [Tc, H, Rb] f32 logits that sets
 # the tokens per chunk (a chunk's GEMM is [Tc H, D] x [D, Rb]: large on both sides).
-DENSE_BLOCK_ROWS = 512
+DENSE_BLOCK_ROWS = 256
 DENSE_BLOCK_BYTES = 16 * 2**20
 # Sparse form: the byte budget of a chunk's gathered rows and [Tc, H, K] logits.
 SPARSE_CHUNK_BYTES = 32 * 2**20
