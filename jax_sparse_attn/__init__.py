@@ -7,6 +7,9 @@
   FP8 caches, two caches in one softmax, a cache split over its rows across devices); with
   ``return_lse=True`` both return the log-sum-exp, and ``merge_attention(outs, lses)`` combines
   partial results; ``paged_indices`` maps logical rows to a paged cache's rows (``attention/``).
+- The indexer's KL objective, ``indexer_kl(q, kv, index_q, index_weights, index_keys, positions,
+  idx, sparse=..., scale=...)``: per token, the KL from the main attention to the indexer over
+  its candidates, differentiable for the indexer's operands, in bounded memory (``indexer_kl/``).
 - The compressor's pooling, ``compress_pool(kv, score, ape)``: DeepSeek V4's gated pooling of
   blocks of tokens into compressed rows, with or without overlapping blocks (``compress/``).
 
@@ -15,12 +18,13 @@ else. ``Bf16Bits`` hands ``indexer_topk`` bf16 keys stored as their bits, read i
 The public API is :mod:`jax_sparse_attn.api`.
 """
 
-from .api import (compress_pool, gathered_attn, gathered_attn_idx, indexer_topk, merge_attention,
-                  paged_indices)
+from .api import (compress_pool, gathered_attn, gathered_attn_idx, indexer_kl, indexer_topk,
+                  merge_attention, paged_indices)
 from .attention import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)
 from .attention.primitive import gathered_attn_idx_p, gathered_attn_p
 from .compress.primitive import compress_pool_p
 from .indexer.primitive import indexer_topk_p
+from .indexer_kl.primitive import indexer_kl_p
 from .storage import Bf16Bits
 
 # Registers implementation="nki_emulated" and the lazy "neuron" platform lowerings. Imports no
@@ -33,6 +37,7 @@ __all__ = [
     "compress_pool",
     "gathered_attn",
     "gathered_attn_idx",
+    "indexer_kl",
     "indexer_topk",
     "merge_attention",
     "paged_indices",
@@ -40,6 +45,7 @@ __all__ = [
     "gathered_attn_p",
     "gathered_attn_idx_p",
     "indexer_topk_p",
+    "indexer_kl_p",
     "compress_pool_p",
     "__version__",
 ]

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from .. import storage
-from .layers import E8M0, FP8_WEIGHT, WEIGHT_BLOCK, Linear, dequantize_weight, refuse_gradient
+from .layers import (E8M0, FP8_WEIGHT, WEIGHT_BLOCK, BlockScale, Linear, dequantize_weight,
+                     refuse_gradient)
 
 # The cache layouts a layer offers: DeepSeek's deployed split rows, or whole rows of the same values.
 CACHE_DTYPES = ("fp8", "bfloat16", "float32")
@@ -144,6 +145,28 @@ def call_tokens(length, s: int, num_tokens):
              else jnp.clip(num_tokens.astype(jnp.int32), 0, s))
     real = jnp.arange(s, dtype=jnp.int32)[None, :] < count[:, None]
     return length, positions, count, real
+
+
+# --- the indexer's objective ------------------------------------------------------------------
+
+def check_sparse(sparse) -> bool:
+    """``sparse`` of ``indexer_loss``: a Python (or numpy) bool."""
+    if not isinstance(sparse, (bool, np.bool_)):
+        raise TypeError("sparse must be a bool (True: the KL over the indexer's selected rows; "
+                        f"False: over every visible row); got {sparse!r}")
+    return bool(sparse)
+
+
+def indexer_loss_mean(kl: jax.Array, mass: jax.Array, has_candidate: jax.Array):
+    """``(loss, stats)`` of a block's ``indexer_loss`` from its per-token ``kl``, ``mass`` and
+    ``has_candidate`` ``[B, s]``: the means over the tokens with a candidate (0 when none has
+    one); ``stats = {"mass", "tokens"}``, no gradient (docs/deepseek.md, "The indexer's
+    objective")."""
+    tokens = jnp.sum(has_candidate, dtype=jnp.int32)
+    denominator = jnp.maximum(tokens, 1).astype(jnp.float32)
+    loss = jnp.sum(jnp.where(has_candidate, kl, 0.0)) / denominator
+    mass = jnp.sum(jnp.where(has_candidate, jax.lax.stop_gradient(mass), 0.0)) / denominator
+    return loss, {"mass": mass, "tokens": tokens}
 
 
 # --- weights by DeepSeek's names ---------------------------------------------------------------
@@ -279,6 +302,6 @@ def load_weights(linears: Mapping[str, Linear], vectors: Mapping[str, nnx.Param]
         param_updates.append((param, jnp.asarray(value.astype(np.float32))))
     for lin, weight, scale in linear_updates:
         lin.weight = nnx.Param(weight)
-        lin.scale = None if scale is None else nnx.Param(scale)
+        lin.scale = None if scale is None else BlockScale(scale)
     for param, value in param_updates:
         param[...] = value

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import storage
-from ..api import gathered_attn_idx, indexer_topk
+from ..api import gathered_attn_idx, indexer_kl, indexer_topk
 from . import common, quant, rope
 from .common import CacheRows
 from .config import V32Config
@@ -439,22 +439,84 @@ class V32Attention(common.WeightsByName, nnx.Module):
             implementation=self.implementation))(index_q, index_weights, keys, key_scale, positions),
             common.SELECTION)
 
-    def _attend(self, qr, positions, head_weights, latent: CacheRows, keys, key_scale, w_key, w_value):
-        """Selection, attention and the output projection for a chunk of tokens."""
+    def _absorbed_queries(self, qr, positions, w_key):
+        """The attention's queries ``[B, c, H, kv_lora_rank + qk_rope_head_dim]``: ``q_nope`` times
+        ``wkv_b``'s key half (one latent-width query per head) beside the RoPE'd rope columns."""
         cfg = self.config
         H, nope = cfg.n_heads, cfg.qk_nope_head_dim
         B, c = positions.shape
         q = self.wq_b(qr).reshape(B, c, H, nope + cfg.qk_rope_head_dim)
         q_rope = rope.rotate(q[..., nope:], positions[..., None], self.freqs)
-        # The absorbed query: q_nope times wkv_b's key half, one latent-width query per head.
         q_latent = _per_head_product("bchd,hdl->bchl", q[..., :nope], w_key, self.dtype)
-        query = jnp.concatenate([q_latent, q_rope], axis=-1)
+        return jnp.concatenate([q_latent, q_rope], axis=-1)
+
+    def _attend(self, qr, positions, head_weights, latent: CacheRows, keys, key_scale, w_key, w_value):
+        """Selection, attention and the output projection for a chunk of tokens."""
+        cfg = self.config
+        B, c = positions.shape
+        query = self._absorbed_queries(qr, positions, w_key)
         idx = self._select(qr, positions, head_weights, keys, key_scale)
         o = jax.vmap(lambda q_b, rows_b, i_b: gathered_attn_idx(
             q_b, idx=i_b, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank,
             implementation=self.implementation, **rows_b.attention_kwargs()))(query, latent, idx)
         o = _per_head_product("bchl,hvl->bchv", o, w_value, self.dtype)
-        return self.wo(o.reshape(B, c, H * cfg.v_head_dim))
+        return self.wo(o.reshape(B, c, cfg.n_heads * cfg.v_head_dim))
+
+    # --- the indexer's objective ---------------------------------------------------------------
+
+    def indexer_loss(self, x: jax.Array, *, sparse: bool) -> tuple[jax.Array, dict]:
+        """The indexer's KL objective over whole sequences from position 0 (docs/deepseek.md,
+        "The indexer's objective"): ``loss, stats = layer.indexer_loss(x, sparse=...)``.
+
+        Per token ``t``, the candidates ``C_t`` are the indexer's selected rows (``sparse=True``,
+        DeepSeek's sparse stage) or every row ``s <= t`` (``sparse=False``, the dense warm-up).
+        The teacher is the main attention over ``C_t``: per head the softmax (no sink) of the
+        absorbed queries' logits against the latent and rope rows, summed over heads and
+        normalised. The student is the softmax over ``C_t`` of the index scores as the forward
+        computes them (FP8 queries and keys times their scales, straight through). ``loss`` is
+        the mean of ``KL(teacher || student)`` over the tokens (each has its own row). The
+        teacher and the indexer's inputs (``x``, ``qr``) are detached: the loss trains only the
+        indexer's ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj``. Runs on
+        :func:`jax_sparse_attn.indexer_kl`, ``TOKEN_CHUNK`` tokens at a time, each chunk
+        recomputed in the backward: memory ``O(T K)`` (sparse) or ``O(T)`` beside the rows
+        (dense), no ``[T, R]`` array.
+
+        Args:
+          x: ``[B, s, dim]`` float, whole sequences (positions ``0 .. s - 1``).
+          sparse: a bool, which form (above).
+
+        Returns:
+          ``(loss, stats)``: ``loss`` an f32 scalar; ``stats`` a dict of scalars with no gradient:
+          ``"mass"`` (f32), the mean over tokens of the teacher's mass on the indexer's current
+          top-k (1 in the sparse form), and ``"tokens"`` (int32), how many tokens have a
+          candidate.
+        """
+        sparse = common.check_sparse(sparse)
+        x = jax.lax.stop_gradient(common.check_tokens(x, self.config.dim).astype(self.dtype))
+        cfg, stop, indexer = self.config, jax.lax.stop_gradient, self.indexer
+        B, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+        rows = self.sequence_rows(x)
+        latent, w_key = stop(rows.latent), stop(self._wkv_b_halves()[0])
+        selection_keys, selection_scale = stop(rows.index_keys), stop(rows.index_scale)
+        keys = common.map_token_chunks(lambda x_c, p_c: indexer.dequantised_keys(x_c, p_c, self.freqs),
+                                       TOKEN_CHUNK, x, positions)
+
+        # One chunk of tokens (map_token_chunks recomputes it in the backward): its absorbed
+        # queries ([c, H, 576]) exist for one chunk at a time.
+        def chunk_loss(qr, positions, head_weights):
+            qr = stop(qr)
+            q = stop(self._absorbed_queries(qr, positions, w_key))
+            idx = self._select(qr, positions, head_weights, selection_keys, selection_scale)
+            index_q, index_weights = indexer.dequantised_queries(qr, positions, self.freqs,
+                                                                 head_weights)
+            kl, mass = jax.vmap(lambda q_b, r_b, iq_b, w_b, k_b, p_b, i_b: indexer_kl(
+                q_b, r_b, iq_b, w_b, k_b, p_b, i_b, sparse=sparse, scale=cfg.softmax_scale,
+                index_scale=1.0))(q, latent, index_q, index_weights, keys, positions, idx)
+            return dict(kl=kl, mass=mass, has_candidate=jnp.any(idx >= 0, axis=-1))
+
+        out = common.map_token_chunks(chunk_loss, TOKEN_CHUNK, rows.qr, positions, rows.head_weights)
+        return common.indexer_loss_mean(out["kl"], out["mass"], out["has_candidate"])
 
     # --- weights -------------------------------------------------------------------------------
 

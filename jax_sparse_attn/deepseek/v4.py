@@ -26,7 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import storage
-from ..api import compress_pool, gathered_attn_idx, indexer_topk
+from ..api import compress_pool, gathered_attn_idx, indexer_kl, indexer_topk
 from . import common, quant, rope
 from .common import CacheRows, map_token_chunks
 from .config import V4Config
@@ -214,7 +214,12 @@ class Indexer(nnx.Module):
     def keys(rows):
         """The compressor's finished rows ``[..., head_dim]`` as keys: Hadamard and FP4 (straight
         through), in bf16 (exact: FP4 values times powers of two)."""
-        return quant.fake_fp4(hadamard(rows)).astype(jnp.bfloat16)
+        return Indexer.float_keys(rows).astype(jnp.bfloat16)
+
+    @staticmethod
+    def float_keys(rows):
+        """:meth:`keys` in ``rows``' dtype (the same values; an f32 gradient)."""
+        return quant.fake_fp4(hadamard(rows))
 
 
 class V4Attention(common.WeightsByName, nnx.Module):
@@ -525,10 +530,12 @@ class V4Attention(common.WeightsByName, nnx.Module):
         return new_cache._replace(compressed=compressed, state=state, index_keys=index_keys,
                                   index_state=index_state)
 
-    def _attend(self, chunk, window: CacheRows, length, compressed, index_keys):
-        """Selection, attention and the output projection for a chunk of tokens."""
+    def _queries_and_slots(self, chunk, length, compressed, index_keys):
+        """A chunk's attention queries ``[B, c, H, D]`` (per-head RMS, RoPE), its window slots
+        ``[B, c, W]`` and its compressed rows ``[B, c, K]`` (the indexer's top-k on ratio-4 layers,
+        every complete block on others; None on window-only layers)."""
         cfg, ratio = self.config, self.ratio
-        H, D, G = cfg.n_heads, cfg.head_dim, cfg.o_groups
+        H, D = cfg.n_heads, cfg.head_dim
         qr, positions = chunk["qr"], chunk["positions"]
         B, c = positions.shape
         q = self.wq_b(qr).reshape(B, c, H, D)
@@ -541,7 +548,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
         window_idx = jnp.where(at >= length[:, None, None], W + at - length[:, None, None], at % W)
         window_idx = jnp.where(at >= 0, window_idx, -1)
 
-        sink, scale, impl = self.attn_sink[...], D ** -0.5, self.implementation
+        compressed_idx = None
         if ratio == INDEXED_RATIO:
             # The selection is integer: the attention's loss gives the indexer no gradient (it
             # trains from its own loss), and the backward keeps the selection, not the indexer.
@@ -549,12 +556,21 @@ class V4Attention(common.WeightsByName, nnx.Module):
                 (self.indexer.queries(qr, positions, self.freqs), chunk["index_weights"], index_keys))
             compressed_idx = checkpoint_name(jax.vmap(lambda q_b, w_b, k_b, p_b: indexer_topk(
                 q_b, w_b, storage.as_operand(k_b), p_b, cfg.index_topk, scale=1.0,
-                compress_ratio=ratio, implementation=impl))(iq, index_weights, index_keys,
-                                                            positions), common.SELECTION)
+                compress_ratio=ratio, implementation=self.implementation))(
+                iq, index_weights, index_keys, positions), common.SELECTION)
         elif ratio:
             blocks = jnp.arange(compressed.values.shape[1], dtype=jnp.int32)
             compressed_idx = jnp.where((blocks + 1) * ratio <= positions[..., None] + 1, blocks, -1)
+        return q, window_idx, compressed_idx
 
+    def _attend(self, chunk, window: CacheRows, length, compressed, index_keys):
+        """Selection, attention and the output projection for a chunk of tokens."""
+        cfg, ratio = self.config, self.ratio
+        H, D, G = cfg.n_heads, cfg.head_dim, cfg.o_groups
+        positions = chunk["positions"]
+        B, c = positions.shape
+        q, window_idx, compressed_idx = self._queries_and_slots(chunk, length, compressed, index_keys)
+        sink, scale, impl = self.attn_sink[...], D ** -0.5, self.implementation
         if ratio:
             def one(q_b, c_b, ci_b, w_b, wi_b):
                 return gathered_attn_idx(q_b, idx=ci_b, sink=sink, scale=scale, extra_idx=wi_b,
@@ -573,6 +589,78 @@ class V4Attention(common.WeightsByName, nnx.Module):
         o = jnp.einsum("bcgd,grd->bcgr", o, wo_a.astype(o.dtype),
                        preferred_element_type=jnp.float32).astype(self.dtype)
         return self.wo_b(o.reshape(B, c, G * cfg.o_lora_rank))
+
+    # --- the indexer's objective ---------------------------------------------------------------
+
+    def indexer_loss(self, x: jax.Array, *, sparse: bool) -> tuple[jax.Array, dict]:
+        """The indexer's KL objective over whole sequences from position 0 (docs/deepseek.md,
+        "The indexer's objective"): ``loss, stats = layer.indexer_loss(x, sparse=...)``.
+
+        Per token ``t``, the candidates ``C_t`` are the indexer's selected blocks
+        (``sparse=True``, DeepSeek's sparse stage) or every complete block (``sparse=False``, the
+        dense warm-up). The teacher is the main attention's conditional over ``C_t``: per head the
+        softmax over the window, the candidates and the sink, summed over heads and normalised
+        over ``C_t``. The student is the softmax over ``C_t`` of the index scores as the forward
+        computes them (FP4-simulated queries and keys, straight through). ``loss`` is the mean of
+        ``KL(teacher || student)`` over the tokens with a candidate (a token before the first
+        complete block adds nothing). The teacher and the indexer's inputs (``x``, ``qr``) are
+        detached: the loss trains only ``indexer.wq_b``, ``indexer.weights_proj`` and the
+        indexer's compressor (``wkv``, ``wgate``, ``ape``, ``norm``). Runs on
+        :func:`jax_sparse_attn.indexer_kl`, ``TOKEN_CHUNK`` tokens at a time, each chunk
+        recomputed in the backward: memory ``O(T K)`` (sparse) or ``O(T)`` beside the rows
+        (dense), no ``[T, R]`` array.
+
+        Args:
+          x: ``[B, s, dim]`` float, whole sequences (positions ``0 .. s - 1``).
+          sparse: a bool, which form (above).
+
+        Returns:
+          ``(loss, stats)``: ``loss`` an f32 scalar; ``stats`` a dict of scalars with no gradient:
+          ``"mass"`` (f32), the mean over tokens with a candidate of the teacher's mass on the
+          indexer's current top-k (1 in the sparse form), and ``"tokens"`` (int32), how many
+          tokens have a candidate.
+        """
+        if self.indexer is None:
+            raise ValueError(f"indexer_loss needs a layer with an indexer (compress ratio "
+                             f"{INDEXED_RATIO}); layer {self.layer_id} has compress ratio {self.ratio}")
+        sparse = common.check_sparse(sparse)
+        x = jax.lax.stop_gradient(common.check_tokens(x, self.config.dim).astype(self.dtype))
+        cfg, stop, comp = self.config, jax.lax.stop_gradient, self.indexer.compressor
+        B, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+        rows = self.sequence_rows(x)
+        # The teacher's rows: the compressed ones, and the window as _attend_sequence reads it.
+        compressed = stop(rows.compressed)
+        window = CacheRows(stop(jnp.concatenate(
+            [jnp.zeros((B, cfg.window_size, cfg.head_dim), rows.window.dtype), rows.window], axis=1)))
+        sink, length = stop(self.attn_sink[...]), jnp.zeros((B,), jnp.int32)
+        selection_keys = stop(rows.index_keys)
+        # The student's keys: the same values as rows.index_keys, in the layer's dtype.
+        raw = map_token_chunks(lambda x_c: comp.project(x_c), TOKEN_CHUNK, x)
+        keys = self.indexer.float_keys(comp.pool_sequence(*raw, self.freqs, self.dtype,
+                                                          self.implementation))
+        scale = cfg.head_dim ** -0.5
+
+        # One chunk of tokens (map_token_chunks recomputes it in the backward): its teacher queries
+        # ([c, H, D]) exist for one chunk at a time.
+        def chunk_loss(qr, positions, index_weights):
+            qr = stop(qr)
+            q, window_idx, idx = stop(self._queries_and_slots(
+                dict(qr=qr, positions=positions, index_weights=index_weights), length,
+                CacheRows(compressed), selection_keys))
+            # The window's and the sink's share of each head's softmax denominator.
+            _, lse = jax.vmap(lambda q_b, w_b, wi_b: gathered_attn_idx(
+                q_b, idx=wi_b, sink=sink, scale=scale, return_lse=True,
+                implementation=self.implementation, **w_b.attention_kwargs()))(q, window, window_idx)
+            index_q = self.indexer.queries(qr, positions, self.freqs)
+            kl, mass = jax.vmap(lambda q_b, r_b, iq_b, w_b, k_b, p_b, i_b, l_b: indexer_kl(
+                q_b, r_b, iq_b, w_b, k_b, p_b, i_b, sparse=sparse, scale=scale, index_scale=1.0,
+                compress_ratio=INDEXED_RATIO, lse_extra=l_b))(
+                q, compressed, index_q, index_weights, keys, positions, idx, lse)
+            return dict(kl=kl, mass=mass, has_candidate=jnp.any(idx >= 0, axis=-1))
+
+        out = map_token_chunks(chunk_loss, TOKEN_CHUNK, rows.qr, positions, rows.index_weights)
+        return common.indexer_loss_mean(out["kl"], out["mass"], out["has_candidate"])
 
     # --- weights -------------------------------------------------------------------------------
 
