@@ -299,3 +299,33 @@ def test_bad_input_is_refused_with_its_name(override, error, message):
     args = good_args(**override)
     with pytest.raises(error, match=message):
         indexer_kl(**args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sparse", [True, False])
+def test_memory_grows_linearly_in_tokens(sparse):
+    # XLA's own account of the compiled value-and-gradient's temporaries at T and 4 T (no run):
+    # linear in T (the residual gradients of index_q), never a [T, R] or [T, H, R] tensor.
+    Hs, Ds, His, Dis, Ks = 16, 64, 8, 32, 64
+
+    def temp(T):
+        sd = jax.ShapeDtypeStruct
+        f32 = jnp.float32
+        args = (sd((T, Hs, Ds), f32), sd((T, Ds), f32), sd((T, His, Dis), f32), sd((T, His), f32),
+                sd((T, Dis), f32), sd((T,), jnp.int32), sd((T, Ks), jnp.int32))
+
+        def loss(q, kv, iq, w, ik, pos, idx):
+            kl, mass = indexer_kl(q, kv, iq, w, ik, pos, idx, sparse=sparse, scale=0.1)
+            return jnp.mean(kl), jnp.mean(mass)
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True))
+        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    with pytest.MonkeyPatch.context() as mp:  # the default plan (the module's is tiny)
+        mp.setattr(reference, "MAX_CHUNK_TOKENS", 1024)
+        mp.setattr(reference, "DENSE_BLOCK_ROWS", 256)
+        small, large = temp(2048), temp(8192)
+    jax.clear_caches()
+    per_token = His * Dis * 4  # an f32 row of index_q
+    assert large - small < 6 * per_token * (8192 - 2048), (small, large)
+    assert large < 8192 * 8192 * 4 // 2, (small, large)  # half a [T, R] f32 tensor
