@@ -15,6 +15,8 @@
 
 The three ops run the project's NKI kernels on AWS Trainium and a pure-jnp reference everywhere
 else. ``Bf16Bits`` hands ``indexer_topk`` bf16 keys stored as their bits, read in place.
+``check_cache`` and ``CacheOverflowError`` tell when a layer's cache (``jax_sparse_attn.flax``,
+``jax_sparse_attn.deepseek``) was given more tokens than its ``max_len``.
 The public API is :mod:`jax_sparse_attn.api`.
 """
 
@@ -22,6 +24,7 @@ from .api import (compress_pool, gathered_attn, gathered_attn_idx, indexer_kl, i
                   merge_attention, paged_indices)
 from .attention import autodiff as _autodiff  # noqa: F401  (registers the differentiation rules)
 from .attention.primitive import gathered_attn_idx_p, gathered_attn_p
+from .capacity import CacheOverflowError, check_cache
 from .compress.primitive import compress_pool_p
 from .indexer.primitive import indexer_topk_p
 from .indexer_kl.primitive import indexer_kl_p
@@ -42,6 +45,8 @@ __all__ = [
     "merge_attention",
     "paged_indices",
     "Bf16Bits",
+    "CacheOverflowError",
+    "check_cache",
     "gathered_attn_p",
     "gathered_attn_idx_p",
     "indexer_topk_p",

@@ -54,7 +54,9 @@ module serves training, prefill and decode, and a jitted step is a pure function
 - ``y, cache = layer(x, cache)``: the ``T`` new tokens of each sequence are written at positions
   ``cache.length[b] + t`` and attend to everything cached up to their own position. Prefill is
   ``T`` tokens at once, decode is ``T = 1``; both give the same result as ``layer`` over the full
-  sequence.
+  sequence. A cache holds ``max_len`` tokens per sequence (``cache.capacity``): an eager call past
+  it raises :class:`jax_sparse_attn.CacheOverflowError`, and under ``jit`` the tokens past it get
+  NaN outputs and write nothing (:func:`jax_sparse_attn.check_cache`; docs/guides/caches.md).
 
 A decode loop should jit the step with the cache donated, so that the new rows are written into
 the cache's own buffers instead of a copy of a cache that may hold a million rows::
@@ -99,6 +101,7 @@ except ImportError as err:  # pragma: no cover - exercised only without flax
     ) from err
 
 from .api import gathered_attn_idx
+from .capacity import nan_past_capacity as _nan_past_capacity, refuse_overflow as _refuse_overflow
 from .storage import put as _put, storage_dtype as _storage_dtype, to_storage as _to_storage
 from .storage import as_operand as _as_operand, values as _values
 
@@ -133,6 +136,11 @@ class SparseAttentionCache(NamedTuple):
         (window attention and the pooling of blocks completed later read them); else ``None``.
       raw_index_keys: ``[B, max_len, Di]`` the tokens' own indexer keys, only with
         ``compress_ratio > 1``; else ``None``.
+
+    Its :attr:`capacity` is ``max_len``. An eager call past it raises
+    :class:`jax_sparse_attn.CacheOverflowError`; under ``jit`` the tokens past it get NaN outputs
+    and write nothing, and ``length`` still counts them: ``length > capacity`` records the
+    overflow (:func:`jax_sparse_attn.check_cache`).
     """
 
     kv: jax.Array
@@ -140,6 +148,11 @@ class SparseAttentionCache(NamedTuple):
     length: jax.Array
     raw_kv: Optional[jax.Array] = None
     raw_index_keys: Optional[jax.Array] = None
+
+    @property
+    def capacity(self) -> int:
+        """init_cache's ``max_len``: the tokens each sequence may hold."""
+        return (self.kv if self.raw_kv is None else self.raw_kv).shape[1]
 
     def values(self) -> "SparseAttentionCache":
         """The same cache with bf16 bit patterns (``uint16``) read back as ``bfloat16`` arrays."""
@@ -347,8 +360,10 @@ class SparseAttention(nnx.Module):
 
         ``dtype`` defaults to the layer's ``dtype``, else float32 (bf16 is stored as uint16 bit
         patterns). With ``compress_ratio = c > 1`` the cache holds ``max_len // c`` compressed
-        rows and the ``max_len`` raw rows. Tokens whose position is ``>= max_len`` are not stored
-        (they still attend to the rows that are).
+        rows and the ``max_len`` raw rows. ``max_len`` is the cache's capacity: an eager call that
+        would take a sequence past it raises :class:`jax_sparse_attn.CacheOverflowError`, and
+        under ``jit`` the tokens past it get NaN outputs, write nothing and are recorded
+        (:func:`jax_sparse_attn.check_cache`; docs/guides/caches.md).
         """
         c = self.compress_ratio
         if max_len < c:
@@ -420,6 +435,7 @@ class SparseAttention(nnx.Module):
                     f"SparseAttention: cache.{name} must have shape {shape} for x {x.shape}; "
                     f"got {got} ({hint})"
                 )
+        _refuse_overflow("SparseAttention", cache.capacity, cache.length, x.shape[1])
 
     def __call__(
         self, x: jax.Array, cache: Optional[SparseAttentionCache] = None
@@ -434,7 +450,9 @@ class SparseAttention(nnx.Module):
 
         Returns:
           ``y [B, T, E]`` without a cache; ``(y, new_cache)`` with one, where ``new_cache`` holds
-          the new rows and ``length + T``.
+          the new rows and ``length + T``. A call past the cache's capacity raises
+          :class:`jax_sparse_attn.CacheOverflowError`; under ``jit`` those tokens' outputs are NaN
+          (:func:`jax_sparse_attn.check_cache`).
         """
         self._check_input(x, cache)
         B, T, _ = x.shape
@@ -459,7 +477,9 @@ class SparseAttention(nnx.Module):
                                          blocks(p.positions, -1)))
             o = jnp.moveaxis(o, 0, 1).reshape(B, n * block, self.num_heads, self.head_dim)[:, :T]
         y = self.out(o.reshape(B, T, self.num_heads * self.head_dim))
-        return y if cache is None else (y, self._keys_written(p, jnp.min(least)))
+        if cache is None:
+            return y
+        return _nan_past_capacity(y, p.positions, cache.capacity), self._keys_written(p, jnp.min(least))
 
     def _keys_written(self, p: _Prepared, least) -> SparseAttentionCache:
         """The new cache: ``p.cache`` with the call's index keys written. ``least`` (the
@@ -511,11 +531,14 @@ class SparseAttention(nnx.Module):
 
         Returns:
           ``[B, T, topk]`` int32 rows (compressed rows with ``compress_ratio > 1``), best first;
-          ``-1`` for an empty slot.
+          ``-1`` for an empty slot and for tokens past the cache's capacity.
         """
         self._check_input(x, cache)
         p = self._prepare(x, cache)
-        return self._selection(p, p.iq, p.iw, p.positions)
+        idx = self._selection(p, p.iq, p.iw, p.positions)
+        if cache is None:
+            return idx
+        return jnp.where((p.positions < cache.capacity)[..., None], idx, -1)
 
     def _selection(self, p: _Prepared, iq, iw, positions):
         """The top-k rows ``[B, t, topk]`` of a block of the call's tokens."""

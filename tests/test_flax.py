@@ -217,7 +217,7 @@ def test_sequences_at_different_positions_use_their_own_cache():
     np.testing.assert_allclose(np.asarray(y[:, 0]), np.concatenate([want0, want1]), atol=1e-5)
 
 
-def test_tokens_beyond_the_cache_are_not_stored():
+def test_tokens_beyond_the_cache_are_not_stored_and_give_nan():
     layer = make_layer(topk=4, seed=10)
     x = inputs(1, 5, seed=11)
     step = nnx.jit(lambda m, x, c: m(x, c))
@@ -225,7 +225,9 @@ def test_tokens_beyond_the_cache_are_not_stored():
     y, after = step(layer, x[:, 4:], cache)
     np.testing.assert_array_equal(np.asarray(after.kv), np.asarray(cache.kv))
     np.testing.assert_array_equal(np.asarray(after.index_keys), np.asarray(cache.index_keys))
-    assert np.isfinite(np.asarray(y)).all()
+    # Its row was not stored: a finite output would be a wrong one (tests/test_cache_capacity.py).
+    assert np.isnan(np.asarray(y)).all()
+    assert after.length.tolist() == [5] and after.capacity == 4
 
 
 def dense_layer_jnp(params, x):

@@ -53,13 +53,14 @@ def run(code: str, as_written: bool = True) -> dict:
 
 def test_every_snippet_is_covered_below():
     markers = ["out = jax.jit(gathered_attn_idx)", "def loss(q, kv, sink)", 'put(q, P("x"))',
-               "from jax_sparse_attn.flax import SparseAttention", "merge_attention(",
+               "SparseAttention(256, num_heads=8", "merge_attention(",
                'P("rows")', 'jax.default_device(jax.devices("cpu")[0])', "kv_scale=kv_scale",
                "paged_indices(idx, table, block_size)", "topk_length=topk_length",
                "value_dim=V, return_lse=True", "extra_kv=compressed, extra_idx=topk_idx)",
                "kv_rope=rope)", "indexer_topk, static_argnames",
                '"jax_num_cpu_devices", 2', "from jax_sparse_attn.deepseek import V4_FLASH",
-               "from jax_sparse_attn.deepseek import V32_EXP", "compress_pool, static_argnames"]
+               "from jax_sparse_attn.deepseek import V32_EXP", "compress_pool, static_argnames",
+               "check_cache(full)"]
     assert len(set(SNIPPETS)) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -221,10 +222,23 @@ def test_split_fp8_rows_snippet():
 @pytest.mark.slow  # three Flax programs to compile: about 5 s
 def test_flax_snippet():
     pytest.importorskip("flax")
-    ns = run(snippet("from jax_sparse_attn.flax import SparseAttention"))
+    ns = run(snippet("SparseAttention(256, num_heads=8"))
     B, T, E = ns["x"].shape
     assert ns["y"].shape == (B, T, E) and ns["y1"].shape == (B, 1, E)
     assert bool(jnp.isfinite(ns["y"]).all()) and bool(jnp.isfinite(ns["y1"]).all())
+
+
+@pytest.mark.slow  # two Flax programs to compile
+def test_cache_capacity_snippet():
+    pytest.importorskip("flax")
+    ns = run(snippet("check_cache(full)"))
+    assert "capacity of 8 tokens per sequence" in ns["refused"]
+    assert "sequence 0 holds 0 and the call brings 10 (to 10)" in ns["refused"]
+    y = np.asarray(ns["y"])
+    assert np.isfinite(y[:, :8]).all() and np.isnan(y[:, 8:]).all()
+    assert np.asarray(ns["recorded"]).tolist() == [True, True]
+    assert "sequence 1 was given 10 tokens, 2 past it" in ns["overflowed"]
+    assert np.isfinite(np.asarray(ns["y_ok"])).all() and ns["cache"].length.tolist() == [8, 8]
 
 
 @pytest.mark.parametrize("page", ["README.md", *GUIDES])

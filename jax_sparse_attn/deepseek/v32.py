@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from .. import storage
+from .. import capacity, storage
 from ..api import gathered_attn_idx, indexer_kl, indexer_topk
 from . import common, quant, rope
 from .common import CacheRows
@@ -62,12 +62,22 @@ class V32Cache(NamedTuple):
         ``[latent | rope]``.
       index_keys: ``[B, max_len, index_head_dim]`` the indexer's keys in e4m3 (uint8 bits).
       index_scale: ``[B, max_len]`` f32, each key's scale (132 bytes a row with the key, as deployed).
+
+    Its :attr:`capacity` is ``max_len``. An eager call past it raises
+    :class:`jax_sparse_attn.CacheOverflowError`; under ``jit`` the tokens past it get NaN outputs
+    and write nothing, and ``length`` still counts them: ``length > capacity`` records the
+    overflow (:func:`jax_sparse_attn.check_cache`).
     """
 
     length: jax.Array
     latent: CacheRows
     index_keys: jax.Array
     index_scale: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        """init_cache's ``max_len``: the tokens each sequence may hold (its rows)."""
+        return self.latent.values.shape[1]
 
 
 class V32Rows(NamedTuple):
@@ -187,8 +197,9 @@ class V32Attention(common.WeightsByName, nnx.Module):
       prefill; sequences may be at different positions, ``num_tokens`` marks padding). A prefill
       in chunks, or followed by decode steps, computes what one call over the whole sequence does.
       Jit the decode step with the cache donated (``nnx.jit(step, donate_argnums=...)``): its rows
-      are written in place. Rows at positions ``>= max_len`` are dropped: size the cache for the
-      longest sequence.
+      are written in place. A sequence holds up to ``max_len`` tokens: an eager call past them
+      raises :class:`jax_sparse_attn.CacheOverflowError`, a jitted one gives those tokens NaN
+      outputs (:func:`jax_sparse_attn.check_cache`; docs/guides/caches.md).
 
     Weights have DeepSeek's names and layouts (``wq_a.weight [q_lora_rank, dim]``, ...):
     :meth:`load_weights` takes DeepSeek's inference names or the released files' (Hugging Face's)
@@ -261,7 +272,9 @@ class V32Attention(common.WeightsByName, nnx.Module):
     # --- cache ---------------------------------------------------------------------------------
 
     def init_cache(self, batch_size: int, max_len: int) -> V32Cache:
-        """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens each."""
+        """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens each (its
+        ``capacity``: a call past it raises, or under ``jit`` gives NaN outputs and is recorded;
+        docs/guides/caches.md)."""
         common.check_cache_size(batch_size, max_len)
         B, R, cfg = int(batch_size), int(max_len), self.config
         L, rd = cfg.kv_lora_rank, cfg.qk_rope_head_dim
@@ -364,7 +377,8 @@ class V32Attention(common.WeightsByName, nnx.Module):
                       num_tokens: Optional[jax.Array] = None) -> jax.Array:
         """The rows each token of ``layer(x, cache)`` reads: ``[B, s, index_topk]`` int32, the
         indexer's picks best first (row = position), ``-1`` past ``min(index_topk, position + 1)``
-        and for padding. Computes the selection only; the cache is not returned."""
+        and for padding and tokens past the cache's capacity. Computes the selection only; the
+        cache is not returned."""
         x, _, cache, num_tokens = self._checked(x, cache, num_tokens)
         return self._forward(x, cache, num_tokens, rows_only=True)
 
@@ -383,7 +397,9 @@ class V32Attention(common.WeightsByName, nnx.Module):
         if (cache.latent.scale is None) != (self.cache_dtype != "fp8"):
             raise ValueError(f"cache was made by a layer of another cache_dtype (this one: "
                              f"{self.cache_dtype!r})")
-        return x, True, cache, common.check_num_tokens(num_tokens, x.shape[0])
+        num_tokens = common.check_num_tokens(num_tokens, x.shape[0])
+        capacity.refuse_overflow("V32Attention", cache.capacity, cache.length, x.shape[1], num_tokens)
+        return x, True, cache, num_tokens
 
     def _forward(self, x, cache: V32Cache, num_tokens, rows_only: bool = False):
         x = x.astype(self.dtype)
@@ -414,7 +430,7 @@ class V32Attention(common.WeightsByName, nnx.Module):
                 return self._select(qr, positions, head_weights, keys, new_cache.index_scale)
 
             idx = common.map_token_chunks(select, TOKEN_CHUNK, **per_chunk)
-            return jnp.where(real[..., None], idx, -1)
+            return jnp.where((real & (positions < cache.capacity))[..., None], idx, -1)
 
         latent = new_cache.latent.floats()
         w_key, w_value = self._wkv_b_halves()
@@ -424,6 +440,7 @@ class V32Attention(common.WeightsByName, nnx.Module):
                                 w_key, w_value)
 
         y = common.map_token_chunks(attend, TOKEN_CHUNK, **per_chunk)
+        y = capacity.nan_past_capacity(y, positions, cache.capacity)
         if num_tokens is not None:
             y = jnp.where(real[..., None], y, jnp.zeros((), y.dtype))
         return y, new_cache

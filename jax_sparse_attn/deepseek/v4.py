@@ -25,7 +25,7 @@ from flax import nnx
 
 from jax.ad_checkpoint import checkpoint_name
 
-from .. import storage
+from .. import capacity, storage
 from ..api import compress_pool, gathered_attn_idx, indexer_kl, indexer_topk
 from . import common, quant, rope
 from .common import CacheRows, map_token_chunks
@@ -65,6 +65,11 @@ class V4Cache(NamedTuple):
       index_keys: ``[B, max_len // ratio, index_head_dim]`` the indexer's compressed keys, bf16
         bits as uint16 (ratio-4 layers; else None).
       state: the compressor's partial-block state; ``index_state`` the indexer compressor's.
+      capacity: ``[B]`` int32, init_cache's ``max_len``: the tokens a sequence may hold, on
+        every layer (a window-only layer's too, so that a model's layers refuse the same call).
+        An eager call past it raises :class:`jax_sparse_attn.CacheOverflowError`; under ``jit``
+        the tokens past it get NaN outputs and write nothing, and ``length`` still counts them:
+        ``length > capacity`` records the overflow (:func:`jax_sparse_attn.check_cache`).
     """
 
     length: jax.Array
@@ -73,6 +78,7 @@ class V4Cache(NamedTuple):
     index_keys: Optional[jax.Array] = None
     state: Optional[CompressorState] = None
     index_state: Optional[CompressorState] = None
+    capacity: Optional[jax.Array] = None
 
 
 class V4Rows(NamedTuple):
@@ -238,6 +244,9 @@ class V4Attention(common.WeightsByName, nnx.Module):
       prefill; sequences may be at different positions). A prefill in chunks, or followed by
       decode steps, computes what one call over the whole sequence does. Jit the decode step with
       the cache donated (``nnx.jit(step, donate_argnums=...)``): its rows are written in place.
+      A sequence holds up to ``max_len`` tokens: an eager call past them raises
+      :class:`jax_sparse_attn.CacheOverflowError`, a jitted one gives those tokens NaN outputs
+      (:func:`jax_sparse_attn.check_cache`; docs/guides/caches.md).
 
     Weights have DeepSeek's names and layouts (``wq_a.weight [q_lora_rank, dim]``, ...):
     :meth:`load_weights` takes them from DeepSeek's inference state or its released files
@@ -315,12 +324,15 @@ class V4Attention(common.WeightsByName, nnx.Module):
         return CacheRows(jnp.zeros((batch, n, D), storage.storage_dtype(self.cache_dtype)))
 
     def init_cache(self, batch_size: int, max_len: int) -> V4Cache:
-        """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens each."""
+        """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens each (its
+        ``capacity``, on every layer: a call past it raises, or under ``jit`` gives NaN outputs
+        and is recorded; docs/guides/caches.md)."""
         common.check_cache_size(batch_size, max_len)
         B, cfg = int(batch_size), self.config
         window = self._rows(B, cfg.window_size)
+        max_lens = jnp.full((B,), int(max_len), jnp.int32)
         if not self.ratio:
-            return V4Cache(jnp.zeros((B,), jnp.int32), window)
+            return V4Cache(jnp.zeros((B,), jnp.int32), window, capacity=max_lens)
         # At least one row: a sequence shorter than a block still has a (never valid) row to index.
         blocks = max(int(max_len) // self.ratio, 1)
 
@@ -333,7 +345,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
             index_keys = jnp.zeros((B, blocks, cfg.index_head_dim), jnp.uint16)
             index_state = state(self.indexer.compressor)
         return V4Cache(jnp.zeros((B,), jnp.int32), window, self._rows(B, blocks), index_keys,
-                       state(self.compressor), index_state)
+                       state(self.compressor), index_state, max_lens)
 
     def _stored_rows(self, rows) -> CacheRows:
         """KV rows ``[..., head_dim]`` (already FP8-simulated) in the cache's layout, as floats."""
@@ -392,7 +404,11 @@ class V4Attention(common.WeightsByName, nnx.Module):
             raise ValueError(f"cache is for {cache.length.shape[0]} sequences; x has {x.shape[0]}")
         if (cache.compressed is None) != (not self.ratio):
             raise ValueError("cache was made by a layer of another compression ratio")
-        return self._forward(x, cache, common.check_num_tokens(num_tokens, x.shape[0]))
+        num_tokens = common.check_num_tokens(num_tokens, x.shape[0])
+        if cache.capacity is None:
+            raise ValueError("cache has no capacity: make it with layer.init_cache(batch_size, max_len)")
+        capacity.refuse_overflow("V4Attention", cache.capacity, cache.length, x.shape[1], num_tokens)
+        return self._forward(x, cache, num_tokens)
 
     def sequence_rows(self, x: jax.Array) -> V4Rows:
         """What the attention of ``layer(x)`` reads, for whole sequences ``x [B, s, dim]`` from
@@ -446,6 +462,8 @@ class V4Attention(common.WeightsByName, nnx.Module):
         x = x.astype(self.dtype)
         s = x.shape[1]
         length, positions, count, real = common.call_tokens(cache.length, s, num_tokens)
+        # Only tokens within the capacity are written (those past it get NaN outputs, below).
+        kept = jnp.clip(cache.capacity - length, 0, count)
 
         # Per token, in chunks: what the block-wide steps need (the low-rank query, the KV rows,
         # the indexer's head weights).
@@ -463,13 +481,14 @@ class V4Attention(common.WeightsByName, nnx.Module):
         old_window = cache.window.floats()
         window = CacheRows(*(None if a is None else jnp.concatenate([a, b.astype(a.dtype)], axis=1)
                              for a, b in zip(old_window, new_rows)))
-        slot = jnp.where(real & (positions >= (length + count - W)[:, None]), positions % W, -1)
+        slot = jnp.where((positions < (length + kept)[:, None])
+                         & (positions >= (length + kept - W)[:, None]), positions % W, -1)
         new_cache = cache._replace(length=length + count,
                                    window=common.put_rows(cache.window, new_rows, slot))
 
         compressed = index_keys = None
         if self.compressor is not None:
-            new_cache = self._compress(x, new_cache, cache, length, count)
+            new_cache = self._compress(x, new_cache, cache, length, kept)
             compressed = new_cache.compressed.floats()
             index_keys = new_cache.index_keys
 
@@ -481,6 +500,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
             return self._attend(chunk, window, length, compressed, index_keys)
 
         y = map_token_chunks(lambda **kw: attend(kw), TOKEN_CHUNK, **per_chunk)
+        y = capacity.nan_past_capacity(y, positions, cache.capacity)
         if num_tokens is not None:
             y = jnp.where(real[..., None], y, jnp.zeros((), y.dtype))
         return y, new_cache
