@@ -334,3 +334,26 @@ def test_no_neuron_rules_without_the_neuron_platform():
     from jax_sparse_attn.indexer_kl import primitive
 
     assert primitive.register_neuron_lowering() is False  # no Neuron plugin here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sparse,ratio", DEFAULT[:1])
+def test_bf16_operands_are_their_values_and_get_bf16_gradients(sparse, ratio):
+    # bf16 operands are exact in f32: the result is the f32 call's on the same values, and the
+    # cotangents of index_q and index_keys come back in their dtype.
+    case = make_case(ratio, seed=9)
+    low = {k: (v.astype(jnp.bfloat16) if k in ("q", "kv", "index_q", "index_keys") else v)
+           for k, v in case.items()}
+    same = {k: (np.asarray(v, np.float32) if k in ("q", "kv", "index_q", "index_keys") else v)
+            for k, v in low.items()}
+    ct = np.random.default_rng(4).normal(size=T).astype(np.float32)
+    got = jax.jit(lambda c: jax.vjp(lambda *s: call(dict(c, **dict(zip(STUDENT, s))), sparse,
+                                                     ratio)[0],
+                                    *(c[n] for n in STUDENT))[1](ct))(low)
+    want = run_program(same, sparse, ratio, ct)[2]
+    assert [g.dtype for g in got] == [jnp.bfloat16, jnp.float32, jnp.bfloat16]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-2, atol=1e-2 * float(np.abs(w).max()))
+    kl = call(low, sparse, ratio)[0]
+    np.testing.assert_allclose(kl, run_program(same, sparse, ratio, ct)[0], rtol=1e-5, atol=1e-6)
