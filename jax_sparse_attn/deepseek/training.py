@@ -86,6 +86,9 @@ out."""
 
 def indexer_param_mask(tree):
     """Optax's mask of :data:`INDEXER_PARAMS` over ``tree`` (a module, or an ``nnx.State`` of its
-    parameters): ``optax.masked(tx, indexer_param_mask)`` applies ``tx`` to the indexer only.
-    See :meth:`ParamGroup.mask`."""
+    parameters; :meth:`ParamGroup.mask`): True for the indexer's parameters. To train the indexer
+    alone with one optimizer over more parameters, label with it:
+    ``optax.multi_transform({True: tx, False: optax.set_to_zero()}, indexer_param_mask)``
+    (``optax.masked(tx, mask)`` would pass the other gradients through unchanged, not freeze
+    them)."""
     return INDEXER_PARAMS.mask(tree)
