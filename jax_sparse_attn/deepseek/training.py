@@ -73,15 +73,15 @@ def _key_name(key):
     return key
 
 
+#: An NNX filter: the blocks' indexer parameters, the ones ``indexer_loss`` trains (V4:
+#: ``indexer.wq_b``, ``indexer.weights_proj``, the indexer's compressor's ``wkv``, ``wgate``,
+#: ``ape`` and ``norm``; V3.2: ``indexer.wq_b``, ``indexer.wk``, ``indexer.k_norm``,
+#: ``indexer.weights_proj``), FP8 weights left out.
 INDEXER_PARAMS = ParamGroup("INDEXER_PARAMS", indexer=True)
-"""The blocks' indexer parameters, the ones ``indexer_loss`` trains (V4: ``indexer.wq_b``,
-``indexer.weights_proj``, the indexer's compressor's ``wkv``, ``wgate``, ``ape`` and ``norm``;
-V3.2: ``indexer.wq_b``, ``indexer.wk``, ``indexer.k_norm``, ``indexer.weights_proj``), FP8 ones
-left out."""
 
+#: An NNX filter: every other trainable parameter (the language-model loss's), FP8 weights and
+#: their block scales left out.
 MAIN_PARAMS = ParamGroup("MAIN_PARAMS", indexer=False)
-"""Every other trainable parameter (the language-model loss's), FP8 weights and block scales left
-out."""
 
 
 def indexer_param_mask(tree):
