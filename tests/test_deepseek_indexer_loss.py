@@ -284,8 +284,156 @@ def test_v4_indexer_loss_and_gradients_match_the_oracle(sparse):
                           aux["index_scores"], v4_student, sparse)
 
 
-@pytest.mark.parametrize("sparse", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("sparse", [False, True])
 def test_v32_indexer_loss_and_gradients_match_the_oracle(sparse):
     weights, x, aux = v32_case()
     check_against_oracles(v32_layer(weights), weights, x, aux, v32_teacher(aux, sparse),
                           aux["index_scores"], v32_student, sparse)
+
+
+# --- no candidate, same bits, bad input -------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def shared_v4_layer():
+    return v4_layer(v4_case()[0])
+
+
+@pytest.mark.slow
+def test_tokens_without_a_candidate_add_nothing_and_no_nan():
+    # 3 tokens: no complete block, so no token has a candidate (loss 0, gradients 0); 6 tokens: only
+    # tokens 3..5 have one (block 0), and the loss is their mean, not NaN.
+    layer = shared_v4_layer()
+    weights, x, aux = v4_case()
+    for n, want_tokens, forms in ((3, 0, (True, False)), (6, 3, (True,))):
+        for sparse in forms:
+            loss, stats, grads, x_grad = value_and_grads(layer, x[:n], sparse)
+            assert int(stats["tokens"]) == want_tokens
+            assert np.isfinite(loss) and all(np.all(np.isfinite(g)) for g in grads.values())
+            if not want_tokens:
+                assert loss == 0 and float(stats["mass"]) == 0
+                assert not any(np.any(g) for g in grads.values())
+            else:  # one block: every token's KL over one candidate is 0, its mass 1
+                assert loss == pytest.approx(0, abs=1e-6) and float(stats["mass"]) == pytest.approx(1)
+
+
+def test_two_runs_give_the_same_bits():
+    layer = shared_v4_layer()
+    x = v4_case()[1]
+    first, second = value_and_grads(layer, x, True), value_and_grads(layer, x, True)
+    assert first[0] == second[0]
+    for name in first[2]:
+        assert np.array_equal(first[2][name], second[2][name]), name
+
+
+@pytest.mark.parametrize("sparse", [1, 0, "yes", None, np.array(True)])
+def test_sparse_must_be_a_bool(sparse):
+    layer = shared_v4_layer()
+    x = jnp.zeros((1, 8, V4_CONFIG["dim"]), jnp.float32)
+    with pytest.raises(TypeError, match="sparse must be a bool"):
+        layer.indexer_loss(x, sparse=sparse)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 64), (8, V4_CONFIG["dim"]), (1, 1, 8, V4_CONFIG["dim"])])
+def test_x_of_the_wrong_width_or_rank_is_refused(shape):
+    with pytest.raises(ValueError, match="x must have shape"):
+        shared_v4_layer().indexer_loss(jnp.zeros(shape, jnp.float32), sparse=True)
+
+
+@pytest.mark.parametrize("layer_id", [0, 2])
+def test_a_layer_without_an_indexer_names_its_ratio(layer_id):
+    layer = V4Attention(V4Config.from_dict(V4_CONFIG), layer_id, dtype=jnp.float32, cache_dtype="float32")
+    ratio = V4_CONFIG["compress_ratios"][layer_id]
+    with pytest.raises(ValueError, match=f"compress ratio {ratio}"):
+        layer.indexer_loss(jnp.zeros((1, 8, V4_CONFIG["dim"]), jnp.float32), sparse=False)
+
+
+# --- the training filters ---------------------------------------------------------------------
+
+V4_INDEXER_NAMES = {"indexer.wq_b.weight", "indexer.weights_proj.weight",
+                    "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight",
+                    "indexer.compressor.ape", "indexer.compressor.norm.weight"}
+V32_INDEXER_NAMES = {"indexer.wq_b.weight", "indexer.wk.weight", "indexer.k_norm.weight",
+                     "indexer.k_norm.bias", "indexer.weights_proj.weight"}
+
+
+def selected_names(module, group):
+    return {".".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(module, group))}
+
+
+@pytest.mark.parametrize("block", ["v4", "v32"])
+def test_the_filters_pick_the_issues_parameter_sets(block):
+    weights = (v4_case() if block == "v4" else v32_case())[0]
+    layer = v4_layer(weights) if block == "v4" else v32_layer(weights)
+    names = set(layer.export_weights())
+    fp8 = {n for n, v in layer.export_weights().items() if n.endswith(".scale") or v.dtype == o4.E4M3}
+    assert fp8  # the main projections are FP8 here: in neither group
+    indexer = V4_INDEXER_NAMES if block == "v4" else V32_INDEXER_NAMES
+    assert selected_names(layer, INDEXER_PARAMS) == indexer
+    assert selected_names(layer, MAIN_PARAMS) == names - indexer - fp8
+    # With the indexer's wq_b in FP8, it leaves the group (not trainable) with its scale.
+    raw = (o4.random_v4_weights(V4_CONFIG, V4_LAYER, np.random.default_rng(1)) if block == "v4"
+           else o32.random_v32_weights(V32_CONFIG, np.random.default_rng(3)))
+    layer.load_weights(raw)
+    fp8_indexer = {n for n in indexer if raw[n].dtype == o4.E4M3}
+    assert "indexer.wq_b.weight" in fp8_indexer
+    assert selected_names(layer, INDEXER_PARAMS) == indexer - fp8_indexer
+
+    # In a model holding layers, by path.
+    class Model(nnx.Module):
+        def __init__(self, layers):
+            self.blocks = nnx.List(layers)
+            self.head = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    model = Model([layer])
+    assert selected_names(model, INDEXER_PARAMS) == {"blocks.0." + n for n in indexer - fp8_indexer}
+    assert {"head.kernel", "head.bias"} <= selected_names(model, MAIN_PARAMS)
+    mask = indexer_param_mask(model)
+    picked = set()
+    for path, value in jax.tree_util.tree_flatten_with_path(mask)[0]:
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        if value:
+            picked.add(".".join(str(k) for k in keys if k is not None))
+    assert picked == selected_names(model, INDEXER_PARAMS)
+
+
+def exported(layer):
+    return {n: np.asarray(v, np.float32) for n, v in layer.export_weights().items()
+            if not (n.endswith(".scale") or v.dtype == o4.E4M3)}
+
+
+def changed(before, after):
+    return {n for n in before if not np.array_equal(before[n], after[n])}
+
+
+@pytest.mark.slow
+def test_warm_up_and_sparse_stage_steps_change_only_their_groups():
+    weights, x, _ = v4_case()
+    x = jnp.asarray(x[None], jnp.float32)
+    r = jnp.asarray(np.random.default_rng(5).standard_normal(x.shape), jnp.float32)
+    layer = v4_layer(weights)
+
+    # The dense warm-up: nnx.Optimizer over the indexer's parameters only.
+    opt = nnx.Optimizer(layer, optax.sgd(1e-2), wrt=INDEXER_PARAMS)
+    before = exported(layer)
+    grads = nnx.grad(lambda m: m.indexer_loss(x, sparse=False)[0],
+                     argnums=nnx.DiffState(0, INDEXER_PARAMS))(layer)
+    opt.update(layer, grads)
+    assert changed(before, exported(layer)) == V4_INDEXER_NAMES
+
+    # The sparse stage, the LM loss: MAIN_PARAMS only.
+    main = nnx.Optimizer(layer, optax.sgd(1e-2), wrt=MAIN_PARAMS)
+    before = exported(layer)
+    grads = nnx.grad(lambda m: jnp.sum(m(x) * r), argnums=nnx.DiffState(0, MAIN_PARAMS))(layer)
+    main.update(layer, grads)
+    moved = changed(before, exported(layer))
+    assert moved and not moved & V4_INDEXER_NAMES
+
+    # One optimizer over both groups, the main ones frozen by optax's labels from the mask: the LM
+    # loss's gradients move nothing.
+    tx = optax.multi_transform({True: optax.sgd(1e-2), False: optax.set_to_zero()}, indexer_param_mask)
+    masked = nnx.Optimizer(layer, tx, wrt=TRAINABLE)
+    before = exported(layer)
+    grads = nnx.grad(lambda m: jnp.sum(m(x) * r), argnums=nnx.DiffState(0, TRAINABLE))(layer)
+    masked.update(layer, grads)
+    assert not changed(before, exported(layer))

@@ -73,19 +73,22 @@ def _key_name(key):
     return key
 
 
+#: An NNX filter: the blocks' indexer parameters, the ones ``indexer_loss`` trains (V4:
+#: ``indexer.wq_b``, ``indexer.weights_proj``, the indexer's compressor's ``wkv``, ``wgate``,
+#: ``ape`` and ``norm``; V3.2: ``indexer.wq_b``, ``indexer.wk``, ``indexer.k_norm``,
+#: ``indexer.weights_proj``), FP8 weights left out.
 INDEXER_PARAMS = ParamGroup("INDEXER_PARAMS", indexer=True)
-"""The blocks' indexer parameters, the ones ``indexer_loss`` trains (V4: ``indexer.wq_b``,
-``indexer.weights_proj``, the indexer's compressor's ``wkv``, ``wgate``, ``ape`` and ``norm``;
-V3.2: ``indexer.wq_b``, ``indexer.wk``, ``indexer.k_norm``, ``indexer.weights_proj``), FP8 ones
-left out."""
 
+#: An NNX filter: every other trainable parameter (the language-model loss's), FP8 weights and
+#: their block scales left out.
 MAIN_PARAMS = ParamGroup("MAIN_PARAMS", indexer=False)
-"""Every other trainable parameter (the language-model loss's), FP8 weights and block scales left
-out."""
 
 
 def indexer_param_mask(tree):
     """Optax's mask of :data:`INDEXER_PARAMS` over ``tree`` (a module, or an ``nnx.State`` of its
-    parameters): ``optax.masked(tx, indexer_param_mask)`` applies ``tx`` to the indexer only.
-    See :meth:`ParamGroup.mask`."""
+    parameters; :meth:`ParamGroup.mask`): True for the indexer's parameters. To train the indexer
+    alone with one optimizer over more parameters, label with it:
+    ``optax.multi_transform({True: tx, False: optax.set_to_zero()}, indexer_param_mask)``
+    (``optax.masked(tx, mask)`` would pass the other gradients through unchanged, not freeze
+    them)."""
     return INDEXER_PARAMS.mask(tree)
