@@ -78,8 +78,8 @@ through the main loss (``W_iq``, ``W_ik``, ``W_iw`` get zeros). Gradients flow t
 into ``W_q``, ``W_kv``, ``W_o`` and the sink. DeepSeek trains the indexer with a separate
 distillation loss: :meth:`SparseAttention.indexer_loss` (:func:`jax_sparse_attn.indexer_kl`;
 ``sparse=False``: against the attention over every visible row, streaming, DeepSeek V3.2's
-warm-up; ``sparse=True``: the KL over the selected rows only, its sparse training stage). :meth:`SparseAttention.select_rows`
-shows which rows each token attends to.
+warm-up; ``sparse=True``: the KL over the selected rows only, its sparse training stage).
+:meth:`SparseAttention.select_rows` shows which rows each token attends to.
 
 No positional encoding is applied inside the layer; add one upstream (e.g. to ``x``) if needed.
 """
