@@ -76,10 +76,10 @@ over ``B``.
 **Gradients.** The top-k selection returns integer indices, so no gradient reaches the indexer
 through the main loss (``W_iq``, ``W_ik``, ``W_iw`` get zeros). Gradients flow through the attention
 into ``W_q``, ``W_kv``, ``W_o`` and the sink. DeepSeek trains the indexer with a separate
-distillation loss: :meth:`SparseAttention.indexer_loss` (``dense=True``: against the dense
-attention over every causal row, short sequences; ``dense=False``: the KL over the selected rows
-only, bounded memory, DeepSeek V3.2's sparse training stage). :meth:`SparseAttention.select_rows`
-shows which rows each token attends to.
+distillation loss: :meth:`SparseAttention.indexer_loss` (:func:`jax_sparse_attn.indexer_kl`;
+``sparse=False``: against the attention over every visible row, streaming, DeepSeek V3.2's
+warm-up; ``sparse=True``: the KL over the selected rows only, its sparse training stage).
+:meth:`SparseAttention.select_rows` shows which rows each token attends to.
 
 No positional encoding is applied inside the layer; add one upstream (e.g. to ``x``) if needed.
 """
@@ -106,9 +106,6 @@ __all__ = ["SparseAttention", "SparseAttentionCache", "indexer_scores", "select_
 
 # How the layer selects rows: the streaming op, or the dense scores + lax.top_k (short sequences).
 SELECTIONS = ("streaming", "dense")
-# Tokens per chunk of the sparse indexer loss's target: its gathered rows are
-# [chunk, topk, D] f32 (64 MiB at topk = 2048, D = 128).
-SPARSE_LOSS_CHUNK_TOKENS = 64
 # Tokens per block of a long call's selection and attention: the [B, block, topk] indices and the
 # attention's working set exist for one block at a time (256 MiB of int32 indices at topk = 2048
 # for 32k tokens would otherwise grow with T).
@@ -632,125 +629,61 @@ class SparseAttention(nnx.Module):
         """Distillation loss that trains the indexer to pick the rows the attention uses.
 
         The top-k indices give the indexer no gradient, so, as in DeepSeek V3.2, the indexer learns
-        from its own loss ``KL(target || softmax(indexer scores))``, averaged over tokens. The
-        target and the indexer's input are detached, so only ``index_query``, ``index_key`` and
-        ``index_weights`` receive gradients; add it to the main loss (optionally weighted). The
-        rows are the layer's selectable rows (compressed rows with ``compress_ratio > 1``); the
-        window plays no part.
+        from its own loss: per token, ``KL(p_t || softmax over C_t of the indexer scores)`` by
+        :func:`jax_sparse_attn.indexer_kl` (the definition: ``docs/indexer-kl.md``), where the
+        teacher ``p_t`` is the layer's attention over the candidates ``C_t``, each head's softmax
+        with its sink in the denominator (``lse_extra`` = the sink), summed over heads and
+        normalised over ``C_t``. The teacher and the indexer's input are detached, so only
+        ``index_query``, ``index_key`` and ``index_weights`` receive gradients; add the loss to
+        the main loss (optionally weighted). The rows are the layer's selectable rows (compressed
+        rows with ``compress_ratio > 1``); the window plays no part.
 
-        Two forms:
+        - ``sparse=False`` (DeepSeek V3.2's dense warm-up): ``C_t`` is every row visible to
+          ``t``. The op streams over blocks of rows: no ``[T, R]`` tensor.
+        - ``sparse=True`` (DeepSeek V3.2's sparse training stage): ``C_t`` is the ``topk`` rows
+          the layer selects for ``t``; ``O(B T topk)`` memory.
 
-        - ``sparse=False`` (dense; DeepSeek V3.2's warm-up stage): the target over every valid row
-          is the layer's **dense** attention (softmax with the sink, every head), summed over heads
-          and normalised to 1; the indexer's distribution is the softmax of its scores over the
-          same rows. ``O(B T H R)`` memory: use it for short training sequences (a few thousand
-          tokens).
-        - ``sparse=True`` (DeepSeek V3.2's sparse training stage; MaxText's
-          ``indexer_sparse_training``): both distributions are restricted to the ``topk`` rows the
-          indexer selects (:func:`jax_sparse_attn.indexer_topk` with ``return_scores=True``): the
-          target is the layer's sparse attention over those rows (softmax with the sink, per head,
-          summed over heads, normalised to 1), the prediction the softmax of their indexer
-          scores. Memory ``O(B T topk)``, computed in chunks of ``SPARSE_LOSS_CHUNK_TOKENS``
-          tokens: use it for long sequences, or whenever the layer is trained sparse.
-
-        A token with no valid row adds 0 to the mean.
+        ``loss`` is the mean of the KL over the tokens that have a candidate (with
+        ``compress_ratio > 1`` the first tokens see no complete row: they add nothing).
 
         Args:
           x: ``[B, T, E]`` float, a whole sequence per batch element (positions ``0..T-1``).
-          sparse: which form (see above).
+          sparse: a bool, which form (see above).
 
         Returns:
-          ``(loss, mass)``: float32 scalars with no gradient on ``mass``. Dense form: ``mass`` is
-          the mean fraction of the target mass that falls on the rows the indexer currently
-          selects (1 = the top-k rows hold all of the dense attention). Sparse form: ``mass`` is
-          the mean overlap ``sum_k min(target_k, prediction_k)`` of the two distributions over the
-          selected rows (1 = identical).
+          ``(loss, stat)``: float32 scalars, ``stat`` with no gradient, a mean over the same
+          tokens. Dense form: ``stat`` is the share of the teacher's mass on the rows the layer
+          selects (indexer_kl's ``mass``; 1 = the top-k rows hold all of the attention). Sparse
+          form (where that share is 1 by definition): ``stat`` is ``exp(-KL)``, the agreement of
+          the two distributions over the selected rows (1 = identical).
         """
+        if not isinstance(sparse, bool):
+            raise TypeError(f"SparseAttention.indexer_loss: sparse must be a bool; got "
+                            f"{type(sparse).__name__} {sparse!r:.40}")
         self._check_input(x, None)
         B, T, _ = x.shape
         c = self.compress_ratio
         # Detached input: this loss trains the indexer only, never the layer's input.
         q, rows, iq, ik, iw = self._project(jax.lax.stop_gradient(x))
-        q, rows = jax.lax.stop_gradient(q), jax.lax.stop_gradient(rows)
         if c > 1:
             rows, ik = _pool_blocks(rows, c), _pool_blocks(ik, c)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
         scale = self.head_dim**-0.5 if self.scale is None else self.scale
-        sink = jax.lax.stop_gradient(self.sink[...])
+        sink = jnp.broadcast_to(self.sink[...].astype(jnp.float32), (T, self.num_heads))
+        idx = jax.lax.stop_gradient(self._select(iq, iw, ik, positions))  # [B, T, topk]
+        from . import indexer_kl
+
+        def one(q_b, rows_b, iq_b, iw_b, ik_b, positions_b, idx_b):
+            return indexer_kl(q_b, rows_b, iq_b, iw_b, ik_b, positions_b, idx_b, sparse=sparse,
+                              scale=scale, compress_ratio=c, lse_extra=sink)
+
+        kl, mass = jax.vmap(one)(q, rows, iq, iw, ik, positions, idx)
         if sparse:
-            return self._sparse_indexer_loss(q, rows, iq, ik, iw, positions, scale, sink)
-
-        R = rows.shape[1]
-        valid = (jnp.arange(R)[None, None, :] + 1) * c <= positions[:, :, None] + 1  # [B, T, R]
-        logits = jnp.einsum("bthd,brd->bthr", q, rows, preferred_element_type=jnp.float32)
-        logits = jnp.where(valid[:, :, None, :], logits * jnp.float32(scale), -jnp.inf)
-        target = _attention_mass(logits, sink[None, None, :, None])  # [B, T, R]
-
-        scores = indexer_scores(iq, iw, ik, positions, c)
-        any_valid = valid.any(-1, keepdims=True)
-        # A token with no valid row: 0 instead of log_softmax(all -inf) = NaN (and NaN gradients).
-        log_pred = jnp.where(valid, jax.nn.log_softmax(jnp.where(any_valid, scores, 0.0), -1), 0.0)
-        loss = jnp.mean(_kl(target, log_pred))
-
-        idx = select_topk_rows(scores, self.topk)
-        picked = jnp.take_along_axis(target, jnp.maximum(idx, 0), axis=-1)
-        selected_mass = jnp.mean(jnp.sum(jnp.where(idx >= 0, picked, 0.0), axis=-1))
-        return loss, jax.lax.stop_gradient(selected_mass)
-
-    def _sparse_indexer_loss(self, q, rows, iq, ik, iw, positions, scale, sink):
-        """The sparse form of :meth:`indexer_loss` (see there)."""
-        idx, scores = self._select(iq, iw, ik, positions, return_scores=True)  # [B, T, K]
-        idx = jax.lax.stop_gradient(idx)
-        chunk = SPARSE_LOSS_CHUNK_TOKENS
-        B, T = idx.shape[:2]
-        pad = -T % chunk
-
-        def target_of_sequence(q_b, rows_b, idx_b):
-            # [T, H, D], [R, D], [T, K] -> [T, K]: the sparse attention's mass per selected row,
-            # token chunk by token chunk so that only [chunk, K, D] rows are gathered at a time.
-            q_c = jnp.pad(q_b, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, *q_b.shape[1:])
-            idx_c = jnp.pad(idx_b, ((0, pad), (0, 0)), constant_values=-1)
-            idx_c = idx_c.reshape(-1, chunk, idx_b.shape[-1])
-
-            def one_chunk(args):
-                q_t, idx_t = args
-                got = rows_b.at[jnp.maximum(idx_t, 0)].get(mode="fill", fill_value=0)
-                logits = jnp.einsum("thd,tkd->thk", q_t, got, preferred_element_type=jnp.float32)
-                logits = jnp.where((idx_t >= 0)[:, None, :], logits * jnp.float32(scale), -jnp.inf)
-                return _attention_mass(logits, sink[None, :, None])
-
-            return jax.lax.map(one_chunk, (q_c, idx_c)).reshape(-1, idx_b.shape[-1])[:T]
-
-        target = jax.lax.stop_gradient(jax.vmap(target_of_sequence)(q, rows, idx))
-        valid = idx >= 0
-        any_valid = valid.any(-1, keepdims=True)
-        safe = jnp.where(valid & any_valid, scores, jnp.where(any_valid, -jnp.inf, 0.0))
-        log_pred = jnp.where(valid, jax.nn.log_softmax(safe, -1), 0.0)
-        loss = jnp.mean(_kl(target, log_pred))
-        overlap = jnp.sum(jnp.where(valid, jnp.minimum(target, jnp.exp(log_pred)), 0.0), -1)
-        return loss, jax.lax.stop_gradient(jnp.mean(overlap))
-
-
-def _attention_mass(logits, sink):
-    """Attention probabilities with the sink in the denominator, summed over heads (axis -2) and
-    normalised to 1 over the rows (last axis); 0 for a token with no valid row.
-
-    logits ``[..., H, R]`` f32 with ``-inf`` for invalid rows; sink broadcastable to it.
-    """
-    # A +inf sink takes all of its head's attention (the op outputs 0 there): that head adds
-    # nothing to the target; keep it out of the max so that no inf - inf appears.
-    sink_wins = sink == jnp.inf
-    sink = jnp.where(sink_wins, -jnp.inf, sink)
-    m = jnp.maximum(jnp.max(logits, -1, keepdims=True), sink)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(logits - m)
-    probs = e / jnp.maximum(jnp.sum(e, -1, keepdims=True) + jnp.exp(sink - m), jnp.float32(1e-30))
-    probs = jnp.where(sink_wins, 0.0, probs)
-    target = jnp.sum(probs, axis=-2)
-    return target / jnp.maximum(jnp.sum(target, -1, keepdims=True), jnp.float32(1e-30))
-
-
-def _kl(target, log_pred):
-    """``sum_r target * (log target - log_pred)`` over the last axis (0 where target is 0)."""
-    log_target = jnp.log(jnp.where(target > 0, target, 1.0))
-    return jnp.sum(target * (log_target - log_pred), axis=-1)
+            has = jnp.any(idx >= 0, axis=-1)  # the selection holds valid rows only
+            stat = jnp.exp(-kl)
+        else:
+            has = positions + 1 >= c  # row 0 is visible: (0 + 1) * c <= position + 1
+            stat = mass
+        count = jnp.maximum(jnp.sum(has), 1)
+        loss = jnp.sum(jnp.where(has, kl, 0.0)) / count
+        return loss, jax.lax.stop_gradient(jnp.sum(jnp.where(has, stat, 0.0)) / count)

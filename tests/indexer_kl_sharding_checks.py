@@ -94,7 +94,61 @@ def run():
                 print(json.dumps(record), flush=True)
 
 
+SEQUENCES = 8
+
+
+def sequence_program(sparse):
+    """A vmap over sequences with rows of their own (the layer's batch): the mean kl and its
+    gradients."""
+    def run(q, kv, index_q, index_weights, index_keys, positions, idx, lse_extra):
+        def loss(iq, w, keys):
+            kl, mass = jax.vmap(lambda *a: jsa.indexer_kl(
+                *a, sparse=sparse, scale=0.3))(q, kv, iq, w, keys, positions, idx)
+            return jnp.mean(kl), mass
+
+        (value, mass), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            index_q, index_weights, index_keys)
+        return (value, mass) + grads
+
+    return jax.jit(run)
+
+
+SEQUENCE_CHECKS = {  # name: form, axis type, mesh shape and names, q's spec
+    "sequences/sparse/Auto": (True, "Auto", (8,), ("x",), P("x")),
+    "sequences+heads/dense/Explicit": (False, "Explicit", (2, 4), ("x", "y"),
+                                       P("x", None, "y")),
+}
+
+
+def run_sequences():
+    one = make_inputs()
+    rng = np.random.default_rng(5)
+    inputs = {k: np.stack([v if k in ("positions", "idx") else
+                           (v * rng.uniform(0.5, 1.5)).astype(v.dtype)
+                           for _ in range(SEQUENCES)])
+              for k, v in one.items() if k != "ct"}
+    for name, (sparse, axis_type, shape, names, q_spec) in SEQUENCE_CHECKS.items():
+        fn = sequence_program(sparse)
+        want = fn(*(jax.device_put(v, jax.devices()[0]) for v in inputs.values()))
+        mesh = jax.make_mesh(shape, names, axis_types=(getattr(AxisType, axis_type),) * len(names))
+        specs = {k: (q_spec if k in ("q", "lse_extra") else P(q_spec[0])) for k in inputs}
+        placed = [jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in inputs.items()]
+        got = fn(*placed)
+        errors = [float(np.max(np.abs(np.asarray(g) - np.asarray(w)))
+                        / max(1e-30, float(np.max(np.abs(np.asarray(w))))))
+                  for g, w in zip(got, want)]
+        found = collectives(fn, *placed)
+        record = {"check": name, "relative_errors": errors,
+                  "finite": all(bool(np.all(np.isfinite(np.asarray(g)))) for g in got),
+                  "live_tokens": int(np.sum(np.asarray(want[1]) != 0)) // SEQUENCES,
+                  "collectives": sorted({c["kind"] for c in found}),
+                  "largest_collective": max((int(np.prod(shape)) for c in found
+                                             for shape in c["shapes"]), default=0)}
+        print(json.dumps(record), flush=True)
+
+
 if __name__ == "__main__":
     if jax.device_count() != 8:
         sys.exit(f"needs 8 devices; XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}")
+    run_sequences()
     run()

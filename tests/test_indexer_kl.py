@@ -299,3 +299,61 @@ def test_bad_input_is_refused_with_its_name(override, error, message):
     args = good_args(**override)
     with pytest.raises(error, match=message):
         indexer_kl(**args)
+
+
+@pytest.mark.slow
+def test_memory_grows_linearly_in_tokens():
+    # XLA's own account of the compiled value-and-gradient's temporaries at T and 4 T (no run):
+    # linear in T (the residual gradients of index_q), never a [T, R] or [T, H, R] tensor.
+    Hs, Ds, His, Dis, Ks = 16, 64, 8, 32, 64
+
+    def temp(T):
+        sd = jax.ShapeDtypeStruct
+        f32 = jnp.float32
+        args = (sd((T, Hs, Ds), f32), sd((T, Ds), f32), sd((T, His, Dis), f32), sd((T, His), f32),
+                sd((T, Dis), f32), sd((T,), jnp.int32), sd((T, Ks), jnp.int32))
+
+        def loss(q, kv, iq, w, ik, pos, idx):  # the dense form: the one that could hold [T, R]
+            kl, mass = indexer_kl(q, kv, iq, w, ik, pos, idx, sparse=False, scale=0.1)
+            return jnp.mean(kl), jnp.mean(mass)
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True))
+        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    with pytest.MonkeyPatch.context() as mp:  # the default plan (the module's is tiny)
+        mp.setattr(reference, "MAX_CHUNK_TOKENS", 1024)
+        mp.setattr(reference, "DENSE_BLOCK_ROWS", 256)
+        small, large = temp(2048), temp(8192)
+    jax.clear_caches()
+    per_token = His * Dis * 4  # an f32 row of index_q
+    assert large - small < 6 * per_token * (8192 - 2048), (small, large)
+    assert large < 8192 * 8192 * 4 // 2, (small, large)  # half a [T, R] f32 tensor
+
+
+def test_no_neuron_rules_without_the_neuron_platform():
+    from jax_sparse_attn.indexer_kl import primitive
+
+    assert primitive.register_neuron_lowering() is False  # no Neuron plugin here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sparse,ratio", DEFAULT[:1])
+def test_bf16_operands_are_their_values_and_get_bf16_gradients(sparse, ratio):
+    # bf16 operands are exact in f32: the result is the f32 call's on the same values, and the
+    # cotangents of index_q and index_keys come back in their dtype.
+    case = make_case(ratio, seed=9)
+    low = {k: (v.astype(jnp.bfloat16) if k in ("q", "kv", "index_q", "index_keys") else v)
+           for k, v in case.items()}
+    same = {k: (np.asarray(v, np.float32) if k in ("q", "kv", "index_q", "index_keys") else v)
+            for k, v in low.items()}
+    ct = np.random.default_rng(4).normal(size=T).astype(np.float32)
+    got = jax.jit(lambda c: jax.vjp(lambda *s: call(dict(c, **dict(zip(STUDENT, s))), sparse,
+                                                     ratio)[0],
+                                    *(c[n] for n in STUDENT))[1](ct))(low)
+    want = run_program(same, sparse, ratio, ct)[2]
+    assert [g.dtype for g in got] == [jnp.bfloat16, jnp.float32, jnp.bfloat16]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-2, atol=1e-2 * float(np.abs(w).max()))
+    kl = call(low, sparse, ratio)[0]
+    np.testing.assert_allclose(kl, run_program(same, sparse, ratio, ct)[0], rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """indexer_kl on 8 host CPU devices (subprocess: indexer_kl_sharding_checks.py).
 
-Tokens and the teacher's heads split together (Auto and Explicit mesh axes), and the heads alone: the kl, the
+Tokens and the teacher's heads split together (Auto and Explicit mesh axes), the heads alone, and
+a vmap over sequences with rows of their own split over sequences (and heads): the kl, the
 mass and the gradients of the indexer's operands (for a mean over the tokens with a candidate,
 the scaled residuals, and for a per-token cotangent, the fused pass again) equal the
 single-device call's to f32 rounding (the head sums are summed across devices in another order).
@@ -22,7 +23,7 @@ def records():
 
 
 CASES = [f"{'sparse' if sparse else 'dense'}/{axis}/{layout}"
-         for sparse, axis, layout in checks.CHECKS]
+         for sparse, axis, layout in checks.CHECKS] + list(checks.SEQUENCE_CHECKS)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -36,7 +37,13 @@ def test_split_gives_the_single_device_loss_and_gradients(records, name):
 def test_only_head_sums_and_key_gradients_travel(records, name):
     r = records[name]
     assert set(r["collectives"]) <= {"all-reduce"}, r
+    if name.startswith("sequences/"):
+        # Each device its own sequences: nothing travels but the user's mean over them.
+        assert r["largest_collective"] <= checks.SEQUENCES, r
+        return
     if "heads" in name:
         assert r["collectives"] == ["all-reduce"], r  # the head sums
-    # The largest: the keys' gradient [R, Di] (or a block of the head sums), never [T, H, ...].
-    assert r["largest_collective"] <= max(checks.R * checks.DI, checks.T * checks.R), r
+    # The largest: the keys' gradient [R, Di], a block of the head sums, or (heads split) the
+    # assembly of the results, index_q's gradient; never anything [T, H, ...] or [T, R]-sized.
+    assert r["largest_collective"] <= max(checks.R * checks.DI, checks.SEQUENCES * checks.T
+                                          * checks.HI * checks.DI // 2), r

@@ -65,10 +65,6 @@ cotangent ``[S, T]``, the fused residuals, then ``OPERANDS``. The cotangents of 
 dtype), weights (f32) and index_keys (its dtype)."""
 
 
-def _params(sparse, compress_ratio):
-    return dict(sparse=sparse, compress_ratio=compress_ratio)
-
-
 # --- abstract evaluation ------------------------------------------------------------------------
 
 
@@ -226,16 +222,15 @@ def _lower_grad(*args, sparse, compress_ratio, implementation):
                                 + kl_sharding.RESIDUAL_LAYOUTS, kl_sharding.STUDENT_LAYOUTS))
 
 
-for _p, _fn, _multiple in ((indexer_kl_p, _lower, True), (indexer_kl_tangent_p, _lower_tangent, False),
-                           (indexer_kl_grad_p, _lower_grad, True)):
+LOWERINGS = ((indexer_kl_p, _lower, True), (indexer_kl_tangent_p, _lower_tangent, False),
+             (indexer_kl_grad_p, _lower_grad, True))
+for _p, _fn, _multiple in LOWERINGS:
     mlir.register_lowering(_p, mlir.lower_fun(_fn, multiple_results=_multiple))
 
 
 def _register_neuron():
     # No NKI kernel yet: the reference runs on Trainium too (docs/indexer-kl.md).
-    for p, fn, multiple in ((indexer_kl_p, _lower, True),
-                            (indexer_kl_tangent_p, _lower_tangent, False),
-                            (indexer_kl_grad_p, _lower_grad, True)):
+    for p, fn, multiple in LOWERINGS:
         mlir.register_lowering(p, mlir.lower_fun(fn, multiple_results=multiple),
                                platform=NEURON_PLATFORM)
 

@@ -7,6 +7,9 @@ The factors that may be split are read off ``q [S, T, H, D]``'s sharding, as for
 - **Tokens split.** A token's KL reads its own queries, weights, position, slots and lse_extra
   and all the rows, so each device runs the reference on its block of tokens. The gradient of
   ``index_keys`` (a sum over tokens) takes one ``psum``.
+- **Sequences split** (the primitive's leading axis, more than one sequence: a vmap over
+  sequences with rows of their own, a layer's batch): each device computes its own sequences,
+  their tokens whole; the heads may be split as well.
 - **Heads split.** Each device holds its heads of ``q`` and ``lse_extra``. Each head's log-sum-exp
   is its own; the head sums, the teacher's ``sum_h a_h(j)`` per block of candidates and its
   normaliser ``N``, are ``psum``-ed over the head axes inside the passes, before anything is
@@ -65,15 +68,32 @@ class _Partitioner(shared._Partitioner):
         return super().partition(mesh, arg_shapes, result_shape)
 
 
+def over_sequences(layout: str) -> str:
+    """A layout with the sequences as the split factor ``t`` and the tokens whole (``u``)."""
+    return " ".join({"s": "t", "t": "u"}.get(f, f) for f in layout.split())
+
+
 def run(make_local, operands, operand_layouts, result_layouts):
     """The primitive's results on each device's block (the module docstring). ``operands[0]`` is
     ``q``; ``make_local(axes, mesh_shape)`` returns the function of one device's operands (axes:
-    the mesh axes of ``t`` and ``h``, empty on one device)."""
+    the mesh axes of the tokens ``t`` and the heads ``h``, empty on one device).
+
+    One sequence (the public call): its tokens and heads may be split. Several (a vmap over
+    sequences with rows of their own, a layer's batch): the sequences and the heads, each
+    device computing its own sequences whole (no collective but the head sums)."""
     q = jax.typeof(operands[0])
+    q_layout = Q_LAYOUT
+    if q.shape[0] > 1:
+        operand_layouts = [over_sequences(x) for x in operand_layouts]
+        result_layouts = [over_sequences(x) for x in result_layouts]
+        q_layout = over_sequences(Q_LAYOUT)
+        by_tokens = make_local
+        make_local = lambda axes, mesh_shape: by_tokens(  # noqa: E731  (tokens whole)
+            {"t": (), "h": axes["h"]}, mesh_shape)
     if shared._in_manual_region(q):
         return tuple(make_local(NO_AXES, {})(*operands))  # a user's shard_map: blocks given
     if shared._has_explicit_axes(q):
-        axes = shared._explicit_factor_axes(q, Q_LAYOUT)
+        axes = shared._explicit_factor_axes(q, q_layout)
         if any(axes.values()):
             mesh = q.sharding.mesh
             used = [a for names in axes.values() for a in names]
@@ -81,7 +101,7 @@ def run(make_local, operands, operand_layouts, result_layouts):
                                                operand_layouts, result_layouts, axes, mesh, used)
     partitioner = _partitioner_type(make_local, len(operands))
     wrapped = shared.shard_local(make_local(NO_AXES, {}), operand_layouts, result_layouts,
-                                 partitioner, q_layout=Q_LAYOUT)
+                                 partitioner, q_layout=q_layout)
     return tuple(wrapped(*operands))
 
 
