@@ -128,11 +128,8 @@ class Linear(nnx.Module):
         if self.scale is None:
             dtype = jnp.promote_types(x.dtype, weight.dtype)
             return _matmul(x.astype(dtype), weight.astype(dtype), out_dtype)
-        weight, scale = self.fp8_weight_and_scale()
-        exact_bf16 = self.pow2_activations and scale.dtype == E8M0
-        dtype = jnp.bfloat16 if exact_bf16 else jnp.float32
-        return _matmul(quant.fake_fp8(x, quant.LINEAR_BLOCK, self.pow2_activations, dtype),
-                       dequantize_weight(weight, scale, dtype), out_dtype)
+        return _fp8_product(self.name, self.pow2_activations, jnp.dtype(out_dtype), x, weight,
+                            self.scale[...])
 
     def fp8_weight_and_scale(self) -> tuple[jax.Array, jax.Array]:
         """An FP8 linear's ``(weight, scale)``, refusing a gradient of either."""
@@ -145,6 +142,40 @@ class Linear(nnx.Module):
         if self.scale is not None:
             self.weight = nnx.Param(dequantize_weight(self.weight[...], self.scale[...], dtype))
             self.scale = None
+
+
+def _fp8_operand_dtype(pow2_activations, scale):
+    """The dtype in which both dequantised operands of an FP8 product are exact: bf16 with
+    power-of-two scales on both sides, f32 otherwise."""
+    return jnp.dtype(jnp.bfloat16 if pow2_activations and scale.dtype == E8M0 else jnp.float32)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _fp8_product(name, pow2_activations, out_dtype, x, weight, scale):
+    """DeepSeek's ``fp8_gemm`` of ``x`` with an FP8 ``weight`` (:class:`Linear`)."""
+    dtype = _fp8_operand_dtype(pow2_activations, scale)
+    return _matmul(quant.fake_fp8(x, quant.LINEAR_BLOCK, pow2_activations, dtype,
+                                  straight_through=False),
+                   dequantize_weight(weight, scale, dtype), out_dtype)
+
+
+def _fp8_product_jvp(name, pow2_activations, out_dtype, primals, tangents):
+    # The weight and its scale are not trained; x's tangent passes straight through the
+    # activation's FP8 rounding, in x's precision (an f32 layer's gradient is not rounded to the
+    # bf16 in which the forward's exact operands are held).
+    x, weight, scale = primals
+    for part, tangent in (("weight", tangents[1]), ("scale", tangents[2])):
+        if not isinstance(tangent, SymbolicZero):
+            raise NotDifferentiableError(f"no gradient for {name}.{part}: {FP8_NOT_TRAINED}")
+    y = _fp8_product(name, pow2_activations, out_dtype, x, weight, scale)
+    dx = tangents[0]
+    if isinstance(dx, SymbolicZero):
+        return y, jnp.zeros(y.shape, y.dtype)
+    dtype = jnp.promote_types(x.dtype, _fp8_operand_dtype(pow2_activations, scale))
+    return y, _matmul(dx.astype(dtype), dequantize_weight(weight, scale, dtype), out_dtype)
+
+
+_fp8_product.defjvp(_fp8_product_jvp, symbolic_zeros=True)
 
 
 def _matmul(x, weight, out_dtype):

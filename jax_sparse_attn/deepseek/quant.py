@@ -109,6 +109,16 @@ def _identity_tangent(fn, primals, tangents):
     return y, dx.astype(y.dtype)
 
 
+def _round_trip(x, dtype):
+    return x.astype(dtype).astype(x.dtype)
+
+
+def stored_as(x: jax.Array, dtype) -> jax.Array:
+    """``x`` rounded to ``dtype`` (a cache's storage) and back to ``x``'s dtype, the gradient
+    passing straight through (not rounded to ``dtype`` itself)."""
+    return with_identity_gradient(functools.partial(_round_trip, dtype=jnp.dtype(dtype)), x)
+
+
 def _fake_fp8(x, block, pow2, dtype):
     values, scale = fp8_quantize(x, block, pow2)
     return fp8_dequantize(values, scale, dtype)

@@ -299,9 +299,8 @@ class V32Attention(common.WeightsByName, nnx.Module):
                                 cfg.scale_fmt == "ue8m0")
         rope_key = rope.rotate(kv[..., cfg.kv_lora_rank:], positions, self.freqs)
         if self.cache_dtype == "fp8":
-            return jnp.concatenate([latent, rope_key.astype(jnp.bfloat16).astype(self.dtype)], -1)
-        rows = jnp.concatenate([latent, rope_key], axis=-1)
-        return rows.astype(self.cache_dtype).astype(self.dtype)
+            return jnp.concatenate([latent, quant.stored_as(rope_key, jnp.bfloat16)], -1)
+        return quant.stored_as(jnp.concatenate([latent, rope_key], axis=-1), self.cache_dtype)
 
     def _wkv_b_halves(self):
         """``wkv_b`` as ``[H, nope, L]`` (key) and ``[H, v, L]`` (value) in the layer's dtype: an FP8

@@ -369,9 +369,8 @@ class V4Attention(common.WeightsByName, nnx.Module):
         values = quant.fake_fp8(rows[..., :-rd], quant.KV_BLOCK, pow2)
         rope_columns = rows[..., -rd:]
         if self.cache_dtype == "fp8":
-            return jnp.concatenate([values, rope_columns.astype(jnp.bfloat16).astype(self.dtype)], -1)
-        whole = jnp.concatenate([values, rope_columns], -1)
-        return whole.astype(self.cache_dtype).astype(self.dtype)
+            return jnp.concatenate([values, quant.stored_as(rope_columns, jnp.bfloat16)], -1)
+        return quant.stored_as(jnp.concatenate([values, rope_columns], -1), self.cache_dtype)
 
     # --- the call ------------------------------------------------------------------------------
 
