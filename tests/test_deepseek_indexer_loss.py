@@ -361,7 +361,7 @@ def selected_names(module, group):
     return {".".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(module, group))}
 
 
-@pytest.mark.parametrize("block", ["v4", "v32"])
+@pytest.mark.parametrize("block", ["v4", pytest.param("v32", marks=pytest.mark.slow)])
 def test_the_filters_pick_the_issues_parameter_sets(block):
     weights = (v4_case() if block == "v4" else v32_case())[0]
     layer = v4_layer(weights) if block == "v4" else v32_layer(weights)
