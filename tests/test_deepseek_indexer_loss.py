@@ -424,10 +424,10 @@ def test_warm_up_and_sparse_stage_steps_change_only_their_groups():
     # The sparse stage, the LM loss: MAIN_PARAMS only (its gradients, out of both groups').
     lm_grads = nnx.jit(nnx.grad(lambda m, x, r: jnp.sum(m(x) * r),
                                 argnums=nnx.DiffState(0, TRAINABLE)))(layer, x, r)
-    assert any(np.any(v[...]) for _, v in nnx.to_flat_state(lm_grads.filter(MAIN_PARAMS)))
+    assert any(np.any(v[...]) for _, v in nnx.to_flat_state(nnx.filter_state(lm_grads, MAIN_PARAMS)))
     main = nnx.Optimizer(layer, optax.sgd(1e-2), wrt=MAIN_PARAMS)
     before = exported(layer)
-    main.update(layer, lm_grads.filter(MAIN_PARAMS))
+    main.update(layer, nnx.filter_state(lm_grads, MAIN_PARAMS))
     moved = changed(before, exported(layer))
     assert moved and not moved & V4_INDEXER_NAMES
 
