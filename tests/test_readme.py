@@ -60,7 +60,8 @@ def test_every_snippet_is_covered_below():
                "kv_rope=rope)", "indexer_topk, static_argnames",
                '"jax_num_cpu_devices", 2', "from jax_sparse_attn.deepseek import V4_FLASH",
                "from jax_sparse_attn.deepseek import V32_EXP", "compress_pool, static_argnames",
-               "def warmup_step(layer, optimizer, x)", "def sparse_step(layer, main_optimizer"]
+               "def warmup_step(layer, optimizer, x)", "def sparse_step(layer, main_optimizer",
+               "jnp.sum(m(x).astype(jnp.float32) * r)"]
     assert len(set(SNIPPETS)) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -301,6 +302,20 @@ def test_deepseek_v4_snippet():
     together = np.concatenate([y_prompt, y_next], axis=1)
     assert np.abs(together - y).max() <= 0.02 * np.abs(y).max()  # bf16 rounding of one program or two
     assert int(ns["cache"].length[0]) == 40
+
+
+@pytest.mark.slow  # compiles a V4 layer's gradient
+def test_deepseek_training_snippet():
+    from flax import nnx
+
+    ns = run(snippet("jnp.sum(m(x).astype(jnp.float32) * r)"))
+    grads = {".".join(map(str, path)): np.asarray(v[...], np.float32)
+             for path, v in nnx.to_flat_state(ns["grads"])}
+    assert not any(name.endswith(".scale") for name in grads)
+    for name, g in grads.items():
+        assert np.all(np.isfinite(g)), name
+        # The selection is integer: the indexer gets nothing from this loss, the rest something.
+        assert np.any(g) != name.startswith("indexer."), name
 
 
 @pytest.mark.slow  # compiles a V3.2 layer
