@@ -79,7 +79,7 @@ FIGURES = {"02_flax_model": 2, "04_performance": 2, "06_long_context_indexer": 1
 
 # Set for the notebooks under the test: a notebook that reads it runs its cells at toy sizes (02
 # trains a tenth of its steps, 06 runs toy shapes, 07 a narrower V4 layer over shorter sequences,
-# 08 a tenth of its warm-up over shorter sequences and no sparse step);
+# 08 a tenth of its warm-up and two sparse steps over shorter sequences);
 # a user who runs one gets the real sizes, and so do its committed outputs.
 SMALL_SIZES_ENV = "JAX_SPARSE_ATTN_NOTEBOOK_SMALL"
 
