@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import storage
