@@ -60,6 +60,7 @@ def test_there_are_notebooks():
         "05_long_context.ipynb",
         "06_long_context_indexer.ipynb",
         "07_deepseek_v4.ipynb",
+        "08_training_sparse_attention.ipynb",
     ]
 
 
@@ -70,12 +71,15 @@ def png_outputs(nb) -> int:
 
 
 # The figures each notebook shows (loss curve, rows selected per token; time against K and T,
-# memory against T; the rows a V4 token reads, V4 decode time and memory against the context):
+# memory against T; the rows a V4 token reads, V4 decode time and memory against the context; the
+# indexer's KL and its top-k's share of the teacher's mass over the training steps):
 # committed with their outputs, so they render where the notebook is read.
-FIGURES = {"02_flax_model": 2, "04_performance": 2, "06_long_context_indexer": 1, "07_deepseek_v4": 2}
+FIGURES = {"02_flax_model": 2, "04_performance": 2, "06_long_context_indexer": 1, "07_deepseek_v4": 2,
+           "08_training_sparse_attention": 1}
 
 # Set for the notebooks under the test: a notebook that reads it runs its cells at toy sizes (02
-# trains a tenth of its steps, 06 runs toy shapes, 07 a narrower V4 layer over shorter sequences);
+# trains a tenth of its steps, 06 runs toy shapes, 07 a narrower V4 layer over shorter sequences,
+# 08 a tenth of its warm-up and two sparse steps over shorter sequences);
 # a user who runs one gets the real sizes, and so do its committed outputs.
 SMALL_SIZES_ENV = "JAX_SPARSE_ATTN_NOTEBOOK_SMALL"
 

@@ -60,7 +60,9 @@ def test_every_snippet_is_covered_below():
                "kv_rope=rope)", "indexer_topk, static_argnames",
                '"jax_num_cpu_devices", 2', "from jax_sparse_attn.deepseek import V4_FLASH",
                "from jax_sparse_attn.deepseek import V32_EXP", "compress_pool, static_argnames",
-               "check_cache(full)"]
+               "check_cache(full)",
+               "def warmup_step(layer, optimizer, x)", "def sparse_step(layer, main_optimizer",
+               "jnp.sum(m(x).astype(jnp.float32) * r)"]
     assert len(set(SNIPPETS)) == len(markers)
     for code in SNIPPETS:
         assert sum(m in code for m in markers) == 1, code
@@ -316,6 +318,20 @@ def test_deepseek_v4_snippet():
     assert int(ns["cache"].length[0]) == 40
 
 
+@pytest.mark.slow  # compiles a V4 layer's gradient
+def test_deepseek_training_snippet():
+    from flax import nnx
+
+    ns = run(snippet("jnp.sum(m(x).astype(jnp.float32) * r)"))
+    grads = {".".join(map(str, path)): np.asarray(v[...], np.float32)
+             for path, v in nnx.to_flat_state(ns["grads"])}
+    assert not any(name.endswith(".scale") for name in grads)
+    for name, g in grads.items():
+        assert np.all(np.isfinite(g)), name
+        # The selection is integer: the indexer gets nothing from this loss, the rest something.
+        assert np.any(g) != name.startswith("indexer."), name
+
+
 @pytest.mark.slow  # compiles a V3.2 layer
 def test_deepseek_v32_snippet():
     ns = run(snippet("from jax_sparse_attn.deepseek import V32_EXP"))
@@ -342,3 +358,40 @@ def test_compress_pool_snippet(as_written):
     assert rows.shape == (T // r, C // 2) and rows.dtype == jnp.float32
     kv, score, ape = (np.asarray(ns[k], np.float32) for k in ("kv", "score", "ape"))
     assert_matches(rows, kv, score, ape, overlap=True)
+
+
+def _training_groups_changed(ns):
+    """Whether the snippet's layer differs from a fresh one (same config and seed, dequantised as
+    the snippet does) in its main parameters and in its indexer's: (main changed, indexer changed)."""
+    from flax import nnx
+
+    from jax_sparse_attn.deepseek import INDEXER_PARAMS, MAIN_PARAMS, V4Attention
+
+    fresh = V4Attention(ns["config"], layer_id=2)
+    fresh.dequantize_weights(jnp.bfloat16)
+
+    def changed(group):
+        before, after = (jax.tree.leaves(nnx.state(m, group)) for m in (fresh, ns["layer"]))
+        assert len(before) == len(after) > 0
+        return [not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                for a, b in zip(before, after)]
+
+    return changed(MAIN_PARAMS), changed(INDEXER_PARAMS)
+
+
+@pytest.mark.slow  # compiles the dense indexer loss's gradient on a V4 layer (about 15 s of CPU)
+def test_training_warmup_snippet():
+    ns = run(snippet("def warmup_step(layer, optimizer, x)"))
+    assert np.isfinite(float(ns["loss"])) and float(ns["loss"]) >= 0
+    assert 0 < float(ns["mass"]) <= 1
+    main, indexer = _training_groups_changed(ns)
+    assert not any(main), "the warm-up changed main parameters"
+    assert all(indexer), "the warm-up left an indexer parameter unchanged"
+
+
+@pytest.mark.slow  # compiles the LM loss's and the sparse indexer loss's gradients on a V4 layer
+def test_training_sparse_stage_snippet():
+    ns = run(snippet("def sparse_step(layer, main_optimizer"))
+    assert np.isfinite(float(ns["lm"])) and np.isfinite(float(ns["kl"])) and float(ns["kl"]) >= 0
+    main, indexer = _training_groups_changed(ns)
+    assert all(main) and all(indexer), (main, indexer)

@@ -2,9 +2,12 @@
 (docs/deepseek.md).
 
 - :class:`V4Attention` (``deepseek/v4.py``): one DeepSeek V4 attention layer (V4-Flash, V4-Pro),
-  from a :class:`V4Config`; its cache :class:`V4Cache`.
+  from a :class:`V4Config`; its cache :class:`V4Cache`; its rows for whole sequences :class:`V4Rows`.
 - :class:`V32Attention` (``deepseek/v32.py``): one DeepSeek V3.2 attention layer (absorbed MLA and
-  the lightning indexer; V3.2-Exp), from a :class:`V32Config`; its cache :class:`V32Cache`.
+  the lightning indexer; V3.2-Exp), from a :class:`V32Config`; its cache :class:`V32Cache`; its
+  rows for whole sequences :class:`V32Rows`.
+- :class:`NotDifferentiableError`, :func:`is_fp8_weight` (``deepseek/layers.py``): what the layers'
+  gradients refuse (FP8 weights, rows through a cache), and a filter of the FP8 weights.
 - :data:`INDEXER_PARAMS`, :data:`MAIN_PARAMS`, :func:`indexer_param_mask`
   (``deepseek/training.py``): which parameters the indexer's objective and the language-model
   loss train (NNX filters, optax masks).
@@ -18,12 +21,15 @@ The modules need Flax (``pip install ".[flax]"``); the config and the checkpoint
 from .checkpoint import read_attention_weights, read_safetensors, write_checkpoint, write_safetensors
 from .config import V4_FLASH, V4_PRO, V32_EXP, V4Config, V32Config
 
-__all__ = ["V4Attention", "V4Cache", "V4Config", "V4_FLASH", "V4_PRO", "V32Attention", "V32Cache",
-           "V32Config", "V32_EXP", "INDEXER_PARAMS", "MAIN_PARAMS", "indexer_param_mask",
-           "read_attention_weights", "read_safetensors", "write_checkpoint", "write_safetensors"]
+__all__ = ["V4Attention", "V4Cache", "V4Rows", "V4Config", "V4_FLASH", "V4_PRO", "V32Attention",
+           "V32Cache", "V32Rows", "V32Config", "V32_EXP", "INDEXER_PARAMS", "MAIN_PARAMS",
+           "indexer_param_mask", "NotDifferentiableError", "is_fp8_weight", "read_attention_weights",
+           "read_safetensors", "write_checkpoint", "write_safetensors"]
 
-_MODULES = {"V4Attention": "v4", "V4Cache": "v4", "V32Attention": "v32", "V32Cache": "v32",
-            "INDEXER_PARAMS": "training", "MAIN_PARAMS": "training", "indexer_param_mask": "training"}
+_MODULES = {"V4Attention": "v4", "V4Cache": "v4", "V4Rows": "v4", "V32Attention": "v32",
+            "V32Cache": "v32", "V32Rows": "v32", "INDEXER_PARAMS": "training", "MAIN_PARAMS": "training",
+            "indexer_param_mask": "training", "NotDifferentiableError": "layers",
+            "is_fp8_weight": "layers"}
 
 
 def __getattr__(name):

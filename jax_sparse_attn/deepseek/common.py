@@ -79,20 +79,21 @@ def map_token_chunks(fn, chunk: int, *arrays, **named):
     s = leaves[0].shape[1]
     if s <= chunk:
         return fn(*arrays, **named)
-    fn = jax.checkpoint(fn, prevent_cse=False,
-                        policy=jax.checkpoint_policies.save_only_these_names(SELECTION))
-
-    def sliced(start):
+    def sliced(start, leaves):
         cut = [jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1) for a in leaves]
         return fn(*cut[: len(arrays)], **dict(zip(named, cut[len(arrays):])))
 
-    shapes = jax.eval_shape(sliced, 0)
+    # The slicing is inside the checkpoint: the backward keeps the whole (loop-invariant) inputs
+    # once, not each step's slice of them.
+    recomputed = jax.checkpoint(sliced, prevent_cse=False,
+                                policy=jax.checkpoint_policies.save_only_these_names(SELECTION))
+    shapes = jax.eval_shape(sliced, 0, leaves)
     out = jax.tree.map(lambda a: jnp.zeros((a.shape[0], s) + a.shape[2:], a.dtype), shapes)
 
     def body(i, out):
         start = jnp.minimum(i * chunk, s - chunk)
         return jax.tree.map(lambda o, r: jax.lax.dynamic_update_slice_in_dim(o, r, start, axis=1),
-                            out, sliced(start))
+                            out, recomputed(start, leaves))
 
     return jax.lax.fori_loop(0, -(-s // chunk), body, out)
 

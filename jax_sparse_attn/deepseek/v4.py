@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import capacity, storage
@@ -182,15 +181,28 @@ class Compressor(nnx.Module):
     def pool_sequence(self, kv, score, freqs, dtype, implementation):
         """Whole sequences' compressed rows, before their quantisation: ``kv, score [B, s, C]`` f32
         raw rows of positions ``0 .. s - 1`` -> ``[B, max(s // ratio, 1), head_dim]`` in
-        ``dtype``, block ``j`` at row ``j`` (with ``s < ratio``, one incomplete row). All blocks
-        in one pooling: no partial-block state is carried from chunk to chunk."""
+        ``dtype``, block ``j`` at row ``j`` (with ``s < ratio``, one incomplete row, which no
+        token reads). All blocks in one pooling of the raw rows themselves: no partial-block
+        state is carried from chunk to chunk, and no copy of the rows is gathered."""
         B, s, C = kv.shape
-        state = CompressorState(jnp.zeros((B, self.state_rows, C), jnp.float32),
-                                jnp.full((B, self.state_rows, C), -jnp.inf, jnp.float32))
-        length, count = jnp.zeros((B,), jnp.int32), jnp.full((B,), s, jnp.int32)
-        pooled, block, _, _ = self.pool(kv, score, state, length, count, implementation)
-        blocks = max(s // self.ratio, 1)
-        return self.finish(pooled[:, :blocks], block[:, :blocks], freqs, dtype)
+        r = self.ratio
+        blocks = max(s // r, 1)
+        pad = ((0, 0), (0, max(blocks * r - s, 0)), (0, 0))
+        kv = jnp.pad(kv, pad)[:, : blocks * r]
+        score = jnp.pad(score, pad, constant_values=-jnp.inf)[:, : blocks * r]
+        ape = self.ape[...]
+        if self.overlap:
+            # Block 0's previous block is before position 0: kv 0, score -inf (a fresh state).
+            prev_kv = jnp.zeros((B, r, C), jnp.float32)
+            prev_score = jnp.full((B, r, C), -jnp.inf, jnp.float32)
+            pooled = jax.vmap(lambda k, g, pk, pg: compress_pool(
+                k, g, ape, overlap=True, prev_kv=pk, prev_score=pg, implementation=implementation))(
+                kv, score, prev_kv, prev_score)
+        else:
+            pooled = jax.vmap(lambda k, g: compress_pool(k, g, ape, implementation=implementation))(
+                kv, score)
+        block = jnp.broadcast_to(jnp.arange(blocks, dtype=jnp.int32), (B, blocks))
+        return self.finish(pooled, block, freqs, dtype)
 
 
 class Indexer(nnx.Module):
