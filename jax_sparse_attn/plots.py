@@ -222,6 +222,45 @@ def v4_sweep_figure(records: Sequence[dict]):
     return fig
 
 
+def training_memory_figure(result: dict):
+    """A layer's training step against T (``bench --train step`` records): the process's peak
+    growth over one step (x, r, y, gradients and compilation included), one line per layer kind,
+    the issue's bounds marked, beside x's own size."""
+    plt = pyplot()
+    gib = 2**30
+    records = [r for r in result["records"] if r["case"] == "train-step"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    for kind in sorted({r["kind"] for r in records}):
+        points = sorted((r for r in records if r["kind"] == kind), key=lambda r: r["tokens"])
+        tokens = [r["tokens"] for r in points]
+        line, = ax.plot(tokens, [r["growth_bytes"] / gib for r in points], "o-",
+                        label=f"{kind}: process growth")
+        bounds = [(r["tokens"], r["limit_bytes"] / gib) for r in points if r.get("limit_bytes")]
+        if bounds:
+            ax.plot(*zip(*bounds), "v", color=line.get_color(), fillstyle="none",
+                    markersize=9, label=f"{kind}: bound")
+    points = sorted({r["tokens"]: r["x_bytes"] for r in records}.items())
+    ax.plot([t for t, _ in points], [b / gib for _, b in points], ":", color="gray",
+            label="x alone (bf16)")
+    ticks = sorted({r["tokens"] for r in records})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 else str(t) for t in ticks])
+    _plain_log_axes(ax)
+    ax.set_xlabel("tokens per step (B = 1)")
+    ax.set_ylabel("peak RSS growth of one step (GiB)")
+    ax.set_title("Training step: forward, LM-loss backward, indexer loss and its backward",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    env = result.get("environment", {})
+    cpu = env.get("cpu", {})
+    fig.suptitle(f"{cpu.get('model name', '?')}, {env.get('cpu_count', '?')} cores; "
+                 f"jax {env.get('jax', '?')}; bf16 weights and activations", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``--indexer-sweep JSON --png PATH``: draws a saved indexer sweep (``python -m
     jax_sparse_attn.bench --indexer-sweep --json JSON`` measures it)."""

@@ -148,6 +148,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="--v4 prefill (default 8192) and memory (default 65536, v32 32768): tokens per call")
     p.add_argument("--v4-plot", metavar="PATH", help="--v4 sweep: also draw time and memory")
     p.add_argument("--v4-child", metavar="SPEC", help=argparse.SUPPRESS)
+    p.add_argument("--train", metavar="CASES",
+                   help="training DeepSeek's blocks, bf16, B = 1, each case in a fresh process "
+                   "(jax_sparse_attn/bench/training.py): step (a layer's training step: its memory "
+                   "and its time against the forward's), dense-kl (the dense indexer loss with its "
+                   "gradient at V3.2's shapes against an f32 GEMM); comma-separated")
+    p.add_argument("--train-kinds", default="ratio4,ratio128,v32",
+                   help="--train step: the layers (ratio4, ratio128: V4-Flash's layers 2 and 3; "
+                   "v32: V3.2-Exp's)")
+    p.add_argument("--train-tokens", metavar="T,...",
+                   help="--train step: tokens per step (default 4096,16384,65536 for V4, "
+                   "2048,8192 for v32)")
+    p.add_argument("--train-timed-tokens", type=int, default=None, metavar="T",
+                   help="--train step: time the step against the forward up to T tokens (default "
+                   "16384); larger steps are measured for memory alone")
+    p.add_argument("--train-plot", metavar="PATH",
+                   help="--train step: also draw the memory against T (needs matplotlib)")
+    p.add_argument("--train-child", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--value-dim", type=int, default=None,
                    help="with --model: the value columns (value_dim <= D; default D); each "
                    "shape is modelled with all D columns of values too, for the ratio")
@@ -215,6 +232,18 @@ def _without_claim(argv: Sequence[str]) -> list:
 
 def _dispatch(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """Runs the benchmark ``a`` asks for; 0 when it ran and its checks held."""
+    if a.train_child:
+        from . import training
+
+        return training.child_main(a.train_child)
+    if a.train:
+        from . import training
+
+        if a.train_plot:
+            from .. import plots
+
+            plots.pyplot()  # fails now, not after the runs, where matplotlib is missing
+        return training.main([c.strip() for c in a.train.split(",")], a)
     if a.v4_child:
         from . import v4
 
