@@ -126,14 +126,16 @@ def _pass2_terms(l, I, cand, log_z, n, lse_s):
     return p, s, term
 
 
-def _student_grads(g_i, z, w, ks, iq, keys, fresh):
+def _student_grads(g_i, z, w, ks, iq, keys, fresh, cand):
     """Cotangents from ``g_i = d loss / d I`` ``[c, n]`` (0 off the candidates): of the weights
     ``[c, Hi]``, of index_q ``[c, Hi, Di]``, and per row ``[n, Di]`` (or per slot ``[c, n, Di]``)
     of the keys, from the tokens where ``fresh [c]`` only (a token that an earlier chunk held
     has added its share)."""
     iq = jnp.where(fresh[:, None, None], iq, 0.0)
-    g_s = g_i * ks  # d / d (sum_i w_i relu(z_i))
-    g_w = jnp.einsum("tr,tir->ti", g_s, jax.nn.relu(z), precision=jax.lax.Precision.HIGHEST)
+    # d / d (sum_i w_i relu(z_i)); selects, not products, off the candidates (0 * NaN is NaN).
+    g_s = jnp.where(cand, g_i * ks, 0.0)
+    relu = jnp.where(cand[:, None, :], jax.nn.relu(z), 0.0)
+    g_w = jnp.einsum("tr,tir->ti", g_s, relu, precision=jax.lax.Precision.HIGHEST)
     g_z = jnp.where(z > 0, g_s[:, None, :] * w[:, :, None], 0.0)
     if keys.ndim == 2:
         g_q = _einsum("tir,rd->tid", g_z, keys.astype(jnp.float32))
@@ -261,7 +263,7 @@ def _sparse_chunk(q, iq, w, positions, idx, lse_extra, ct, n_vis, *d_token, fres
         dI = _tangent_of_scores(z, w, ks, iqf, keys, d_iq.astype(jnp.float32), d_w, dk)
         return (jnp.sum(jnp.where(cand, (s - p) * dI, 0.0), axis=-1),), None
     g_i = ct[:, None] * (s - p)
-    g_w, g_q, g_k = _student_grads(g_i, z, w, ks, iqf, keys, fresh)
+    g_w, g_q, g_k = _student_grads(g_i, z, w, ks, iqf, keys, fresh, cand)
     # Empty slots are out of range: dropped.
     target = jnp.where(cand, idx, R)
     g_keys = jnp.zeros((R, keys.shape[-1]), jnp.float32).at[target.reshape(-1)].add(
@@ -330,7 +332,7 @@ def _dense_chunk(q, iq, w, positions, idx, lse_extra, ct, n_vis, *d_token, fresh
             return kl, mass
         g_q, g_w, g_keys = state[2:]
         g_i = ct[:, None] * (s - p)
-        gw, gq, gk = _student_grads(g_i, z, w, ks[None, :], iqf, keys, fresh)
+        gw, gq, gk = _student_grads(g_i, z, w, ks[None, :], iqf, keys, fresh, cand)
         # Rows before b * Rb (an overlapping last block) have no candidate: gk is 0 there.
         old = jax.lax.dynamic_slice_in_dim(g_keys, start, Rb, axis=0)
         g_keys = jax.lax.dynamic_update_slice_in_dim(g_keys, old + gk, start, axis=0)
