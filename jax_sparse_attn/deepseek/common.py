@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from .. import storage
+from . import quant
 from .layers import E8M0, FP8_WEIGHT, WEIGHT_BLOCK, Linear, dequantize_weight
 
 # The cache layouts a layer offers: DeepSeek's deployed split rows, or whole rows of the same values.
@@ -44,6 +45,15 @@ class CacheRows(NamedTuple):
         if self.scale is not None:
             kw[prefix + "kv_scale"], kw[prefix + "kv_rope"] = self.scale, self.rope
         return kw
+
+    def dense(self, dtype) -> jax.Array:
+        """The whole rows ``[B, N, D]`` as floats in ``dtype`` (rows read as floats first), FP8
+        values dequantised as ``gathered_attn_idx`` does: ``(values * scale).astype(dtype)``
+        beside the rope columns."""
+        if self.scale is None:
+            return self.values.astype(dtype)
+        return jnp.concatenate([quant.fp8_dequantize(self.values, self.scale, dtype),
+                                self.rope.astype(dtype)], axis=-1)
 
 
 def put_rows(stored: CacheRows, rows: CacheRows, at: jax.Array) -> CacheRows:
@@ -125,6 +135,36 @@ def call_tokens(length, s: int, num_tokens):
              else jnp.clip(num_tokens.astype(jnp.int32), 0, s))
     real = jnp.arange(s, dtype=jnp.int32)[None, :] < count[:, None]
     return length, positions, count, real
+
+
+# --- the indexer's objective ------------------------------------------------------------------
+
+def check_sparse(sparse) -> bool:
+    """``sparse`` of ``indexer_loss``: a Python (or numpy) bool."""
+    if not isinstance(sparse, (bool, np.bool_)):
+        raise TypeError("sparse must be a bool (True: the KL over the indexer's selected rows; "
+                        f"False: over every visible row); got {sparse!r}")
+    return bool(sparse)
+
+
+def straight_through(value: jax.Array, quantised: jax.Array) -> jax.Array:
+    """``quantised``'s value with ``value``'s gradient (DeepSeek's QAT: a quantisation simulation
+    passes the gradient through as the identity). ``value + (quantised - value)`` rounds to
+    ``quantised`` exactly: a value and its rounding to a narrower grid lie within a factor of two
+    of each other (or the rounding is 0), so their difference is exact (Sterbenz)."""
+    return value + jax.lax.stop_gradient(quantised - value)
+
+
+def indexer_loss_mean(kl: jax.Array, mass: jax.Array, has_candidate: jax.Array):
+    """``(loss, stats)`` of a block's ``indexer_loss`` from its per-token ``kl``, ``mass`` and
+    ``has_candidate`` ``[B, s]``: the means over the tokens with a candidate (0 when none has
+    one); ``stats = {"mass", "tokens"}``, no gradient (docs/deepseek.md, "The indexer's
+    objective")."""
+    tokens = jnp.sum(has_candidate, dtype=jnp.int32)
+    denominator = jnp.maximum(tokens, 1).astype(jnp.float32)
+    loss = jnp.sum(jnp.where(has_candidate, kl, 0.0)) / denominator
+    mass = jnp.sum(jnp.where(has_candidate, jax.lax.stop_gradient(mass), 0.0)) / denominator
+    return loss, {"mass": mass, "tokens": tokens}
 
 
 # --- weights by DeepSeek's names ---------------------------------------------------------------

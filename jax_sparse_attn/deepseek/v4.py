@@ -69,6 +69,21 @@ class V4Cache(NamedTuple):
     index_state: Optional[CompressorState] = None
 
 
+class _Prepared(NamedTuple):
+    """What a call's per-chunk work reads (``V4Attention._prepare``): ``per_chunk`` the per-token
+    ``[B, s, ...]`` inputs (``qr``, ``positions``, ``index_weights``), the window with the new rows,
+    the compressed rows and index keys as floats / bits, the call's start ``length [B]`` and
+    ``real [B, s]`` tokens, and the new cache."""
+
+    per_chunk: dict
+    window: CacheRows
+    compressed: Optional[CacheRows]
+    index_keys: Optional[jax.Array]
+    length: jax.Array
+    real: jax.Array
+    new_cache: V4Cache
+
+
 class Compressor(nnx.Module):
     """V4's learned gated pooling of ``ratio`` tokens into one row (DeepSeek's ``Compressor``):
     ``wkv`` and ``wgate`` in f32 from x, ``compress_pool`` with ``ape``, then RMSNorm and RoPE at
@@ -162,10 +177,13 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x)
         return (w * jnp.asarray(self.head_dim ** -0.5 * self.n_heads ** -0.5, w.dtype)).astype(w.dtype)
 
-    def queries(self, qr, positions, freqs):
+    def rotated_queries(self, qr, positions, freqs):
+        """The queries ``[..., n_heads, head_dim]`` before their FP4 simulation: RoPE, Hadamard."""
         q = self.wq_b(qr).reshape(*qr.shape[:-1], self.n_heads, self.head_dim)
-        q = rope.rotate_last(q, positions[..., None], freqs)
-        return quant.fake_fp4(hadamard(q))
+        return hadamard(rope.rotate_last(q, positions[..., None], freqs))
+
+    def queries(self, qr, positions, freqs):
+        return quant.fake_fp4(self.rotated_queries(qr, positions, freqs))
 
 
 class V4Attention(common.WeightsByName, nnx.Module):
@@ -327,6 +345,19 @@ class V4Attention(common.WeightsByName, nnx.Module):
         return self._forward(x, cache, common.check_num_tokens(num_tokens, x.shape[0]))
 
     def _forward(self, x, cache: V4Cache, num_tokens):
+        p = self._prepare(x, cache, num_tokens)
+
+        def attend(chunk):
+            return self._attend(chunk, p.window, p.length, p.compressed, p.index_keys)
+
+        y = map_token_chunks(lambda **kw: attend(kw), TOKEN_CHUNK, **p.per_chunk)
+        if num_tokens is not None:
+            y = jnp.where(p.real[..., None], y, jnp.zeros((), y.dtype))
+        return y, p.new_cache
+
+    def _prepare(self, x, cache: V4Cache, num_tokens) -> "_Prepared":
+        """What a call's per-chunk work reads: the per-token projections, the window with the new
+        rows, the compressed rows and index keys, and the new cache."""
         cfg = self.config
         x = x.astype(self.dtype)
         s = x.shape[1]
@@ -361,14 +392,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
         per_chunk = dict(qr=tokens["qr"], positions=positions)
         if self.indexer is not None:
             per_chunk["index_weights"] = tokens["index_weights"]
-
-        def attend(chunk):
-            return self._attend(chunk, window, length, compressed, index_keys)
-
-        y = map_token_chunks(lambda **kw: attend(kw), TOKEN_CHUNK, **per_chunk)
-        if num_tokens is not None:
-            y = jnp.where(real[..., None], y, jnp.zeros((), y.dtype))
-        return y, new_cache
+        return _Prepared(per_chunk, window, compressed, index_keys, length, real, new_cache)
 
     def _compress(self, x, new_cache: V4Cache, cache: V4Cache, length, count) -> V4Cache:
         """The compressors over the call's tokens, ``TOKEN_CHUNK`` tokens at a time, each step
@@ -412,10 +436,12 @@ class V4Attention(common.WeightsByName, nnx.Module):
         return new_cache._replace(compressed=compressed, state=state, index_keys=index_keys,
                                   index_state=index_state)
 
-    def _attend(self, chunk, window: CacheRows, length, compressed, index_keys):
-        """Selection, attention and the output projection for a chunk of tokens."""
+    def _queries_and_slots(self, chunk, length, compressed, index_keys):
+        """A chunk's attention queries ``[B, c, H, D]`` (per-head RMS, RoPE), its window slots
+        ``[B, c, W]`` and its compressed rows ``[B, c, K]`` (the indexer's top-k on ratio-4 layers,
+        every complete block on others; None on window-only layers)."""
         cfg, ratio = self.config, self.ratio
-        H, D, G = cfg.n_heads, cfg.head_dim, cfg.o_groups
+        H, D = cfg.n_heads, cfg.head_dim
         qr, positions = chunk["qr"], chunk["positions"]
         B, c = positions.shape
         q = self.wq_b(qr).reshape(B, c, H, D)
@@ -428,17 +454,26 @@ class V4Attention(common.WeightsByName, nnx.Module):
         window_idx = jnp.where(at >= length[:, None, None], W + at - length[:, None, None], at % W)
         window_idx = jnp.where(at >= 0, window_idx, -1)
 
-        sink, scale, impl = self.attn_sink[...], D ** -0.5, self.implementation
+        compressed_idx = None
         if ratio == INDEXED_RATIO:
             iq = self.indexer.queries(qr, positions, self.freqs)
             compressed_idx = jax.vmap(lambda q_b, w_b, k_b, p_b: indexer_topk(
                 q_b, w_b, storage.as_operand(k_b), p_b, cfg.index_topk, scale=1.0,
-                compress_ratio=ratio, implementation=impl))(iq, chunk["index_weights"], index_keys,
-                                                            positions)
+                compress_ratio=ratio, implementation=self.implementation))(
+                iq, chunk["index_weights"], index_keys, positions)
         elif ratio:
             blocks = jnp.arange(compressed.values.shape[1], dtype=jnp.int32)
             compressed_idx = jnp.where((blocks + 1) * ratio <= positions[..., None] + 1, blocks, -1)
+        return q, window_idx, compressed_idx
 
+    def _attend(self, chunk, window: CacheRows, length, compressed, index_keys):
+        """Selection, attention and the output projection for a chunk of tokens."""
+        cfg, ratio = self.config, self.ratio
+        H, D, G = cfg.n_heads, cfg.head_dim, cfg.o_groups
+        positions = chunk["positions"]
+        B, c = positions.shape
+        q, window_idx, compressed_idx = self._queries_and_slots(chunk, length, compressed, index_keys)
+        sink, scale, impl = self.attn_sink[...], D ** -0.5, self.implementation
         if ratio:
             def one(q_b, c_b, ci_b, w_b, wi_b):
                 return gathered_attn_idx(q_b, idx=ci_b, sink=sink, scale=scale, extra_idx=wi_b,
@@ -457,6 +492,91 @@ class V4Attention(common.WeightsByName, nnx.Module):
         o = jnp.einsum("bcgd,grd->bcgr", o, wo_a.astype(o.dtype),
                        preferred_element_type=jnp.float32).astype(self.dtype)
         return self.wo_b(o.reshape(B, c, G * cfg.o_lora_rank))
+
+    # --- the indexer's objective ---------------------------------------------------------------
+
+    def indexer_loss(self, x: jax.Array, *, sparse: bool) -> tuple[jax.Array, dict]:
+        """The indexer's KL objective over whole sequences from position 0 (docs/deepseek.md,
+        "The indexer's objective"): ``loss, stats = layer.indexer_loss(x, sparse=...)``.
+
+        Per token ``t`` with a candidate, the candidates ``C_t`` are the indexer's selected blocks
+        (``sparse=True``, DeepSeek's sparse stage) or every complete block (``sparse=False``, the
+        dense warm-up). The teacher is the main attention's conditional over ``C_t``: per head the
+        softmax over the window, the candidates and the sink, summed over heads and normalised over
+        ``C_t``; the student is the softmax over ``C_t`` of the index scores as the forward computes
+        them (FP4-simulated, passing the gradient straight through). ``loss`` is the mean of
+        ``KL(teacher || student)`` over the tokens with a candidate (a token before the first
+        complete block adds nothing). The teacher and the indexer's inputs (``x``, ``qr``) are
+        detached: the loss trains only ``indexer.wq_b``, ``indexer.weights_proj`` and the
+        indexer's compressor (``wkv``, ``wgate``, ``ape``, ``norm``). Runs on
+        :func:`jax_sparse_attn.indexer_kl`, ``TOKEN_CHUNK`` tokens at a time, recomputed in the
+        backward: memory ``O(T K)`` (sparse) or ``O(T)`` beside the rows (dense).
+
+        Args:
+          x: ``[B, s, dim]`` float, whole sequences (positions ``0 .. s - 1``).
+          sparse: a bool, which form (above).
+
+        Returns:
+          ``(loss, stats)``: ``loss`` an f32 scalar; ``stats`` a dict of f32 / int32 scalars with no
+          gradient: ``"mass"``, the mean over tokens with a candidate of the teacher's mass on the
+          indexer's current top-k (1 in the sparse form), and ``"tokens"``, how many tokens have a
+          candidate.
+        """
+        if self.indexer is None:
+            raise ValueError(f"indexer_loss needs a layer with an indexer (compress ratio "
+                             f"{INDEXED_RATIO}); layer {self.layer_id} has compress ratio {self.ratio}")
+        from ..api import indexer_kl  # until w55kl's indexer_kl is merged: then at the top
+
+        sparse = common.check_sparse(sparse)
+        x = jax.lax.stop_gradient(common.check_tokens(x, self.config.dim).astype(self.dtype))
+        cfg, stop = self.config, jax.lax.stop_gradient
+        B, s, _ = x.shape
+        p = self._prepare(x, self.init_cache(B, s), None)
+        # The teacher: the compressed rows as the attention reads them, the window, the sink.
+        rows = stop(p.compressed.dense(self.dtype))
+        window, sink = jax.tree.map(stop, p.window), stop(self.attn_sink[...])
+        keys = self._index_keys(x, rows.shape[1])
+        scale = cfg.head_dim ** -0.5
+
+        # One chunk of tokens, recomputed in the backward: its teacher queries ([c, H, D]) exist
+        # for one chunk at a time.
+        @jax.checkpoint
+        def chunk_loss(qr, positions, index_weights):
+            qr = stop(qr)
+            chunk = dict(qr=qr, positions=positions, index_weights=stop(index_weights))
+            q, window_idx, idx = jax.tree.map(stop, self._queries_and_slots(
+                chunk, p.length, p.compressed, p.index_keys))
+            # The window's share of each head's softmax denominator, with the sink.
+            _, lse = jax.vmap(lambda q_b, w_b, wi_b: gathered_attn_idx(
+                q_b, idx=wi_b, sink=sink, scale=scale, return_lse=True,
+                implementation=self.implementation, **w_b.attention_kwargs()))(q, window, window_idx)
+            rotated = self.indexer.rotated_queries(qr, positions, self.freqs)
+            index_q = common.straight_through(rotated, quant.fake_fp4(rotated))
+            kl, mass = jax.vmap(lambda q_b, r_b, iq_b, w_b, k_b, p_b, i_b, l_b: indexer_kl(
+                q_b, r_b, iq_b, w_b, k_b, p_b, i_b, sparse=sparse, scale=scale, index_scale=1.0,
+                compress_ratio=INDEXED_RATIO, lse_extra=l_b))(
+                q, rows, index_q, index_weights, keys, positions, idx, lse)
+            return dict(kl=kl, mass=mass, has_candidate=jnp.any(idx >= 0, axis=-1))
+
+        out = map_token_chunks(lambda **kw: chunk_loss(**kw), TOKEN_CHUNK, **p.per_chunk)
+        return common.indexer_loss_mean(out["kl"], out["mass"], out["has_candidate"])
+
+    def _index_keys(self, x, rows: int) -> jax.Array:
+        """The indexer's compressed keys ``[B, rows, index_head_dim]`` of whole sequences ``x`` from
+        position 0, differentiable (the FP4 simulation passes the gradient straight through): the
+        complete blocks' tokens pooled in one step, rows past them 0 (never visible)."""
+        comp, r = self.indexer.compressor, INDEXED_RATIO
+        B, s, _ = x.shape
+        n = s // r * r
+        keys = jnp.zeros((B, 0, self.config.index_head_dim), self.dtype)
+        if n:
+            shape = (B, comp.state_rows, comp.wkv.out_features)
+            empty = CompressorState(jnp.zeros(shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
+            pooled, block, _, _ = comp.pool(*comp.project(x[:, :n]), empty, jnp.zeros((B,), jnp.int32),
+                                            jnp.full((B,), n, jnp.int32), self.implementation)
+            rotated = hadamard(comp.finish(pooled[:, : n // r], block[:, : n // r], self.freqs, self.dtype))
+            keys = common.straight_through(rotated, quant.fake_fp4(rotated))
+        return jnp.pad(keys, ((0, 0), (0, rows - keys.shape[1]), (0, 0)))
 
     # --- weights -------------------------------------------------------------------------------
 
