@@ -19,6 +19,11 @@ alternatives: concatenating the caches and making one call, and two calls merged
 ``--model trn1|trn2|trn3`` reports the modelled (not measured) Trainium time of the NKI kernel
 instead, from the emulator's cost model (:mod:`jax_sparse_attn.bench.attention_model`).
 
+``--train step,dense-kl`` measures training DeepSeek's blocks (bf16, B = 1, each case in a fresh
+process): a layer's training step (memory against T, and its time against the forward's in the
+same rounds) and the dense indexer loss with its gradient against an f32 GEMM
+(:mod:`jax_sparse_attn.bench.training`).
+
 ``--record NAME`` writes the record as ``NAME.json`` into the records folder (``--records-dir``,
 default ``benchmarks/records``) and adds or updates its entry in the folder's ``index.json``: the
 command line, the machine and date read from the record, and the claim it backs (``--claim``); a

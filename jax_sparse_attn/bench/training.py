@@ -257,20 +257,23 @@ def _dense_kl_inputs(shape: DenseKLShape, seed: int = 0) -> dict:
     """bf16 operands of a V3.2-like causal prefill: teacher queries and rows, the indexer's
     queries, weights and keys, the current top-k (random visible rows)."""
     T, H, D, Hi, Di, K = shape.T, shape.H, shape.D, shape.Hi, shape.Di, shape.K
-    keys = iter(jax.random.split(jax.random.key(seed), 8))
-    bf16 = jnp.bfloat16
+    rng = np.random.default_rng(seed)
 
     def normal(shape_, scale=1.0):
-        # bf16 from the start: no f32 copy of q ([T, H, D]) is ever whole
-        return jax.random.normal(next(keys), shape_, bf16) * jnp.asarray(scale, bf16)
+        # Drawn 256 tokens at a time into bf16: a whole f32 draw of q ([T, H, D]) would be 2x it.
+        out = np.empty(shape_, jnp.bfloat16)
+        for i in range(0, shape_[0], 256):
+            piece = rng.standard_normal((min(256, shape_[0] - i),) + shape_[1:], np.float32)
+            out[i:i + 256] = piece * np.float32(scale)
+        return jnp.asarray(out)
 
-    positions = jnp.arange(T, dtype=jnp.int32)
-    picks = jax.random.randint(next(keys), (T, K), 0, 2**30) % (positions + 1)[:, None]
-    idx = jnp.where(jnp.arange(K) < (positions + 1)[:, None], picks, -1).astype(jnp.int32)
+    positions = np.arange(T, dtype=np.int32)
+    picks = rng.integers(0, 2**30, (T, K)) % (positions + 1)[:, None]
+    idx = np.where(np.arange(K) < (positions + 1)[:, None], picks, -1).astype(np.int32)
     return jax.block_until_ready(dict(
         q=normal((T, H, D)), kv=normal((T, D)), index_q=normal((T, Hi, Di)),
         index_weights=normal((T, Hi), Hi ** -0.5), index_keys=normal((T, Di)),
-        positions=positions, idx=idx))
+        positions=jnp.asarray(positions), idx=jnp.asarray(idx)))
 
 
 def dense_kl_function(shape: DenseKLShape):
