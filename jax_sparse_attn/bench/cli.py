@@ -167,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-timed-tokens", type=int, default=None, metavar="T",
                    help="--train step: time the step against the forward up to T tokens (default "
                    "16384); larger steps are measured for memory alone")
+    p.add_argument("--train-dense-tokens", type=int, default=None, metavar="T",
+                   help="--train dense-kl: tokens (= rows) instead of V3.2's 8192 (the heads and "
+                   "widths kept)")
     p.add_argument("--train-plot", metavar="PATH",
                    help="--train step: also draw the memory against T (needs matplotlib)")
     p.add_argument("--train-child", metavar="SPEC", help=argparse.SUPPRESS)

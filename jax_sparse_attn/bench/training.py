@@ -419,11 +419,14 @@ def main(cases: list, a) -> int:
                     records.append(rec)
         elif case == "dense-kl":
             shape = QUICK_DENSE_KL_SHAPE if a.quick else DENSE_KL_SHAPE
+            if a.train_dense_tokens:
+                shape = dataclasses.replace(shape, name=f"{shape.name}-{a.train_dense_tokens}",
+                                            T=a.train_dense_tokens)
             rec = _child(dict(fn="dense-kl", shape=dataclasses.asdict(shape), repeats=repeats,
                               warmup=warmup))
             print(format_dense_kl(rec), flush=True)
             ok &= rec["finite"]
-            if not a.quick:
+            if shape == DENSE_KL_SHAPE:
                 ok &= rec["within_limit"] and rec.get("fraction_of_gemm_f32", 1.0) >= DENSE_KL_GEMM_FRACTION
             records.append(rec)
         else:
