@@ -115,7 +115,8 @@ def v32_attention_f64(x, weights, cfg, *, round_bf16=True, form="absorbed"):
       values), ``index_weights`` [S, Hi] (query scales folded in);
     - ``index_scores`` [S, S] (row t of token p valid for t <= p), ``selected`` (per token, rows by
       descending score) and ``index_margin`` (per token, as ``select_rows``);
-    - ``attn_out`` [S, H, v] (before ``wo``).
+    - ``attn_out`` [S, H, v] (before ``wo``); ``q_latent`` [S, H, L], the absorbed query
+      (``form="absorbed"``; else None).
     """
     rb = bf16 if round_bf16 else (lambda a: a)
     fmt = cfg.get("scale_fmt", "ue8m0")
@@ -156,6 +157,7 @@ def v32_attention_f64(x, weights, cfg, *, round_bf16=True, form="absorbed"):
     scale = softmax_scale(cfg)
     wkv_b = dequant_weight(weights["wkv_b.weight"], weights.get("wkv_b.scale"))
     o = np.zeros((S, H, dv))
+    q_latent = None
     if form == "absorbed":
         # DeepSeek's decode: weight_dequant(wkv_b) to the model dtype (bf16)
         wkv_b = rb(wkv_b).reshape(H, nope + dv, L)
@@ -179,7 +181,7 @@ def v32_attention_f64(x, weights, cfg, *, round_bf16=True, form="absorbed"):
     aux = dict(qr=qr, q_nope=q_nope, q_rope=q_rope, latent=c, latent_fp8=c_fp8, latent_scale=c_scale,
                rope_key=k_rope, index_q=q8, index_weights=w, index_keys=k8, index_key_scale=k_scale[:, 0],
                index_scores=scores, selected=[r for r, _ in picks], index_margin=[m for _, m in picks],
-               attn_out=o)
+               attn_out=o, q_latent=q_latent)
     return y, aux
 
 

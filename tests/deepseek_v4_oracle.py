@@ -243,7 +243,8 @@ def v4_attention_f64(x, weights, cfg, layer_id, *, round_bf16=True):
     """model.py ``Attention.forward`` (with ``Indexer.forward`` on ratio-4 layers) for one sequence
     x [S, dim] from position 0 (rounded to bf16 first when ``round_bf16``). Returns (y [S, dim], aux):
 
-    - ``q`` [S, H, D] (after the per-head RMS and RoPE), ``kv`` [S, D] raw rows as attended (FP8 sim),
+    - ``qr`` [S, q_lora_rank] (the low-rank query after q_norm), ``q`` [S, H, D] (after the per-head
+      RMS and RoPE), ``kv`` [S, D] raw rows as attended (FP8 sim),
       ``compressed_kv`` [S // r, D] compressed rows as attended ([0, D] at ratio 0);
     - ``window`` / ``selected``: per token, the raw positions and compressed block ids attended
       (ratio 4: the indexer's picks by descending score, ties to the lower id);
@@ -276,7 +277,7 @@ def v4_attention_f64(x, weights, cfg, layer_id, *, round_bf16=True):
     kv[:, -rd:] = rb(rope(kv[:, -rd:], ang))
     kv[:, :-rd] = fake_fp8(kv[:, :-rd], 64, fmt)
 
-    aux = dict(q=q, kv=kv, compressed_kv=np.zeros((0, D)), index_scores=None, index_margin=None,
+    aux = dict(qr=qr, q=q, kv=kv, compressed_kv=np.zeros((0, D)), index_scores=None, index_margin=None,
                window=[window_positions(p, win) for p in range(S)], selected=[])
     nb = [(p + 1) // ratio if ratio else 0 for p in range(S)]  # complete blocks visible to token p
     if ratio:

@@ -16,7 +16,7 @@ from flax import nnx
 
 from .. import storage
 from . import quant
-from .layers import E8M0, FP8_WEIGHT, WEIGHT_BLOCK, Linear, dequantize_weight
+from .layers import E8M0, FP8_WEIGHT, WEIGHT_BLOCK, BlockScale, Linear, dequantize_weight
 
 # The cache layouts a layer offers: DeepSeek's deployed split rows, or whole rows of the same values.
 CACHE_DTYPES = ("fp8", "bfloat16", "float32")
@@ -285,6 +285,6 @@ def load_weights(linears: Mapping[str, Linear], vectors: Mapping[str, nnx.Param]
         param_updates.append((param, jnp.asarray(value.astype(np.float32))))
     for lin, weight, scale in linear_updates:
         lin.weight = nnx.Param(weight)
-        lin.scale = None if scale is None else nnx.Param(scale)
+        lin.scale = None if scale is None else BlockScale(scale)
     for param, value in param_updates:
         param[...] = value

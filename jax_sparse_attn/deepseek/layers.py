@@ -37,6 +37,11 @@ def dequantize_weight(weight: jax.Array, scale: jax.Array, dtype=jnp.float32) ->
     return (weight.astype(jnp.float32) * full).astype(dtype)
 
 
+class BlockScale(nnx.Param):
+    """An FP8 weight's block scales (:class:`Linear`'s ``scale``): a parameter of the checkpoint,
+    never trained (the training filters leave it out: docs/deepseek.md, "Training in stages")."""
+
+
 class Linear(nnx.Module):
     """``y = x @ weight.T`` with DeepSeek's weight layout ``[out, in]``.
 
@@ -59,7 +64,7 @@ class Linear(nnx.Module):
         w = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * std
         if fp8:
             self.weight = nnx.Param(w.astype(FP8_WEIGHT))
-            self.scale = nnx.Param(jnp.ones((ceil_div(out_features, WEIGHT_BLOCK),
+            self.scale = BlockScale(jnp.ones((ceil_div(out_features, WEIGHT_BLOCK),
                                             ceil_div(in_features, WEIGHT_BLOCK)), scale_dtype))
         else:
             self.weight = nnx.Param(w.astype(dtype))

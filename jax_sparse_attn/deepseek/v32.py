@@ -100,10 +100,13 @@ class Indexer(nnx.Module):
         # bf16 on disk; DeepSeek keeps it in f32 and multiplies x in f32 (Indexer.__init__).
         self.weights_proj = Linear(config.dim, self.n_heads, fp8=False, rngs=rngs, dtype=jnp.float32)
 
+    def rotated_keys(self, x, positions, freqs):
+        """The tokens' keys ``[..., head_dim]`` before their FP8 simulation: LayerNorm, RoPE, Hadamard."""
+        return hadamard(_rotate_first(self.k_norm(self.wk(x)), positions, freqs))
+
     def keys(self, x, positions, freqs):
         """The tokens' keys as cached: ``(e4m3 [..., head_dim], f32 scale [...])``."""
-        k = _rotate_first(self.k_norm(self.wk(x)), positions, freqs)
-        values, scale = quant.fp8_quantize(hadamard(k), INDEX_BLOCK, self.pow2)
+        values, scale = quant.fp8_quantize(self.rotated_keys(x, positions, freqs), INDEX_BLOCK, self.pow2)
         return values, scale[..., 0]
 
     def head_weights(self, x):
@@ -113,10 +116,28 @@ class Indexer(nnx.Module):
     def queries(self, qr, positions, freqs, head_weights):
         """``(q e4m3 [..., n_heads, head_dim], weights f32 [..., n_heads])``: each head's FP8 scale
         and ``head_dim^-1/2`` folded into its weight, as DeepSeek passes them to ``fp8_index``."""
+        values, scale = quant.fp8_quantize(self.rotated_queries(qr, positions, freqs), INDEX_BLOCK,
+                                           self.pow2)
+        return values, self.query_weights(head_weights, scale)
+
+    def rotated_queries(self, qr, positions, freqs):
+        """The queries ``[..., n_heads, head_dim]`` before their FP8 simulation: RoPE, Hadamard."""
         q = self.wq_b(qr).reshape(*qr.shape[:-1], self.n_heads, self.head_dim)
-        q = _rotate_first(q, positions[..., None], freqs)
-        values, scale = quant.fp8_quantize(hadamard(q), INDEX_BLOCK, self.pow2)
-        return values, head_weights * scale[..., 0] * jnp.float32(self.head_dim ** -0.5)
+        return hadamard(_rotate_first(q, positions[..., None], freqs))
+
+    def query_weights(self, head_weights, scale):
+        """Each head's weight with its query's FP8 ``scale [..., n_heads, 1]`` and
+        ``head_dim^-1/2`` folded in."""
+        return head_weights * scale[..., 0] * jnp.float32(self.head_dim ** -0.5)
+
+    def straight_through(self, rotated):
+        """``rotated [..., head_dim]`` (queries or keys) as ``(e4m3 values as f32, f32 scale
+        [..., 1])``, the values passing the gradient of ``rotated / scale`` straight through
+        and the scale detached: ``values * scale`` then passes ``rotated``'s."""
+        values, scale = quant.fp8_quantize(rotated, INDEX_BLOCK, self.pow2)
+        scale = jax.lax.stop_gradient(scale)
+        unrounded = rotated.astype(jnp.float32) / jnp.repeat(scale, INDEX_BLOCK, axis=-1)
+        return common.straight_through(unrounded, values.astype(jnp.float32)), scale
 
 
 class V32Attention(common.WeightsByName, nnx.Module):
@@ -292,14 +313,7 @@ class V32Attention(common.WeightsByName, nnx.Module):
         s = x.shape[1]
         length, positions, count, real = common.call_tokens(cache.length, s, num_tokens)
 
-        # Per token, in chunks: the low-rank query, the rows to cache, the indexer's head weights.
-        def per_token(x_c, pos_c):
-            keys, key_scale = self.indexer.keys(x_c, pos_c, self.freqs)
-            return dict(qr=self.q_norm(self.wq_a(x_c)), latent=self._latent_rows(x_c, pos_c),
-                        index_keys=keys, index_scale=key_scale,
-                        head_weights=self.indexer.head_weights(x_c))
-
-        tokens = common.map_token_chunks(per_token, TOKEN_CHUNK, x, positions)
+        tokens = common.map_token_chunks(self._per_token, TOKEN_CHUNK, x, positions)
         # Each real token writes row `position`, padding nothing; then every token reads the rows
         # at or before it, its own included.
         at = jnp.where(real, positions, -1)
@@ -327,6 +341,13 @@ class V32Attention(common.WeightsByName, nnx.Module):
             y = jnp.where(real[..., None], y, jnp.zeros((), y.dtype))
         return y, new_cache
 
+    def _per_token(self, x, positions):
+        """Per token (run in chunks): the low-rank query, the rows to cache, the indexer's keys and
+        head weights."""
+        keys, key_scale = self.indexer.keys(x, positions, self.freqs)
+        return dict(qr=self.q_norm(self.wq_a(x)), latent=self._latent_rows(x, positions),
+                    index_keys=keys, index_scale=key_scale, head_weights=self.indexer.head_weights(x))
+
     def _select(self, qr, positions, head_weights, keys, key_scale):
         """The indexer's top ``index_topk`` rows for a chunk of tokens, ``[B, c, index_topk]``."""
         index_q, index_weights = self.indexer.queries(qr, positions, self.freqs, head_weights)
@@ -334,22 +355,92 @@ class V32Attention(common.WeightsByName, nnx.Module):
             q_b, w_b, k_b, p_b, self.config.index_topk, scale=1.0, key_scale=s_b,
             implementation=self.implementation))(index_q, index_weights, keys, key_scale, positions)
 
-    def _attend(self, qr, positions, head_weights, latent: CacheRows, keys, key_scale, w_key, w_value):
-        """Selection, attention and the output projection for a chunk of tokens."""
+    def _absorbed_queries(self, qr, positions, w_key):
+        """The attention's queries ``[B, c, H, kv_lora_rank + qk_rope_head_dim]``: ``q_nope`` times
+        ``wkv_b``'s key half (one latent-width query per head) beside the RoPE'd rope columns."""
         cfg = self.config
         H, nope = cfg.n_heads, cfg.qk_nope_head_dim
         B, c = positions.shape
         q = self.wq_b(qr).reshape(B, c, H, nope + cfg.qk_rope_head_dim)
         q_rope = rope.rotate(q[..., nope:], positions[..., None], self.freqs)
-        # The absorbed query: q_nope times wkv_b's key half, one latent-width query per head.
         q_latent = _per_head_product("bchd,hdl->bchl", q[..., :nope], w_key, self.dtype)
-        query = jnp.concatenate([q_latent, q_rope], axis=-1)
+        return jnp.concatenate([q_latent, q_rope], axis=-1)
+
+    def _attend(self, qr, positions, head_weights, latent: CacheRows, keys, key_scale, w_key, w_value):
+        """Selection, attention and the output projection for a chunk of tokens."""
+        cfg = self.config
+        B, c = positions.shape
+        query = self._absorbed_queries(qr, positions, w_key)
         idx = self._select(qr, positions, head_weights, keys, key_scale)
         o = jax.vmap(lambda q_b, rows_b, i_b: gathered_attn_idx(
             q_b, idx=i_b, scale=cfg.softmax_scale, value_dim=cfg.kv_lora_rank,
             implementation=self.implementation, **rows_b.attention_kwargs()))(query, latent, idx)
         o = _per_head_product("bchl,hvl->bchv", o, w_value, self.dtype)
-        return self.wo(o.reshape(B, c, H * cfg.v_head_dim))
+        return self.wo(o.reshape(B, c, cfg.n_heads * cfg.v_head_dim))
+
+    # --- the indexer's objective ---------------------------------------------------------------
+
+    def indexer_loss(self, x: jax.Array, *, sparse: bool) -> tuple[jax.Array, dict]:
+        """The indexer's KL objective over whole sequences from position 0 (docs/deepseek.md,
+        "The indexer's objective"): ``loss, stats = layer.indexer_loss(x, sparse=...)``.
+
+        Per token ``t``, the candidates ``C_t`` are the indexer's selected rows (``sparse=True``,
+        DeepSeek's sparse stage) or every row ``s <= t`` (``sparse=False``, the dense warm-up).
+        The teacher is the main attention restricted to ``C_t``: per head the softmax of the
+        absorbed queries' logits over ``C_t`` (no sink), summed over heads and normalised; the
+        student is the softmax over ``C_t`` of the index scores as the forward computes them (FP8
+        queries and keys with their scales, passing the gradient straight through). ``loss`` is the
+        mean of ``KL(teacher || student)`` over the tokens (each has its own row). The teacher and
+        the indexer's inputs (``x``, ``qr``) are detached: the loss trains only the indexer's
+        ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj``. Runs on
+        :func:`jax_sparse_attn.indexer_kl`, ``TOKEN_CHUNK`` tokens at a time, recomputed in the
+        backward: memory ``O(T K)`` (sparse) or ``O(T)`` beside the rows (dense).
+
+        Args:
+          x: ``[B, s, dim]`` float, whole sequences (positions ``0 .. s - 1``).
+          sparse: a bool, which form (above).
+
+        Returns:
+          ``(loss, stats)``: ``loss`` an f32 scalar; ``stats`` a dict of f32 / int32 scalars with no
+          gradient: ``"mass"``, the mean over tokens with a candidate of the teacher's mass on the
+          indexer's current top-k (1 in the sparse form), and ``"tokens"``, how many tokens have a
+          candidate.
+        """
+        from ..api import indexer_kl  # until w55kl's indexer_kl is merged: then at the top
+
+        sparse = common.check_sparse(sparse)
+        x = jax.lax.stop_gradient(common.check_tokens(x, self.config.dim).astype(self.dtype))
+        cfg, stop, indexer = self.config, jax.lax.stop_gradient, self.indexer
+        B, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+        # Row p is position p's: the call's own rows are the whole cache.
+        tokens = common.map_token_chunks(self._per_token, TOKEN_CHUNK, x, positions)
+        rows = stop(tokens["latent"].dense(self.dtype))
+        selection_keys, key_scale = stop(tokens["index_keys"]), stop(tokens["index_scale"])
+        keys = common.map_token_chunks(
+            lambda x_c, p_c: indexer.straight_through(indexer.rotated_keys(x_c, p_c, self.freqs))[0],
+            TOKEN_CHUNK, x, positions)
+        w_key = stop(self._wkv_b_halves()[0])
+
+        # One chunk of tokens, recomputed in the backward: its absorbed queries ([c, H, 576])
+        # exist for one chunk at a time.
+        @jax.checkpoint
+        def chunk_loss(qr, positions, head_weights):
+            qr = stop(qr)
+            q = stop(self._absorbed_queries(qr, positions, w_key))
+            idx = stop(self._select(qr, positions, stop(head_weights), selection_keys, key_scale))
+            index_q, q_scale = indexer.straight_through(
+                indexer.rotated_queries(qr, positions, self.freqs))
+            index_weights = indexer.query_weights(head_weights, q_scale)
+            kl, mass = jax.vmap(lambda q_b, r_b, iq_b, w_b, k_b, ks_b, p_b, i_b: indexer_kl(
+                q_b, r_b, iq_b, w_b, k_b, p_b, i_b, sparse=sparse, scale=cfg.softmax_scale,
+                index_scale=1.0, key_scale=ks_b))(
+                q, rows, index_q, index_weights, keys, key_scale, positions, idx)
+            return dict(kl=kl, mass=mass, has_candidate=jnp.any(idx >= 0, axis=-1))
+
+        out = common.map_token_chunks(chunk_loss, TOKEN_CHUNK, tokens["qr"], positions,
+                                      tokens["head_weights"])
+        return common.indexer_loss_mean(out["kl"], out["mass"], out["has_candidate"])
 
     # --- weights -------------------------------------------------------------------------------
 
