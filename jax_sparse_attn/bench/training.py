@@ -129,13 +129,6 @@ def make_layer(kind: str, quick: bool = False):
     return V4Attention(config, V4_LAYERS[kind], dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
 
 
-def _indexer_filter():
-    """The indexer's parameters, which only the indexer loss trains."""
-    from flax import nnx
-
-    return nnx.All(nnx.Param, nnx.PathContains("indexer"))
-
-
 def training_functions(layer, sparse: bool = True):
     """``(forward, step, params)`` for ``layer``, pure and unjitted: ``forward(*params, x) -> y``
     and ``step(*params, x, r) -> dict``: the LM loss ``sum(y * r)`` (f32) with its gradients with
@@ -143,7 +136,9 @@ def training_functions(layer, sparse: bool = True):
     with its stats and its gradient with respect to the indexer's parameters."""
     from flax import nnx
 
-    graphdef, indexer_params, main_params, rest = nnx.split(layer, _indexer_filter(), nnx.Param, ...)
+    from ..deepseek import INDEXER_PARAMS, MAIN_PARAMS
+
+    graphdef, indexer_params, main_params, rest = nnx.split(layer, INDEXER_PARAMS, MAIN_PARAMS, ...)
     has_indexer = getattr(layer, "indexer", None) is not None
 
     def module(main, indexer, rest):
