@@ -170,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-dense-tokens", type=int, default=None, metavar="T",
                    help="--train dense-kl: tokens (= rows) instead of V3.2's 8192 (the heads and "
                    "widths kept)")
+    p.add_argument("--train-parts", action="store_true",
+                   help="--train step: also time each half of the step alone in the same rounds "
+                   "(the LM loss with its gradient; the indexer loss with its gradient)")
     p.add_argument("--train-plot", metavar="PATH",
                    help="--train step: also draw the memory against T (needs matplotlib)")
     p.add_argument("--train-child", metavar="SPEC", help=argparse.SUPPRESS)

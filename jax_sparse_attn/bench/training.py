@@ -130,10 +130,11 @@ def make_layer(kind: str, quick: bool = False):
 
 
 def training_functions(layer, sparse: bool = True):
-    """``(forward, step, params)`` for ``layer``, pure and unjitted: ``forward(*params, x) -> y``
-    and ``step(*params, x, r) -> dict``: the LM loss ``sum(y * r)`` (f32) with its gradients with
-    respect to the main parameters and ``x``, and (layers with an indexer) the indexer loss
-    with its stats and its gradient with respect to the indexer's parameters."""
+    """``(forward, step, params, parts)`` for ``layer``, pure and unjitted: ``forward(*params, x)
+    -> y`` and ``step(*params, x, r) -> dict``: the LM loss ``sum(y * r)`` (f32) with its
+    gradients with respect to the main parameters and ``x``, and (layers with an indexer) the
+    indexer loss with its stats and its gradient with respect to the indexer's parameters;
+    ``parts``: ``{"lm": fn, "indexer": fn}``, each half of the step alone (same arguments)."""
     from flax import nnx
 
     from ..deepseek import INDEXER_PARAMS, MAIN_PARAMS
@@ -147,22 +148,29 @@ def training_functions(layer, sparse: bool = True):
     def forward(main, indexer, rest, x):
         return module(main, indexer, rest)(x)
 
-    def step(main, indexer, rest, x, r):
+    def lm_part(main, indexer, rest, x, r):
         def lm_loss(main, x):
             y = module(main, indexer, rest)(x)
             return jnp.sum(y.astype(jnp.float32) * r.astype(jnp.float32))
 
         loss, (g_main, g_x) = jax.value_and_grad(lm_loss, argnums=(0, 1))(main, x)
-        out = dict(lm_loss=loss, main_grads=g_main, x_grad=g_x)
-        if has_indexer:
-            def indexer_loss(indexer):
-                return module(main, indexer, rest).indexer_loss(x, sparse=sparse)
+        return dict(lm_loss=loss, main_grads=g_main, x_grad=g_x)
 
-            (kl, stats), g_indexer = jax.value_and_grad(indexer_loss, has_aux=True)(indexer)
-            out.update(indexer_loss=kl, indexer_stats=stats, indexer_grads=g_indexer)
+    def indexer_part(main, indexer, rest, x, r):
+        def indexer_loss(indexer):
+            return module(main, indexer, rest).indexer_loss(x, sparse=sparse)
+
+        (kl, stats), g_indexer = jax.value_and_grad(indexer_loss, has_aux=True)(indexer)
+        return dict(indexer_loss=kl, indexer_stats=stats, indexer_grads=g_indexer)
+
+    def step(*args):
+        out = lm_part(*args)
+        if has_indexer:
+            out.update(indexer_part(*args))
         return out
 
-    return forward, step, (main_params, indexer_params, rest)
+    parts = dict(lm=lm_part, indexer=indexer_part) if has_indexer else {}
+    return forward, step, (main_params, indexer_params, rest), parts
 
 
 def _param_count(tree) -> int:
@@ -183,12 +191,14 @@ def _finite_sample(a, samples: int = 64) -> bool:
     return bool(jnp.all(jnp.isfinite(a[:: max(a.shape[0] // samples, 1)].astype(jnp.float32))))
 
 
-def step_child(kind: str, tokens: int, repeats: int, warmup: int, quick: bool = False) -> dict:
+def step_child(kind: str, tokens: int, repeats: int, warmup: int, quick: bool = False,
+               parts: bool = False) -> dict:
     """In a fresh process: the peak RSS growth of a layer's first training step from before x
     exists (compilation, x, r, y, the gradients), then (``repeats > 0``) the step and the forward
-    timed alternately in the same rounds."""
+    timed alternately in the same rounds; with ``parts``, also each half of the step alone (the
+    LM loss's value and gradient, the indexer loss's) in the same rounds."""
     layer = make_layer(kind, quick)
-    forward, step, params = training_functions(layer)
+    forward, step, params, halves = training_functions(layer)
     dim = layer.config.dim
     spec = jax.ShapeDtypeStruct((1, tokens, dim), jnp.bfloat16)
     step_jit = jax.jit(step)
@@ -209,7 +219,7 @@ def step_child(kind: str, tokens: int, repeats: int, warmup: int, quick: bool = 
     limit = STEP_MEMORY_LIMITS.get(kind, {}).get(tokens) if not quick else None
     rec = dict(
         case="train-step", kind=kind, layer_id=V4_LAYERS.get(kind), tokens=tokens, quick=quick,
-        config=dataclasses.asdict(layer.config), indexer_loss=getattr(layer, "indexer", None) is not None,
+        config=dataclasses.asdict(layer.config), indexer_loss="indexer_loss" in out,
         main_params=_param_count(params[0]), indexer_params=_param_count(params[1]),
         growth_bytes=growth, compile_growth_bytes=compile_growth, run_growth_bytes=run_growth,
         x_bytes=x.nbytes, limit_bytes=limit, within_limit=None if limit is None else growth <= limit,
@@ -229,9 +239,10 @@ def step_child(kind: str, tokens: int, repeats: int, warmup: int, quick: bool = 
         rec["forward_first_call_s"] = time.perf_counter() - start
         cpu: dict = {}
         load_before = common.load_average()
-        times = common.time_rounds({"step": (compiled, (*params, x, r)),
-                                    "forward": (forward_jit, (*params, x))},
-                                   repeats, warmup, cpu)
+        timed = {"step": (compiled, (*params, x, r)), "forward": (forward_jit, (*params, x))}
+        if parts:
+            timed.update({name: (jax.jit(fn), (*params, x, r)) for name, fn in halves.items()})
+        times = common.time_rounds(timed, repeats, warmup, cpu)
         med = {k: float(np.median(v)) for k, v in times.items()}
         med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
         rec.update(
@@ -363,7 +374,8 @@ def format_step(rec: dict) -> str:
             f"{rec['first_step_s']:.1f} s")
     if "step_over_forward" in rec:
         m = rec["median_s"]
-        text += (f"; step {m['step']:.2f} s, forward {m['forward']:.2f} s: step / forward = "
+        halves = "".join(f", {k} alone {v:.2f} s" for k, v in m.items() if k not in ("step", "forward"))
+        text += (f"; step {m['step']:.2f} s, forward {m['forward']:.2f} s{halves}: step / forward = "
                  f"{rec['step_over_forward']:.2f} (CPU seconds: {rec['step_over_forward_cpu']:.2f}; "
                  f"limit {STEP_OVER_FORWARD_LIMIT:g})")
     return text
@@ -406,7 +418,8 @@ def main(cases: list, a) -> int:
                 timed = a.train_timed_tokens or TIMED_TOKENS
                 for T in tokens:
                     rec = _child(dict(fn="step", kind=kind, tokens=T, quick=a.quick,
-                                      repeats=repeats if T <= timed else 0, warmup=warmup))
+                                      repeats=repeats if T <= timed else 0, warmup=warmup,
+                                      parts=a.train_parts))
                     print(format_step(rec), flush=True)
                     ok &= rec["finite"] and rec["within_limit"] is not False
                     if "step_over_forward" in rec and not a.quick:
