@@ -112,7 +112,7 @@ def v32_attention_f64(x, weights, cfg, *, round_bf16=True, form="absorbed"):
     - ``latent`` [S, L] (after kv_norm and the FP8 round trip), ``latent_fp8`` / ``latent_scale``
       (its e4m3 values and per-128 scales), ``rope_key`` [S, rd];
     - ``index_keys`` [S, Di] (e4m3 values) and ``index_key_scale`` [S], ``index_q`` [S, Hi, Di] (e4m3
-      values), ``index_weights`` [S, Hi] (query scales folded in);
+      values) and ``index_q_scale`` [S, Hi], ``index_weights`` [S, Hi] (query scales folded in);
     - ``index_scores`` [S, S] (row t of token p valid for t <= p), ``selected`` (per token, rows by
       descending score) and ``index_margin`` (per token, as ``select_rows``);
     - ``attn_out`` [S, H, v] (before ``wo``); ``q_latent`` [S, H, L], the absorbed query
@@ -179,7 +179,7 @@ def v32_attention_f64(x, weights, cfg, *, round_bf16=True, form="absorbed"):
         raise ValueError(f"form must be 'absorbed' or 'mha'; got {form!r}")
     y = linear(o.reshape(S, H * dv), weights, "wo", round_bf16, fmt)
     aux = dict(qr=qr, q_nope=q_nope, q_rope=q_rope, latent=c, latent_fp8=c_fp8, latent_scale=c_scale,
-               rope_key=k_rope, index_q=q8, index_weights=w, index_keys=k8, index_key_scale=k_scale[:, 0],
+               rope_key=k_rope, index_q=q8, index_q_scale=q_scale[..., 0], index_weights=w, index_keys=k8, index_key_scale=k_scale[:, 0],
                index_scores=scores, selected=[r for r, _ in picks], index_margin=[m for _, m in picks],
                attn_out=o, q_latent=q_latent)
     return y, aux

@@ -1,6 +1,6 @@
 """What DeepSeek's attention layers (V3.2, V4) share beyond their arithmetic: cache rows in the
-deployed split layout, per-token work in chunks, argument checks, and weights by DeepSeek's names
-(docs/deepseek.md).
+deployed split layout, per-token work in chunks (recomputed by the backward), argument checks,
+weights by DeepSeek's names, and what gradients they refuse (docs/deepseek.md).
 
 Needs Flax (``pip install ".[flax]"``).
 """
@@ -15,13 +15,16 @@ import numpy as np
 from flax import nnx
 
 from .. import storage
-from . import quant
-from .layers import E8M0, FP8_WEIGHT, WEIGHT_BLOCK, BlockScale, Linear, dequantize_weight
+from .layers import (E8M0, FP8_WEIGHT, WEIGHT_BLOCK, BlockScale, Linear, dequantize_weight,
+                     refuse_gradient)
 
 # The cache layouts a layer offers: DeepSeek's deployed split rows, or whole rows of the same values.
 CACHE_DTYPES = ("fp8", "bfloat16", "float32")
 # The released files' spelling of a block scale's name (Hugging Face's), and DeepSeek's inference one.
 RELEASED_SCALE, INFERENCE_SCALE = "weight_scale_inv", "scale"
+# The name under which a chunk's selected rows are kept for the backward (map_token_chunks):
+# integers, [T, K] in all, where recomputing them would run the indexer again.
+SELECTION = "selected_rows"
 
 
 class CacheRows(NamedTuple):
@@ -46,15 +49,6 @@ class CacheRows(NamedTuple):
             kw[prefix + "kv_scale"], kw[prefix + "kv_rope"] = self.scale, self.rope
         return kw
 
-    def dense(self, dtype) -> jax.Array:
-        """The whole rows ``[B, N, D]`` as floats in ``dtype`` (rows read as floats first), FP8
-        values dequantised as ``gathered_attn_idx`` does: ``(values * scale).astype(dtype)``
-        beside the rope columns."""
-        if self.scale is None:
-            return self.values.astype(dtype)
-        return jnp.concatenate([quant.fp8_dequantize(self.values, self.scale, dtype),
-                                self.rope.astype(dtype)], axis=-1)
-
 
 def put_rows(stored: CacheRows, rows: CacheRows, at: jax.Array) -> CacheRows:
     """``stored`` with ``rows [B, n, ...]`` written at rows ``at [B, n]`` (out of range: dropped;
@@ -62,15 +56,31 @@ def put_rows(stored: CacheRows, rows: CacheRows, at: jax.Array) -> CacheRows:
     return CacheRows(*(None if a is None else storage.put(a, b, at) for a, b in zip(stored, rows)))
 
 
+def refuse_cache_gradient(rows, what: str):
+    """``rows`` (a pytree of arrays) unchanged; asking for a gradient through them raises
+    :class:`~jax_sparse_attn.deepseek.layers.NotDifferentiableError` naming ``what``: the rows
+    that a cached call writes as bits (docs/deepseek.md, "Gradients")."""
+    leaves, tree = jax.tree.flatten(rows)
+    why = ("a cached call (layer(x, cache)) stores its rows in the cache as bits, and no gradient "
+           "goes through a cache: differentiate the cacheless call layer(x) over whole sequences")
+    return jax.tree.unflatten(tree, refuse_gradient((what,) * len(leaves), why, *leaves))
+
+
 def map_token_chunks(fn, chunk: int, *arrays, **named):
     """``fn`` over the token axis (axis 1) of ``[B, s, ...]`` arrays in chunks of ``chunk``
     tokens, one after the other, its ``[B, chunk, ...]`` results written into ``[B, s, ...]``
     outputs. The last chunk ends at ``s`` and recomputes a few tokens of the one before it (the
-    same values), so no token is padded and every step has one shape."""
+    same values), so no token is padded and every step has one shape.
+
+    Under differentiation each chunk's work is recomputed by the backward (``jax.checkpoint``),
+    keeping only its inputs and the values ``fn`` names :data:`SELECTION`: the backward holds one
+    chunk's intermediates at a time, not every chunk's."""
     leaves = list(arrays) + list(named.values())
     s = leaves[0].shape[1]
     if s <= chunk:
         return fn(*arrays, **named)
+    fn = jax.checkpoint(fn, prevent_cse=False,
+                        policy=jax.checkpoint_policies.save_only_these_names(SELECTION))
 
     def sliced(start):
         cut = [jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1) for a in leaves]
@@ -145,14 +155,6 @@ def check_sparse(sparse) -> bool:
         raise TypeError("sparse must be a bool (True: the KL over the indexer's selected rows; "
                         f"False: over every visible row); got {sparse!r}")
     return bool(sparse)
-
-
-def straight_through(value: jax.Array, quantised: jax.Array) -> jax.Array:
-    """``quantised``'s value with ``value``'s gradient (DeepSeek's QAT: a quantisation simulation
-    passes the gradient through as the identity). ``value + (quantised - value)`` rounds to
-    ``quantised`` exactly: a value and its rounding to a narrower grid lie within a factor of two
-    of each other (or the rounding is 0), so their difference is exact (Sterbenz)."""
-    return value + jax.lax.stop_gradient(quantised - value)
 
 
 def indexer_loss_mean(kl: jax.Array, mass: jax.Array, has_candidate: jax.Array):
@@ -242,9 +244,24 @@ def export_weights(linears: Mapping[str, Linear], vectors: Mapping[str, nnx.Para
 
 
 class WeightsByName:
-    """:meth:`weight_shapes` and :meth:`export_weights` for a layer whose ``_linears()`` and
-    ``_vectors()`` map DeepSeek's inference names to its :class:`Linear` layers and f32
-    parameters."""
+    """:meth:`weight_shapes`, :meth:`export_weights` and :meth:`dequantize_weights` for a layer
+    whose ``_linears()`` and ``_vectors()`` map DeepSeek's inference names to its :class:`Linear`
+    layers and f32 parameters."""
+
+    def _name_linears(self) -> None:
+        """Gives each linear its DeepSeek name, which its refused gradients name."""
+        for name, lin in self._linears().items():
+            lin.name = name
+
+    def dequantize_weights(self, dtype=jnp.bfloat16) -> None:
+        """Replaces every FP8 weight by ``weight * scale`` per 128 x 128 block in ``dtype``
+        (``jnp.bfloat16`` or ``jnp.float32``), as DeepSeek's convert.py dequantises: plain
+        weights, which are trained (FP8 weights are not; docs/deepseek.md, "Gradients"). The
+        linears then run as plain products: their activations are no longer rounded to FP8."""
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            raise ValueError(f"dtype must be bfloat16 or float32; got {jnp.dtype(dtype)}")
+        for lin in self._linears().values():
+            lin.dequantize(dtype)
 
     def weight_shapes(self) -> dict:
         """``name -> shape`` of every tensor ``load_weights`` expects (DeepSeek's inference

@@ -1,5 +1,6 @@
 """The pieces DeepSeek's attention blocks share: linear layers with FP8 block-scaled weights,
-RMSNorm, LayerNorm, the Hadamard rotation (docs/deepseek.md, "Shared arithmetic").
+RMSNorm, LayerNorm, the Hadamard rotation (docs/deepseek.md, "Shared arithmetic"), and the refusal
+of gradients that the blocks cannot give (docs/deepseek.md, "Gradients").
 
 Needs Flax (``pip install ".[flax]"``).
 """
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
 
 from ..constants import ceil_div
 from . import quant
@@ -37,6 +39,46 @@ def dequantize_weight(weight: jax.Array, scale: jax.Array, dtype=jnp.float32) ->
     return (weight.astype(jnp.float32) * full).astype(dtype)
 
 
+class NotDifferentiableError(ValueError):
+    """A gradient was asked of something that the DeepSeek blocks do not differentiate: an FP8
+    weight or its block scales (not trained), or rows that went through a cache as bits."""
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def refuse_gradient(names: tuple, why: str, *arrays):
+    """``arrays`` unchanged; under differentiation, :class:`NotDifferentiableError` naming the
+    first of ``names`` (one per array) whose tangent is not a symbolic zero, followed by ``why``.
+    A symbolic zero is what JAX passes for what is not differentiated (left out of ``nnx.grad``'s
+    ``wrt``, or not depending on what is), so only a real request raises, under ``jit`` too."""
+    return arrays
+
+
+@refuse_gradient.defjvp
+def _refuse_tangents(names, why, primals, tangents):
+    for name, tangent in zip(names, tangents):
+        if not isinstance(tangent, SymbolicZero):
+            raise NotDifferentiableError(f"no gradient for {name}: {why}")
+    return refuse_gradient(names, why, *primals), tangents
+
+
+refuse_gradient.defjvp(_refuse_tangents, symbolic_zeros=True)
+
+FP8_NOT_TRAINED = ("FP8 weights are not trained. Call layer.dequantize_weights(jnp.bfloat16) "
+                   "(or jnp.float32) for trainable weights, or leave the FP8 weights and their "
+                   "scales out of what is differentiated (nnx.grad(..., argnums=nnx.DiffState(0, "
+                   "nnx.All(nnx.Param, nnx.Not(jax_sparse_attn.deepseek.is_fp8_weight))))); "
+                   "docs/deepseek.md, 'Gradients'")
+
+
+def is_fp8_weight(path, value) -> bool:
+    """An ``nnx`` filter: the FP8 weights of a layer's :class:`Linear` layers and their block
+    scales (``.../weight`` in e4m3 and ``.../scale``), which are not trained."""
+    if not path or path[-1] not in ("weight", "scale"):
+        return False
+    array = value[...] if isinstance(value, nnx.Variable) else value
+    return path[-1] == "scale" or jnp.dtype(array.dtype) == FP8_WEIGHT
+
+
 class BlockScale(nnx.Param):
     """An FP8 weight's block scales (:class:`Linear`'s ``scale``): a parameter of the checkpoint,
     never trained (the training filters leave it out: docs/deepseek.md, "Training in stages")."""
@@ -51,15 +93,20 @@ class Linear(nnx.Module):
     scales on both sides (``scale_fmt="ue8m0"``, e8m0 weight scales) both dequantised operands
     are exact in bf16, so the product runs on bf16 operands with f32 accumulation; otherwise on
     f32 operands. A 16- or 32-bit weight is a plain product with f32 accumulation.
+
+    Gradients: ``x``'s passes straight through the activation's FP8 rounding; asking for one of an
+    FP8 weight or its scale raises :class:`NotDifferentiableError` naming it (``name``, set by the
+    layer that owns it: DeepSeek's name, e.g. ``wq_a``). A 16- or 32-bit weight is trained.
     """
 
     def __init__(self, in_features: int, out_features: int, *, fp8: bool, rngs: nnx.Rngs,
-                 dtype=jnp.bfloat16, scale_dtype=E8M0, pow2_activations: bool = True):
+                 dtype=jnp.bfloat16, scale_dtype=E8M0, pow2_activations: bool = True,
+                 name: str = "linear"):
         if fp8 and in_features % quant.LINEAR_BLOCK:
             raise ValueError(f"an FP8 linear needs in_features divisible by {quant.LINEAR_BLOCK} "
                              f"(its activation blocks); got {in_features}")
         self.in_features, self.out_features = in_features, out_features
-        self.pow2_activations = pow2_activations
+        self.pow2_activations, self.name = pow2_activations, name
         std = in_features ** -0.5
         w = jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32) * std
         if fp8:
@@ -81,12 +128,23 @@ class Linear(nnx.Module):
         if self.scale is None:
             dtype = jnp.promote_types(x.dtype, weight.dtype)
             return _matmul(x.astype(dtype), weight.astype(dtype), out_dtype)
-        scale = self.scale[...]
+        weight, scale = self.fp8_weight_and_scale()
         exact_bf16 = self.pow2_activations and scale.dtype == E8M0
         dtype = jnp.bfloat16 if exact_bf16 else jnp.float32
-        values, x_scale = quant.fp8_quantize(x, quant.LINEAR_BLOCK, self.pow2_activations)
-        return _matmul(quant.fp8_dequantize(values, x_scale, dtype),
+        return _matmul(quant.fake_fp8(x, quant.LINEAR_BLOCK, self.pow2_activations, dtype),
                        dequantize_weight(weight, scale, dtype), out_dtype)
+
+    def fp8_weight_and_scale(self) -> tuple[jax.Array, jax.Array]:
+        """An FP8 linear's ``(weight, scale)``, refusing a gradient of either."""
+        return refuse_gradient((self.name + ".weight", self.name + ".scale"), FP8_NOT_TRAINED,
+                               self.weight[...], self.scale[...])
+
+    def dequantize(self, dtype=jnp.bfloat16) -> None:
+        """An FP8 weight replaced by ``weight * scale`` per 128 x 128 block in ``dtype`` (as
+        DeepSeek's convert.py dequantises), a plain, trainable weight; no-op for a plain one."""
+        if self.scale is not None:
+            self.weight = nnx.Param(dequantize_weight(self.weight[...], self.scale[...], dtype))
+            self.scale = None
 
 
 def _matmul(x, weight, out_dtype):

@@ -6,9 +6,17 @@ up to a power of two through its exponent bits; the values are ``x / scale`` cla
 ``+-max`` and rounded to the narrow format (round to nearest even). The "fake" forms write
 ``value * scale`` back in the input's dtype, which is exact in bf16: a power-of-two multiple of an
 e4m3 or e2m1 value has at most 4 significant bits.
+
+Under differentiation the fake forms pass the gradient straight through (their derivative is the
+identity, :func:`with_identity_gradient`): DeepSeek's quantisation-aware training
+(docs/deepseek.md, "Gradients"). Their forward values are those of the plain computation, bit for
+bit.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -85,16 +93,48 @@ def fp8_dequantize(values: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     return (values.astype(jnp.float32) * _expand(scale.astype(jnp.float32), block)).astype(dtype)
 
 
-def fake_fp8(x: jax.Array, block: int, pow2: bool = True) -> jax.Array:
-    """``x`` through FP8 and back, in ``x``'s dtype (act_quant's in-place form)."""
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def with_identity_gradient(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """``fn(x)``, whose derivative is taken to be the identity (the straight-through estimator):
+    the tangent of ``x`` passes unchanged, cast to the result's dtype. The forward is ``fn``
+    itself, so its values are those of ``fn(x)`` bit for bit (``x + stop_gradient(fn(x) - x)``
+    may round differently). ``fn`` maps an array to one of the same shape."""
+    return fn(x)
+
+
+@with_identity_gradient.defjvp
+def _identity_tangent(fn, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    y = with_identity_gradient(fn, x)
+    return y, dx.astype(y.dtype)
+
+
+def _fake_fp8(x, block, pow2, dtype):
     values, scale = fp8_quantize(x, block, pow2)
-    return fp8_dequantize(values, scale, x.dtype)
+    return fp8_dequantize(values, scale, dtype)
 
 
-def fake_fp4(x: jax.Array, block: int = FP4_BLOCK) -> jax.Array:
-    """``x`` through e2m1 with power-of-two scales per ``block`` columns and back, in ``x``'s
-    dtype (DeepSeek's fp4_act_quant, in place)."""
+def fake_fp8(x: jax.Array, block: int, pow2: bool = True, dtype=None, *,
+             straight_through: bool = True) -> jax.Array:
+    """``x [..., D]`` through FP8 (per ``block`` columns) and back, in ``dtype`` (default
+    ``x``'s; act_quant's in-place form, or the activation operand of ``fp8_gemm``).
+
+    ``straight_through``: the derivative is the identity (DeepSeek's quantisation-aware
+    training); otherwise it is that of the rounding arithmetic (zero almost everywhere)."""
+    fn = functools.partial(_fake_fp8, block=block, pow2=pow2,
+                           dtype=x.dtype if dtype is None else jnp.dtype(dtype))
+    return with_identity_gradient(fn, x) if straight_through else fn(x)
+
+
+def _fake_fp4(x, block):
     scale = _expand(block_scales(x, block, FP4_MAX, FP4_AMAX_FLOOR, pow2=True), block)
     y = round_to_grid(jnp.clip(x.astype(jnp.float32) / scale, -FP4_MAX, FP4_MAX), *E2M1_GRID)
     y = y.astype(jnp.float4_e2m1fn)
     return (y.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def fake_fp4(x: jax.Array, block: int = FP4_BLOCK, *, straight_through: bool = True) -> jax.Array:
+    """``x`` through e2m1 with power-of-two scales per ``block`` columns and back, in ``x``'s
+    dtype (DeepSeek's fp4_act_quant, in place). ``straight_through`` as in :func:`fake_fp8`."""
+    fn = functools.partial(_fake_fp4, block=block)
+    return with_identity_gradient(fn, x) if straight_through else fn(x)

@@ -8,6 +8,10 @@ form (``gathered_attn_idx``: one KV head of latent + rope columns, values the la
 output projection. Prefill and decode both run the absorbed form. Nothing of size ``[T, R]`` is
 built.
 
+``y = layer(x)`` (whole sequences) is differentiable: its rows reach the attention as floats, the
+latent's FP8 passes the gradient straight through, and its chunks are recomputed by the backward
+(docs/deepseek.md, "Gradients").
+
 Needs Flax (``pip install ".[flax]"``).
 """
 
@@ -19,15 +23,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from .. import storage
-from ..api import gathered_attn_idx, indexer_topk
+from ..api import gathered_attn_idx, indexer_kl, indexer_topk
 from . import common, quant, rope
 from .common import CacheRows
 from .config import V32Config
 from .layers import LayerNorm, Linear, RMSNorm, dequantize_weight, hadamard
 
-__all__ = ["V32Attention", "V32Cache"]
+__all__ = ["V32Attention", "V32Cache", "V32Rows"]
 
 # MLA's latent is FP8 in blocks of block_size columns (MLA.forward: act_quant(kv, block_size)),
 # and so are the indexer's queries and keys (Indexer.forward: act_quant(q, block_size)).
@@ -65,6 +70,29 @@ class V32Cache(NamedTuple):
     index_scale: jax.Array
 
 
+class V32Rows(NamedTuple):
+    """What a V3.2 layer's attention reads for whole sequences from position 0
+    (:meth:`V32Attention.sequence_rows`).
+
+    Attributes:
+      qr: ``[B, s, q_lora_rank]`` the low-rank queries ``q_norm(wq_a(x))``, in the layer's dtype.
+      latent: ``[B, s, kv_lora_rank + qk_rope_head_dim]`` each token's row ``[c | k_rope]`` (the
+        latent FP8-simulated, straight through) as the attention reads it from the layer's
+        cache, in the layer's dtype; differentiable.
+      index_keys: ``[B, s, index_head_dim]`` e4m3, the indexer's keys as cached, and
+        ``index_scale [B, s]`` f32 their scales: the selection's integer input (no gradient;
+        :meth:`Indexer.dequantised_keys` is their differentiable form).
+      head_weights: ``[B, s, index_n_heads]`` f32, the indexer's head weights before the query's
+        scale is folded in.
+    """
+
+    qr: jax.Array
+    latent: jax.Array
+    index_keys: jax.Array
+    index_scale: jax.Array
+    head_weights: jax.Array
+
+
 def _rotate_first(x, positions, freqs):
     """RoPE-half on the first ``2 * len(freqs)`` columns of ``x`` (the indexer's rope columns come
     first: ``Indexer.forward`` splits ``[rope, nope]``)."""
@@ -100,14 +128,20 @@ class Indexer(nnx.Module):
         # bf16 on disk; DeepSeek keeps it in f32 and multiplies x in f32 (Indexer.__init__).
         self.weights_proj = Linear(config.dim, self.n_heads, fp8=False, rngs=rngs, dtype=jnp.float32)
 
-    def rotated_keys(self, x, positions, freqs):
-        """The tokens' keys ``[..., head_dim]`` before their FP8 simulation: LayerNorm, RoPE, Hadamard."""
+    def _rotated_keys(self, x, positions, freqs):
         return hadamard(_rotate_first(self.k_norm(self.wk(x)), positions, freqs))
 
     def keys(self, x, positions, freqs):
         """The tokens' keys as cached: ``(e4m3 [..., head_dim], f32 scale [...])``."""
-        values, scale = quant.fp8_quantize(self.rotated_keys(x, positions, freqs), INDEX_BLOCK, self.pow2)
+        values, scale = quant.fp8_quantize(self._rotated_keys(x, positions, freqs), INDEX_BLOCK,
+                                           self.pow2)
         return values, scale[..., 0]
+
+    def dequantised_keys(self, x, positions, freqs):
+        """The keys times their scales, ``[..., head_dim]`` f32, with the FP8 rounding passing
+        the gradient straight through: the differentiable form of :meth:`keys`."""
+        return quant.fake_fp8(self._rotated_keys(x, positions, freqs), INDEX_BLOCK, self.pow2,
+                              jnp.float32)
 
     def head_weights(self, x):
         """``weights_proj(x) * n_heads^-1/2`` in f32, before the query's scale is folded in."""
@@ -116,28 +150,23 @@ class Indexer(nnx.Module):
     def queries(self, qr, positions, freqs, head_weights):
         """``(q e4m3 [..., n_heads, head_dim], weights f32 [..., n_heads])``: each head's FP8 scale
         and ``head_dim^-1/2`` folded into its weight, as DeepSeek passes them to ``fp8_index``."""
-        values, scale = quant.fp8_quantize(self.rotated_queries(qr, positions, freqs), INDEX_BLOCK,
-                                           self.pow2)
-        return values, self.query_weights(head_weights, scale)
+        values, scale = quant.fp8_quantize(self._rotated_queries(qr, positions, freqs),
+                                           INDEX_BLOCK, self.pow2)
+        return values, head_weights * scale[..., 0] * jnp.float32(self.head_dim ** -0.5)
 
-    def rotated_queries(self, qr, positions, freqs):
-        """The queries ``[..., n_heads, head_dim]`` before their FP8 simulation: RoPE, Hadamard."""
+    def _rotated_queries(self, qr, positions, freqs):
         q = self.wq_b(qr).reshape(*qr.shape[:-1], self.n_heads, self.head_dim)
         return hadamard(_rotate_first(q, positions[..., None], freqs))
 
-    def query_weights(self, head_weights, scale):
-        """Each head's weight with its query's FP8 ``scale [..., n_heads, 1]`` and
-        ``head_dim^-1/2`` folded in."""
-        return head_weights * scale[..., 0] * jnp.float32(self.head_dim ** -0.5)
-
-    def straight_through(self, rotated):
-        """``rotated [..., head_dim]`` (queries or keys) as ``(e4m3 values as f32, f32 scale
-        [..., 1])``, the values passing the gradient of ``rotated / scale`` straight through
-        and the scale detached: ``values * scale`` then passes ``rotated``'s."""
-        values, scale = quant.fp8_quantize(rotated, INDEX_BLOCK, self.pow2)
-        scale = jax.lax.stop_gradient(scale)
-        unrounded = rotated.astype(jnp.float32) / jnp.repeat(scale, INDEX_BLOCK, axis=-1)
-        return common.straight_through(unrounded, values.astype(jnp.float32)), scale
+    def dequantised_queries(self, qr, positions, freqs, head_weights):
+        """The differentiable form of :meth:`queries`: ``(q f32 [..., n_heads, head_dim], weights
+        f32 [..., n_heads])``, each query times its FP8 scale (the rounding passing the gradient
+        straight through) and each weight ``head_weights * head_dim^-1/2`` without the scale.
+        The score ``sum_h w_h relu(q_h . k)`` over :meth:`dequantised_keys` is the forward's
+        ``ks * sum_h w_h qs_h relu(q8_h . k8)`` (the scales are positive), up to f32 rounding."""
+        q = quant.fake_fp8(self._rotated_queries(qr, positions, freqs), INDEX_BLOCK, self.pow2,
+                           jnp.float32)
+        return q, head_weights * jnp.float32(self.head_dim ** -0.5)
 
 
 class V32Attention(common.WeightsByName, nnx.Module):
@@ -223,6 +252,7 @@ class V32Attention(common.WeightsByName, nnx.Module):
         freqs = rope.frequencies(rd, config.rope_theta, config.original_seq_len if config.yarn else 0,
                                  config.rope_factor, config.beta_fast, config.beta_slow)
         self._freqs = tuple(float(f) for f in freqs)
+        self._name_linears()
 
     @property
     def freqs(self) -> np.ndarray:
@@ -259,12 +289,27 @@ class V32Attention(common.WeightsByName, nnx.Module):
         rows = jnp.concatenate([quant.fake_fp8(latent, LATENT_BLOCK, pow2), rope_key], axis=-1)
         return CacheRows(rows.astype(self.cache_dtype))
 
+    def _attention_rows(self, x, positions):
+        """The tokens' rows ``[c | k_rope]`` as the attention reads them from this layer's cache,
+        as floats in the layer's dtype (bit for bit): the latent through FP8 (straight through),
+        the rope key rounded as the cache keeps it (bf16 beside FP8 values)."""
+        cfg = self.config
+        kv = self.wkv_a(x)
+        latent = quant.fake_fp8(self.kv_norm(kv[..., : cfg.kv_lora_rank]), LATENT_BLOCK,
+                                cfg.scale_fmt == "ue8m0")
+        rope_key = rope.rotate(kv[..., cfg.kv_lora_rank:], positions, self.freqs)
+        if self.cache_dtype == "fp8":
+            return jnp.concatenate([latent, rope_key.astype(jnp.bfloat16).astype(self.dtype)], -1)
+        rows = jnp.concatenate([latent, rope_key], axis=-1)
+        return rows.astype(self.cache_dtype).astype(self.dtype)
+
     def _wkv_b_halves(self):
         """``wkv_b`` as ``[H, nope, L]`` (key) and ``[H, v, L]`` (value) in the layer's dtype: an FP8
         weight dequantised as DeepSeek's decode does (``weight_dequant`` to the model's dtype)."""
         cfg, lin = self.config, self.wkv_b
         w = lin.weight[...]
-        w = w.astype(self.dtype) if lin.scale is None else dequantize_weight(w, lin.scale[...], self.dtype)
+        w = w.astype(self.dtype) if lin.scale is None else dequantize_weight(
+            *lin.fp8_weight_and_scale(), self.dtype)
         w = w.reshape(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
@@ -279,9 +324,41 @@ class V32Attention(common.WeightsByName, nnx.Module):
         padding, which is neither written nor attended to, and whose outputs are 0 (prompts of
         different lengths in one prefill, sequences that sit out a decode step). Default: all.
         """
+        if cache is None and num_tokens is None:
+            return self._attend_sequence(self.sequence_rows(x))
         x, given, cache, num_tokens = self._checked(x, cache, num_tokens)
         y, cache = self._forward(x, cache, num_tokens)
         return (y, cache) if given else y
+
+    def sequence_rows(self, x: jax.Array) -> V32Rows:
+        """What the attention of ``layer(x)`` reads, for whole sequences ``x [B, s, dim]`` from
+        position 0 (:class:`V32Rows`): the rows as differentiable floats, the same values that a
+        cached call stores and reads back, bit for bit. Per-token work runs in chunks of
+        ``TOKEN_CHUNK`` tokens."""
+        x = common.check_tokens(x, self.config.dim).astype(self.dtype)
+        B, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+
+        def per_token(x_c, pos_c):
+            keys, key_scale = self.indexer.keys(x_c, pos_c, self.freqs)
+            return V32Rows(self.q_norm(self.wq_a(x_c)), self._attention_rows(x_c, pos_c), keys,
+                           key_scale, self.indexer.head_weights(x_c))
+
+        return common.map_token_chunks(per_token, TOKEN_CHUNK, x, positions)
+
+    def _attend_sequence(self, rows: V32Rows):
+        """``layer(x)`` from its :meth:`sequence_rows`: what ``_forward`` computes from a fresh
+        cache of ``s`` rows, every one written, on float rows."""
+        B, s, _ = rows.latent.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+        latent, (keys, key_scale) = CacheRows(rows.latent), (rows.index_keys, rows.index_scale)
+        w_key, w_value = self._wkv_b_halves()
+
+        def attend(qr, positions, head_weights):
+            return self._attend(qr, positions, head_weights, latent, keys, key_scale, w_key, w_value)
+
+        return common.map_token_chunks(attend, TOKEN_CHUNK, qr=rows.qr, positions=positions,
+                                       head_weights=rows.head_weights)
 
     def selected_rows(self, x: jax.Array, cache: Optional[V32Cache] = None, *,
                       num_tokens: Optional[jax.Array] = None) -> jax.Array:
@@ -313,7 +390,17 @@ class V32Attention(common.WeightsByName, nnx.Module):
         s = x.shape[1]
         length, positions, count, real = common.call_tokens(cache.length, s, num_tokens)
 
-        tokens = common.map_token_chunks(self._per_token, TOKEN_CHUNK, x, positions)
+        # Per token, in chunks: the low-rank query, the rows to cache, the indexer's head weights.
+        def per_token(x_c, pos_c):
+            keys, key_scale = self.indexer.keys(x_c, pos_c, self.freqs)
+            return dict(qr=self.q_norm(self.wq_a(x_c)), latent=self._latent_rows(x_c, pos_c),
+                        index_keys=keys, index_scale=key_scale,
+                        head_weights=self.indexer.head_weights(x_c))
+
+        tokens = common.map_token_chunks(per_token, TOKEN_CHUNK, x, positions)
+        tokens.update(common.refuse_cache_gradient(
+            {k: tokens[k] for k in ("latent", "index_keys", "index_scale")},
+            "the rows (wkv_a, kv_norm, the indexer's keys, x)"))
         # Each real token writes row `position`, padding nothing; then every token reads the rows
         # at or before it, its own included.
         at = jnp.where(real, positions, -1)
@@ -341,19 +428,16 @@ class V32Attention(common.WeightsByName, nnx.Module):
             y = jnp.where(real[..., None], y, jnp.zeros((), y.dtype))
         return y, new_cache
 
-    def _per_token(self, x, positions):
-        """Per token (run in chunks): the low-rank query, the rows to cache, the indexer's keys and
-        head weights."""
-        keys, key_scale = self.indexer.keys(x, positions, self.freqs)
-        return dict(qr=self.q_norm(self.wq_a(x)), latent=self._latent_rows(x, positions),
-                    index_keys=keys, index_scale=key_scale, head_weights=self.indexer.head_weights(x))
-
     def _select(self, qr, positions, head_weights, keys, key_scale):
         """The indexer's top ``index_topk`` rows for a chunk of tokens, ``[B, c, index_topk]``."""
-        index_q, index_weights = self.indexer.queries(qr, positions, self.freqs, head_weights)
-        return jax.vmap(lambda q_b, w_b, k_b, s_b, p_b: indexer_topk(
+        # The selection is integer: the attention's loss gives the indexer no gradient (it trains
+        # from its own loss), and the backward keeps the selection, not the indexer.
+        index_q, index_weights, keys, key_scale = jax.lax.stop_gradient(
+            (*self.indexer.queries(qr, positions, self.freqs, head_weights), keys, key_scale))
+        return checkpoint_name(jax.vmap(lambda q_b, w_b, k_b, s_b, p_b: indexer_topk(
             q_b, w_b, k_b, p_b, self.config.index_topk, scale=1.0, key_scale=s_b,
-            implementation=self.implementation))(index_q, index_weights, keys, key_scale, positions)
+            implementation=self.implementation))(index_q, index_weights, keys, key_scale, positions),
+            common.SELECTION)
 
     def _absorbed_queries(self, qr, positions, w_key):
         """The attention's queries ``[B, c, H, kv_lora_rank + qk_rope_head_dim]``: ``q_nope`` times
@@ -386,60 +470,52 @@ class V32Attention(common.WeightsByName, nnx.Module):
 
         Per token ``t``, the candidates ``C_t`` are the indexer's selected rows (``sparse=True``,
         DeepSeek's sparse stage) or every row ``s <= t`` (``sparse=False``, the dense warm-up).
-        The teacher is the main attention restricted to ``C_t``: per head the softmax of the
-        absorbed queries' logits over ``C_t`` (no sink), summed over heads and normalised; the
-        student is the softmax over ``C_t`` of the index scores as the forward computes them (FP8
-        queries and keys with their scales, passing the gradient straight through). ``loss`` is the
-        mean of ``KL(teacher || student)`` over the tokens (each has its own row). The teacher and
-        the indexer's inputs (``x``, ``qr``) are detached: the loss trains only the indexer's
-        ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj``. Runs on
-        :func:`jax_sparse_attn.indexer_kl`, ``TOKEN_CHUNK`` tokens at a time, recomputed in the
-        backward: memory ``O(T K)`` (sparse) or ``O(T)`` beside the rows (dense).
+        The teacher is the main attention over ``C_t``: per head the softmax (no sink) of the
+        absorbed queries' logits against the latent and rope rows, summed over heads and
+        normalised. The student is the softmax over ``C_t`` of the index scores as the forward
+        computes them (FP8 queries and keys times their scales, straight through). ``loss`` is
+        the mean of ``KL(teacher || student)`` over the tokens (each has its own row). The
+        teacher and the indexer's inputs (``x``, ``qr``) are detached: the loss trains only the
+        indexer's ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj``. Runs on
+        :func:`jax_sparse_attn.indexer_kl`, ``TOKEN_CHUNK`` tokens at a time, each chunk
+        recomputed in the backward: memory ``O(T K)`` (sparse) or ``O(T)`` beside the rows
+        (dense), no ``[T, R]`` array.
 
         Args:
           x: ``[B, s, dim]`` float, whole sequences (positions ``0 .. s - 1``).
           sparse: a bool, which form (above).
 
         Returns:
-          ``(loss, stats)``: ``loss`` an f32 scalar; ``stats`` a dict of f32 / int32 scalars with no
-          gradient: ``"mass"``, the mean over tokens with a candidate of the teacher's mass on the
-          indexer's current top-k (1 in the sparse form), and ``"tokens"``, how many tokens have a
+          ``(loss, stats)``: ``loss`` an f32 scalar; ``stats`` a dict of scalars with no gradient:
+          ``"mass"`` (f32), the mean over tokens of the teacher's mass on the indexer's current
+          top-k (1 in the sparse form), and ``"tokens"`` (int32), how many tokens have a
           candidate.
         """
-        from ..api import indexer_kl  # until w55kl's indexer_kl is merged: then at the top
-
         sparse = common.check_sparse(sparse)
         x = jax.lax.stop_gradient(common.check_tokens(x, self.config.dim).astype(self.dtype))
         cfg, stop, indexer = self.config, jax.lax.stop_gradient, self.indexer
         B, s, _ = x.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
-        # Row p is position p's: the call's own rows are the whole cache.
-        tokens = common.map_token_chunks(self._per_token, TOKEN_CHUNK, x, positions)
-        rows = stop(tokens["latent"].dense(self.dtype))
-        selection_keys, key_scale = stop(tokens["index_keys"]), stop(tokens["index_scale"])
-        keys = common.map_token_chunks(
-            lambda x_c, p_c: indexer.straight_through(indexer.rotated_keys(x_c, p_c, self.freqs))[0],
-            TOKEN_CHUNK, x, positions)
-        w_key = stop(self._wkv_b_halves()[0])
+        rows = self.sequence_rows(x)
+        latent, w_key = stop(rows.latent), stop(self._wkv_b_halves()[0])
+        selection_keys, selection_scale = stop(rows.index_keys), stop(rows.index_scale)
+        keys = common.map_token_chunks(lambda x_c, p_c: indexer.dequantised_keys(x_c, p_c, self.freqs),
+                                       TOKEN_CHUNK, x, positions)
 
-        # One chunk of tokens, recomputed in the backward: its absorbed queries ([c, H, 576])
-        # exist for one chunk at a time.
-        @jax.checkpoint
+        # One chunk of tokens (map_token_chunks recomputes it in the backward): its absorbed
+        # queries ([c, H, 576]) exist for one chunk at a time.
         def chunk_loss(qr, positions, head_weights):
             qr = stop(qr)
             q = stop(self._absorbed_queries(qr, positions, w_key))
-            idx = stop(self._select(qr, positions, stop(head_weights), selection_keys, key_scale))
-            index_q, q_scale = indexer.straight_through(
-                indexer.rotated_queries(qr, positions, self.freqs))
-            index_weights = indexer.query_weights(head_weights, q_scale)
-            kl, mass = jax.vmap(lambda q_b, r_b, iq_b, w_b, k_b, ks_b, p_b, i_b: indexer_kl(
+            idx = self._select(qr, positions, head_weights, selection_keys, selection_scale)
+            index_q, index_weights = indexer.dequantised_queries(qr, positions, self.freqs,
+                                                                 head_weights)
+            kl, mass = jax.vmap(lambda q_b, r_b, iq_b, w_b, k_b, p_b, i_b: indexer_kl(
                 q_b, r_b, iq_b, w_b, k_b, p_b, i_b, sparse=sparse, scale=cfg.softmax_scale,
-                index_scale=1.0, key_scale=ks_b))(
-                q, rows, index_q, index_weights, keys, key_scale, positions, idx)
+                index_scale=1.0))(q, latent, index_q, index_weights, keys, positions, idx)
             return dict(kl=kl, mass=mass, has_candidate=jnp.any(idx >= 0, axis=-1))
 
-        out = common.map_token_chunks(chunk_loss, TOKEN_CHUNK, tokens["qr"], positions,
-                                      tokens["head_weights"])
+        out = common.map_token_chunks(chunk_loss, TOKEN_CHUNK, rows.qr, positions, rows.head_weights)
         return common.indexer_loss_mean(out["kl"], out["mass"], out["has_candidate"])
 
     # --- weights -------------------------------------------------------------------------------

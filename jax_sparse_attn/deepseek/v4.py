@@ -7,6 +7,10 @@ sliding window, the learned compressor (``compress_pool``), the FP4 indexer over
 FP8 rows (``gathered_attn_idx``, one softmax over the window and the compressed rows), the inverse
 RoPE on the output and the grouped output projection. Nothing of size ``[T, R]`` is built.
 
+``y = layer(x)`` (whole sequences) is differentiable: its rows reach the attention as floats, its
+FP8 / FP4 simulations pass the gradient straight through, and its chunks are recomputed by the
+backward (docs/deepseek.md, "Gradients").
+
 Needs Flax (``pip install ".[flax]"``).
 """
 
@@ -19,14 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.ad_checkpoint import checkpoint_name
+
 from .. import storage
-from ..api import compress_pool, gathered_attn_idx, indexer_topk
+from ..api import compress_pool, gathered_attn_idx, indexer_kl, indexer_topk
 from . import common, quant, rope
 from .common import CacheRows, map_token_chunks
 from .config import V4Config
 from .layers import Linear, RMSNorm, hadamard, rms_normalise
 
-__all__ = ["V4Attention", "V4Cache", "CacheRows", "CompressorState"]
+__all__ = ["V4Attention", "V4Cache", "V4Rows", "CacheRows", "CompressorState"]
 
 # The overlapping compressor (two halves of channels, 2r rows per softmax) is DeepSeek's choice for
 # ratio 4 (Compressor.__init__: overlap = compress_ratio == 4), and so is the indexer (Attention.__init__).
@@ -69,19 +75,27 @@ class V4Cache(NamedTuple):
     index_state: Optional[CompressorState] = None
 
 
-class _Prepared(NamedTuple):
-    """What a call's per-chunk work reads (``V4Attention._prepare``): ``per_chunk`` the per-token
-    ``[B, s, ...]`` inputs (``qr``, ``positions``, ``index_weights``), the window with the new rows,
-    the compressed rows and index keys as floats / bits, the call's start ``length [B]`` and
-    ``real [B, s]`` tokens, and the new cache."""
+class V4Rows(NamedTuple):
+    """What a V4 layer's attention reads for whole sequences from position 0
+    (:meth:`V4Attention.sequence_rows`), as floats that carry gradients.
 
-    per_chunk: dict
-    window: CacheRows
-    compressed: Optional[CacheRows]
-    index_keys: Optional[jax.Array]
-    length: jax.Array
-    real: jax.Array
-    new_cache: V4Cache
+    Attributes:
+      qr: ``[B, s, q_lora_rank]`` the low-rank queries ``q_norm(wq_a(x))``, in the layer's dtype.
+      window: ``[B, s, head_dim]`` each token's KV row (FP8-simulated, straight through), as the
+        attention reads it from the layer's cache, in the layer's dtype.
+      compressed: ``[B, max(s // ratio, 1), head_dim]`` block ``j``'s compressed row at row ``j``,
+        likewise (None on window-only layers); a row whose block is incomplete is never read.
+      index_keys: ``[B, max(s // 4, 1), index_head_dim]`` bf16, the indexer's keys (Hadamard and
+        FP4, straight through; ratio-4 layers, else None).
+      index_weights: ``[B, s, index_n_heads]`` the indexer's per-head weights (ratio-4 layers,
+        else None).
+    """
+
+    qr: jax.Array
+    window: jax.Array
+    compressed: Optional[jax.Array] = None
+    index_keys: Optional[jax.Array] = None
+    index_weights: Optional[jax.Array] = None
 
 
 class Compressor(nnx.Module):
@@ -159,6 +173,19 @@ class Compressor(nnx.Module):
         rows = self.norm(pooled.astype(dtype))
         return rope.rotate_last(rows, block * self.ratio, freqs)
 
+    def pool_sequence(self, kv, score, freqs, dtype, implementation):
+        """Whole sequences' compressed rows, before their quantisation: ``kv, score [B, s, C]`` f32
+        raw rows of positions ``0 .. s - 1`` -> ``[B, max(s // ratio, 1), head_dim]`` in
+        ``dtype``, block ``j`` at row ``j`` (with ``s < ratio``, one incomplete row). All blocks
+        in one pooling: no partial-block state is carried from chunk to chunk."""
+        B, s, C = kv.shape
+        state = CompressorState(jnp.zeros((B, self.state_rows, C), jnp.float32),
+                                jnp.full((B, self.state_rows, C), -jnp.inf, jnp.float32))
+        length, count = jnp.zeros((B,), jnp.int32), jnp.full((B,), s, jnp.int32)
+        pooled, block, _, _ = self.pool(kv, score, state, length, count, implementation)
+        blocks = max(s // self.ratio, 1)
+        return self.finish(pooled[:, :blocks], block[:, :blocks], freqs, dtype)
+
 
 class Indexer(nnx.Module):
     """V4's indexer: queries from the low-rank ``qr``, per-head weights from x, and its own
@@ -177,13 +204,22 @@ class Indexer(nnx.Module):
         w = self.weights_proj(x)
         return (w * jnp.asarray(self.head_dim ** -0.5 * self.n_heads ** -0.5, w.dtype)).astype(w.dtype)
 
-    def rotated_queries(self, qr, positions, freqs):
-        """The queries ``[..., n_heads, head_dim]`` before their FP4 simulation: RoPE, Hadamard."""
-        q = self.wq_b(qr).reshape(*qr.shape[:-1], self.n_heads, self.head_dim)
-        return hadamard(rope.rotate_last(q, positions[..., None], freqs))
-
     def queries(self, qr, positions, freqs):
-        return quant.fake_fp4(self.rotated_queries(qr, positions, freqs))
+        """``[..., n_heads, head_dim]``: RoPE, Hadamard and FP4 (straight through)."""
+        q = self.wq_b(qr).reshape(*qr.shape[:-1], self.n_heads, self.head_dim)
+        q = rope.rotate_last(q, positions[..., None], freqs)
+        return quant.fake_fp4(hadamard(q))
+
+    @staticmethod
+    def keys(rows):
+        """The compressor's finished rows ``[..., head_dim]`` as keys: Hadamard and FP4 (straight
+        through), in bf16 (exact: FP4 values times powers of two)."""
+        return Indexer.float_keys(rows).astype(jnp.bfloat16)
+
+    @staticmethod
+    def float_keys(rows):
+        """:meth:`keys` in ``rows``' dtype (the same values; an f32 gradient)."""
+        return quant.fake_fp4(hadamard(rows))
 
 
 class V4Attention(common.WeightsByName, nnx.Module):
@@ -265,6 +301,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
         else:
             freqs = rope.frequencies(config.rope_head_dim, config.rope_theta)
         self._freqs = tuple(float(f) for f in freqs)
+        self._name_linears()
 
     @property
     def freqs(self) -> np.ndarray:
@@ -314,10 +351,27 @@ class V4Attention(common.WeightsByName, nnx.Module):
         """The tokens' KV rows: kv_norm, RoPE, then the FP8 simulation of the non-rope columns
         (DeepSeek's QAT; the deployed cache stores exactly these values)."""
         rd = self.config.rope_head_dim
-        kv = rope.rotate_last(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        kv = self._raw_kv_rows(x, positions)
         return self._stored_rows(kv) if self.cache_dtype == "fp8" else CacheRows(
             jnp.concatenate([quant.fake_fp8(kv[..., :-rd], quant.KV_BLOCK,
                                             self.config.scale_fmt == "ue8m0"), kv[..., -rd:]], -1))
+
+    def _raw_kv_rows(self, x, positions):
+        """kv_norm and RoPE of the tokens' KV projections, before the FP8 simulation."""
+        return rope.rotate_last(self.kv_norm(self.wkv(x)), positions, self.freqs)
+
+    def _attention_rows(self, rows):
+        """Rows ``[..., head_dim]`` in the layer's dtype, before the FP8 simulation -> the values
+        that the attention reads when a cached call stores them in this layer's cache, as floats
+        in the layer's dtype (bit for bit): the non-rope columns through FP8 (straight through),
+        the rope columns rounded as the cache keeps them (bf16 beside FP8 values)."""
+        rd, pow2 = self.config.rope_head_dim, self.config.scale_fmt == "ue8m0"
+        values = quant.fake_fp8(rows[..., :-rd], quant.KV_BLOCK, pow2)
+        rope_columns = rows[..., -rd:]
+        if self.cache_dtype == "fp8":
+            return jnp.concatenate([values, rope_columns.astype(jnp.bfloat16).astype(self.dtype)], -1)
+        whole = jnp.concatenate([values, rope_columns], -1)
+        return whole.astype(self.cache_dtype).astype(self.dtype)
 
     # --- the call ------------------------------------------------------------------------------
 
@@ -334,8 +388,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
         if cache is None:
             if num_tokens is not None:
                 raise ValueError("num_tokens needs a cache: layer(x, cache, num_tokens=...)")
-            y, _ = self._forward(x, self.init_cache(x.shape[0], x.shape[1]), None)
-            return y
+            return self._attend_sequence(self.sequence_rows(x))
         if not isinstance(cache, V4Cache):
             raise TypeError(f"cache must be a V4Cache (from init_cache); got {type(cache).__name__}")
         if cache.length.shape != (x.shape[0],):
@@ -344,20 +397,54 @@ class V4Attention(common.WeightsByName, nnx.Module):
             raise ValueError("cache was made by a layer of another compression ratio")
         return self._forward(x, cache, common.check_num_tokens(num_tokens, x.shape[0]))
 
+    def sequence_rows(self, x: jax.Array) -> V4Rows:
+        """What the attention of ``layer(x)`` reads, for whole sequences ``x [B, s, dim]`` from
+        position 0, as differentiable floats (:class:`V4Rows`): the same values that a cached
+        call stores and reads back, bit for bit, with the FP8 / FP4 simulations passing the
+        gradient straight through. Per-token work runs in chunks of ``TOKEN_CHUNK`` tokens; the
+        compressors pool all blocks at once from their f32 raw rows (``[B, s, C]``)."""
+        x = common.check_tokens(x, self.config.dim).astype(self.dtype)
+        B, s, _ = x.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+
+        def per_token(x_c, pos_c):
+            out = dict(qr=self.q_norm(self.wq_a(x_c)),
+                       window=self._attention_rows(self._raw_kv_rows(x_c, pos_c)))
+            if self.compressor is not None:
+                out["raw"] = self.compressor.project(x_c)
+            if self.indexer is not None:
+                out["index_weights"] = self.indexer.weights(x_c)
+                out["index_raw"] = self.indexer.compressor.project(x_c)
+            return out
+
+        tokens = map_token_chunks(per_token, TOKEN_CHUNK, x, positions)
+        compressed = index_keys = None
+        if self.compressor is not None:
+            compressed = self._attention_rows(self.compressor.pool_sequence(
+                *tokens["raw"], self.freqs, self.dtype, self.implementation))
+        if self.indexer is not None:
+            index_keys = self.indexer.keys(self.indexer.compressor.pool_sequence(
+                *tokens["index_raw"], self.freqs, self.dtype, self.implementation))
+        return V4Rows(tokens["qr"], tokens["window"], compressed, index_keys,
+                      tokens.get("index_weights"))
+
+    def _attend_sequence(self, rows: V4Rows):
+        """``layer(x)`` from its :meth:`sequence_rows`: what ``_forward`` computes from a fresh
+        cache, on float rows (the ring's ``window_size`` empty slots first, as there)."""
+        B, s, D = rows.window.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+        empty = jnp.zeros((B, self.config.window_size, D), rows.window.dtype)
+        window = CacheRows(jnp.concatenate([empty, rows.window], axis=1))
+        compressed = None if rows.compressed is None else CacheRows(rows.compressed)
+        per_chunk = dict(qr=rows.qr, positions=positions)
+        if self.indexer is not None:
+            per_chunk["index_weights"] = rows.index_weights
+        length = jnp.zeros((B,), jnp.int32)
+        return map_token_chunks(
+            lambda **kw: self._attend(kw, window, length, compressed, rows.index_keys),
+            TOKEN_CHUNK, **per_chunk)
+
     def _forward(self, x, cache: V4Cache, num_tokens):
-        p = self._prepare(x, cache, num_tokens)
-
-        def attend(chunk):
-            return self._attend(chunk, p.window, p.length, p.compressed, p.index_keys)
-
-        y = map_token_chunks(lambda **kw: attend(kw), TOKEN_CHUNK, **p.per_chunk)
-        if num_tokens is not None:
-            y = jnp.where(p.real[..., None], y, jnp.zeros((), y.dtype))
-        return y, p.new_cache
-
-    def _prepare(self, x, cache: V4Cache, num_tokens) -> "_Prepared":
-        """What a call's per-chunk work reads: the per-token projections, the window with the new
-        rows, the compressed rows and index keys, and the new cache."""
         cfg = self.config
         x = x.astype(self.dtype)
         s = x.shape[1]
@@ -372,7 +459,7 @@ class V4Attention(common.WeightsByName, nnx.Module):
             return out
 
         tokens = map_token_chunks(per_token, TOKEN_CHUNK, x, positions)
-        new_rows = tokens["kv"]
+        new_rows = common.refuse_cache_gradient(tokens["kv"], "the KV rows (wkv, kv_norm, x)")
 
         # The window: the ring as the call found it, then the new rows (rows W + t).
         W = cfg.window_size
@@ -392,7 +479,14 @@ class V4Attention(common.WeightsByName, nnx.Module):
         per_chunk = dict(qr=tokens["qr"], positions=positions)
         if self.indexer is not None:
             per_chunk["index_weights"] = tokens["index_weights"]
-        return _Prepared(per_chunk, window, compressed, index_keys, length, real, new_cache)
+
+        def attend(chunk):
+            return self._attend(chunk, window, length, compressed, index_keys)
+
+        y = map_token_chunks(lambda **kw: attend(kw), TOKEN_CHUNK, **per_chunk)
+        if num_tokens is not None:
+            y = jnp.where(real[..., None], y, jnp.zeros((), y.dtype))
+        return y, new_cache
 
     def _compress(self, x, new_cache: V4Cache, cache: V4Cache, length, count) -> V4Cache:
         """The compressors over the call's tokens, ``TOKEN_CHUNK`` tokens at a time, each step
@@ -419,14 +513,17 @@ class V4Attention(common.WeightsByName, nnx.Module):
                 rows = jnp.concatenate([quant.fake_fp8(rows[..., :-rd], quant.KV_BLOCK, pow2),
                                         rows[..., -rd:]], -1)
             at = jnp.where(complete, block, -1)
+            rows = common.refuse_cache_gradient(
+                rows, "the compressed rows (compressor.wkv, wgate, ape, norm, x)")
             compressed = common.put_rows(compressed, self._stored_rows(rows), at)
             if self.indexer is not None:
                 comp = self.indexer.compressor
                 pooled, block, complete, index_state = comp.pool(
                     *comp.project(x_c), index_state, done, real, impl, skip)
-                keys = quant.fake_fp4(hadamard(comp.finish(pooled, block, self.freqs, self.dtype)))
-                index_keys = storage.put(index_keys, keys.astype(jnp.bfloat16),
-                                         jnp.where(complete, block, -1))
+                keys = self.indexer.keys(comp.finish(pooled, block, self.freqs, self.dtype))
+                keys = common.refuse_cache_gradient(keys, "the indexer's keys "
+                                                    "(indexer.compressor.wkv, wgate, ape, norm, x)")
+                index_keys = storage.put(index_keys, keys, jnp.where(complete, block, -1))
             return compressed, state, index_keys, index_state
 
         carry = (cache.compressed, cache.state, cache.index_keys, cache.index_state)
@@ -456,11 +553,14 @@ class V4Attention(common.WeightsByName, nnx.Module):
 
         compressed_idx = None
         if ratio == INDEXED_RATIO:
-            iq = self.indexer.queries(qr, positions, self.freqs)
-            compressed_idx = jax.vmap(lambda q_b, w_b, k_b, p_b: indexer_topk(
+            # The selection is integer: the attention's loss gives the indexer no gradient (it
+            # trains from its own loss), and the backward keeps the selection, not the indexer.
+            iq, index_weights, index_keys = jax.lax.stop_gradient(
+                (self.indexer.queries(qr, positions, self.freqs), chunk["index_weights"], index_keys))
+            compressed_idx = checkpoint_name(jax.vmap(lambda q_b, w_b, k_b, p_b: indexer_topk(
                 q_b, w_b, storage.as_operand(k_b), p_b, cfg.index_topk, scale=1.0,
                 compress_ratio=ratio, implementation=self.implementation))(
-                iq, chunk["index_weights"], index_keys, positions)
+                iq, index_weights, index_keys, positions), common.SELECTION)
         elif ratio:
             blocks = jnp.arange(compressed.values.shape[1], dtype=jnp.int32)
             compressed_idx = jnp.where((blocks + 1) * ratio <= positions[..., None] + 1, blocks, -1)
@@ -499,84 +599,71 @@ class V4Attention(common.WeightsByName, nnx.Module):
         """The indexer's KL objective over whole sequences from position 0 (docs/deepseek.md,
         "The indexer's objective"): ``loss, stats = layer.indexer_loss(x, sparse=...)``.
 
-        Per token ``t`` with a candidate, the candidates ``C_t`` are the indexer's selected blocks
+        Per token ``t``, the candidates ``C_t`` are the indexer's selected blocks
         (``sparse=True``, DeepSeek's sparse stage) or every complete block (``sparse=False``, the
         dense warm-up). The teacher is the main attention's conditional over ``C_t``: per head the
-        softmax over the window, the candidates and the sink, summed over heads and normalised over
-        ``C_t``; the student is the softmax over ``C_t`` of the index scores as the forward computes
-        them (FP4-simulated, passing the gradient straight through). ``loss`` is the mean of
+        softmax over the window, the candidates and the sink, summed over heads and normalised
+        over ``C_t``. The student is the softmax over ``C_t`` of the index scores as the forward
+        computes them (FP4-simulated queries and keys, straight through). ``loss`` is the mean of
         ``KL(teacher || student)`` over the tokens with a candidate (a token before the first
         complete block adds nothing). The teacher and the indexer's inputs (``x``, ``qr``) are
         detached: the loss trains only ``indexer.wq_b``, ``indexer.weights_proj`` and the
         indexer's compressor (``wkv``, ``wgate``, ``ape``, ``norm``). Runs on
-        :func:`jax_sparse_attn.indexer_kl`, ``TOKEN_CHUNK`` tokens at a time, recomputed in the
-        backward: memory ``O(T K)`` (sparse) or ``O(T)`` beside the rows (dense).
+        :func:`jax_sparse_attn.indexer_kl`, ``TOKEN_CHUNK`` tokens at a time, each chunk
+        recomputed in the backward: memory ``O(T K)`` (sparse) or ``O(T)`` beside the rows
+        (dense), no ``[T, R]`` array.
 
         Args:
           x: ``[B, s, dim]`` float, whole sequences (positions ``0 .. s - 1``).
           sparse: a bool, which form (above).
 
         Returns:
-          ``(loss, stats)``: ``loss`` an f32 scalar; ``stats`` a dict of f32 / int32 scalars with no
-          gradient: ``"mass"``, the mean over tokens with a candidate of the teacher's mass on the
-          indexer's current top-k (1 in the sparse form), and ``"tokens"``, how many tokens have a
-          candidate.
+          ``(loss, stats)``: ``loss`` an f32 scalar; ``stats`` a dict of scalars with no gradient:
+          ``"mass"`` (f32), the mean over tokens with a candidate of the teacher's mass on the
+          indexer's current top-k (1 in the sparse form), and ``"tokens"`` (int32), how many
+          tokens have a candidate.
         """
         if self.indexer is None:
             raise ValueError(f"indexer_loss needs a layer with an indexer (compress ratio "
                              f"{INDEXED_RATIO}); layer {self.layer_id} has compress ratio {self.ratio}")
-        from ..api import indexer_kl  # until w55kl's indexer_kl is merged: then at the top
-
         sparse = common.check_sparse(sparse)
         x = jax.lax.stop_gradient(common.check_tokens(x, self.config.dim).astype(self.dtype))
-        cfg, stop = self.config, jax.lax.stop_gradient
+        cfg, stop, comp = self.config, jax.lax.stop_gradient, self.indexer.compressor
         B, s, _ = x.shape
-        p = self._prepare(x, self.init_cache(B, s), None)
-        # The teacher: the compressed rows as the attention reads them, the window, the sink.
-        rows = stop(p.compressed.dense(self.dtype))
-        window, sink = jax.tree.map(stop, p.window), stop(self.attn_sink[...])
-        keys = self._index_keys(x, rows.shape[1])
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (B, s))
+        rows = self.sequence_rows(x)
+        # The teacher's rows: the compressed ones, and the window as _attend_sequence reads it.
+        compressed = stop(rows.compressed)
+        window = CacheRows(stop(jnp.concatenate(
+            [jnp.zeros((B, cfg.window_size, cfg.head_dim), rows.window.dtype), rows.window], axis=1)))
+        sink, length = stop(self.attn_sink[...]), jnp.zeros((B,), jnp.int32)
+        selection_keys = stop(rows.index_keys)
+        # The student's keys: the same values as rows.index_keys, in the layer's dtype.
+        raw = map_token_chunks(lambda x_c: comp.project(x_c), TOKEN_CHUNK, x)
+        keys = self.indexer.float_keys(comp.pool_sequence(*raw, self.freqs, self.dtype,
+                                                          self.implementation))
         scale = cfg.head_dim ** -0.5
 
-        # One chunk of tokens, recomputed in the backward: its teacher queries ([c, H, D]) exist
-        # for one chunk at a time.
-        @jax.checkpoint
+        # One chunk of tokens (map_token_chunks recomputes it in the backward): its teacher queries
+        # ([c, H, D]) exist for one chunk at a time.
         def chunk_loss(qr, positions, index_weights):
             qr = stop(qr)
-            chunk = dict(qr=qr, positions=positions, index_weights=stop(index_weights))
-            q, window_idx, idx = jax.tree.map(stop, self._queries_and_slots(
-                chunk, p.length, p.compressed, p.index_keys))
-            # The window's share of each head's softmax denominator, with the sink.
+            q, window_idx, idx = stop(self._queries_and_slots(
+                dict(qr=qr, positions=positions, index_weights=index_weights), length,
+                CacheRows(compressed), selection_keys))
+            # The window's and the sink's share of each head's softmax denominator.
             _, lse = jax.vmap(lambda q_b, w_b, wi_b: gathered_attn_idx(
                 q_b, idx=wi_b, sink=sink, scale=scale, return_lse=True,
                 implementation=self.implementation, **w_b.attention_kwargs()))(q, window, window_idx)
-            rotated = self.indexer.rotated_queries(qr, positions, self.freqs)
-            index_q = common.straight_through(rotated, quant.fake_fp4(rotated))
+            index_q = self.indexer.queries(qr, positions, self.freqs)
             kl, mass = jax.vmap(lambda q_b, r_b, iq_b, w_b, k_b, p_b, i_b, l_b: indexer_kl(
                 q_b, r_b, iq_b, w_b, k_b, p_b, i_b, sparse=sparse, scale=scale, index_scale=1.0,
                 compress_ratio=INDEXED_RATIO, lse_extra=l_b))(
-                q, rows, index_q, index_weights, keys, positions, idx, lse)
+                q, compressed, index_q, index_weights, keys, positions, idx, lse)
             return dict(kl=kl, mass=mass, has_candidate=jnp.any(idx >= 0, axis=-1))
 
-        out = map_token_chunks(lambda **kw: chunk_loss(**kw), TOKEN_CHUNK, **p.per_chunk)
+        out = map_token_chunks(chunk_loss, TOKEN_CHUNK, rows.qr, positions, rows.index_weights)
         return common.indexer_loss_mean(out["kl"], out["mass"], out["has_candidate"])
-
-    def _index_keys(self, x, rows: int) -> jax.Array:
-        """The indexer's compressed keys ``[B, rows, index_head_dim]`` of whole sequences ``x`` from
-        position 0, differentiable (the FP4 simulation passes the gradient straight through): the
-        complete blocks' tokens pooled in one step, rows past them 0 (never visible)."""
-        comp, r = self.indexer.compressor, INDEXED_RATIO
-        B, s, _ = x.shape
-        n = s // r * r
-        keys = jnp.zeros((B, 0, self.config.index_head_dim), self.dtype)
-        if n:
-            shape = (B, comp.state_rows, comp.wkv.out_features)
-            empty = CompressorState(jnp.zeros(shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32))
-            pooled, block, _, _ = comp.pool(*comp.project(x[:, :n]), empty, jnp.zeros((B,), jnp.int32),
-                                            jnp.full((B,), n, jnp.int32), self.implementation)
-            rotated = hadamard(comp.finish(pooled[:, : n // r], block[:, : n // r], self.freqs, self.dtype))
-            keys = common.straight_through(rotated, quant.fake_fp4(rotated))
-        return jnp.pad(keys, ((0, 0), (0, rows - keys.shape[1]), (0, 0)))
 
     # --- weights -------------------------------------------------------------------------------
 

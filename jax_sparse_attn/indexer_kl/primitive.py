@@ -30,6 +30,7 @@ from .. import batching as shared_batching
 from .. import sharding as shared_sharding
 from ..platforms import NEURON_PLATFORM, register_on_discovery
 from . import reference
+from . import sharding as kl_sharding
 
 # q [S, T, H, D], kv [S, R, D], index_q [S, T, Hi, Di], weights [S, T, Hi] f32 (index_scale
 # folded in), index_keys [S, R, Di], key_scale [S, R] f32, positions [S, T] int32,
@@ -71,35 +72,26 @@ def _params(sparse, compress_ratio):
 # --- abstract evaluation ------------------------------------------------------------------------
 
 
-def _token_aval(q, dtype=jnp.float32):
-    """``[S, T]`` of ``dtype``, split like q's sequences and tokens."""
-    return shared_sharding.result_aval(q, q.shape[:2], dtype, "t h")
-
-
-def _student_avals(index_q, weights, index_keys):
-    return [a.update(weak_type=False) for a in (index_q, weights, index_keys)]
-
-
 def _abstract_eval(*operands, sparse, compress_ratio, implementation, mode):
     del sparse, compress_ratio, implementation
     q = operands[0]
-    out = [_token_aval(q), _token_aval(q)]
+    out = [kl_sharding.token_aval(q), kl_sharding.token_aval(q)]
     if mode == "fused":
-        out += [_token_aval(q)] + [
-            a.update(dtype=jnp.dtype(jnp.float32), weak_type=False)
-            for a in (operands[2], operands[3], operands[4])]
+        out += [kl_sharding.token_aval(q)] + kl_sharding.student_avals(
+            q, operands[2], operands[3], operands[4], (jnp.float32,) * 3)
     return out
 
 
 def _tangent_abstract_eval(*args, sparse, compress_ratio, implementation):
     del sparse, compress_ratio, implementation
-    return _token_aval(args[3 + RESIDUALS])
+    return kl_sharding.token_aval(args[3 + RESIDUALS])
 
 
 def _grad_abstract_eval(*args, sparse, compress_ratio, implementation):
     del sparse, compress_ratio, implementation
     operands = args[1 + RESIDUALS:]
-    return _student_avals(operands[2], operands[3], operands[4])
+    dtypes = (operands[2].dtype, jnp.float32, operands[4].dtype)
+    return kl_sharding.student_avals(operands[0], operands[2], operands[3], operands[4], dtypes)
 
 
 indexer_kl_p.def_abstract_eval(_abstract_eval)
@@ -110,7 +102,7 @@ for _p in (indexer_kl_p, indexer_kl_tangent_p, indexer_kl_grad_p):
 shared_sharding.register_device_aware(indexer_kl_p, indexer_kl_tangent_p, indexer_kl_grad_p)
 
 
-# --- lowering: one sequence at a time ------------------------------------------------------------
+# --- lowering: one sequence at a time, on each device's block ----------------------------------
 
 
 def _over_sequences(one, *arrays):
@@ -122,63 +114,116 @@ def _over_sequences(one, *arrays):
     return list(outs) if isinstance(outs, (tuple, list)) else [outs]
 
 
-def value_one(*operands, sparse, compress_ratio, mode):
+def value_one(*operands, sparse, compress_ratio, mode, head_axes=()):
     """One sequence: ``(kl, mass)``, or with ``mode="fused"`` also the residuals."""
+    params = dict(sparse=sparse, compress_ratio=compress_ratio, head_axes=head_axes)
     if mode == "value":
-        return reference.indexer_kl_one(*operands, sparse=sparse, compress_ratio=compress_ratio)
+        return reference.indexer_kl_one(*operands, **params)
     T = operands[0].shape[0]
+    return reference.indexer_kl_one(*operands, mode="grad", ct=jnp.ones((T,), jnp.float32),
+                                    **params)
+
+
+def tangent_one(d_iq, d_w, d_keys, *operands, sparse, compress_ratio, head_axes=()):
+    """One sequence's KL tangent (a fused pass)."""
     return reference.indexer_kl_one(*operands, sparse=sparse, compress_ratio=compress_ratio,
-                                    mode="grad", ct=jnp.ones((T,), jnp.float32))
+                                    mode="tangent", tangents=(d_iq, d_w, d_keys),
+                                    head_axes=head_axes)
 
 
-def tangent_one(d_iq, d_w, d_keys, *rest, sparse, compress_ratio):
-    """One sequence's KL tangent (a fused pass; the residuals are not needed)."""
-    operands = rest[RESIDUALS:]
-    return reference.indexer_kl_one(*operands, sparse=sparse, compress_ratio=compress_ratio,
-                                    mode="tangent", tangents=(d_iq, d_w, d_keys))
+def uniform_cotangent(ct, live, token_axes=()):
+    """``(c, same)``: the cotangent of the first live token, and whether every live token (on
+    every device along ``token_axes``) has exactly that one, so that the gradients are ``c``
+    times the unit residuals."""
+    any_live = jnp.any(live > 0)
+    c = ct[jnp.argmax(live > 0)]
+    same = jnp.all(jnp.where(live > 0, ct == c, True))
+    if not token_axes:
+        return jnp.where(any_live, c, 0.0), same
+    low = jax.lax.pmin(jnp.where(any_live, c, jnp.inf), token_axes)
+    high = jax.lax.pmax(jnp.where(any_live, c, -jnp.inf), token_axes)
+    same = jax.lax.pmin(same.astype(jnp.int32), token_axes) > 0
+    return jnp.where(low < jnp.inf, low, 0.0), same & ((low == high) | (low == jnp.inf))
 
 
-def uniform_cotangent(ct, live):
-    """``(c, same)``: the cotangent of the first live token, and whether every live token has
-    exactly that one (then the gradients are ``c`` times the unit residuals)."""
-    first = jnp.argmax(live > 0)
-    c = ct[first]
-    return c, jnp.all(jnp.where(live > 0, ct == c, True))
-
-
-def grad_one(ct, live, u_iq, u_w, u_keys, *operands, sparse, compress_ratio):
-    """One sequence's cotangents of index_q, weights, index_keys (in their dtypes)."""
+def grad_one(ct, live, u_iq, u_w, u_keys, *operands, sparse, compress_ratio, head_axes=(),
+             token_axes=(), mesh_shape=None):
+    """One sequence's cotangents of index_q, weights, index_keys (in their dtypes). With the
+    tokens split, ``u_keys`` is the sum over every device's tokens: the scaled form counts it
+    on the first token device only (``kl_sharding.first_along``)."""
     dtypes = (operands[2].dtype, jnp.float32, operands[4].dtype)
     ct = ct.astype(jnp.float32)
-    c, same = uniform_cotangent(ct, live)
+    c, same = uniform_cotangent(ct, live, token_axes)
 
     def scaled(_):
-        return u_iq * c, u_w * c, u_keys * c
+        (keys,) = kl_sharding.first_along(token_axes, mesh_shape, (u_keys * c,))
+        return u_iq * c, u_w * c, keys
 
     def again(_):
-        return reference.indexer_kl_one(*operands, sparse=sparse, compress_ratio=compress_ratio,
-                                        mode="grad", ct=ct)[3:]
+        return tuple(reference.indexer_kl_one(
+            *operands, sparse=sparse, compress_ratio=compress_ratio, mode="grad", ct=ct,
+            head_axes=head_axes)[3:])
 
     grads = jax.lax.cond(same, scaled, again, None)
     return tuple(g.astype(d) for g, d in zip(grads, dtypes))
 
 
+def _make_value_local(sparse, compress_ratio, mode):
+    def make_local(axes, mesh_shape):
+        one = functools.partial(value_one, sparse=sparse, compress_ratio=compress_ratio,
+                                mode=mode, head_axes=axes["h"])
+        return lambda *operands: kl_sharding.first_along(
+            axes["h"], mesh_shape, _over_sequences(one, *operands))
+    return make_local
+
+
+def _make_tangent_local(sparse, compress_ratio):
+    def make_local(axes, mesh_shape):
+        one = functools.partial(tangent_one, sparse=sparse, compress_ratio=compress_ratio,
+                                head_axes=axes["h"])
+
+        def local(*args):  # OPERANDS, then the three tangents
+            operands, tangents = args[:len(OPERANDS)], args[len(OPERANDS):]
+            return kl_sharding.first_along(axes["h"], mesh_shape,
+                                           _over_sequences(one, *tangents, *operands))
+        return local
+    return make_local
+
+
+def _make_grad_local(sparse, compress_ratio):
+    def make_local(axes, mesh_shape):
+        one = functools.partial(grad_one, sparse=sparse, compress_ratio=compress_ratio,
+                                head_axes=axes["h"], token_axes=axes["t"], mesh_shape=mesh_shape)
+
+        def local(*args):  # OPERANDS, then the cotangent and the residuals
+            operands, rest = args[:len(OPERANDS)], args[len(OPERANDS):]
+            return kl_sharding.first_along(axes["h"], mesh_shape,
+                                           _over_sequences(one, *rest, *operands))
+        return local
+    return make_local
+
+
 def _lower(*operands, sparse, compress_ratio, implementation, mode):
     del implementation  # no kernel yet: the reference on every platform
-    one = functools.partial(value_one, sparse=sparse, compress_ratio=compress_ratio, mode=mode)
-    return _over_sequences(one, *operands)
+    results = kl_sharding.FUSED_RESULTS if mode == "fused" else kl_sharding.VALUE_RESULTS
+    return list(kl_sharding.run(_make_value_local(sparse, compress_ratio, mode), operands,
+                                kl_sharding.OPERAND_LAYOUTS, results))
 
 
 def _lower_tangent(*args, sparse, compress_ratio, implementation):
     del implementation
-    one = functools.partial(tangent_one, sparse=sparse, compress_ratio=compress_ratio)
-    return _over_sequences(one, *args)[0]
+    tangents, operands = args[:3], args[3 + RESIDUALS:]  # the residuals are not needed
+    return kl_sharding.run(_make_tangent_local(sparse, compress_ratio), operands + tangents,
+                           kl_sharding.OPERAND_LAYOUTS + kl_sharding.STUDENT_LAYOUTS,
+                           ("s t",))[0]
 
 
 def _lower_grad(*args, sparse, compress_ratio, implementation):
     del implementation
-    one = functools.partial(grad_one, sparse=sparse, compress_ratio=compress_ratio)
-    return _over_sequences(one, *args)
+    rest, operands = args[:1 + RESIDUALS], args[1 + RESIDUALS:]
+    return list(kl_sharding.run(_make_grad_local(sparse, compress_ratio), operands + rest,
+                                kl_sharding.OPERAND_LAYOUTS + ("s t",)
+                                + kl_sharding.RESIDUAL_LAYOUTS, kl_sharding.STUDENT_LAYOUTS))
 
 
 for _p, _fn, _multiple in ((indexer_kl_p, _lower, True), (indexer_kl_tangent_p, _lower_tangent, False),

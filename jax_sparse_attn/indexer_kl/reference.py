@@ -36,7 +36,7 @@ _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
 
 # Dense form: rows per block, and the byte budget of a block's [Tc, H, Rb] f32 logits that sets
 # the tokens per chunk (a chunk's GEMM is [Tc H, D] x [D, Rb]: large on both sides).
-DENSE_BLOCK_ROWS = 512
+DENSE_BLOCK_ROWS = 256
 DENSE_BLOCK_BYTES = 16 * 2**20
 # Sparse form: the byte budget of a chunk's gathered rows and [Tc, H, K] logits.
 SPARSE_CHUNK_BYTES = 32 * 2**20
@@ -79,13 +79,21 @@ def _lse(m, s):
     return jnp.where(s > 0, m + jnp.log(jnp.where(s > 0, s, 1.0)), -jnp.inf)
 
 
-def _teacher_norms(lse_cand, lse_extra):
+def head_sum(x, axis, head_axes):
+    """The sum over the heads (``axis``), over all devices when the heads are split over
+    ``head_axes`` (mesh axes): a head sum is complete before anything is normalised by it."""
+    x = jnp.sum(x, axis=axis)
+    return jax.lax.psum(x, head_axes) if head_axes else x
+
+
+def _teacher_norms(lse_cand, lse_extra, head_axes=()):
     """From the per-head lse over the candidates ``[c, H]``: the heads' subtrahend (``log Z_h``,
     ``+inf`` for a head that adds nothing) and ``N = sum_h sum_{j in C} a_h(j)`` ``[c]``."""
     log_z = jnp.logaddexp(lse_extra, lse_cand)
     adds = (lse_cand > -jnp.inf) & (log_z < jnp.inf)
     log_z = jnp.where(adds, log_z, jnp.inf)
-    n = jnp.sum(jnp.where(adds, jnp.exp(lse_cand - jnp.where(adds, log_z, 0.0)), 0.0), axis=1)
+    n = head_sum(jnp.where(adds, jnp.exp(lse_cand - jnp.where(adds, log_z, 0.0)), 0.0), 1,
+                 head_axes)
     return log_z, n
 
 
@@ -112,11 +120,11 @@ def _scores(z, w, ks, cand):
     return jnp.where(cand, s * ks, -jnp.inf)
 
 
-def _pass2_terms(l, I, cand, log_z, n, lse_s):
+def _pass2_terms(l, I, cand, log_z, n, lse_s, head_axes=()):
     """The teacher ``p``, the student ``s`` and the KL's terms over ``[c, n]`` (0 off the
     candidates and where ``p`` is 0)."""
     live = n > 0
-    a = jnp.sum(jnp.exp(l - log_z[:, :, None]), axis=1)  # [c, n]: sum_h a_h(j)
+    a = head_sum(jnp.exp(l - log_z[:, :, None]), 1, head_axes)  # [c, n]: sum_h a_h(j)
     n_safe = jnp.where(live, n, 1.0)
     p = jnp.where(cand & live[:, None], a / n_safe[:, None], 0.0)
     log_p = jnp.log(jnp.where(a > 0, a, 1.0)) - jnp.log(n_safe)[:, None]
@@ -165,7 +173,7 @@ def _chunk_slices(start, size, arrays):
 
 def indexer_kl_one(q, kv, index_q, weights, index_keys, key_scale, positions, idx, lse_extra,
                    scale, *, sparse: bool, compress_ratio: int, mode: str = "value", ct=None,
-                   tangents=None):
+                   tangents=None, head_axes: tuple = ()):
     """One sequence (the module docstring). Returns ``(kl [T], mass [T])`` f32 for ``"value"``;
     ``(kl, mass, live [T], g_index_q [T, Hi, Di], g_weights [T, Hi], g_index_keys [R, Di])`` f32
     for ``"grad"`` (``ct [T]``, the cotangent of kl; ``live`` 1 where the token has a candidate
@@ -198,12 +206,12 @@ def indexer_kl_one(q, kv, index_q, weights, index_keys, key_scale, positions, id
         Tc = sparse_plan(T, H, D, Hi, Di, K)
         chunk = functools.partial(_sparse_chunk, kv=kv, index_keys=index_keys,
                                   key_scale=key_scale, scale=scale, mode=mode,
-                                  d_keys=tangents[2])
+                                  d_keys=tangents[2], head_axes=head_axes)
     else:
         Tc, Rb = dense_plan(T, H, Hi, R)
         chunk = functools.partial(_dense_chunk, kv=kv, index_keys=index_keys,
                                   key_scale=key_scale, scale=scale, mode=mode, rows_per_block=Rb,
-                                  d_keys=tangents[2])
+                                  d_keys=tangents[2], head_axes=head_axes)
     n_chunks = -(-T // Tc)
 
     def body(c, carry):
@@ -233,7 +241,7 @@ def indexer_kl_one(q, kv, index_q, weights, index_keys, key_scale, positions, id
 
 
 def _sparse_chunk(q, iq, w, positions, idx, lse_extra, ct, n_vis, *d_token, fresh, kv,
-                  index_keys, key_scale, scale, mode, d_keys):
+                  index_keys, key_scale, scale, mode, d_keys, head_axes):
     """One chunk of the sparse form: all of its tokens' candidates at once (gathered rows)."""
     R = kv.shape[0]
     del positions
@@ -247,12 +255,12 @@ def _sparse_chunk(q, iq, w, positions, idx, lse_extra, ct, n_vis, *d_token, fres
     l = _teacher_logits(qf, x, scale, cand)  # [c, H, K]
     m = jnp.max(l, axis=-1)
     lse_cand = _lse(*_online(jnp.full(m.shape, -jnp.inf), jnp.zeros(m.shape), l, -1))
-    log_z, n = _teacher_norms(lse_cand, lse_extra)
+    log_z, n = _teacher_norms(lse_cand, lse_extra, head_axes)
     z = _student_products(iqf, keys)
     I = _scores(z, w, ks, cand)
     lse_s = jax.nn.logsumexp(I, axis=-1)
     lse_s = jnp.where(jnp.any(cand, axis=-1), lse_s, 0.0)
-    p, s, term = _pass2_terms(l, I, cand, log_z, n, lse_s)
+    p, s, term = _pass2_terms(l, I, cand, log_z, n, lse_s, head_axes)
     kl = jnp.sum(term, axis=-1)
     mass = jnp.sum(p, axis=-1)
     if mode == "value":
@@ -272,7 +280,7 @@ def _sparse_chunk(q, iq, w, positions, idx, lse_extra, ct, n_vis, *d_token, fres
 
 
 def _dense_chunk(q, iq, w, positions, idx, lse_extra, ct, n_vis, *d_token, fresh, kv, index_keys,
-                 key_scale, scale, mode, rows_per_block, d_keys):
+                 key_scale, scale, mode, rows_per_block, d_keys, head_axes):
     """One chunk of the dense form: two passes over blocks of rows, up to the chunk's last
     visible row."""
     del positions
@@ -308,7 +316,7 @@ def _dense_chunk(q, iq, w, positions, idx, lse_extra, ct, n_vis, *d_token, fresh
     neg = jnp.full((c, H), -jnp.inf)
     state = (neg, jnp.zeros((c, H)), neg[:, 0], jnp.zeros((c,)))
     m, s, m_s, s_s = jax.lax.fori_loop(0, blocks, pass1, state)
-    log_z, n = _teacher_norms(_lse(m, s), lse_extra)
+    log_z, n = _teacher_norms(_lse(m, s), lse_extra, head_axes)
     lse_s = jnp.where(s_s > 0, _lse(m_s, s_s), 0.0)
     valid = (idx >= 0) & (idx < n_vis[:, None])
     # The top-k as a [c, R] membership (a scatter: repeated slots count once).
@@ -317,7 +325,7 @@ def _dense_chunk(q, iq, w, positions, idx, lse_extra, ct, n_vis, *d_token, fresh
 
     def pass2(b, state):
         start, rows, cand, keys, ks, l, z, I = block(b)
-        p, s, term = _pass2_terms(l, I, cand, log_z, n, lse_s)
+        p, s, term = _pass2_terms(l, I, cand, log_z, n, lse_s, head_axes)
         kl = state[0] + jnp.sum(term, axis=-1)
         if mode == "tangent":
             d_iq, d_w = d_token
