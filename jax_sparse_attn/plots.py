@@ -263,13 +263,23 @@ def training_memory_figure(result: dict):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``--indexer-sweep JSON --png PATH``: draws a saved indexer sweep (``python -m
-    jax_sparse_attn.bench --indexer-sweep --json JSON`` measures it)."""
+    jax_sparse_attn.bench --indexer-sweep --json JSON`` measures it); ``--train-memory JSON``
+    the training steps' memory against T (``python -m jax_sparse_attn.bench --train step --json
+    JSON``)."""
     p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.plots", description=__doc__.splitlines()[0])
-    p.add_argument("--indexer-sweep", metavar="JSON", required=True, help="a saved indexer sweep to draw")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--indexer-sweep", metavar="JSON", help="a saved indexer sweep to draw")
+    what.add_argument("--train-memory", metavar="JSON", help="saved training-step records to draw")
     p.add_argument("--png", metavar="PATH", required=True, help="where to write the chart")
     a = p.parse_args(argv)
-    with open(a.indexer_sweep) as f:
-        write_indexer_png(json.load(f), a.png)
+    with open(a.indexer_sweep or a.train_memory) as f:
+        result = json.load(f)
+    if a.indexer_sweep:
+        write_indexer_png(result, a.png)
+    else:
+        fig = training_memory_figure(result)
+        fig.savefig(a.png, dpi=100)
+        pyplot().close(fig)
     print(f"# wrote {a.png}")
     return 0
 

@@ -142,7 +142,7 @@ def test_indexer_sweep_writes_json_and_the_chart_draws_it(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_training_memory_figure_draws_each_kind_and_its_bounds():
+def test_training_memory_figure_draws_each_kind_and_its_bounds(tmp_path):
     gib = 2**30
     records = [{"case": "train-step", "kind": kind, "tokens": T, "growth_bytes": g * gib,
                 "limit_bytes": limit, "x_bytes": T * 4096 * 2}
@@ -158,3 +158,8 @@ def test_training_memory_figure_draws_each_kind_and_its_bounds():
     np.testing.assert_allclose(r4_bound.get_xdata(), [16384])  # only where the issue sets one
     np.testing.assert_allclose(r4_bound.get_ydata(), [6.0])
     np.testing.assert_allclose(x_alone.get_ydata(), [4096 * 4096 * 2 / gib, 16384 * 4096 * 2 / gib])
+    # From the saved records, as the records' index says (python -m jax_sparse_attn.plots).
+    saved, png = tmp_path / "train.json", tmp_path / "train.png"
+    saved.write_text(json.dumps({"environment": env, "records": records}))
+    assert plots.main(["--train-memory", str(saved), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
