@@ -173,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-parts", action="store_true",
                    help="--train step: also time each half of the step alone in the same rounds "
                    "(the LM loss with its gradient; the indexer loss with its gradient)")
+    p.add_argument("--train-timeout", type=float, default=None, metavar="S",
+                   help="--train: stop a case's process after S seconds and keep the memory it "
+                   "measured first (its record marked timed_out)")
     p.add_argument("--train-plot", metavar="PATH",
                    help="--train step: also draw the memory against T (needs matplotlib)")
     p.add_argument("--train-child", metavar="SPEC", help=argparse.SUPPRESS)

@@ -232,6 +232,7 @@ def step_child(kind: str, tokens: int, repeats: int, warmup: int, quick: bool = 
                    finite=rec["finite"] and bool(jnp.isfinite(out["indexer_loss"])) and all(
                        bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(out["indexer_grads"])))
     del out
+    print(json.dumps(rec), flush=True)  # the memory, should the rounds be stopped
     if repeats > 0:
         forward_jit = jax.jit(forward)
         start = time.perf_counter()
@@ -325,6 +326,7 @@ def dense_kl_child(shape: DenseKLShape, repeats: int, warmup: int) -> dict:
                finite=bool(jnp.isfinite(loss)) and all(bool(jnp.all(jnp.isfinite(g))) for g in grads))
     rec["within_limit"] = rec["growth_bytes"] <= DENSE_KL_MEMORY_LIMIT
     del grads
+    print(json.dumps(rec), flush=True)  # the memory, should the rounds be stopped
     if repeats > 0:
         n = min(GEMM_MAX_SIDE, max(16, int(round((flops / 2) ** (1 / 3) / 16)) * 16))
         gemm, gemm_args, gemm_flops = common.square_gemm(2 * n**3)
@@ -348,9 +350,18 @@ def dense_kl_child(shape: DenseKLShape, repeats: int, warmup: int) -> dict:
 # --- the command line -------------------------------------------------------------------------------
 
 
-def _child(spec: dict, timeout: int = 4 * 3600) -> dict:
+def _child(spec: dict, timeout: Optional[float] = None) -> dict:
+    """Runs a case in a fresh process. Past ``timeout`` seconds the process is stopped and the
+    record it printed after its first call (the memory) is returned, marked ``timed_out``."""
     cmd = [sys.executable, "-m", "jax_sparse_attn.bench", "--train-child", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        lines = out.strip().splitlines()
+        if not lines:
+            raise RuntimeError(f"{' '.join(cmd)}: no record within {timeout} s") from None
+        return dict(json.loads(lines[-1]), timed_out=True)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -422,7 +433,7 @@ def main(cases: list, a) -> int:
                 for T in tokens:
                     rec = _child(dict(fn="step", kind=kind, tokens=T, quick=a.quick,
                                       repeats=repeats if T <= timed else 0, warmup=warmup,
-                                      parts=a.train_parts))
+                                      parts=a.train_parts), a.train_timeout)
                     print(format_step(rec), flush=True)
                     ok &= rec["finite"] and rec["within_limit"] is not False
                     if "step_over_forward" in rec and not a.quick:
@@ -434,7 +445,7 @@ def main(cases: list, a) -> int:
                 shape = dataclasses.replace(shape, name=f"{shape.name}-{a.train_dense_tokens}",
                                             T=a.train_dense_tokens)
             rec = _child(dict(fn="dense-kl", shape=dataclasses.asdict(shape), repeats=repeats,
-                              warmup=warmup))
+                              warmup=warmup), a.train_timeout)
             print(format_dense_kl(rec), flush=True)
             ok &= rec["finite"]
             if shape == DENSE_KL_SHAPE:
