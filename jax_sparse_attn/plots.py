@@ -269,14 +269,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.plots", description=__doc__.splitlines()[0])
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--indexer-sweep", metavar="JSON", help="a saved indexer sweep to draw")
-    what.add_argument("--train-memory", metavar="JSON", help="saved training-step records to draw")
+    what.add_argument("--train-memory", metavar="JSON", nargs="+",
+                      help="saved training-step records to draw (several files: their records "
+                      "together, under the first one's environment)")
     p.add_argument("--png", metavar="PATH", required=True, help="where to write the chart")
     a = p.parse_args(argv)
-    with open(a.indexer_sweep or a.train_memory) as f:
-        result = json.load(f)
     if a.indexer_sweep:
-        write_indexer_png(result, a.png)
+        with open(a.indexer_sweep) as f:
+            write_indexer_png(json.load(f), a.png)
     else:
+        results = []
+        for path in a.train_memory:
+            with open(path) as f:
+                results.append(json.load(f))
+        result = dict(results[0], records=[r for res in results for r in res["records"]])
         fig = training_memory_figure(result)
         fig.savefig(a.png, dpi=100)
         pyplot().close(fig)

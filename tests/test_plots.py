@@ -142,7 +142,7 @@ def test_indexer_sweep_writes_json_and_the_chart_draws_it(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_training_memory_figure_draws_each_kind_and_its_bounds(tmp_path):
+def test_training_memory_figure_draws_each_kind_and_its_bounds(tmp_path, monkeypatch):
     gib = 2**30
     records = [{"case": "train-step", "kind": kind, "tokens": T, "growth_bytes": g * gib,
                 "limit_bytes": limit, "x_bytes": T * 4096 * 2}
@@ -158,8 +158,12 @@ def test_training_memory_figure_draws_each_kind_and_its_bounds(tmp_path):
     np.testing.assert_allclose(r4_bound.get_xdata(), [16384])  # only where the issue sets one
     np.testing.assert_allclose(r4_bound.get_ydata(), [6.0])
     np.testing.assert_allclose(x_alone.get_ydata(), [4096 * 4096 * 2 / gib, 16384 * 4096 * 2 / gib])
-    # From the saved records, as the records' index says (python -m jax_sparse_attn.plots).
-    saved, png = tmp_path / "train.json", tmp_path / "train.png"
-    saved.write_text(json.dumps({"environment": env, "records": records}))
-    assert plots.main(["--train-memory", str(saved), "--png", str(png)]) == 0
+    # From saved records, several runs' files together (python -m jax_sparse_attn.plots).
+    first, second, png = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "train.png"
+    first.write_text(json.dumps({"environment": env, "records": records[:2]}))
+    second.write_text(json.dumps({"environment": env, "records": records[2:]}))
+    drawn, draw = [], plots.training_memory_figure
+    monkeypatch.setattr(plots, "training_memory_figure", lambda result: drawn.append(result) or draw(result))
+    assert plots.main(["--train-memory", str(first), str(second), "--png", str(png)]) == 0
+    assert drawn[0]["records"] == records
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
