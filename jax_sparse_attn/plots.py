@@ -222,15 +222,70 @@ def v4_sweep_figure(records: Sequence[dict]):
     return fig
 
 
+def training_memory_figure(result: dict):
+    """A layer's training step against T (``bench --train step`` records): the process's peak
+    growth over one step (x, r, y, gradients and compilation included), one line per layer kind,
+    the issue's bounds marked, beside x's own size."""
+    plt = pyplot()
+    gib = 2**30
+    records = [r for r in result["records"] if r["case"] == "train-step"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    for kind in sorted({r["kind"] for r in records}):
+        points = sorted((r for r in records if r["kind"] == kind), key=lambda r: r["tokens"])
+        tokens = [r["tokens"] for r in points]
+        line, = ax.plot(tokens, [r["growth_bytes"] / gib for r in points], "o-",
+                        label=f"{kind}: process growth")
+        bounds = [(r["tokens"], r["limit_bytes"] / gib) for r in points if r.get("limit_bytes")]
+        if bounds:
+            ax.plot(*zip(*bounds), "v", color=line.get_color(), fillstyle="none",
+                    markersize=9, label=f"{kind}: bound")
+    points = sorted({r["tokens"]: r["x_bytes"] for r in records}.items())
+    ax.plot([t for t, _ in points], [b / gib for _, b in points], ":", color="gray",
+            label="x alone (bf16)")
+    ticks = sorted({r["tokens"] for r in records})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 else str(t) for t in ticks])
+    _plain_log_axes(ax)
+    ax.set_xlabel("tokens per step (B = 1)")
+    ax.set_ylabel("peak RSS growth of one step (GiB)")
+    ax.set_title("Training step: forward, LM-loss backward, indexer loss and its backward",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    env = result.get("environment", {})
+    cpu = env.get("cpu", {})
+    fig.suptitle(f"{cpu.get('model name', '?')}, {env.get('cpu_count', '?')} cores; "
+                 f"jax {env.get('jax', '?')}; bf16 weights and activations", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``--indexer-sweep JSON --png PATH``: draws a saved indexer sweep (``python -m
-    jax_sparse_attn.bench --indexer-sweep --json JSON`` measures it)."""
+    jax_sparse_attn.bench --indexer-sweep --json JSON`` measures it); ``--train-memory JSON``
+    the training steps' memory against T (``python -m jax_sparse_attn.bench --train step --json
+    JSON``)."""
     p = argparse.ArgumentParser(prog="python -m jax_sparse_attn.plots", description=__doc__.splitlines()[0])
-    p.add_argument("--indexer-sweep", metavar="JSON", required=True, help="a saved indexer sweep to draw")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--indexer-sweep", metavar="JSON", help="a saved indexer sweep to draw")
+    what.add_argument("--train-memory", metavar="JSON", nargs="+",
+                      help="saved training-step records to draw (several files: their records "
+                      "together, under the first one's environment)")
     p.add_argument("--png", metavar="PATH", required=True, help="where to write the chart")
     a = p.parse_args(argv)
-    with open(a.indexer_sweep) as f:
-        write_indexer_png(json.load(f), a.png)
+    if a.indexer_sweep:
+        with open(a.indexer_sweep) as f:
+            write_indexer_png(json.load(f), a.png)
+    else:
+        results = []
+        for path in a.train_memory:
+            with open(path) as f:
+                results.append(json.load(f))
+        result = dict(results[0], records=[r for res in results for r in res["records"]])
+        fig = training_memory_figure(result)
+        fig.savefig(a.png, dpi=100)
+        pyplot().close(fig)
     print(f"# wrote {a.png}")
     return 0
 

@@ -246,3 +246,60 @@ def test_layer_memory_flag_measures_a_fresh_process(tmp_path):
     rec = json.loads(out.read_text())["layer_memory"]
     assert rec["T"] == 512 and rec["length"] == 512 and rec["finite"]
     assert 0 < rec["growth_bytes"] <= rec["limit_bytes"]
+
+
+# --- training (bench --train; jax_sparse_attn/bench/training.py) ------------------------------------
+
+
+def test_dense_kl_flops_credit_every_visible_pair():
+    from jax_sparse_attn.bench import training
+
+    shape = training.DenseKLShape("t", 5, 3, 8, 2, 4, 2)
+    pairs = sum(1 for t in range(5) for r in range(5) if r <= t)
+    teacher, student = 2 * 3 * 8, 2 * 2 * 4  # FLOPs of one pair's logits over the heads
+    assert training.dense_kl_flops(shape) == pairs * (2 * teacher + 3 * student)
+    # V3.2's case: 8192 tokens, 128 heads of 576, 64 index heads of 128
+    big = training.DENSE_KL_SHAPE
+    assert (big.T, big.H, big.D, big.Hi, big.Di) == (8192, 128, 576, 64, 128)
+
+
+def test_train_flag_refuses_unknown_cases_and_kinds():
+    with pytest.raises(ValueError, match="unknown case 'forward'"):
+        cli.main(["--train", "forward"])
+    with pytest.raises(ValueError, match="unknown kind 'ratio8'"):
+        cli.main(["--train", "step", "--train-kinds", "ratio8"])
+
+
+@pytest.mark.slow  # two fresh processes compiling a narrowed layer's step and the dense loss
+def test_train_command_line_measures_a_step_and_the_dense_loss(tmp_path):
+    from flax import nnx
+
+    from jax_sparse_attn.bench import training
+    from indexer_kl_oracle import indexer_kl_numpy
+
+    out = tmp_path / "train.json"
+    assert cli.main(["--train", "step,dense-kl", "--quick", "--train-kinds", "ratio4",
+                     "--train-tokens", "128", "--repeats", "1", "--warmup", "0",
+                     "--json", str(out)]) == 0
+    step, dense = json.loads(out.read_text())["records"]
+    layer = training.make_layer("ratio4", quick=True)
+    params = nnx.state(layer, nnx.Param).flat_state()
+    on_indexer = sum(v[...].size for path, v in params if "indexer" in path)
+    assert step["indexer_params"] == on_indexer > 0
+    assert step["main_params"] + on_indexer == sum(v[...].size for _, v in params)
+    assert step["finite"] and step["indexer_loss"] and step["indexer_loss_value"] >= 0
+    assert 0 <= step["indexer_mass"] <= 1 + 1e-6
+    assert step["growth_bytes"] >= step["x_bytes"] > 0 and step["limit_bytes"] is None
+    assert len(step["seconds"]["step"]) == len(step["seconds"]["forward"]) == 1
+    assert step["step_over_forward"] > 0
+    # The dense loss's value is the float64 oracle's mean KL on the same inputs.
+    a = {k: np.asarray(v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v)
+         for k, v in training._dense_kl_inputs(training.QUICK_DENSE_KL_SHAPE).items()}
+    kl, mass = indexer_kl_numpy(a["q"], a["kv"], a["index_q"], a["index_weights"], a["index_keys"],
+                                a["positions"], a["idx"], sparse=False,
+                                scale=training.QUICK_DENSE_KL_SHAPE.D ** -0.5)
+    np.testing.assert_allclose(dense["loss"], kl.mean(), rtol=1e-4)
+    np.testing.assert_allclose(dense["mass"], mass.mean(), rtol=1e-4)
+    assert dense["flops"] == training.dense_kl_flops(training.QUICK_DENSE_KL_SHAPE)
+    assert dense["growth_bytes"] >= dense["growth_without_inputs_bytes"] > 0
+    assert dense["fraction_of_gemm_f32"] > 0 and dense["finite"]

@@ -140,3 +140,30 @@ def test_indexer_sweep_writes_json_and_the_chart_draws_it(tmp_path):
         assert point["dense"]["median_s"] > 0  # the quick sizes all fit
     assert plots.main(["--indexer-sweep", str(sweep_json), "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_memory_figure_draws_each_kind_and_its_bounds(tmp_path, monkeypatch):
+    gib = 2**30
+    records = [{"case": "train-step", "kind": kind, "tokens": T, "growth_bytes": g * gib,
+                "limit_bytes": limit, "x_bytes": T * 4096 * 2}
+               for kind, T, g, limit in (("ratio4", 4096, 1.5, None), ("ratio4", 16384, 3.0, 6 * gib),
+                                         ("ratio128", 4096, 1.0, None))]
+    records.append({"case": "train-dense-kl", "growth_bytes": gib})  # not a step: not drawn
+    env = {"cpu": {"model name": "a CPU"}, "cpu_count": 2, "jax": "0"}
+    ax = plots.training_memory_figure({"environment": env, "records": records}).axes[0]
+    r128, r4, r4_bound, x_alone = ax.lines
+    np.testing.assert_allclose(r4.get_xdata(), [4096, 16384])
+    np.testing.assert_allclose(r4.get_ydata(), [1.5, 3.0])
+    np.testing.assert_allclose(r128.get_ydata(), [1.0])
+    np.testing.assert_allclose(r4_bound.get_xdata(), [16384])  # only where the issue sets one
+    np.testing.assert_allclose(r4_bound.get_ydata(), [6.0])
+    np.testing.assert_allclose(x_alone.get_ydata(), [4096 * 4096 * 2 / gib, 16384 * 4096 * 2 / gib])
+    # From saved records, several runs' files together (python -m jax_sparse_attn.plots).
+    first, second, png = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "train.png"
+    first.write_text(json.dumps({"environment": env, "records": records[:2]}))
+    second.write_text(json.dumps({"environment": env, "records": records[2:]}))
+    drawn, draw = [], plots.training_memory_figure
+    monkeypatch.setattr(plots, "training_memory_figure", lambda result: drawn.append(result) or draw(result))
+    assert plots.main(["--train-memory", str(first), str(second), "--png", str(png)]) == 0
+    assert drawn[0]["records"] == records
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,7 +6,8 @@ Its modules import one another in one direction only (benchmarks/README.md, "Cod
   the run's environment, timing, memory readings, JSON and the records' index;
 - the measurements of each topic, on top of them: :mod:`~jax_sparse_attn.bench.attention`,
   :mod:`~jax_sparse_attn.bench.sweeps` (built on ``attention``),
-  :mod:`~jax_sparse_attn.bench.indexer`, :mod:`~jax_sparse_attn.bench.v4`, and the Trainium cost
+  :mod:`~jax_sparse_attn.bench.indexer`, :mod:`~jax_sparse_attn.bench.v4`,
+  :mod:`~jax_sparse_attn.bench.training`, and the Trainium cost
   model's :mod:`~jax_sparse_attn.bench.attention_model`,
   :mod:`~jax_sparse_attn.bench.indexer_model` and :mod:`~jax_sparse_attn.bench.compress_model`;
 - :mod:`~jax_sparse_attn.bench.cli`, the command line, on top of all of them.

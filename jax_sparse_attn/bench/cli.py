@@ -19,6 +19,11 @@ alternatives: concatenating the caches and making one call, and two calls merged
 ``--model trn1|trn2|trn3`` reports the modelled (not measured) Trainium time of the NKI kernel
 instead, from the emulator's cost model (:mod:`jax_sparse_attn.bench.attention_model`).
 
+``--train step,dense-kl`` measures training DeepSeek's blocks (bf16, B = 1, each case in a fresh
+process): a layer's training step (memory against T, and its time against the forward's in the
+same rounds) and the dense indexer loss with its gradient against an f32 GEMM
+(:mod:`jax_sparse_attn.bench.training`).
+
 ``--record NAME`` writes the record as ``NAME.json`` into the records folder (``--records-dir``,
 default ``benchmarks/records``) and adds or updates its entry in the folder's ``index.json``: the
 command line, the machine and date read from the record, and the claim it backs (``--claim``); a
@@ -148,6 +153,32 @@ def _parser() -> argparse.ArgumentParser:
                    help="--v4 prefill (default 8192) and memory (default 65536, v32 32768): tokens per call")
     p.add_argument("--v4-plot", metavar="PATH", help="--v4 sweep: also draw time and memory")
     p.add_argument("--v4-child", metavar="SPEC", help=argparse.SUPPRESS)
+    p.add_argument("--train", metavar="CASES",
+                   help="training DeepSeek's blocks, bf16, B = 1, each case in a fresh process "
+                   "(jax_sparse_attn/bench/training.py): step (a layer's training step: its memory "
+                   "and its time against the forward's), dense-kl (the dense indexer loss with its "
+                   "gradient at V3.2's shapes against an f32 GEMM); comma-separated")
+    p.add_argument("--train-kinds", default="ratio4,ratio128,v32",
+                   help="--train step: the layers (ratio4, ratio128: V4-Flash's layers 2 and 3; "
+                   "v32: V3.2-Exp's)")
+    p.add_argument("--train-tokens", metavar="T,...",
+                   help="--train step: tokens per step (default 4096,16384,65536 for V4, "
+                   "2048,8192 for v32)")
+    p.add_argument("--train-timed-tokens", type=int, default=None, metavar="T",
+                   help="--train step: time the step against the forward up to T tokens (default "
+                   "16384); larger steps are measured for memory alone")
+    p.add_argument("--train-dense-tokens", type=int, default=None, metavar="T",
+                   help="--train dense-kl: tokens (= rows) instead of V3.2's 8192 (the heads and "
+                   "widths kept)")
+    p.add_argument("--train-parts", action="store_true",
+                   help="--train step: also time each half of the step alone in the same rounds "
+                   "(the LM loss with its gradient; the indexer loss with its gradient)")
+    p.add_argument("--train-timeout", type=float, default=None, metavar="S",
+                   help="--train: stop a case's process after S seconds and keep the memory it "
+                   "measured first (its record marked timed_out)")
+    p.add_argument("--train-plot", metavar="PATH",
+                   help="--train step: also draw the memory against T (needs matplotlib)")
+    p.add_argument("--train-child", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--value-dim", type=int, default=None,
                    help="with --model: the value columns (value_dim <= D; default D); each "
                    "shape is modelled with all D columns of values too, for the ratio")
@@ -215,6 +246,18 @@ def _without_claim(argv: Sequence[str]) -> list:
 
 def _dispatch(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """Runs the benchmark ``a`` asks for; 0 when it ran and its checks held."""
+    if a.train_child:
+        from . import training
+
+        return training.child_main(a.train_child)
+    if a.train:
+        from . import training
+
+        if a.train_plot:
+            from .. import plots
+
+            plots.pyplot()  # fails now, not after the runs, where matplotlib is missing
+        return training.main([c.strip() for c in a.train.split(",")], a)
     if a.v4_child:
         from . import v4
 
