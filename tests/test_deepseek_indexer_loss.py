@@ -34,6 +34,14 @@ TIE_MARGIN = 1e-4
 TRAINABLE = nnx.Any(INDEXER_PARAMS, MAIN_PARAMS)
 
 
+def _enable_x64():
+    if hasattr(jax, "enable_x64"):  # jax >= 0.8
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
+
+
 def trainable_weights(weights):
     """``weights`` with the indexer's FP8 weights dequantised to f32 (its scales dropped) and every
     bf16 tensor as f32: the f32 layer trains f32 indexer weights; the main FP8 ones stay."""
@@ -230,7 +238,7 @@ def objective_jnp(student, params, x, aux, teacher):
 
 def reference_grads(student, weights, x, aux, teacher):
     names = [n for n in weights if n.startswith("indexer.")]
-    with jax.enable_x64(True):
+    with _enable_x64():
         params = {n: jnp.asarray(weights[n], jnp.float64) for n in names}
         grads = jax.jit(jax.grad(lambda p: objective_jnp(student, p, jnp.asarray(x), aux, teacher)))(params)
         return {n: np.asarray(g) for n, g in grads.items()}
@@ -386,7 +394,8 @@ def test_the_filters_pick_the_issues_parameter_sets(block):
     # In a model holding layers, by path.
     class Model(nnx.Module):
         def __init__(self, layers):
-            self.blocks = nnx.List(layers)
+            # nnx.List from Flax 0.12 on; older Flax (with JAX 0.7) holds a plain list of modules.
+            self.blocks = nnx.List(layers) if hasattr(nnx, "List") else list(layers)
             self.head = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
 
     model = Model([layer])

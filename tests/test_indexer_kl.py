@@ -21,6 +21,14 @@ T, H, D, R, HI, DI, K = 11, 3, 8, 13, 2, 4, 4
 SCALE, INDEX_SCALE = 0.35, 0.6
 
 
+def _enable_x64():
+    if hasattr(jax, "enable_x64"):  # jax >= 0.8
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def small_plan():
     """Chunks of 3 tokens (11 = 3 + 3 + 3 + 2: the last chunk overlaps) and blocks of 5 rows
@@ -101,7 +109,7 @@ def run_program(case, sparse, ratio, ct):
 
 def oracle_grads(case, sparse, ratio, weights):
     """The gradients of ``sum(weights * kl)`` by autodiff of the jnp oracle under x64."""
-    with jax.enable_x64(True):
+    with _enable_x64():
         x64 = {k: jnp.asarray(v, jnp.float64) if v.dtype.kind == "f" else v
                for k, v in case.items()}
 

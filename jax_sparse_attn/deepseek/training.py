@@ -28,7 +28,11 @@ def _trainable(value) -> bool:
     """A float parameter wider than 8 bits (FP8 weights and their scales are not trained)."""
     if isinstance(value, BlockScale):
         return False
-    array = value.get_value() if isinstance(value, nnx.Variable) else value
+    # Flax >= 0.12 reads a Variable with get_value(); older Flax (with JAX 0.7) with .value.
+    if isinstance(value, nnx.Variable):
+        array = value.get_value() if hasattr(type(value), "get_value") else value.value
+    else:
+        array = value
     dtype = jnp.dtype(array.dtype)
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > 1
 
