@@ -29,6 +29,9 @@ import os
 import platform
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
+
 ENV_VAR = "JAX_SPARSE_ATTN_CPU_PRODUCTS"
 FORMS = ("native", "f32")
 
@@ -199,3 +202,23 @@ def parse_form(name: str) -> ProductForm:
         raise ValueError(f"a CPU product form is native or f32, optionally with -x-first; got "
                          f"{name!r}")
     return ProductForm(widen=operands == "f32", x_first=bool(layout))
+
+
+def loop_slices(arrays, start, size: int, axis: int = 0) -> list:
+    """``[start, start + size)`` of each array along ``axis``, for the body of a loop.
+
+    XLA:CPU slices a bf16 or f16 array in f32, from a converted copy of the whole array, and then
+    hoists that copy out of the loop: a loop that slices a bf16 ``[T, H, D]`` operand a chunk at a
+    time would hold a whole f32 copy of it. Inside a ``cond``'s branch the conversion fuses into
+    the slice, so only the slice is converted; arrays of other dtypes are sliced as they are."""
+    def take():
+        return [jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis) for a in arrays]
+
+    if not any(jnp.dtype(a.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+               for a in arrays):
+        return take()
+
+    def never():  # start >= 0 always: the second branch only completes the cond
+        return [jnp.zeros(a.shape[:axis] + (size,) + a.shape[axis + 1:], a.dtype) for a in arrays]
+
+    return jax.lax.cond(start >= 0, take, never)

@@ -1,6 +1,7 @@
 """The choice of the reference's CPU product form (jax_sparse_attn.cpu_products): from the CPU's
 flags, once per process, with an override by environment variable."""
 
+import numpy as np
 import pytest
 
 from jax_sparse_attn import cpu_products
@@ -90,3 +91,39 @@ def test_form_names_round_trip_and_forced_nests():
             assert cpu_products.cpu_form() == inner
         assert cpu_products.cpu_form() == outer
     assert cpu_products.cpu_form() == before
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_loop_slices_take_the_rows_and_never_widen_a_whole_bf16_array(axis):
+    # Each chunk is the array's own rows (bits included), and the compiled loop's temporaries hold
+    # no f32 copy of the whole bf16 array (XLA:CPU makes and hoists one for a plain dynamic slice).
+    import jax
+    import jax.numpy as jnp
+
+    from jax_sparse_attn.cpu_products import loop_slices
+
+    shape = [4, 4, 64]
+    shape[axis] = 1024
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    bits = jnp.asarray(x, jnp.bfloat16)
+    ids = np.arange(1024, dtype=np.int32).reshape([-1 if a == axis else 1 for a in range(3)])
+    ids = np.broadcast_to(ids, shape)
+    size = 64
+
+    def chunk_sums(a, i):
+        def body(c, out):
+            part, idx = loop_slices([a, i], c * size, size, axis=axis)
+            assert part.dtype == a.dtype and idx.dtype == i.dtype
+            return out.at[c].set(jnp.sum(part.astype(jnp.float32) * 2.0) + jnp.sum(idx))
+        return jax.lax.fori_loop(0, 1024 // size, body, jnp.zeros(1024 // size))
+
+    fn = jax.jit(chunk_sums)
+    got = np.asarray(fn(bits, jnp.asarray(ids)))
+    want_x = np.asarray(bits.astype(jnp.float32), np.float64)
+    for c in range(1024 // size):
+        sl = [slice(None)] * 3
+        sl[axis] = slice(c * size, (c + 1) * size)
+        want = 2.0 * want_x[tuple(sl)].sum() + ids[tuple(sl)].sum()
+        np.testing.assert_allclose(got[c], want, rtol=1e-5)
+    temp = fn.lower(bits, jnp.asarray(ids)).compile().memory_analysis().temp_size_in_bytes
+    assert temp < x.size * 4 // 2, temp  # half of an f32 copy of the whole array

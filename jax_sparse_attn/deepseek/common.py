@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from .. import storage
+from ..cpu_products import loop_slices
 from .layers import (E8M0, FP8_WEIGHT, WEIGHT_BLOCK, BlockScale, Linear, dequantize_weight,
                      refuse_gradient)
 
@@ -80,7 +81,7 @@ def map_token_chunks(fn, chunk: int, *arrays, **named):
     if s <= chunk:
         return fn(*arrays, **named)
     def sliced(start, leaves):
-        cut = [jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1) for a in leaves]
+        cut = loop_slices(leaves, start, chunk, axis=1)
         return fn(*cut[: len(arrays)], **dict(zip(named, cut[len(arrays):])))
 
     # The slicing is inside the checkpoint: the backward keeps the whole (loop-invariant) inputs

@@ -31,6 +31,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..cpu_products import loop_slices
+
 _einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)
 
@@ -167,10 +169,6 @@ def _tangent_of_scores(z, w, ks, iq, keys, d_iq, d_w, d_keys):
 # --- the loop over token chunks ------------------------------------------------------------------
 
 
-def _chunk_slices(start, size, arrays):
-    return [jax.lax.dynamic_slice_in_dim(a, start, size, axis=0) for a in arrays]
-
-
 def indexer_kl_one(q, kv, index_q, weights, index_keys, key_scale, positions, idx, lse_extra,
                    scale, *, sparse: bool, compress_ratio: int, mode: str = "value", ct=None,
                    tangents=None, head_axes: tuple = ()):
@@ -218,7 +216,7 @@ def indexer_kl_one(q, kv, index_q, weights, index_keys, key_scale, positions, id
         outs, g_keys = carry
         start = jnp.minimum(c * Tc, T - Tc)
         fresh = start + jnp.arange(Tc) >= c * Tc  # tokens no earlier chunk held
-        pieces = _chunk_slices(start, Tc, token_arrays)
+        pieces = loop_slices(token_arrays, start, Tc)
         results, g_k = chunk(*pieces, fresh=fresh)
         outs = tuple(jax.lax.dynamic_update_slice_in_dim(o, r.astype(o.dtype), start, axis=0)
                      for o, r in zip(outs, results))
