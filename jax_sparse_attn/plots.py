@@ -224,17 +224,26 @@ def v4_sweep_figure(records: Sequence[dict]):
 
 def training_memory_figure(result: dict):
     """A layer's training step against T (``bench --train step`` records): the process's peak
-    growth over one step (x, r, y, gradients and compilation included), one line per layer kind,
-    the issue's bounds marked, beside x's own size."""
+    growth over one step (x, r, y, gradients and compilation included) where it was run, and
+    XLA's account of the step (its buffer assignment; dashed) where it was compiled, one colour
+    per layer kind, the issue's bounds marked, beside x's own size."""
     plt = pyplot()
     gib = 2**30
     records = [r for r in result["records"] if r["case"] == "train-step"]
     fig, ax = plt.subplots(figsize=(6.5, 4.4))
     for kind in sorted({r["kind"] for r in records}):
         points = sorted((r for r in records if r["kind"] == kind), key=lambda r: r["tokens"])
-        tokens = [r["tokens"] for r in points]
-        line, = ax.plot(tokens, [r["growth_bytes"] / gib for r in points], "o-",
-                        label=f"{kind}: process growth")
+        run = [r for r in points if "growth_bytes" in r]
+        line = None
+        if run:
+            line, = ax.plot([r["tokens"] for r in run], [r["growth_bytes"] / gib for r in run],
+                            "o-", label=f"{kind}: process growth (run)")
+        counted = {r["tokens"]: r["xla_account"]["growth"] for r in points if "xla_account" in r}
+        if counted:
+            line2, = ax.plot(sorted(counted), [counted[t] / gib for t in sorted(counted)], "x--",
+                             color=line.get_color() if line else None,
+                             label=f"{kind}: XLA's account (compiled)")
+            line = line or line2
         bounds = [(r["tokens"], r["limit_bytes"] / gib) for r in points if r.get("limit_bytes")]
         if bounds:
             ax.plot(*zip(*bounds), "v", color=line.get_color(), fillstyle="none",

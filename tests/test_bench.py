@@ -292,6 +292,19 @@ def test_train_command_line_measures_a_step_and_the_dense_loss(tmp_path):
     assert step["growth_bytes"] >= step["x_bytes"] > 0 and step["limit_bytes"] is None
     assert len(step["seconds"]["step"]) == len(step["seconds"]["forward"]) == 1
     assert step["step_over_forward"] > 0
+    # XLA's account of the same step: x and r among its arguments, the gradients among its outputs.
+    account = step["xla_account"]
+    assert account["growth"] == (account["arguments"] - sum(
+        v[...].nbytes for _, v in nnx.state(layer).flat_state()) + account["outputs"]
+        + account["temp"])
+    assert account["outputs"] >= step["x_bytes"] and account["temp"] > 0
+    # Compiled only (steps too long to run): the account alone, against the bounds where set.
+    only = tmp_path / "only.json"
+    assert cli.main(["--train", "step", "--quick", "--train-kinds", "ratio4", "--train-tokens",
+                     "128", "--train-compile-only", "--json", str(only)]) == 0
+    (counted,) = json.loads(only.read_text())["records"]
+    assert counted["compile_only"] and "growth_bytes" not in counted and "seconds" not in counted
+    assert counted["xla_account"] == account
     # The dense loss's value is the float64 oracle's mean KL on the same inputs.
     a = {k: np.asarray(v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v)
          for k, v in training._dense_kl_inputs(training.QUICK_DENSE_KL_SHAPE).items()}

@@ -148,16 +148,24 @@ def test_training_memory_figure_draws_each_kind_and_its_bounds(tmp_path, monkeyp
                 "limit_bytes": limit, "x_bytes": T * 4096 * 2}
                for kind, T, g, limit in (("ratio4", 4096, 1.5, None), ("ratio4", 16384, 3.0, 6 * gib),
                                          ("ratio128", 4096, 1.0, None))]
+    records[1]["xla_account"] = {"growth": 2.5 * gib}  # run, and XLA's account of it
+    # Compiled, not run: XLA's account alone.
+    records.append({"case": "train-step", "kind": "ratio4", "tokens": 65536, "compile_only": True,
+                    "xla_account": {"growth": 8.0 * gib}, "limit_bytes": 12 * gib,
+                    "x_bytes": 65536 * 4096 * 2})
     records.append({"case": "train-dense-kl", "growth_bytes": gib})  # not a step: not drawn
     env = {"cpu": {"model name": "a CPU"}, "cpu_count": 2, "jax": "0"}
     ax = plots.training_memory_figure({"environment": env, "records": records}).axes[0]
-    r128, r4, r4_bound, x_alone = ax.lines
+    r128, r4, r4_account, r4_bound, x_alone = ax.lines
     np.testing.assert_allclose(r4.get_xdata(), [4096, 16384])
     np.testing.assert_allclose(r4.get_ydata(), [1.5, 3.0])
+    np.testing.assert_allclose(r4_account.get_xdata(), [16384, 65536])
+    np.testing.assert_allclose(r4_account.get_ydata(), [2.5, 8.0])
+    assert r4_account.get_color() == r4.get_color()
     np.testing.assert_allclose(r128.get_ydata(), [1.0])
-    np.testing.assert_allclose(r4_bound.get_xdata(), [16384])  # only where the issue sets one
-    np.testing.assert_allclose(r4_bound.get_ydata(), [6.0])
-    np.testing.assert_allclose(x_alone.get_ydata(), [4096 * 4096 * 2 / gib, 16384 * 4096 * 2 / gib])
+    np.testing.assert_allclose(r4_bound.get_xdata(), [16384, 65536])  # only where the issue sets one
+    np.testing.assert_allclose(r4_bound.get_ydata(), [6.0, 12.0])
+    np.testing.assert_allclose(x_alone.get_ydata(), [T * 4096 * 2 / gib for T in (4096, 16384, 65536)])
     # From saved records, several runs' files together (python -m jax_sparse_attn.plots).
     first, second, png = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "train.png"
     first.write_text(json.dumps({"environment": env, "records": records[:2]}))

@@ -173,6 +173,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-parts", action="store_true",
                    help="--train step: also time each half of the step alone in the same rounds "
                    "(the LM loss with its gradient; the indexer loss with its gradient)")
+    p.add_argument("--train-compile-only", action="store_true",
+                   help="--train step: compile each step and record XLA's account of its memory "
+                   "(its buffer assignment) without running it, for steps longer than the machine "
+                   "can run; the bounds are then checked on the account")
     p.add_argument("--train-timeout", type=float, default=None, metavar="S",
                    help="--train: stop a case's process after S seconds and keep the memory it "
                    "measured first (its record marked timed_out)")

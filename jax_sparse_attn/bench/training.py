@@ -191,12 +191,25 @@ def _finite_sample(a, samples: int = 64) -> bool:
     return bool(jnp.all(jnp.isfinite(a[:: max(a.shape[0] // samples, 1)].astype(jnp.float32))))
 
 
+def xla_account(compiled, resident_bytes: int) -> dict:
+    """XLA's own buffer assignment for a compiled program (its ``memory_analysis()``: what it
+    allocates, not a measurement), and the growth it implies: the arguments less those already
+    resident (the parameters), the outputs and the temporaries."""
+    m = compiled.memory_analysis()
+    account = dict(arguments=int(m.argument_size_in_bytes), outputs=int(m.output_size_in_bytes),
+                   temp=int(m.temp_size_in_bytes))
+    account["growth"] = account["arguments"] - resident_bytes + account["outputs"] + account["temp"]
+    return account
+
+
 def step_child(kind: str, tokens: int, repeats: int, warmup: int, quick: bool = False,
-               parts: bool = False) -> dict:
+               parts: bool = False, compile_only: bool = False) -> dict:
     """In a fresh process: the peak RSS growth of a layer's first training step from before x
     exists (compilation, x, r, y, the gradients), then (``repeats > 0``) the step and the forward
     timed alternately in the same rounds; with ``parts``, also each half of the step alone (the
-    LM loss's value and gradient, the indexer loss's) in the same rounds."""
+    LM loss's value and gradient, the indexer loss's) in the same rounds. Every record has XLA's
+    account of the step (:func:`xla_account`); ``compile_only`` stops there (for steps longer
+    than the machine can run: the bounds are then checked on the account, so labelled)."""
     layer = make_layer(kind, quick)
     forward, step, params, halves = training_functions(layer)
     dim = layer.config.dim
@@ -208,6 +221,15 @@ def step_child(kind: str, tokens: int, repeats: int, warmup: int, quick: bool = 
     compiled = step_jit.lower(*params, spec, spec).compile()
     compile_s = time.perf_counter() - start
     compile_growth = common.peak_rss_bytes() - base
+    account = xla_account(compiled, int(sum(a.nbytes for a in jax.tree.leaves(params))))
+    limit = STEP_MEMORY_LIMITS.get(kind, {}).get(tokens) if not quick else None
+    if compile_only:
+        return dict(case="train-step", kind=kind, layer_id=V4_LAYERS.get(kind), tokens=tokens,
+                    quick=quick, config=dataclasses.asdict(layer.config), compile_only=True,
+                    xla_account=account, compile_growth_bytes=compile_growth, limit_bytes=limit,
+                    x_bytes=tokens * dim * jnp.dtype(jnp.bfloat16).itemsize,
+                    within_limit=None if limit is None else account["growth"] <= limit,
+                    compile_s=compile_s, finite=True)
     common.reset_peak_rss()
     x = _tokens_input(tokens, dim, 0)
     r = _tokens_input(tokens, dim, 1)
@@ -216,10 +238,10 @@ def step_child(kind: str, tokens: int, repeats: int, warmup: int, quick: bool = 
     first_s = time.perf_counter() - start
     run_growth = common.peak_rss_bytes() - base
     growth = max(compile_growth, run_growth)
-    limit = STEP_MEMORY_LIMITS.get(kind, {}).get(tokens) if not quick else None
     rec = dict(
         case="train-step", kind=kind, layer_id=V4_LAYERS.get(kind), tokens=tokens, quick=quick,
         config=dataclasses.asdict(layer.config), indexer_loss="indexer_loss" in out,
+        xla_account=account,
         main_params=_param_count(params[0]), indexer_params=_param_count(params[1]),
         growth_bytes=growth, compile_growth_bytes=compile_growth, run_growth_bytes=run_growth,
         x_bytes=x.nbytes, limit_bytes=limit, within_limit=None if limit is None else growth <= limit,
@@ -380,12 +402,19 @@ def child_main(spec: str) -> int:
 
 def format_step(rec: dict) -> str:
     limit = rec.get("limit_bytes")
+    if rec.get("compile_only"):
+        acc = rec["xla_account"]
+        return (f"train step {rec['kind']} T={rec['tokens']}: compiled, not run; XLA's account "
+                f"(its buffer assignment, not a measurement) grows the process by "
+                f"{acc['growth'] / GIB:.2f} GiB" + (f" (limit {limit / GIB:.0f})" if limit else "")
+                + f" (temp {acc['temp'] / GIB:.2f}, outputs {acc['outputs'] / GIB:.2f}); "
+                f"compile {rec['compile_s']:.0f} s")
     text = (f"train step {rec['kind']} T={rec['tokens']}: grew the process by "
             f"{rec['growth_bytes'] / GIB:.2f} GiB"
             + (f" (limit {limit / GIB:.0f})" if limit else "")
             + f" (compile {rec['compile_growth_bytes'] / GIB:.2f}, run {rec['run_growth_bytes'] / GIB:.2f}; "
             f"x {rec['x_bytes'] / GIB:.3f}); compile {rec['compile_s']:.0f} s, first step "
-            f"{rec['first_step_s']:.1f} s")
+            f"{rec['first_step_s']:.1f} s; XLA's account {rec['xla_account']['growth'] / GIB:.2f} GiB")
     if "step_over_forward" in rec:
         m = rec["median_s"]
         halves = "".join(f", {k} alone {v:.2f} s" for k, v in m.items() if k not in ("step", "forward"))
@@ -433,7 +462,8 @@ def main(cases: list, a) -> int:
                 for T in tokens:
                     rec = _child(dict(fn="step", kind=kind, tokens=T, quick=a.quick,
                                       repeats=repeats if T <= timed else 0, warmup=warmup,
-                                      parts=a.train_parts), a.train_timeout)
+                                      parts=a.train_parts, compile_only=a.train_compile_only),
+                                 a.train_timeout)
                     print(format_step(rec), flush=True)
                     ok &= rec["finite"] and rec["within_limit"] is not False
                     if "step_over_forward" in rec and not a.quick:
