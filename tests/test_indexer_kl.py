@@ -269,6 +269,26 @@ def test_vmap_with_shared_rows_and_no_gradient_for_the_teacher(sparse):
     assert all(not np.any(np.asarray(g)) for g in teacher)
 
 
+@pytest.mark.parametrize("order", ["grad of grad", "jvp of grad", "jvp of jvp"])
+def test_a_second_derivative_is_refused_by_name(order):
+    # First derivatives only: a derivative of one raises an error that names the op, never a zero.
+    sparse, ratio = DEFAULT[0]
+    case = make_case(ratio)
+
+    def loss(iq):
+        return jnp.sum(call(dict(case, index_q=iq), sparse, ratio)[0])
+
+    iq = jnp.asarray(case["index_q"])
+    second = {
+        "grad of grad": lambda: jax.grad(lambda v: jnp.sum(jax.grad(loss)(v)))(iq),
+        "jvp of grad": lambda: jax.jvp(jax.grad(loss), (iq,), (jnp.ones_like(iq),)),
+        "jvp of jvp": lambda: jax.jvp(lambda v: jax.jvp(loss, (v,), (jnp.ones_like(v),))[1],
+                                      (iq,), (jnp.ones_like(iq),)),
+    }[order]
+    with pytest.raises(NotImplementedError, match="indexer_kl has first derivatives only"):
+        second()
+
+
 def good_args(**overrides):
     case = make_case(1)
     args = dict(q=case["q"], kv=case["kv"], index_q=case["index_q"],

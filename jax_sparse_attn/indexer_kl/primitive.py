@@ -282,9 +282,19 @@ def _zero_like(x):
     return ad.Zero(jax.typeof(x).to_tangent_aval())
 
 
+SECOND_ORDER = ("indexer_kl has first derivatives only (its JVP and VJP with respect to index_q, "
+                "index_weights and index_keys): a derivative of its derivative is not defined here")
+
+
+def _no_second_order(*args, **params):
+    raise NotImplementedError(SECOND_ORDER)
+
+
 def _jvp(primals, tangents, *, sparse, compress_ratio, implementation, mode):
     student = [tangents[i] for i in STUDENT]
     params = dict(sparse=sparse, compress_ratio=compress_ratio, implementation=implementation)
+    if mode != "value" and not all(type(t) is ad.Zero for t in student):
+        _no_second_order()  # "fused" is bound only inside a first derivative
     if mode != "value" or all(type(t) is ad.Zero for t in student):
         outs = indexer_kl_p.bind(*primals, mode=mode, **params)
         return outs, [_zero_like(o) for o in outs]
@@ -309,4 +319,7 @@ def _tangent_transpose(ct, *args, sparse, compress_ratio, implementation):
 
 
 ad.primitive_jvps[indexer_kl_p] = _jvp
+# A named error rather than JAX's own "rule not implemented" for a second derivative.
+ad.primitive_jvps[indexer_kl_tangent_p] = _no_second_order
+ad.primitive_jvps[indexer_kl_grad_p] = _no_second_order
 ad.primitive_transposes[indexer_kl_tangent_p] = _tangent_transpose
