@@ -144,6 +144,7 @@ def test_kernel_edge_rules(monkeypatch, overlap, form):
         assert np.isfinite(np.delete(got[3], 0)).all()
 
 
+@pytest.mark.slow
 @pytest.mark.jax_free
 def test_instruction_count_does_not_grow_with_tokens():
     """The tiles run in a hardware loop: the compiled program is the same for 8x the tokens

@@ -271,7 +271,7 @@ def test_two_caches_equal_the_call_on_the_concatenation_bit_for_bit(rng, impleme
     assert np.isfinite(np.asarray(got[0], np.float32)).all()
 
 
-@pytest.mark.parametrize("target", ["trn2", "trn1"])
+@pytest.mark.parametrize("target", [pytest.param("trn2", marks=pytest.mark.slow), "trn1"])
 def test_the_kernel_reads_both_caches_where_it_has_indirect_dma(rng, monkeypatch, target):
     # K = 100: the first 128-slot tile holds 100 main slots and 28 of the window's, so it reads
     # both caches; NaN in every row no slot selects. On trn1 (no indirect DMA) XLA gathers.

@@ -113,6 +113,7 @@ def run_in_calls(layer, x, sizes, max_len=32):
     return jnp.concatenate(ys, axis=1), cache
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_decode_equal_one_call():
     layer, weights, cfg = make_layer()
     x = tokens(24)
@@ -137,6 +138,7 @@ def test_long_calls_run_in_token_chunks(monkeypatch):
                                atol=1e-6 * np.abs(np.asarray(whole)).max())
 
 
+@pytest.mark.slow
 def test_a_batch_at_different_lengths():
     layer, weights, cfg = make_layer()
     a, b = tokens(22, seed=2), tokens(14, seed=3)
@@ -172,7 +174,7 @@ def _garbage(a, rng):
     return jnp.asarray(rng.integers(0, np.iinfo(a.dtype).max, a.shape, dtype=np.uint64).astype(a.dtype))
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", "float32"])
+@pytest.mark.parametrize("cache_dtype", [pytest.param("fp8", marks=pytest.mark.slow), "float32"])
 def test_unwritten_rows_never_change_an_output(cache_dtype):
     layer, _, _ = make_layer(cache_dtype=cache_dtype)
     x = jnp.asarray(tokens(8)[None], jnp.float32)

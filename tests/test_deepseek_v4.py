@@ -127,6 +127,7 @@ def test_chunked_prefill_and_decode_equal_one_call(kind):
     assert_close_per_token(got[0], want, aux, 2e-6)
 
 
+@pytest.mark.slow
 def test_long_calls_run_in_token_chunks(monkeypatch):
     from jax_sparse_attn.deepseek import v4
 
@@ -173,7 +174,8 @@ def _garbage(a, rng):
     return jnp.asarray(rng.integers(0, np.iinfo(a.dtype).max, a.shape, dtype=np.uint64).astype(a.dtype))
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", pytest.param("float32", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_dtype", ["fp8", "float32"])
 def test_unwritten_rows_never_change_an_output(cache_dtype):
     layer, _ = make_layer(LAYERS["indexed"], cache_dtype=cache_dtype)
     x = jnp.asarray(tokens(15)[None], jnp.float32)

@@ -472,6 +472,7 @@ def test_bf16_cache_is_stored_as_bits_and_decodes_like_the_full_sequence():
     np.testing.assert_array_equal(np.asarray(cache.values().raw_kv[:, :T], np.float32), rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ratio, window", [(1, None), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_streaming_decode_over_a_bf16_cache_matches_the_full_sequence(ratio, window, monkeypatch):
     # A decode step selects among the cache's rows as stored (bits) and its own rows apart, then
@@ -518,7 +519,8 @@ def test_cached_selection_gives_ties_to_the_lower_row_across_the_call(ratio):
         assert got[0, t].tolist() == want, (t, got[0, t])
 
 
-@pytest.mark.parametrize("ratio, batch", [(1, 1), (4, 1), (1, 3)])
+@pytest.mark.parametrize("ratio, batch", [pytest.param(1, 1, marks=pytest.mark.slow), (4, 1),
+                                          pytest.param(1, 3, marks=pytest.mark.slow)])
 def test_a_decode_step_never_copies_the_index_key_cache(ratio, batch):
     # A donated decode step reads the key cache in place (its bits, block by block) and updates it
     # in place. Selecting over the written cache, XLA:CPU made a bf16 view of the whole cache (a

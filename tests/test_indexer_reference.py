@@ -273,6 +273,7 @@ def test_first_set_bits_against_numpy(rng, L):
 ROWS_PLANS = [reference.RowsPlan(8, 64, 512, 64), reference.RowsPlan(5, 48, 512, 48)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ratio", [1, RATIO_4])
 def test_rows_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
     # topk 24 of 300 rows: every token's valid rows fit the candidates' room, so it keeps them all.
@@ -286,7 +287,8 @@ def test_rows_selection_is_exact_with_ties_nan_and_garbage(rng, ratio):
 
 
 @pytest.mark.parametrize("case", [pytest.param("plain", marks=pytest.mark.slow),
-                                  pytest.param("tied", marks=pytest.mark.slow), "skewed"])
+                                  pytest.param("tied", marks=pytest.mark.slow),
+                                  pytest.param("skewed", marks=pytest.mark.slow)])
 def test_rows_selection_takes_its_sample_floor_or_cuts_whole_rows(rng, case):
     # 1000 to 1450 valid rows against a room of 192 (topk 8) or 832 (topk 300): the sample's
     # floor picks the candidates. "tied": 500 rows share one key, so a floor tied by more keys
@@ -418,7 +420,7 @@ def _f32_key_cache_copies(T, Hi, Di, R, topk, form):
     return _materialised(text, f"{R},{Di}")
 
 
-@pytest.mark.parametrize("form", ["native", "f32"])
+@pytest.mark.parametrize("form", [pytest.param("native", marks=pytest.mark.slow), "f32"])
 def test_no_f32_copy_of_the_key_cache_in_a_whole_rows_prefill(form):
     # The whole-rows form scores the stream's pieces, each in its cond: scored outside one,
     # XLA:CPU carried an f32 copy of the whole cache through the piece loop in both forms.
@@ -488,6 +490,7 @@ def _exact_with_ties_nan_and_garbage(rng, T, ratio, select, plans):
     return results, (q, w, k, ks, positions)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ratio", [1, RATIO_4])
 def test_merging_form_is_exact_with_ties_nan_and_garbage(rng, ratio):
     results, operands = _exact_with_ties_nan_and_garbage(
