@@ -151,17 +151,18 @@ def grad_one(ct, live, u_iq, u_w, u_keys, *operands, sparse, compress_ratio, hea
     ct = ct.astype(jnp.float32)
     c, same = uniform_cotangent(ct, live, token_axes)
 
+    # Each branch returns the final dtypes: a cast after the cond would hold f32 copies.
     def scaled(_):
         (keys,) = kl_sharding.first_along(token_axes, mesh_shape, (u_keys * c,))
-        return u_iq * c, u_w * c, keys
+        return tuple(g.astype(d) for g, d in zip((u_iq * c, u_w * c, keys), dtypes))
 
     def again(_):
-        return tuple(reference.indexer_kl_one(
+        grads = reference.indexer_kl_one(
             *operands, sparse=sparse, compress_ratio=compress_ratio, mode="grad", ct=ct,
-            head_axes=head_axes)[3:])
+            head_axes=head_axes, index_q_grad_dtype=dtypes[0])[3:]
+        return tuple(g.astype(d) for g, d in zip(grads, dtypes))
 
-    grads = jax.lax.cond(same, scaled, again, None)
-    return tuple(g.astype(d) for g, d in zip(grads, dtypes))
+    return jax.lax.cond(same, scaled, again, None)
 
 
 def _make_value_local(sparse, compress_ratio, mode):

@@ -171,12 +171,12 @@ def _tangent_of_scores(z, w, ks, iq, keys, d_iq, d_w, d_keys):
 
 def indexer_kl_one(q, kv, index_q, weights, index_keys, key_scale, positions, idx, lse_extra,
                    scale, *, sparse: bool, compress_ratio: int, mode: str = "value", ct=None,
-                   tangents=None, head_axes: tuple = ()):
+                   tangents=None, head_axes: tuple = (), index_q_grad_dtype=jnp.float32):
     """One sequence (the module docstring). Returns ``(kl [T], mass [T])`` f32 for ``"value"``;
     ``(kl, mass, live [T], g_index_q [T, Hi, Di], g_weights [T, Hi], g_index_keys [R, Di])`` f32
     for ``"grad"`` (``ct [T]``, the cotangent of kl; ``live`` 1 where the token has a candidate
-    with teacher mass); ``dkl [T]`` for ``"tangent"`` (``tangents``: those of index_q, weights,
-    index_keys)."""
+    with teacher mass; ``g_index_q`` in ``index_q_grad_dtype``); ``dkl [T]`` for ``"tangent"``
+    (``tangents``: those of index_q, weights, index_keys)."""
     T, H, D = q.shape
     R = kv.shape[0]
     Hi, Di = index_q.shape[1:]
@@ -186,7 +186,10 @@ def indexer_kl_one(q, kv, index_q, weights, index_keys, key_scale, positions, id
     weights = weights.astype(f32)
     key_scale = key_scale.astype(f32)
     lse_extra = lse_extra.astype(f32)
-    zeros_grad = (jnp.zeros((T, Hi, Di), f32), jnp.zeros((T, Hi), f32), jnp.zeros((R, Di), f32))
+    # index_q's gradient is written a chunk at a time, once per token: stored in its final dtype,
+    # it is rounded once, as a cast of the whole would round it, without an f32 [T, Hi, Di] copy.
+    zeros_grad = (jnp.zeros((T, Hi, Di), index_q_grad_dtype), jnp.zeros((T, Hi), f32),
+                  jnp.zeros((R, Di), f32))
     if T == 0 or R == 0 or (sparse and K == 0):
         kl = jnp.zeros((T,), f32)
         if mode == "value":
