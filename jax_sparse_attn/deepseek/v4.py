@@ -152,16 +152,11 @@ class Compressor(nnx.Module):
 
         main_kv = rows(start, r + n, kv, state.kv, 0.0)
         main_score = rows(start, r + n, score, state.score, -jnp.inf)
-        ape = self.ape[...]
+        prev = None
         if self.overlap:
-            prev_kv = rows(start - r, r, kv, state.kv, 0.0)
-            prev_score = rows(start - r, r, score, state.score, -jnp.inf)
-            pooled = jax.vmap(lambda k, g, pk, pg: compress_pool(
-                k, g, ape, overlap=True, prev_kv=pk, prev_score=pg, implementation=implementation))(
-                main_kv, main_score, prev_kv, prev_score)
-        else:
-            pooled = jax.vmap(lambda k, g: compress_pool(k, g, ape, implementation=implementation))(
-                main_kv, main_score)
+            prev = (rows(start - r, r, kv, state.kv, 0.0), rows(start - r, r, score, state.score,
+                                                                 -jnp.inf))
+        pooled = self.pool_blocks(main_kv, main_score, prev, implementation)
         block = (length // r)[:, None] + jnp.arange(pooled.shape[1], dtype=jnp.int32)
         end = (length + count)[:, None]
         complete = (block + 1) * r <= end
@@ -171,6 +166,18 @@ class Compressor(nnx.Module):
         slot = jnp.where(keep, positions % S, -1)
         state = CompressorState(storage.put(state.kv, kv, slot), storage.put(state.score, score, slot))
         return pooled, block, complete, state
+
+    def pool_blocks(self, kv, score, prev, implementation):
+        """``compress_pool`` over each sequence's blocks of raw rows ``kv, score [B, n r, C]``;
+        ``prev`` (overlapping pools only): the ``[B, r, C]`` kv and score of the block before the
+        first. -> ``[B, n, head_dim]`` f32."""
+        ape = self.ape[...]
+        if prev is None:
+            return jax.vmap(lambda k, g: compress_pool(k, g, ape, implementation=implementation))(
+                kv, score)
+        return jax.vmap(lambda k, g, pk, pg: compress_pool(
+            k, g, ape, overlap=True, prev_kv=pk, prev_score=pg, implementation=implementation))(
+            kv, score, *prev)
 
     def finish(self, pooled, block, freqs, dtype):
         """RMSNorm of the pooled rows (rounded to ``dtype`` first, as DeepSeek does) and RoPE at
@@ -190,17 +197,11 @@ class Compressor(nnx.Module):
         pad = ((0, 0), (0, max(blocks * r - s, 0)), (0, 0))
         kv = jnp.pad(kv, pad)[:, : blocks * r]
         score = jnp.pad(score, pad, constant_values=-jnp.inf)[:, : blocks * r]
-        ape = self.ape[...]
+        prev = None
         if self.overlap:
             # Block 0's previous block is before position 0: kv 0, score -inf (a fresh state).
-            prev_kv = jnp.zeros((B, r, C), jnp.float32)
-            prev_score = jnp.full((B, r, C), -jnp.inf, jnp.float32)
-            pooled = jax.vmap(lambda k, g, pk, pg: compress_pool(
-                k, g, ape, overlap=True, prev_kv=pk, prev_score=pg, implementation=implementation))(
-                kv, score, prev_kv, prev_score)
-        else:
-            pooled = jax.vmap(lambda k, g: compress_pool(k, g, ape, implementation=implementation))(
-                kv, score)
+            prev = (jnp.zeros((B, r, C), jnp.float32), jnp.full((B, r, C), -jnp.inf, jnp.float32))
+        pooled = self.pool_blocks(kv, score, prev, implementation)
         block = jnp.broadcast_to(jnp.arange(blocks, dtype=jnp.int32), (B, blocks))
         return self.finish(pooled, block, freqs, dtype)
 
