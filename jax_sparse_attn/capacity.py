@@ -40,6 +40,14 @@ def _listed(parts: list) -> str:
     return "; ".join(parts[:_NAMED]) + (f"; and {more} more" if more > 0 else "")
 
 
+def _overflow(what: str, capacity, sequences: list, outcome: str) -> CacheOverflowError:
+    """The one form of both overflow messages: what happened, the capacity, the sequences past
+    it, what became of their tokens, and the remedy."""
+    return CacheOverflowError(
+        f"{what} capacity of {int(capacity)} tokens per sequence (init_cache's max_len): "
+        + _listed(sequences) + f". {outcome}; make the cache with a larger max_len.")
+
+
 def refuse_overflow(context: str, capacity, length, s: int, num_tokens=None) -> None:
     """Raises :class:`CacheOverflowError` (its message starting with ``context``) when a call of
     ``s`` tokens per sequence (``num_tokens [B]`` of them real, clipped to ``[0, s]``; all without
@@ -53,12 +61,10 @@ def refuse_overflow(context: str, capacity, length, s: int, num_tokens=None) -> 
     capacity = np.broadcast_to(capacity, length.shape)
     over = np.flatnonzero((count > 0) & (length.astype(np.int64) + count > capacity))
     if over.size:
-        raise CacheOverflowError(
-            f"{context}: the call would write past the cache's capacity of {int(capacity[over[0]])} "
-            "tokens per sequence (init_cache's max_len): " + _listed(
-                [f"sequence {b} holds {int(length[b])} and the call brings {int(count[b])} "
-                 f"(to {int(length[b]) + int(count[b])})" for b in over])
-            + ". Nothing was written; make the cache with a larger max_len.")
+        raise _overflow(
+            f"{context}: the call would write past the cache's", capacity[over[0]],
+            [f"sequence {b} holds {int(length[b])} and the call brings {int(count[b])} "
+             f"(to {int(length[b]) + int(count[b])})" for b in over], "Nothing was written")
 
 
 def nan_past_capacity(y: jax.Array, positions: jax.Array, capacity) -> jax.Array:
@@ -97,10 +103,8 @@ def check_cache(cache) -> None:
     got_capacity = np.broadcast_to(got_capacity, got_length.shape)
     over = np.flatnonzero(got_length > got_capacity)
     if over.size:
-        raise CacheOverflowError(
-            f"the cache went past its capacity of {int(got_capacity[over[0]])} tokens per sequence "
-            "(init_cache's max_len): " + _listed(
-                [f"sequence {b} was given {int(got_length[b])} tokens, "
-                 f"{int(got_length[b] - got_capacity[b])} past it" for b in over])
-            + ". Those tokens got NaN outputs and nothing of them was written; make the cache "
-            "with a larger max_len.")
+        raise _overflow(
+            "the cache went past its", got_capacity[over[0]],
+            [f"sequence {b} was given {int(got_length[b])} tokens, "
+             f"{int(got_length[b] - got_capacity[b])} past it" for b in over],
+            "Those tokens got NaN outputs and nothing of them was written")
