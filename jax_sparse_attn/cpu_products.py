@@ -210,15 +210,19 @@ def loop_slices(arrays, start, size: int, axis: int = 0) -> list:
     XLA:CPU slices a bf16 or f16 array in f32, from a converted copy of the whole array, and then
     hoists that copy out of the loop: a loop that slices a bf16 ``[T, H, D]`` operand a chunk at a
     time would hold a whole f32 copy of it. Inside a ``cond``'s branch the conversion fuses into
-    the slice, so only the slice is converted; arrays of other dtypes are sliced as they are."""
-    def take():
+    the slice, so only the slice is converted. Only programs lowered for the CPU take the ``cond``
+    (elsewhere a ``cond`` per step may cost a device sync); other dtypes are sliced as they are."""
+    def take(*arrays):
         return [jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis) for a in arrays]
 
     if not any(jnp.dtype(a.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
                for a in arrays):
-        return take()
+        return take(*arrays)
 
-    def never():  # start >= 0 always: the second branch only completes the cond
+    def never(*arrays):  # start >= 0 always: the second branch only completes the cond
         return [jnp.zeros(a.shape[:axis] + (size,) + a.shape[axis + 1:], a.dtype) for a in arrays]
 
-    return jax.lax.cond(start >= 0, take, never)
+    def in_cond(*arrays):
+        return jax.lax.cond(start >= 0, take, never, *arrays)
+
+    return jax.lax.platform_dependent(*arrays, cpu=in_cond, default=take)
